@@ -1,0 +1,53 @@
+# kvroute — the two commands a new machine needs: `make demo` and `make test`.
+# Everything is installed into .venv; nothing has to be installed by hand beforehand.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(CURDIR)/$(VENV)/bin
+STAMP  := $(VENV)/.deps-stamp
+EXTRAS ?= test,dev
+RUN    := VIRTUAL_ENV=$(CURDIR)/$(VENV) PATH="$(BIN):$$PATH"
+
+.PHONY: demo test test-rust test-python bench lint fmt build clean
+
+demo: build
+	$(RUN) kvroute sticky
+
+test: test-rust test-python
+
+test-rust:
+	cargo test --no-default-features --locked
+
+test-python: build
+	$(RUN) python -m pytest -q tests
+
+bench: EXTRAS = test,bench
+bench: build
+	$(RUN) python -m pytest -q benches --benchmark-columns=min,median,mean,ops,rounds --benchmark-sort=name
+
+lint: build
+	cargo fmt --all -- --check
+	cargo clippy --all-targets --locked -- -D warnings
+	cargo clippy --all-targets --no-default-features --locked -- -D warnings
+	$(RUN) ruff check python tests benches
+	$(RUN) ruff format --check python tests benches
+
+fmt: build
+	cargo fmt --all
+	$(RUN) ruff format python tests benches
+	$(RUN) ruff check --fix python tests benches
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "maturin>=1.7,<2"
+	touch $@
+
+# Release build of the extension, installed into .venv with the requested extras' dependencies.
+build: $(STAMP)
+	$(RUN) maturin develop --release --locked -q --extras $(EXTRAS)
+
+clean:
+	rm -rf $(VENV) target python/kvroute/_core*.so

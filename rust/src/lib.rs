@@ -1,0 +1,17 @@
+//! kvroute: a routing core that keeps prompt (KV/prefix) caches hot across a fleet of LLM workers.
+//!
+//! Each concept lives in one module; the Python binding layer (`py`, behind the default `python`
+//! feature) only converts types, releases the GIL and maps errors — no routing logic lives there.
+//!
+//! - [`hashing`]: stable key hashing and the consistent-hashing family (jump, ring, Maglev, rendezvous).
+//!
+//! Guarantees shared by every module: no public function panics on caller-supplied input; invalid
+//! input is reported as an [`Error`] and leaves the receiving object unchanged.
+
+pub mod error;
+pub mod hashing;
+
+#[cfg(feature = "python")]
+mod py;
+
+pub use error::{Error, Result};

@@ -1,0 +1,304 @@
+//! Conversions between Python objects and core types, and the error mapping.
+//!
+//! Guarantees: every conversion either succeeds or raises `TypeError`/`ValueError` naming the bad
+//! value; NumPy arrays of the exact dtype and C-contiguous layout are borrowed, never copied.
+
+// Helpers shared by bindings that land one issue at a time.
+#![allow(dead_code)]
+
+use std::borrow::Cow;
+use std::os::raw::c_char;
+
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
+use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyBytes, PyInt, PyString};
+
+use crate::error::Error;
+use crate::hashing::Key;
+
+impl From<Error> for PyErr {
+    fn from(e: Error) -> PyErr {
+        match e {
+            Error::Value(m) => PyValueError::new_err(m),
+            Error::Type(m) => PyTypeError::new_err(m),
+            Error::Key(m) => PyKeyError::new_err(m),
+        }
+    }
+}
+
+extern "C" {
+    // Part of the stable ABI since 3.10 and exported, with this signature, by every CPython 3.x;
+    // pyo3 hides it for abi3-py39 builds only because 3.9's *headers* leave it out of the limited API.
+    fn PyUnicode_AsUTF8AndSize(
+        unicode: *mut pyo3::ffi::PyObject,
+        size: *mut pyo3::ffi::Py_ssize_t,
+    ) -> *const c_char;
+}
+
+/// The UTF-8 bytes of a Python `str`, borrowed from the string object (CPython caches them).
+pub fn str_bytes<'a>(s: &'a Bound<'_, PyString>) -> PyResult<&'a [u8]> {
+    let mut size: pyo3::ffi::Py_ssize_t = 0;
+    // SAFETY: `s` is a live str object; on success CPython returns a pointer to `size` bytes owned
+    // by the string object, valid for as long as the object lives (bounded by the borrow of `s`).
+    let ptr = unsafe { PyUnicode_AsUTF8AndSize(s.as_ptr(), &mut size) };
+    if ptr.is_null() {
+        return Err(PyErr::fetch(s.py()));
+    }
+    let len = usize::try_from(size).map_err(|_| PyValueError::new_err("negative string size"))?;
+    // SAFETY: see above; the pointer is non-null and valid for `len` bytes.
+    Ok(unsafe { std::slice::from_raw_parts(ptr.cast::<u8>(), len) })
+}
+
+/// A short, safe rendering of a Python object for error messages.
+pub fn describe(obj: &Bound<'_, PyAny>) -> String {
+    let text = obj
+        .repr()
+        .map(|r| r.to_string())
+        .unwrap_or_else(|_| "<unprintable>".to_owned());
+    if text.chars().count() > 60 {
+        let short: String = text.chars().take(57).collect();
+        format!("{short}...")
+    } else {
+        text
+    }
+}
+
+/// Name of the object's Python type, for `TypeError` messages.
+pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "?".to_owned())
+}
+
+/// An unsigned 64-bit integer from a Python `int` (`bool` is refused), naming `what` (and the
+/// position `at`, for an element of a sequence) on error.
+pub fn u64_from_int(obj: &Bound<'_, PyAny>, what: &str, at: Option<usize>) -> PyResult<u64> {
+    let name = || match at {
+        Some(i) => format!("{what}[{i}]"),
+        None => what.to_owned(),
+    };
+    if obj.is_instance_of::<PyBool>() || !obj.is_instance_of::<PyInt>() {
+        return Err(PyTypeError::new_err(format!(
+            "{} must be an int, got {} {}",
+            name(),
+            type_name(obj),
+            describe(obj)
+        )));
+    }
+    obj.extract::<u64>().map_err(|_| {
+        PyValueError::new_err(format!(
+            "{} = {} is outside 0..2**64-1",
+            name(),
+            describe(obj)
+        ))
+    })
+}
+
+/// Calls `f` with the routing key held in `obj`: `str` (UTF-8 bytes), `bytes`, or `int` in 0..2^64.
+pub fn with_key<R>(obj: &Bound<'_, PyAny>, f: impl FnOnce(Key<'_>) -> R) -> PyResult<R> {
+    if let Ok(s) = obj.cast::<PyString>() {
+        return Ok(f(Key::Bytes(str_bytes(s)?)));
+    }
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        return Ok(f(Key::Bytes(b.as_bytes())));
+    }
+    if obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>() {
+        return Ok(f(Key::Int(u64_from_int(obj, "key", None)?)));
+    }
+    Err(PyTypeError::new_err(format!(
+        "key must be str, bytes or int, got {} {}",
+        type_name(obj),
+        describe(obj)
+    )))
+}
+
+/// A batch of keys copied out of Python objects into contiguous memory, so the work on them can
+/// run with the GIL released. Byte keys are concatenated; `Int` keys keep their value.
+#[derive(Default)]
+pub struct KeyBatch {
+    bytes: Vec<u8>,
+    /// Per key: `(start, end)` into `bytes`, or `(u64::MAX, value)` for an integer key.
+    spans: Vec<(u64, u64)>,
+}
+
+impl KeyBatch {
+    /// Copies every key of an iterable of `str`/`bytes`/`int` objects.
+    pub fn from_iterable(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let mut batch = KeyBatch::default();
+        if let Ok(n) = obj.len() {
+            batch.spans.reserve(n);
+        }
+        for item in obj.try_iter()? {
+            let item = item?;
+            with_key(&item, |k| batch.push(k))?;
+        }
+        Ok(batch)
+    }
+
+    fn push(&mut self, key: Key<'_>) {
+        match key {
+            Key::Bytes(b) => {
+                let start = self.bytes.len() as u64;
+                self.bytes.extend_from_slice(b);
+                self.spans.push((start, self.bytes.len() as u64));
+            }
+            Key::Int(v) => self.spans.push((u64::MAX, v)),
+        }
+    }
+
+    /// Number of keys.
+    pub fn len(&self) -> usize {
+        self.spans.len()
+    }
+
+    /// True when the batch holds no key.
+    pub fn is_empty(&self) -> bool {
+        self.spans.is_empty()
+    }
+
+    /// The keys, in order.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = Key<'_>> + '_ {
+        self.spans.iter().map(move |&(a, b)| {
+            if a == u64::MAX {
+                Key::Int(b)
+            } else {
+                // Spans were recorded from `bytes` itself, so they are in bounds.
+                Key::Bytes(self.bytes.get(a as usize..b as usize).unwrap_or_default())
+            }
+        })
+    }
+}
+
+/// A read-only `u64` sequence from Python: a borrowed NumPy buffer or an owned copy.
+pub enum U64Slice<'py> {
+    /// A C-contiguous `uint64` array, borrowed without copying.
+    Borrowed(PyReadonlyArray1<'py, u64>),
+    /// Converted from a list, another dtype, or a non-contiguous array.
+    Owned(Vec<u64>),
+}
+
+impl U64Slice<'_> {
+    /// The values as a slice.
+    pub fn as_slice(&self) -> &[u64] {
+        match self {
+            // A borrowed array is only constructed after checking contiguity, so `as_slice` succeeds.
+            U64Slice::Borrowed(a) => a.as_slice().unwrap_or_default(),
+            U64Slice::Owned(v) => v,
+        }
+    }
+}
+
+/// How negative values are treated by [`u64_slice`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Negative {
+    /// Refuse them with `ValueError` (keys, counts).
+    Reject,
+    /// Keep their two's-complement bits (block hashes published as signed int64, e.g. SGLang's).
+    Reinterpret,
+}
+
+/// A sequence of unsigned 64-bit values: a 1-D NumPy integer array (borrowed when it is a
+/// C-contiguous `uint64` array) or any iterable of Python ints. `what` names it in errors.
+pub fn u64_slice<'py>(
+    obj: &Bound<'py, PyAny>,
+    what: &str,
+    negative: Negative,
+) -> PyResult<U64Slice<'py>> {
+    if let Ok(arr) = obj.cast::<PyArray1<u64>>() {
+        let ro = arr
+            .try_readonly()
+            .map_err(|e| PyValueError::new_err(format!("{what}: {e}")))?;
+        if ro.as_slice().is_ok() {
+            return Ok(U64Slice::Borrowed(ro));
+        }
+        return Ok(U64Slice::Owned(ro.as_array().iter().copied().collect()));
+    }
+    if let Ok(arr) = obj.cast::<PyArray1<i64>>() {
+        let ro = arr
+            .try_readonly()
+            .map_err(|e| PyValueError::new_err(format!("{what}: {e}")))?;
+        return signed_to_u64(ro.as_array().iter().copied(), what, negative).map(U64Slice::Owned);
+    }
+    if let Ok(arr) = obj.cast::<PyArray1<u32>>() {
+        let ro = arr
+            .try_readonly()
+            .map_err(|e| PyValueError::new_err(format!("{what}: {e}")))?;
+        return Ok(U64Slice::Owned(
+            ro.as_array().iter().map(|&v| u64::from(v)).collect(),
+        ));
+    }
+    if let Ok(arr) = obj.cast::<PyArray1<i32>>() {
+        let ro = arr
+            .try_readonly()
+            .map_err(|e| PyValueError::new_err(format!("{what}: {e}")))?;
+        return signed_to_u64(ro.as_array().iter().map(|&v| i64::from(v)), what, negative)
+            .map(U64Slice::Owned);
+    }
+    if obj.hasattr("dtype")? && obj.hasattr("ndim")? {
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be a 1-D integer array, got a {}-D array of dtype {}",
+            obj.getattr("ndim")?,
+            obj.getattr("dtype")?
+        )));
+    }
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be a sequence of ints, got {}",
+            type_name(obj)
+        )));
+    }
+    let iter = obj.try_iter().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{what} must be a sequence of ints or a NumPy integer array, got {}",
+            type_name(obj)
+        ))
+    })?;
+    let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
+    for (i, item) in iter.enumerate() {
+        let item = item?;
+        let v = match negative {
+            Negative::Reject => u64_from_int(&item, what, Some(i))?,
+            Negative::Reinterpret => match item.extract::<i64>() {
+                Ok(s) if !item.is_instance_of::<PyBool>() => s as u64,
+                _ => u64_from_int(&item, what, Some(i))?,
+            },
+        };
+        out.push(v);
+    }
+    Ok(U64Slice::Owned(out))
+}
+
+fn signed_to_u64(
+    values: impl Iterator<Item = i64>,
+    what: &str,
+    negative: Negative,
+) -> PyResult<Vec<u64>> {
+    values
+        .enumerate()
+        .map(|(i, v)| match (v < 0, negative) {
+            (true, Negative::Reject) => Err(PyValueError::new_err(format!(
+                "{what}[{i}] = {v} is negative"
+            ))),
+            _ => Ok(v as u64),
+        })
+        .collect()
+}
+
+/// A `uint64` NumPy array that takes ownership of `values` (no copy).
+pub fn u64_array(py: Python<'_>, values: Vec<u64>) -> Bound<'_, PyArray1<u64>> {
+    PyArray1::from_vec(py, values)
+}
+
+/// `Cow` of a Python `str` (for names: nodes, workers, partitions).
+pub fn name_from_py<'a>(obj: &'a Bound<'_, PyAny>, what: &str) -> PyResult<Cow<'a, str>> {
+    match obj.cast::<PyString>() {
+        Ok(s) => Ok(s.to_cow()?),
+        Err(_) => Err(PyTypeError::new_err(format!(
+            "{what} must be a str, got {} {}",
+            type_name(obj),
+            describe(obj)
+        ))),
+    }
+}

@@ -1,0 +1,17 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+DATA = Path(__file__).parent / "data"
+
+
+def load_vectors(name: str) -> dict:
+    return json.loads((DATA / "vectors" / name).read_text())
+
+
+@pytest.fixture(scope="session")
+def jump_vectors() -> dict:
+    return load_vectors("jump_consistent_hash.json")
