@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import kvroute
 import numpy as np
 import pytest
-
-import kvroute
 
 jump = pytest.importorskip("jump")
 
