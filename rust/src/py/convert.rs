@@ -9,10 +9,11 @@
 use std::borrow::Cow;
 use std::os::raw::c_char;
 
-use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
+use numpy::{Element, PyArray1, PyArrayMethods, PyReadonlyArray1};
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyInt, PyString};
+use pyo3::type_object::PyTypeCheck;
+use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
 
 use crate::error::Error;
 use crate::hashing::Key;
@@ -88,11 +89,12 @@ pub fn u64_from_int(obj: &Bound<'_, PyAny>, what: &str, at: Option<usize>) -> Py
         )));
     }
     obj.extract::<u64>().map_err(|_| {
-        PyValueError::new_err(format!(
-            "{} = {} is outside 0..2**64-1",
-            name(),
-            describe(obj)
-        ))
+        let why = if obj.lt(0).unwrap_or(false) {
+            "is negative"
+        } else {
+            "is outside 0..2**64-1"
+        };
+        PyValueError::new_err(format!("{} = {} {why}", name(), describe(obj)))
     })
 }
 
@@ -171,23 +173,65 @@ impl KeyBatch {
     }
 }
 
-/// A read-only `u64` sequence from Python: a borrowed NumPy buffer or an owned copy.
-pub enum U64Slice<'py> {
-    /// A C-contiguous `uint64` array, borrowed without copying.
-    Borrowed(PyReadonlyArray1<'py, u64>),
+/// A read-only 1-D NumPy array's values: borrowed when C-contiguous, else copied once.
+pub enum ArraySlice<'py, T: Element> {
+    /// A C-contiguous array, borrowed without copying.
+    Borrowed(PyReadonlyArray1<'py, T>),
     /// Converted from a list, another dtype, or a non-contiguous array.
-    Owned(Vec<u64>),
+    Owned(Vec<T>),
 }
 
-impl U64Slice<'_> {
+impl<T: Element + Copy> ArraySlice<'_, T> {
     /// The values as a slice.
-    pub fn as_slice(&self) -> &[u64] {
+    pub fn as_slice(&self) -> &[T] {
         match self {
             // A borrowed array is only constructed after checking contiguity, so `as_slice` succeeds.
-            U64Slice::Borrowed(a) => a.as_slice().unwrap_or_default(),
-            U64Slice::Owned(v) => v,
+            ArraySlice::Borrowed(a) => a.as_slice().unwrap_or_default(),
+            ArraySlice::Owned(v) => v,
         }
     }
+}
+
+/// A read-only `u64` sequence from Python: a borrowed NumPy buffer or an owned copy.
+pub type U64Slice<'py> = ArraySlice<'py, u64>;
+
+/// A 1-D NumPy array of one of the integer dtypes the core reads directly.
+pub enum IntArray<'py> {
+    U32(ArraySlice<'py, u32>),
+    I32(ArraySlice<'py, i32>),
+    U64(ArraySlice<'py, u64>),
+    I64(ArraySlice<'py, i64>),
+}
+
+fn array_slice<'py, T: Element + Copy>(
+    arr: &Bound<'py, PyArray1<T>>,
+    what: &str,
+) -> PyResult<ArraySlice<'py, T>> {
+    let ro = arr
+        .try_readonly()
+        .map_err(|e| PyValueError::new_err(format!("{what}: {e}")))?;
+    if ro.as_slice().is_ok() {
+        return Ok(ArraySlice::Borrowed(ro));
+    }
+    Ok(ArraySlice::Owned(ro.as_array().iter().copied().collect()))
+}
+
+/// `Some` for a 1-D NumPy array of dtype uint32, int32, uint64 or int64 (borrowed when
+/// C-contiguous), `None` for any other object. `what` names it in errors.
+pub fn int_array<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Option<IntArray<'py>>> {
+    if let Ok(arr) = obj.cast::<PyArray1<u64>>() {
+        return Ok(Some(IntArray::U64(array_slice(arr, what)?)));
+    }
+    if let Ok(arr) = obj.cast::<PyArray1<i64>>() {
+        return Ok(Some(IntArray::I64(array_slice(arr, what)?)));
+    }
+    if let Ok(arr) = obj.cast::<PyArray1<u32>>() {
+        return Ok(Some(IntArray::U32(array_slice(arr, what)?)));
+    }
+    if let Ok(arr) = obj.cast::<PyArray1<i32>>() {
+        return Ok(Some(IntArray::I32(array_slice(arr, what)?)));
+    }
+    Ok(None)
 }
 
 /// How negative values are treated by [`u64_slice`].
@@ -206,35 +250,20 @@ pub fn u64_slice<'py>(
     what: &str,
     negative: Negative,
 ) -> PyResult<U64Slice<'py>> {
-    if let Ok(arr) = obj.cast::<PyArray1<u64>>() {
-        let ro = arr
-            .try_readonly()
-            .map_err(|e| PyValueError::new_err(format!("{what}: {e}")))?;
-        if ro.as_slice().is_ok() {
-            return Ok(U64Slice::Borrowed(ro));
-        }
-        return Ok(U64Slice::Owned(ro.as_array().iter().copied().collect()));
-    }
-    if let Ok(arr) = obj.cast::<PyArray1<i64>>() {
-        let ro = arr
-            .try_readonly()
-            .map_err(|e| PyValueError::new_err(format!("{what}: {e}")))?;
-        return signed_to_u64(ro.as_array().iter().copied(), what, negative).map(U64Slice::Owned);
-    }
-    if let Ok(arr) = obj.cast::<PyArray1<u32>>() {
-        let ro = arr
-            .try_readonly()
-            .map_err(|e| PyValueError::new_err(format!("{what}: {e}")))?;
-        return Ok(U64Slice::Owned(
-            ro.as_array().iter().map(|&v| u64::from(v)).collect(),
-        ));
-    }
-    if let Ok(arr) = obj.cast::<PyArray1<i32>>() {
-        let ro = arr
-            .try_readonly()
-            .map_err(|e| PyValueError::new_err(format!("{what}: {e}")))?;
-        return signed_to_u64(ro.as_array().iter().map(|&v| i64::from(v)), what, negative)
-            .map(U64Slice::Owned);
+    if let Some(arr) = int_array(obj, what)? {
+        return match arr {
+            IntArray::U64(s) => Ok(s),
+            IntArray::I64(s) => {
+                signed_to_u64(s.as_slice().iter().copied(), what, negative).map(U64Slice::Owned)
+            }
+            IntArray::U32(s) => Ok(U64Slice::Owned(
+                s.as_slice().iter().map(|&v| u64::from(v)).collect(),
+            )),
+            IntArray::I32(s) => {
+                signed_to_u64(s.as_slice().iter().map(|&v| i64::from(v)), what, negative)
+                    .map(U64Slice::Owned)
+            }
+        };
     }
     if obj.hasattr("dtype")? && obj.hasattr("ndim")? {
         return Err(PyTypeError::new_err(format!(
@@ -255,19 +284,70 @@ pub fn u64_slice<'py>(
             type_name(obj)
         ))
     })?;
+    let item_u64 = |item: &Bound<'_, PyAny>, i: usize| -> PyResult<u64> {
+        match negative {
+            Negative::Reject => u64_from_int(item, what, Some(i)),
+            Negative::Reinterpret => match item.extract::<i64>() {
+                Ok(s) if !item.is_instance_of::<PyBool>() => Ok(s as u64),
+                _ => u64_from_int(item, what, Some(i)),
+            },
+        }
+    };
+    if let Ok(list) = obj.cast::<PyList>() {
+        return fast_seq_to_u64(list, list.len(), pyo3::ffi::PyList_GetItem, item_u64)
+            .map(U64Slice::Owned);
+    }
+    if let Ok(tuple) = obj.cast::<PyTuple>() {
+        return fast_seq_to_u64(tuple, tuple.len(), pyo3::ffi::PyTuple_GetItem, item_u64)
+            .map(U64Slice::Owned);
+    }
     let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
     for (i, item) in iter.enumerate() {
-        let item = item?;
-        let v = match negative {
-            Negative::Reject => u64_from_int(&item, what, Some(i))?,
-            Negative::Reinterpret => match item.extract::<i64>() {
-                Ok(s) if !item.is_instance_of::<PyBool>() => s as u64,
-                _ => u64_from_int(&item, what, Some(i))?,
-            },
-        };
-        out.push(v);
+        out.push(item_u64(&item?, i)?);
     }
     Ok(U64Slice::Owned(out))
+}
+
+/// The `n` items of a list or tuple (read with `get_item`, `PyList_GetItem`/`PyTuple_GetItem`)
+/// as `u64`: exact `int`s in range are read directly (the common case, a few ns each); any other
+/// item goes through `slow(item, index)`.
+fn fast_seq_to_u64(
+    seq: &Bound<'_, impl PyTypeCheck>,
+    n: usize,
+    get_item: unsafe extern "C" fn(
+        *mut pyo3::ffi::PyObject,
+        pyo3::ffi::Py_ssize_t,
+    ) -> *mut pyo3::ffi::PyObject,
+    slow: impl Fn(&Bound<'_, PyAny>, usize) -> PyResult<u64>,
+) -> PyResult<Vec<u64>> {
+    let py = seq.py();
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let index = pyo3::ffi::Py_ssize_t::try_from(i)
+            .map_err(|_| PyValueError::new_err("list too long"))?;
+        // SAFETY: `seq` is a live list/tuple matching `get_item`, and we hold the GIL.
+        // `get_item` bounds-checks and returns a borrowed reference (NULL with IndexError if a
+        // list shrank), which stays valid while no Python code runs; the fast path below runs
+        // none (the type is exactly `int`, so no `__index__`), and the slow path takes its own
+        // reference first.
+        unsafe {
+            let item = get_item(seq.as_ptr(), index);
+            if item.is_null() {
+                return Err(PyErr::fetch(py));
+            }
+            if pyo3::ffi::Py_TYPE(item) == std::ptr::addr_of_mut!(pyo3::ffi::PyLong_Type) {
+                let v = pyo3::ffi::PyLong_AsUnsignedLongLong(item);
+                if v != u64::MAX || pyo3::ffi::PyErr_Occurred().is_null() {
+                    out.push(v);
+                    continue;
+                }
+                pyo3::ffi::PyErr_Clear(); // negative or too large: the slow path names it
+            }
+            let item = Bound::from_borrowed_ptr(py, item);
+            out.push(slow(&item, i)?);
+        }
+    }
+    Ok(out)
 }
 
 fn signed_to_u64(
