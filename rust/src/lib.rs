@@ -4,10 +4,12 @@
 //! feature) only converts types, releases the GIL and maps errors — no routing logic lives there.
 //!
 //! - [`hashing`]: stable key hashing and the consistent-hashing family (jump, ring, Maglev, rendezvous).
+//! - [`blocks`]: token blocks → chained block hashes (native XXH3, vLLM `sha256_cbor`, SGLang).
 //!
 //! Guarantees shared by every module: no public function panics on caller-supplied input; invalid
 //! input is reported as an [`Error`] and leaves the receiving object unchanged.
 
+pub mod blocks;
 pub mod error;
 pub mod hashing;
 
