@@ -1,6 +1,7 @@
 """Type stubs for the Rust extension module ``kvroute._core``."""
 
 from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -18,3 +19,67 @@ def jump_hash(key: int, num_buckets: int) -> int:
 
 def jump_hash_many(keys: U64Array, num_buckets: int) -> npt.NDArray[np.int64]:
     """``jump_hash`` of every key (NumPy uint64 array or sequence of ints), GIL released."""
+
+TokenArray = (
+    npt.NDArray[np.uint32]
+    | npt.NDArray[np.int32]
+    | npt.NDArray[np.uint64]
+    | npt.NDArray[np.int64]
+    | Sequence[int]
+)
+# A chain state accepted as ``parent``: a native block hash, or a vllm/sglang 32-byte digest.
+Parent = int | bytes | bytearray | npt.NDArray[np.uint8] | None
+# Multimodal items of a vLLM request: (identifier, offset relative to tokens[0], length).
+MmItems = Sequence[tuple[str, int, int]]
+
+class BlockHasher:
+    """Chained hashes of FULL token blocks, bit-exact with an engine's prefix-cache keys.
+
+    ``hash(tokens)`` returns ``len(tokens) // block_size`` uint64 values; a partial tail is dropped.
+    Profiles: ``"native"`` (XXH3-64 chain over little-endian u32 tokens), ``"vllm"`` (vLLM >= 0.29
+    ``sha256_cbor``), ``"sglang"`` (SGLang 0.5.23 page hash; its signed int64 as the same bits).
+    """
+
+    def __init__(
+        self,
+        block_size: int = 16,
+        *,
+        profile: Literal["native", "vllm", "sglang"] = "native",
+        salt: str | None = None,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+        seed: str | None = None,
+    ) -> None: ...
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+    @property
+    def profile(self) -> Literal["native", "vllm", "sglang"]:
+        """The hash profile."""
+    @property
+    def salt(self) -> str | None:
+        """The cache salt (an empty salt is stored as ``None``)."""
+    @property
+    def lora_name(self) -> str | None:
+        """The LoRA adapter name."""
+    @property
+    def lora_path(self) -> str | None:
+        """The LoRA adapter path (``""`` when a LoRA was given without one)."""
+    @property
+    def seed(self) -> str | None:
+        """vLLM's NONE_HASH seed string (``None`` for other profiles)."""
+    @property
+    def root(self) -> int | bytes | None:
+        """Native root hash, vLLM NONE_HASH (32 bytes), or SGLang salt seed (``None`` unsalted)."""
+    def hash(
+        self, tokens: TokenArray, parent: Parent = None, *, mm: MmItems | None = None
+    ) -> npt.NDArray[np.uint64]:
+        """Chained hashes of the full blocks of ``tokens``, continuing from ``parent``."""
+    def hash_with_state(
+        self, tokens: TokenArray, parent: Parent = None, *, mm: MmItems | None = None
+    ) -> tuple[npt.NDArray[np.uint64], int | bytes | None]:
+        """``(hash(tokens, parent), state)``; pass ``state`` as the next call's ``parent``."""
+    def digests(
+        self, tokens: TokenArray, parent: Parent = None, *, mm: MmItems | None = None
+    ) -> npt.NDArray[np.uint8]:
+        """``(n_blocks, 32)`` SHA-256 digests of the full blocks (vllm/sglang only)."""

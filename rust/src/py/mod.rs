@@ -4,6 +4,7 @@
 //! microseconds, and maps [`crate::Error`] to Python exceptions. Every binding returns `PyResult`;
 //! nothing here panics on user input. Routing logic lives in the core modules.
 
+mod blocks;
 mod convert;
 mod hashing;
 
@@ -13,5 +14,6 @@ use pyo3::prelude::*;
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     hashing::register(m)?;
+    blocks::register(m)?;
     Ok(())
 }
