@@ -70,7 +70,11 @@ class BlockHasher:
         """vLLM's NONE_HASH seed string (``None`` for other profiles)."""
     @property
     def root(self) -> int | bytes | None:
-        """Native root hash, vLLM NONE_HASH (32 bytes), or SGLang salt seed (``None`` unsalted)."""
+        """Native root hash, vLLM NONE_HASH (32 bytes), or SGLang salt seed (``None`` unsalted).
+
+        As ``parent`` it hashes like ``parent=None``, except that a vLLM cache salt only applies
+        with ``parent=None`` (it is an extra key of the sequence's first block).
+        """
     def hash(
         self, tokens: TokenArray, parent: Parent = None, *, mm: MmItems | None = None
     ) -> npt.NDArray[np.uint64]:

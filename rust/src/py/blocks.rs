@@ -291,7 +291,8 @@ impl PyBlockHasher {
     }
 
     /// The chain's starting state: the native root hash (int), vLLM's NONE_HASH (32 bytes), or
-    /// SGLang's salt seed (32 bytes; ``None`` when unsalted).
+    /// SGLang's salt seed (32 bytes; ``None`` when unsalted). As ``parent`` it hashes like
+    /// ``parent=None``, except that a vLLM cache salt only applies with ``parent=None``.
     #[getter]
     fn root(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         match self.inner.root_state() {
