@@ -1,0 +1,419 @@
+"""Trace loaders: Mooncake JSONL and kv-cache-tester JSON, detected by :func:`load_trace`.
+
+Formats (both carry block ids, never tokens):
+
+- **Mooncake** (FAST'25 release, JSON Lines): one object per line with ``timestamp`` (ms since the
+  trace start), ``input_length``, ``output_length`` (tokens) and ``hash_ids`` — one id per
+  512-token block *including the final partial block*. ``block_size`` defaults to 512.
+- **kv-cache-tester** (one JSON document per conversation): top-level ``block_size`` (64) and
+  ``requests[]`` with ``t`` (s since the conversation start), ``in``, ``out`` and ``hash_ids`` of
+  *full* blocks only; entries with ``type == "subagent"`` nest their own ``requests`` whose ``t``
+  counts from the sub-agent's own ``t``. Ids are local to the file.
+
+Guarantees:
+
+- Ids become prefix-chained block hashes under a per-trace namespace
+  (:func:`~kvroute.sim.workloads.chain_block_ids`): one file's chains never meet another file's,
+  and in kv-cache-tester files each model (the parent's, a sub-agent's) gets its own namespace,
+  since different models never share KV blocks.
+- A trace's block size is honoured (read from the file, or given for Mooncake).
+- Bad input raises ``ValueError`` naming the file and the line (JSONL) or JSON path (JSON) and
+  the offending value; nothing is returned half-loaded. Rows out of time order are sorted (stably).
+- A directory of kv-cache-tester files is many conversations merged by time; conversation ``k``
+  (files in name order) starts at an offset drawn from a seeded arrival process (``starts``).
+- ``.gz`` files are read transparently.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+
+from .workloads import Workload, chain_block_ids, namespace_seed
+
+__all__ = [
+    "MOONCAKE_BLOCK_SIZE",
+    "bundled_mooncake_path",
+    "conversation_starts",
+    "load_kv_cache_tester",
+    "load_mooncake",
+    "load_trace",
+    "mooncake_conversation",
+]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+MOONCAKE_BLOCK_SIZE = 512
+_U64_LIMIT = 1 << 64
+
+
+def _open_text(path: Path) -> io.TextIOBase:
+    if path.suffix == ".gz":
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _plain_name(path: Path) -> str:
+    """The file name without a ``.gz`` suffix: a compressed copy loads with the same hashes."""
+    return path.name[:-3] if path.name.endswith(".gz") else path.name
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
+
+
+def _check_ids(ids: Any, where: str) -> None:
+    if not isinstance(ids, list):
+        raise ValueError(f"{where}: hash_ids must be a list of integers, got {ids!r:.80}")
+    for k, h in enumerate(ids):
+        if not _is_int(h) or not 0 <= h < _U64_LIMIT:
+            raise ValueError(f"{where}: hash_ids[{k}] must be an integer in [0, 2^64), got {h!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Mooncake
+# ---------------------------------------------------------------------------------------------
+def _mooncake_row(row: Any, where: str, block_size: int) -> tuple[float, int, int, list[int]]:
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    for key in ("timestamp", "input_length", "output_length", "hash_ids"):
+        if key not in row:
+            raise ValueError(f"{where}: missing field {key!r}")
+    ts, n_in, n_out, ids = (
+        row["timestamp"],
+        row["input_length"],
+        row["output_length"],
+        row["hash_ids"],
+    )
+    if not _is_number(ts) or ts < 0:
+        raise ValueError(f"{where}: timestamp must be a finite number >= 0 (ms), got {ts!r}")
+    if not _is_int(n_in) or n_in < 1:
+        raise ValueError(f"{where}: input_length must be an integer >= 1, got {n_in!r}")
+    if not _is_int(n_out) or n_out < 0:
+        raise ValueError(f"{where}: output_length must be an integer >= 0, got {n_out!r}")
+    _check_ids(ids, where)
+    most = -(-n_in // block_size)
+    if len(ids) > most:
+        raise ValueError(
+            f"{where}: {len(ids)} hash_ids but input_length {n_in} fills at most {most} blocks "
+            f"of {block_size} tokens (is the block size right?)"
+        )
+    return float(ts) / 1000.0, n_in, n_out, ids
+
+
+def load_mooncake(
+    path: PathLike,
+    *,
+    block_size: int = MOONCAKE_BLOCK_SIZE,
+    namespace: str | None = None,
+    name: str | None = None,
+) -> Workload:
+    """Load a Mooncake-format JSONL trace (``timestamp`` ms, ``input_length``, ``output_length``,
+    ``hash_ids``). ``len(hash_ids)`` may not exceed ``ceil(input_length / block_size)``; fewer ids
+    leave the prompt's tail without blocks (never cached)."""
+    path = Path(path)
+    arrival: list[float] = []
+    n_in: list[int] = []
+    n_out: list[int] = []
+    ids: list[int] = []
+    lengths: list[int] = []
+    with _open_text(path) as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+            t, i, o, h = _mooncake_row(row, where, block_size)
+            arrival.append(t)
+            n_in.append(i)
+            n_out.append(o)
+            ids.extend(h)
+            lengths.append(len(h))
+    if not arrival:
+        raise ValueError(f"{path}: no requests")
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    label = namespace if namespace is not None else f"mooncake:{_plain_name(path)}"
+    hashes = chain_block_ids(np.array(ids, dtype=np.uint64), offsets, namespace_seed(label))
+    return Workload(
+        arrival=arrival,
+        input_tokens=n_in,
+        output_tokens=n_out,
+        hashes=hashes,
+        offsets=offsets,
+        block_size=block_size,
+        name=name or path.name,
+        description=f"Mooncake-format trace {path.name} ({block_size}-token blocks)",
+        meta={"format": "mooncake", "source": str(path)},
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# kv-cache-tester
+# ---------------------------------------------------------------------------------------------
+class _Flat:
+    """Requests flattened out of one kv-cache-tester document."""
+
+    def __init__(self) -> None:
+        self.arrival: list[float] = []
+        self.n_in: list[int] = []
+        self.n_out: list[int] = []
+        self.session: list[str] = []
+        self.models: list[str] = []
+        self.id_parts: list[list[int]] = []
+
+
+def _walk_kv_cache_tester(
+    reqs: Any, where: str, t0: float, session: str, block_size: int, out: _Flat, strict: bool
+) -> None:
+    if not isinstance(reqs, list):
+        raise ValueError(f"{where}: 'requests' must be a list")
+    for k, r in enumerate(reqs):
+        here = f"{where}[{k}]"
+        if not isinstance(r, dict):
+            raise ValueError(f"{here}: expected a JSON object, got {type(r).__name__}")
+        t = r.get("t")
+        if not _is_number(t) or t < 0:
+            raise ValueError(f"{here}: t must be a finite number >= 0 (s), got {t!r}")
+        if r.get("type") == "subagent":
+            agent = r.get("agent_id", f"subagent{k}")
+            _walk_kv_cache_tester(
+                r.get("requests"),
+                f"{here}.requests",
+                t0 + float(t),
+                f"{session}/{agent}",
+                block_size,
+                out,
+                strict,
+            )
+            continue
+        n_in, n_out, ids = r.get("in"), r.get("out"), r.get("hash_ids")
+        if not _is_int(n_in) or n_in < 1:
+            raise ValueError(f"{here}: 'in' must be an integer >= 1, got {n_in!r}")
+        if not _is_int(n_out) or n_out < 0:
+            raise ValueError(f"{here}: 'out' must be an integer >= 0, got {n_out!r}")
+        _check_ids(ids, here)
+        full = n_in // block_size
+        if len(ids) > -(-n_in // block_size) or (strict and len(ids) != full):
+            raise ValueError(
+                f"{here}: {len(ids)} hash_ids for {n_in} input tokens; expected "
+                f"floor({n_in}/{block_size}) = {full} full blocks"
+            )
+        out.arrival.append(t0 + float(t))
+        out.n_in.append(n_in)
+        out.n_out.append(n_out)
+        out.session.append(session)
+        out.models.append(str(r.get("model", "")))
+        out.id_parts.append(ids)
+
+
+def _read_kv_cache_tester(path: Path) -> tuple[dict[str, Any], int]:
+    with _open_text(path) as f:
+        try:
+            doc = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    if not isinstance(doc, dict) or "requests" not in doc:
+        raise ValueError(f"{path}: not a kv-cache-tester trace (no top-level 'requests')")
+    block_size = doc.get("block_size")
+    if not _is_int(block_size) or block_size < 1:
+        raise ValueError(f"{path}: block_size must be an integer >= 1, got {block_size!r}")
+    return doc, block_size
+
+
+def conversation_starts(
+    count: int, starts: str | Sequence[float], *, mean_gap: float, seed: int
+) -> np.ndarray:
+    """Start offsets (s) for ``count`` merged conversations.
+
+    ``starts`` is ``"poisson"`` (exponential gaps of mean ``mean_gap``, the first at 0),
+    ``"uniform"`` (one every ``mean_gap`` seconds), ``"together"`` (all at 0), or explicit offsets.
+    """
+    if isinstance(starts, str):
+        if starts == "together":
+            return np.zeros(count)
+        if not (mean_gap >= 0 and math.isfinite(mean_gap)):
+            raise ValueError(f"mean_gap must be a finite number >= 0, got {mean_gap}")
+        if starts == "uniform":
+            return np.arange(count) * float(mean_gap)
+        if starts == "poisson":
+            gaps = np.random.default_rng(seed).exponential(mean_gap, size=count)
+            gaps[0] = 0.0
+            return np.cumsum(gaps)
+        raise ValueError(
+            f"starts must be 'poisson', 'uniform', 'together' or offsets, got {starts!r}"
+        )
+    offs = np.asarray(starts, dtype=np.float64)
+    if offs.shape != (count,):
+        raise ValueError(f"need {count} start offsets, got {offs.shape[0]}")
+    if not np.all(np.isfinite(offs)) or np.any(offs < 0):
+        raise ValueError("start offsets must be finite and >= 0")
+    return offs
+
+
+def load_kv_cache_tester(
+    paths: PathLike | Sequence[PathLike],
+    *,
+    starts: str | Sequence[float] = "poisson",
+    mean_gap: float = 60.0,
+    seed: int = 0,
+    strict: bool = True,
+    name: str | None = None,
+) -> Workload:
+    """Load one or more kv-cache-tester traces (files, or a directory of ``*.json[.gz]``).
+
+    Each file is one conversation (its sub-agents included, as sessions ``<id>/<agent_id>``);
+    conversations start at :func:`conversation_starts` offsets and are merged by time. ``strict``
+    demands ``len(hash_ids) == floor(in / block_size)`` as the format specifies.
+    """
+    files = _expand(paths)
+    offs = conversation_starts(len(files), starts, mean_gap=mean_gap, seed=seed)
+    block_size: int | None = None
+    flat = _Flat()
+    namespaces: list[str] = []
+    for k, path in enumerate(files):
+        doc, bs = _read_kv_cache_tester(path)
+        if block_size is None:
+            block_size = bs
+        elif bs != block_size:
+            raise ValueError(f"{path}: block_size {bs} differs from {block_size} of {files[0]}")
+        conv = str(doc.get("id", path.stem))
+        before = len(flat.arrival)
+        _walk_kv_cache_tester(
+            doc["requests"], f"{path}: requests", float(offs[k]), conv, bs, flat, strict
+        )
+        namespaces.extend(f"kvct:{k}:{_plain_name(path)}:{m}" for m in flat.models[before:])
+    if not flat.arrival or block_size is None:
+        raise ValueError(f"{', '.join(map(str, files))}: no requests")
+    lengths = np.fromiter((len(p) for p in flat.id_parts), dtype=np.int64, count=len(flat.id_parts))
+    offsets = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    ids = np.fromiter(
+        (h for p in flat.id_parts for h in p), dtype=np.uint64, count=int(offsets[-1])
+    )
+    # One namespace per (file, model): chain each group separately.
+    hashes = np.empty_like(ids)
+    groups: dict[str, list[int]] = {}
+    for r, label in enumerate(namespaces):
+        groups.setdefault(label, []).append(r)
+    for label, rows in groups.items():
+        rows_a = np.asarray(rows, dtype=np.int64)
+        sub_len = lengths[rows_a]
+        sub_off = np.zeros(rows_a.shape[0] + 1, dtype=np.int64)
+        np.cumsum(sub_len, out=sub_off[1:])
+        gather = np.repeat(offsets[rows_a] - sub_off[:-1], sub_len) + np.arange(sub_off[-1])
+        hashes[gather] = chain_block_ids(ids[gather], sub_off, namespace_seed(label))
+    label = name or (files[0].name if len(files) == 1 else f"{len(files)} kv-cache-tester traces")
+    return Workload(
+        arrival=flat.arrival,
+        input_tokens=flat.n_in,
+        output_tokens=flat.n_out,
+        hashes=hashes,
+        offsets=offsets,
+        block_size=block_size,
+        session=flat.session,
+        name=label,
+        description=(
+            f"kv-cache-tester agentic traces ({len(files)} conversation(s), {block_size}-token "
+            f"blocks, starts={starts if isinstance(starts, str) else 'explicit'})"
+        ),
+        meta={"format": "kv-cache-tester", "source": [str(p) for p in files]},
+    )
+
+
+def _expand(paths: PathLike | Sequence[PathLike]) -> list[Path]:
+    items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    files: list[Path] = []
+    for item in items:
+        p = Path(item)
+        if p.is_dir():
+            found = sorted(
+                q for q in p.iterdir() if q.is_file() and q.name.endswith((".json", ".json.gz"))
+            )
+            if not found:
+                raise ValueError(f"{p}: directory holds no *.json trace files")
+            files.extend(found)
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise ValueError(f"{p}: no such file or directory")
+    if not files:
+        raise ValueError("no trace files given")
+    return files
+
+
+# ---------------------------------------------------------------------------------------------
+# Detection
+# ---------------------------------------------------------------------------------------------
+def _detect(path: Path) -> str:
+    with _open_text(path) as f:
+        head = f.read(1 << 16)
+    stripped = head.lstrip()
+    if not stripped:
+        raise ValueError(f"{path}: empty file")
+    first_line = stripped.split("\n", 1)[0].strip()
+    try:
+        row = json.loads(first_line)
+    except json.JSONDecodeError:
+        row = None
+    if isinstance(row, dict) and "hash_ids" in row and "timestamp" in row:
+        return "mooncake"
+    if stripped.startswith("{") and '"requests"' in head:
+        return "kv-cache-tester"
+    raise ValueError(
+        f"{path}: unknown trace format (expected Mooncake JSONL rows with 'timestamp' and "
+        "'hash_ids', or a kv-cache-tester JSON document with 'block_size' and 'requests')"
+    )
+
+
+def load_trace(path: PathLike, **options: Any) -> Workload:
+    """Load a trace file or directory, detecting the format.
+
+    A directory is a set of kv-cache-tester conversations. Keyword options go to the loader:
+    :func:`load_mooncake` (``block_size``, ``namespace``, ``name``) or
+    :func:`load_kv_cache_tester` (``starts``, ``mean_gap``, ``seed``, ``strict``, ``name``).
+    """
+    p = Path(path)
+    if p.is_dir():
+        return load_kv_cache_tester(p, **options)
+    if not p.is_file():
+        raise ValueError(f"{p}: no such file or directory")
+    fmt = _detect(p)
+    if fmt == "mooncake":
+        return load_mooncake(p, **options)
+    return load_kv_cache_tester(p, **options)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bundled data
+# ---------------------------------------------------------------------------------------------
+def bundled_mooncake_path() -> Path:
+    """Path of the bundled Mooncake FAST'25 conversation trace (gzip; see ``sim/data/NOTICE``)."""
+    return Path(__file__).resolve().parent / "data" / "mooncake_conversation_trace.jsonl.gz"
+
+
+def mooncake_conversation() -> Workload:
+    """The Mooncake FAST'25 conversation trace shipped with kvroute (``--scenario mooncake``):
+    12,031 requests over 3,537 s, 512-token blocks."""
+    w = load_mooncake(bundled_mooncake_path(), namespace="mooncake:conversation_trace.jsonl")
+    w.name = "mooncake-conversation"
+    w.description = (
+        "Mooncake FAST'25 conversation trace (Moonshot AI / Kimi production, one hour sampled; "
+        "kvcache-ai/Mooncake@3b5a5941, Apache-2.0), 512-token blocks"
+    )
+    return w
