@@ -87,3 +87,63 @@ class BlockHasher:
         self, tokens: TokenArray, parent: Parent = None, *, mm: MmItems | None = None
     ) -> npt.NDArray[np.uint8]:
         """``(n_blocks, 32)`` SHA-256 digests of the full blocks (vllm/sglang only)."""
+BlockHash = int | np.integer
+BlockHashes = npt.NDArray[np.uint64] | npt.NDArray[np.int64] | Sequence[int]
+
+class PrefixIndex:
+    """Which worker holds which chained KV blocks (radix tree with path compression).
+
+    A worker's blocks are prefix-closed. ``store`` needs the worker to hold ``parent``
+    (``KeyError``); a block already stored after a different parent, or repeated, raises
+    ``ValueError``; both leave the index unchanged. ``remove`` drops each listed block and every
+    block after it that the worker holds. ``len()`` counts distinct blocks. Negative hashes
+    (int64) are taken as their two's-complement bits.
+    """
+
+    def __init__(self, *, max_bytes: int | None = None) -> None: ...
+    def store(
+        self, worker: str, block_hashes: BlockHashes, parent: BlockHash | None = None
+    ) -> None:
+        """Worker now holds the chain ``block_hashes``, continuing from block ``parent``."""
+
+    def remove(self, worker: str, block_hashes: BlockHashes) -> int:
+        """Worker dropped these blocks and the blocks after each; returns how many it dropped."""
+
+    def clear(self, worker: str) -> int:
+        """Worker dropped all its blocks (it stays known); returns how many."""
+
+    def remove_worker(self, worker: str) -> int:
+        """Forgets the worker and its blocks; returns how many blocks it held."""
+
+    def match(self, block_hashes: BlockHashes) -> dict[str, int]:
+        """Per worker, how many leading blocks of the query it holds (0 omitted)."""
+
+    @property
+    def workers(self) -> list[str]:
+        """Known workers, sorted."""
+
+    @property
+    def max_bytes(self) -> int | None:
+        """The memory budget, or None."""
+
+    def num_blocks(self, worker: str) -> int:
+        """Blocks held by ``worker`` (``KeyError`` if unknown)."""
+
+    def __len__(self) -> int:
+        """Distinct blocks held by at least one worker."""
+
+    def __contains__(self, block_hash: BlockHash) -> bool: ...
+    def memory_bytes(self) -> int:
+        """Heap bytes of the whole structure (what ``max_bytes`` bounds)."""
+
+    def num_nodes(self) -> int:
+        """Radix-tree nodes; a function of the stored state (nodes merge back)."""
+
+    def dump(self) -> bytes:
+        """Versioned, checksummed binary image of the index."""
+
+    @staticmethod
+    def load(data: bytes | bytearray, *, max_bytes: int | None = None) -> PrefixIndex:
+        """Index rebuilt from ``dump()`` output (``ValueError`` for a bad image)."""
+
+    def _check_invariants(self) -> None: ...

@@ -382,3 +382,27 @@ pub fn name_from_py<'a>(obj: &'a Bound<'_, PyAny>, what: &str) -> PyResult<Cow<'
         ))),
     }
 }
+
+/// A block hash from a Python int or NumPy integer scalar: a value in 0..2^64, or a negative
+/// int64 taken as its two's-complement bits (SGLang publishes signed hashes). `bool` is refused.
+pub fn block_hash_from_py(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
+    if !obj.is_instance_of::<PyBool>() {
+        if let Ok(v) = obj.extract::<u64>() {
+            return Ok(v);
+        }
+        if let Ok(v) = obj.extract::<i64>() {
+            return Ok(v as u64);
+        }
+        if obj.is_instance_of::<PyInt>() || obj.hasattr("__index__")? {
+            return Err(PyValueError::new_err(format!(
+                "{what} = {} is outside -2**63..2**64-1",
+                describe(obj)
+            )));
+        }
+    }
+    Err(PyTypeError::new_err(format!(
+        "{what} must be an int, got {} {}",
+        type_name(obj),
+        describe(obj)
+    )))
+}

@@ -7,6 +7,7 @@
 mod blocks;
 mod convert;
 mod hashing;
+mod index;
 
 use pyo3::prelude::*;
 
@@ -15,5 +16,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     hashing::register(m)?;
     blocks::register(m)?;
+    index::register(m)?;
     Ok(())
 }
