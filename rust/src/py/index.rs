@@ -2,10 +2,10 @@
 
 use std::sync::Arc;
 
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes, PyDict};
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyString};
 
 use super::convert::{
     block_hash_from_py, describe, name_from_py, type_name, u64_from_int, u64_slice, Negative,
@@ -31,16 +31,24 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// dropped first, and answers stay sound (never claim a block a worker does not hold).
 /// `dump()` / `PrefixIndex.load(data)` copy the state as a versioned, checksummed image.
 /// Safe to share between threads; the GIL is released while it works.
+/// A worker's name in the core and the Python `str` made from it.
+type CachedName = (Arc<str>, Py<PyString>);
+
 #[pyclass(frozen, module = "kvroute._core", name = "PrefixIndex")]
 pub struct PyPrefixIndex {
     core: SharedPrefixIndex,
+    /// Python `str` of each worker name by worker id, reused by `match` (an entry is valid while
+    /// its `Arc<str>` is the one the core holds for that id; ids are reused after removal).
+    names: Mutex<Vec<Option<CachedName>>>,
 }
 
 impl PyPrefixIndex {
     /// A Python face for an index shared with Rust code (e.g. the router's own index).
-    #[allow(dead_code)]
     pub(crate) fn from_shared(core: SharedPrefixIndex) -> Self {
-        PyPrefixIndex { core }
+        PyPrefixIndex {
+            core,
+            names: Mutex::new(Vec::new()),
+        }
     }
 }
 
@@ -68,9 +76,7 @@ impl PyPrefixIndex {
     #[pyo3(signature = (*, max_bytes = None))]
     fn new(max_bytes: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
         let core = PrefixIndex::new(budget(max_bytes)?)?;
-        Ok(PyPrefixIndex {
-            core: Arc::new(RwLock::new(core)),
-        })
+        Ok(PyPrefixIndex::from_shared(Arc::new(RwLock::new(core))))
     }
 
     /// Worker `worker` now holds the chain `block_hashes`, continuing from block `parent`.
@@ -127,10 +133,33 @@ impl PyPrefixIndex {
     ) -> PyResult<Bound<'py, PyDict>> {
         let hashes = u64_slice(block_hashes, "block_hashes", Negative::Reinterpret)?;
         let slice = hashes.as_slice();
-        let found = py.detach(|| self.core.read().match_names(slice));
+        let found = py.detach(|| {
+            let core = self.core.read();
+            let mut ids = Vec::new();
+            core.match_into(slice, &mut ids);
+            ids.into_iter()
+                .filter_map(|(w, n)| core.worker_name_arc(w).map(|name| (w, name, n)))
+                .collect::<Vec<_>>()
+        });
         let out = PyDict::new(py);
-        for (name, blocks) in found {
-            out.set_item(&*name, blocks)?;
+        let mut cache = self.names.lock();
+        for (id, name, blocks) in found {
+            let slot = id as usize;
+            if cache.len() <= slot {
+                cache.resize_with(slot + 1, || None);
+            }
+            let Some(entry) = cache.get_mut(slot) else {
+                continue;
+            };
+            let key = match entry {
+                Some((cached, obj)) if Arc::ptr_eq(cached, &name) => obj.bind(py).clone(),
+                _ => {
+                    let obj = PyString::intern(py, &name);
+                    *entry = Some((name, obj.clone().unbind()));
+                    obj
+                }
+            };
+            out.set_item(key, blocks)?;
         }
         Ok(out)
     }
@@ -208,9 +237,7 @@ impl PyPrefixIndex {
                 describe(data)
             )));
         };
-        Ok(PyPrefixIndex {
-            core: Arc::new(RwLock::new(core)),
-        })
+        Ok(PyPrefixIndex::from_shared(Arc::new(RwLock::new(core))))
     }
 
     /// Raises ValueError if an internal invariant is broken (for tests).
