@@ -559,8 +559,9 @@ impl Tree {
         let mut seen = vec![false; self.nodes.len()];
         while let Some(id) = stack.pop() {
             let n = self.node(id);
-            if std::mem::replace(&mut seen[id as usize], true) {
-                return Err(format!("node {id} reached twice"));
+            match seen.get_mut(id as usize) {
+                Some(s) if !*s => *s = true,
+                _ => return Err(format!("node {id} reached twice or out of range")),
             }
             if id != ROOT {
                 live += 1;
