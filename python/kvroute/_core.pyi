@@ -87,6 +87,7 @@ class BlockHasher:
         self, tokens: TokenArray, parent: Parent = None, *, mm: MmItems | None = None
     ) -> npt.NDArray[np.uint8]:
         """``(n_blocks, 32)`` SHA-256 digests of the full blocks (vllm/sglang only)."""
+
 BlockHash = int | np.integer
 BlockHashes = npt.NDArray[np.uint64] | npt.NDArray[np.int64] | Sequence[int]
 

@@ -10,7 +10,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyByteArray, PyBytes, PyInt, PyString, PyTuple};
 
 use super::convert::{
-    describe, int_array, name_from_py, type_name, u64_from_int, u64_slice, IntArray, Negative,
+    block_hash_from_py, describe, int_array, name_from_py, type_name, u64_from_int, u64_slice,
+    IntArray, Negative,
 };
 use crate::blocks::{BlockHasher, ChainState, MmItem, Options, Profile};
 
@@ -66,25 +67,15 @@ fn parent_from_py(obj: Option<&Bound<'_, PyAny>>) -> PyResult<ChainState> {
             ))),
         };
     }
-    if !obj.is_instance_of::<PyBool>() {
-        if let Ok(v) = obj.extract::<u64>() {
-            return Ok(ChainState::Native(v));
-        }
-        if let Ok(v) = obj.extract::<i64>() {
-            return Ok(ChainState::Native(v as u64));
-        }
-        if obj.hasattr("__index__")? {
-            return Err(PyValueError::new_err(format!(
-                "parent = {} is outside -2**63..2**64-1",
-                describe(obj)
-            )));
-        }
+    match block_hash_from_py(obj, "parent") {
+        Ok(v) => Ok(ChainState::Native(v)),
+        Err(e) if e.is_instance_of::<PyTypeError>(obj.py()) => Err(PyTypeError::new_err(format!(
+            "parent must be None, an int (native) or a 32-byte digest (vllm, sglang), got {} {}",
+            type_name(obj),
+            describe(obj)
+        ))),
+        Err(e) => Err(e),
     }
-    Err(PyTypeError::new_err(format!(
-        "parent must be None, an int (native) or a 32-byte digest (vllm, sglang), got {} {}",
-        type_name(obj),
-        describe(obj)
-    )))
 }
 
 /// `mm=`: a sequence of `(identifier: str, offset: int, length: int)`.
