@@ -156,6 +156,7 @@ impl PrefixIndex {
             if let Err(h) = tree.insert_entries(id) {
                 return value_err!("node {k}: block {h:#018x} is stored twice");
             }
+            tree.set_start(tree.node(id).hashes.first().copied().unwrap_or(0), id);
             for w in tree.node(id).workers.iter() {
                 index.workers.add_blocks(w, len);
             }

@@ -395,19 +395,13 @@ impl PrefixIndex {
                     break; // diverges inside the run
                 }
             } else {
-                match self.tree.find(h) {
-                    Some((c, 0)) if self.tree.node(c).parent == node => {
-                        node = c;
-                        consumed = 1;
-                        i += 1;
-                    }
-                    Some(_) => {
-                        return value_err!(
-                            "block {h:#018x} (at {i}) is already stored after a different parent"
-                        )
-                    }
-                    None => break,
-                }
+                // Not a child here: new, or stored elsewhere (caught when its entry is inserted).
+                let Some(c) = self.tree.child_starting_with(node, h) else {
+                    break;
+                };
+                node = c;
+                consumed = 1;
+                i += 1;
             }
         }
         let new = hashes.get(i..).unwrap_or_default();
@@ -418,6 +412,7 @@ impl PrefixIndex {
         let fresh = if new.is_empty() {
             None
         } else {
+            let h0 = new.first().copied().unwrap_or(0);
             let x = self.tree.alloc(new.to_vec(), WorkerSet::single(w), tick);
             if let Err(h) = self.tree.insert_entries(x) {
                 self.tree.delete_leaf(x);
@@ -425,6 +420,7 @@ impl PrefixIndex {
                     "block {h:#018x} is already stored after a different parent, or repeated"
                 );
             }
+            self.tree.set_start(h0, x);
             Some(x)
         };
 

@@ -97,10 +97,10 @@ fn key_at(nodes: &[Node], entry: u64) -> u64 {
         .unwrap_or(0)
 }
 
-/// Allocation size of a `HashTable<u64>` built with capacity `n` (hashbrown's sizing rule:
-/// buckets = next power of two of 8n/7, at least 4; 8 bytes + 1 control byte per bucket plus
-/// one SIMD group of control bytes).
-fn table_bytes_for(n: usize) -> usize {
+/// Allocation size of a `HashTable` of `entry`-byte values built with capacity `n` (hashbrown's
+/// sizing rule: buckets = next power of two of 8n/7, at least 4; the value plus 1 control byte
+/// per bucket, plus one SIMD group of control bytes).
+fn table_bytes_for(n: usize, entry: usize) -> usize {
     if n == 0 {
         return 0;
     }
@@ -109,7 +109,7 @@ fn table_bytes_for(n: usize) -> usize {
         4..8 => 8,
         _ => (n * 8 / 7).next_power_of_two(),
     };
-    buckets * 9 + 16
+    buckets * (entry + 1) + 16
 }
 
 /// Length of the common prefix of two runs, compared eight hashes at a time.
@@ -135,6 +135,10 @@ pub(crate) struct Tree {
     pub nodes: Vec<Node>,
     free: Vec<u32>,
     table: HashTable<u64>,
+    /// First block of every live node → node: a small table (one entry per node, key inline)
+    /// that `match` and `store` use to step from a node to its child without touching the
+    /// block table.
+    starts: HashTable<(u64, u32)>,
     /// Heap bytes of all live nodes' runs and spilled worker sets.
     pub heap_bytes: usize,
     /// Number of live non-root nodes.
@@ -153,6 +157,7 @@ impl Tree {
             nodes: v,
             free: Vec::new(),
             table: HashTable::with_capacity(blocks),
+            starts: HashTable::with_capacity(nodes.saturating_sub(1)),
             heap_bytes: 0,
             live_nodes: 0,
         }
@@ -168,6 +173,7 @@ impl Tree {
         self.nodes.capacity() * std::mem::size_of::<Node>()
             + self.heap_bytes
             + self.table.allocation_size()
+            + self.starts.allocation_size()
             + self.free.capacity() * 4
     }
 
@@ -213,10 +219,30 @@ impl Tree {
     /// The child of `parent` whose run starts with `h`.
     #[inline]
     pub fn child_starting_with(&self, parent: u32, h: u64) -> Option<u32> {
-        match self.find(h) {
-            Some((c, 0)) if self.node(c).parent == parent => Some(c),
-            _ => None,
+        let &(_, c) = self.starts.find(mix(h), |e| e.0 == h)?;
+        (self.node(c).parent == parent).then_some(c)
+    }
+
+    /// Records that node `id`'s run starts with block `h`.
+    pub fn set_start(&mut self, h: u64, id: u32) {
+        match self.starts.entry(mix(h), |e| e.0 == h, |e| mix(e.0)) {
+            Entry::Occupied(mut e) => e.get_mut().1 = id,
+            Entry::Vacant(v) => {
+                v.insert((h, id));
+            }
         }
+    }
+
+    /// Forgets that node `id`'s run starts with block `h`.
+    fn clear_start(&mut self, h: u64, id: u32) {
+        if let Ok(e) = self.starts.find_entry(mix(h), |e| *e == (h, id)) {
+            e.remove();
+        }
+    }
+
+    /// The first block of node `id` (0 for the root).
+    fn start_of(&self, id: u32) -> u64 {
+        self.node(id).hashes.first().copied().unwrap_or(0)
     }
 
     // ---- slab -------------------------------------------------------------------------------
@@ -416,6 +442,8 @@ impl Tree {
             });
             let m = self.alloc(prefix, workers, tick);
             self.repoint(m, 0..k, id, base);
+            self.set_start(self.start_of(m), m);
+            self.set_start(self.start_of(id), id);
             self.replace(id, m);
             self.link(id, m);
             (m, id)
@@ -427,6 +455,7 @@ impl Tree {
             });
             let m = self.alloc(suffix, workers, tick);
             self.repoint(m, 0..len - k, id, base.wrapping_add(k as u32));
+            self.set_start(self.start_of(m), m);
             self.move_children(id, m);
             self.link(m, id);
             (id, m)
@@ -439,7 +468,10 @@ impl Tree {
         let tick = self.node(parent).tick().max(self.node(child).tick());
         let lp = self.node(parent).hashes.len();
         let lc = self.node(child).hashes.len();
+        let (pstart, cstart) = (self.start_of(parent), self.start_of(child));
+        self.clear_start(cstart, child);
         let survivor = if lp <= lc {
+            self.set_start(pstart, child);
             let pbase = self.node(parent).base;
             let prefix = self.edit(parent, |n| std::mem::take(&mut n.hashes));
             self.edit(child, |n| {
@@ -503,6 +535,7 @@ impl Tree {
 
     /// Deletes leaf `id` (no children): its table entries, its link, its slot.
     pub fn delete_leaf(&mut self, id: u32) {
+        self.clear_start(self.start_of(id), id);
         let len = self.node(id).hashes.len();
         self.remove_entries(id, 0..len);
         self.unlink(id);
@@ -527,7 +560,8 @@ impl Tree {
     pub fn compacted_bytes(&self) -> usize {
         (self.live_nodes + 1) * std::mem::size_of::<Node>()
             + self.heap_bytes
-            + table_bytes_for(self.table.len())
+            + table_bytes_for(self.table.len(), 8)
+            + table_bytes_for(self.live_nodes, 16)
     }
 
     /// A copy of the tree in exactly sized allocations (same shape, ids renumbered).
@@ -541,6 +575,7 @@ impl Tree {
                 out.link(id, new);
                 // The blocks are unique in `self`, so inserting them cannot conflict.
                 let _ = out.insert_entries(id);
+                out.set_start(out.start_of(id), id);
                 stack.push((c, id));
             }
         }
@@ -587,6 +622,9 @@ impl Tree {
                     }
                 }
                 blocks += n.hashes.len();
+                if self.child_starting_with(n.parent, self.start_of(id)) != Some(id) {
+                    return Err(format!("node {id}: start not recorded"));
+                }
             }
             let mut count = 0;
             let mut prev = NIL;
@@ -605,6 +643,12 @@ impl Tree {
                     n.num_children
                 ));
             }
+        }
+        if self.starts.len() != live {
+            return Err(format!(
+                "{} node starts for {live} nodes",
+                self.starts.len()
+            ));
         }
         if blocks != self.table.len() {
             return Err(format!(
