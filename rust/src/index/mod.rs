@@ -30,12 +30,12 @@
 //! # Structure
 //! A radix tree with path compression: a node holds a contiguous run of block hashes that all have
 //! the same set of workers, as a bitset over worker ids (inline for ids < 64). Matching a long
-//! query compares contiguous memory; it probes the block table once per node, not once per
-//! block. Nodes split when a chain diverges or a worker holds only part of a run, and **merge**
+//! query compares contiguous memory, with one probe per node (not per block) of a small table
+//! from each node's first block to the node. Nodes split when a chain diverges or a worker holds only part of a run, and **merge**
 //! back as soon as a removal makes the split unnecessary, so the tree's shape is a function of
 //! the stored state alone (canonical form; [`PrefixIndex::num_nodes`] exposes it). The block
-//! table maps a block hash to its node and offset in 8 bytes per entry (it stores no key: the key
-//! is read from the run).
+//! table (for parents and removals) maps a block hash to its node and offset in 8 bytes per entry
+//! (it stores no key: the key is read from the run).
 //!
 //! # Memory budget
 //! With `max_bytes`, [`PrefixIndex::memory_bytes`] (an account of every heap allocation of the
