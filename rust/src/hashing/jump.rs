@@ -3,23 +3,111 @@
 /// Bucket in `0..num_buckets` for `key`, bit-exact with the paper's reference implementation.
 ///
 /// `num_buckets` must be at least 1 (callers validate; `0` yields `0` rather than panicking).
+/// The loop keeps `b` and `j` as integer-valued `f64`s: the reference converts them to and from
+/// floats on every step, and skipping those conversions (exact, since both stay below 2^31 while
+/// the loop runs) shortens the dependency chain without changing any result.
 #[inline]
 pub fn jump_hash(mut key: u64, num_buckets: u32) -> u32 {
-    let mut b: i64 = -1;
-    let mut j: i64 = 0;
-    let n = i64::from(num_buckets);
+    let n = f64::from(num_buckets);
+    let mut b = 0.0f64;
+    let mut j = 0.0f64;
     while j < n {
         b = j;
         key = key.wrapping_mul(2_862_933_555_777_941_757).wrapping_add(1);
-        j = ((b + 1) as f64 * ((1u64 << 31) as f64 / ((key >> 33) + 1) as f64)) as i64;
+        // (key >> 33) < 2^31, so the i32 conversion is exact.
+        j = ((b + 1.0) * ((1u64 << 31) as f64 / (f64::from((key >> 33) as i32) + 1.0))).trunc();
     }
-    // b is in 0..num_buckets here (or -1 when num_buckets == 0, mapped to 0).
-    b.max(0) as u32
+    b as u32
+}
+
+/// Keys advanced together by [`jump_hash_many_into`]. The single-key loop waits on one float
+/// division per step; interleaving independent keys (in SIMD lanes where the CPU has AVX2) keeps
+/// the divider busy instead.
+const LANES: usize = 16;
+
+/// The jump loop on `L` keys at once, in the float domain so that it vectorises: `j` and `b` are
+/// kept as exact integer-valued `f64`s (both stay below 2^31 while a lane is active), and every
+/// arithmetic step is the reference's IEEE operation, so the result is bit-identical.
+#[inline(always)]
+fn jump_lanes<const L: usize>(keys: &[u64; L], n: f64) -> [u32; L] {
+    let mut key = *keys;
+    let mut b = [0.0f64; L];
+    let mut j = [0.0f64; L];
+    while j.iter().any(|&x| x < n) {
+        for l in 0..L {
+            let next_key = key[l]
+                .wrapping_mul(2_862_933_555_777_941_757)
+                .wrapping_add(1);
+            // (next_key >> 33) < 2^31, so the i32 conversion is exact.
+            let divisor = f64::from((next_key >> 33) as i32) + 1.0;
+            let next_j = ((j[l] + 1.0) * ((1u64 << 31) as f64 / divisor)).trunc();
+            let active = j[l] < n;
+            b[l] = if active { j[l] } else { b[l] };
+            key[l] = if active { next_key } else { key[l] };
+            j[l] = if active { next_j } else { j[l] };
+        }
+    }
+    b.map(|x| x as u32)
+}
+
+fn jump_lanes_portable(keys: &[u64; LANES], n: f64) -> [u32; LANES] {
+    jump_lanes(keys, n)
+}
+
+/// The same loop compiled for AVX2 (4 doubles per vector).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn jump_lanes_avx2(keys: &[u64; LANES], n: f64) -> [u32; LANES] {
+    jump_lanes(keys, n)
+}
+
+/// [`jump_hash`] of every key, written to `out` (cleared first). Same results, several times the
+/// throughput of a loop of single calls.
+pub fn jump_hash_many_into<T: From<u32>>(keys: &[u64], num_buckets: u32, out: &mut Vec<T>) {
+    out.clear();
+    out.reserve(keys.len());
+    let n = f64::from(num_buckets);
+    #[cfg(target_arch = "x86_64")]
+    let avx2 = std::arch::is_x86_feature_detected!("avx2");
+    let mut chunks = keys.chunks_exact(LANES);
+    for chunk in &mut chunks {
+        let mut lanes = [0u64; LANES];
+        lanes.copy_from_slice(chunk);
+        #[cfg(target_arch = "x86_64")]
+        let buckets = if avx2 {
+            // SAFETY: the running CPU supports AVX2 (checked above).
+            unsafe { jump_lanes_avx2(&lanes, n) }
+        } else {
+            jump_lanes_portable(&lanes, n)
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let buckets = jump_lanes_portable(&lanes, n);
+        out.extend(buckets.map(T::from));
+    }
+    out.extend(
+        chunks
+            .remainder()
+            .iter()
+            .map(|&k| T::from(jump_hash(k, num_buckets))),
+    );
 }
 
 #[cfg(test)]
 mod tests {
-    use super::jump_hash;
+    use super::{jump_hash, jump_hash_many_into};
+
+    #[test]
+    fn batch_equals_single_calls() {
+        let keys: Vec<u64> = (0..1003u64)
+            .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i << 7))
+            .collect();
+        for n in [1u32, 2, 7, 1024, 100_001, i32::MAX as u32] {
+            let mut out: Vec<u32> = Vec::new();
+            jump_hash_many_into(&keys, n, &mut out);
+            let want: Vec<u32> = keys.iter().map(|&k| jump_hash(k, n)).collect();
+            assert_eq!(out, want, "n = {n}");
+        }
+    }
 
     #[test]
     fn paper_reference_table() {

@@ -1,0 +1,325 @@
+//! libketama's hashes: the 32-bit key hash and the continuum points of a server.
+//!
+//! Invariants (libketama, last.fm, and `uhashring`'s ketama mode):
+//! - [`ketama_hash`] of a key is the first four bytes of its MD5 digest read little-endian
+//!   (`ketama_hashi`). Integer keys are hashed as their decimal text, as `uhashring` does
+//!   (`md5(str(key))`).
+//! - [`ketama_points`] of server `name` and digest index `j` are the four little-endian 32-bit
+//!   words of `MD5("{name}-{j}")`.
+//! - [`ketama_hash_many`] returns exactly [`ketama_hash`] for every key, in order. Keys of at most
+//!   55 bytes (one MD5 block) are hashed 16 at a time in SIMD lanes (AVX2 when the CPU has it);
+//!   longer keys take the scalar MD5 path.
+
+use md5::{Digest, Md5};
+
+use super::Key;
+
+/// Longest message that fits in one padded MD5 block.
+const ONE_BLOCK: usize = 55;
+/// Keys hashed together by the multi-lane MD5.
+const LANES: usize = 16;
+
+const INIT: [u32; 4] = [0x6745_2301, 0xefcd_ab89, 0x98ba_dcfe, 0x1032_5476];
+
+/// MD5 round constants, `floor(abs(sin(i + 1)) * 2^32)` (RFC 1321).
+const K: [u32; 64] = [
+    0xd76a_a478,
+    0xe8c7_b756,
+    0x2420_70db,
+    0xc1bd_ceee,
+    0xf57c_0faf,
+    0x4787_c62a,
+    0xa830_4613,
+    0xfd46_9501,
+    0x6980_98d8,
+    0x8b44_f7af,
+    0xffff_5bb1,
+    0x895c_d7be,
+    0x6b90_1122,
+    0xfd98_7193,
+    0xa679_438e,
+    0x49b4_0821,
+    0xf61e_2562,
+    0xc040_b340,
+    0x265e_5a51,
+    0xe9b6_c7aa,
+    0xd62f_105d,
+    0x0244_1453,
+    0xd8a1_e681,
+    0xe7d3_fbc8,
+    0x21e1_cde6,
+    0xc337_07d6,
+    0xf4d5_0d87,
+    0x455a_14ed,
+    0xa9e3_e905,
+    0xfcef_a3f8,
+    0x676f_02d9,
+    0x8d2a_4c8a,
+    0xfffa_3942,
+    0x8771_f681,
+    0x6d9d_6122,
+    0xfde5_380c,
+    0xa4be_ea44,
+    0x4bde_cfa9,
+    0xf6bb_4b60,
+    0xbebf_bc70,
+    0x289b_7ec6,
+    0xeaa1_27fa,
+    0xd4ef_3085,
+    0x0488_1d05,
+    0xd9d4_d039,
+    0xe6db_99e5,
+    0x1fa2_7cf8,
+    0xc4ac_5665,
+    0xf429_2244,
+    0x432a_ff97,
+    0xab94_23a7,
+    0xfc93_a039,
+    0x655b_59c3,
+    0x8f0c_cc92,
+    0xffef_f47d,
+    0x8584_5dd1,
+    0x6fa8_7e4f,
+    0xfe2c_e6e0,
+    0xa301_4314,
+    0x4e08_11a1,
+    0xf753_7e82,
+    0xbd3a_f235,
+    0x2ad7_d2bb,
+    0xeb86_d391,
+];
+
+/// Message words of up to `L` single-block messages, transposed (`m[word][lane]`).
+type Block<const L: usize> = [[u32; L]; 16];
+
+/// Word 0 of the MD5 digest (the first four digest bytes, little-endian) of each lane's block.
+///
+/// Only the 61 steps that feed word 0 run: the last three steps update the other words.
+#[inline(always)]
+fn md5_word0<const L: usize>(m: &Block<L>) -> [u32; L] {
+    let [a0, b0, c0, d0] = INIT;
+    let (mut a, mut b, mut c, mut d) = ([a0; L], [b0; L], [c0; L], [d0; L]);
+    macro_rules! step {
+        ($f:expr, $a:ident, $b:ident, $c:ident, $d:ident, $i:expr, $g:expr, $s:expr) => {
+            for l in 0..L {
+                let (x, y, z) = ($b[l], $c[l], $d[l]);
+                let f: u32 = $f(x, y, z);
+                let t = $a[l]
+                    .wrapping_add(f)
+                    .wrapping_add(K[$i])
+                    .wrapping_add(m[$g][l]);
+                $a[l] = x.wrapping_add(t.rotate_left($s));
+            }
+        };
+    }
+    let f = |x: u32, y: u32, z: u32| z ^ (x & (y ^ z));
+    let g = |x: u32, y: u32, z: u32| y ^ (z & (x ^ y));
+    let h = |x: u32, y: u32, z: u32| x ^ y ^ z;
+    let i = |x: u32, y: u32, z: u32| y ^ (x | !z);
+    macro_rules! four {
+        ($fun:expr, $i:expr, [$g0:expr, $g1:expr, $g2:expr, $g3:expr], [$s0:expr, $s1:expr, $s2:expr, $s3:expr]) => {
+            step!($fun, a, b, c, d, $i, $g0, $s0);
+            step!($fun, d, a, b, c, $i + 1, $g1, $s1);
+            step!($fun, c, d, a, b, $i + 2, $g2, $s2);
+            step!($fun, b, c, d, a, $i + 3, $g3, $s3);
+        };
+    }
+    four!(f, 0, [0, 1, 2, 3], [7, 12, 17, 22]);
+    four!(f, 4, [4, 5, 6, 7], [7, 12, 17, 22]);
+    four!(f, 8, [8, 9, 10, 11], [7, 12, 17, 22]);
+    four!(f, 12, [12, 13, 14, 15], [7, 12, 17, 22]);
+    four!(g, 16, [1, 6, 11, 0], [5, 9, 14, 20]);
+    four!(g, 20, [5, 10, 15, 4], [5, 9, 14, 20]);
+    four!(g, 24, [9, 14, 3, 8], [5, 9, 14, 20]);
+    four!(g, 28, [13, 2, 7, 12], [5, 9, 14, 20]);
+    four!(h, 32, [5, 8, 11, 14], [4, 11, 16, 23]);
+    four!(h, 36, [1, 4, 7, 10], [4, 11, 16, 23]);
+    four!(h, 40, [13, 0, 3, 6], [4, 11, 16, 23]);
+    four!(h, 44, [9, 12, 15, 2], [4, 11, 16, 23]);
+    four!(i, 48, [0, 7, 14, 5], [6, 10, 15, 21]);
+    four!(i, 52, [12, 3, 10, 1], [6, 10, 15, 21]);
+    four!(i, 56, [8, 15, 6, 13], [6, 10, 15, 21]);
+    step!(i, a, b, c, d, 60, 4, 6);
+    for x in a.iter_mut() {
+        *x = x.wrapping_add(a0);
+    }
+    a
+}
+
+fn md5_word0_lanes(m: &Block<LANES>) -> [u32; LANES] {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the running CPU supports AVX2 (checked just above).
+        return unsafe { md5_word0_lanes_avx2(m) };
+    }
+    md5_word0(m)
+}
+
+/// The same computation compiled for AVX2 (8 lanes per vector instead of SSE2's 4).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn md5_word0_lanes_avx2(m: &Block<LANES>) -> [u32; LANES] {
+    md5_word0(m)
+}
+
+/// Writes the padded single MD5 block of `msg` (at most [`ONE_BLOCK`] bytes) into lane `lane`.
+#[inline(always)]
+fn load_lane<const L: usize>(m: &mut Block<L>, lane: usize, msg: &[u8]) {
+    let msg = msg.get(..ONE_BLOCK).unwrap_or(msg);
+    let mut words = [0u32; 16];
+    let mut chunks = msg.chunks_exact(4);
+    for (w, c) in words.iter_mut().zip(&mut chunks) {
+        *w = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+    }
+    // The tail bytes, then the 0x80 terminator, in the next word.
+    let tail = chunks.remainder();
+    let mut last = 0x80u32 << (8 * tail.len());
+    for (i, &b) in tail.iter().enumerate() {
+        last |= u32::from(b) << (8 * i);
+    }
+    if let Some(w) = words.get_mut(msg.len() / 4) {
+        *w = last;
+    }
+    let bits = msg.len() as u64 * 8;
+    words[14] = bits as u32;
+    words[15] = (bits >> 32) as u32;
+    for (row, w) in m.iter_mut().zip(words) {
+        if let Some(slot) = row.get_mut(lane) {
+            *slot = w;
+        }
+    }
+}
+
+/// Decimal text of `value` in `buf`; returns the used tail.
+fn decimal(value: u64, buf: &mut [u8; 20]) -> &[u8] {
+    let mut v = value;
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        if let Some(d) = buf.get_mut(at) {
+            *d = b'0' + (v % 10) as u8;
+        }
+        v /= 10;
+        if v == 0 || at == 0 {
+            break;
+        }
+    }
+    buf.get(at..).unwrap_or_default()
+}
+
+fn scalar_word0(msg: &[u8]) -> u32 {
+    if msg.len() <= ONE_BLOCK {
+        let mut m: Block<1> = [[0; 1]; 16];
+        load_lane(&mut m, 0, msg);
+        return md5_word0(&m)[0];
+    }
+    let digest = Md5::digest(msg);
+    u32::from_le_bytes([digest[0], digest[1], digest[2], digest[3]])
+}
+
+/// libketama's `ketama_hashi` of a key (see the module invariants for integer keys).
+pub fn ketama_hash(key: Key<'_>) -> u32 {
+    match key {
+        Key::Bytes(b) => scalar_word0(b),
+        Key::Int(k) => scalar_word0(decimal(k, &mut [0; 20])),
+    }
+}
+
+/// [`ketama_hash`] of every key, in order, passed to `sink`.
+pub fn ketama_hash_many<'k>(keys: impl IntoIterator<Item = Key<'k>>, mut sink: impl FnMut(u32)) {
+    let mut m: Block<LANES> = [[0; LANES]; 16];
+    // Per position in the current group: a hash computed on the scalar path (long keys).
+    let mut scalar: [Option<u32>; LANES] = [None; LANES];
+    let mut filled = 0;
+    let mut flush = |m: &Block<LANES>, scalar: &[Option<u32>; LANES], filled: usize| {
+        let lanes = md5_word0_lanes(m);
+        for (done, lane) in scalar.iter().zip(lanes).take(filled) {
+            sink(done.unwrap_or(lane));
+        }
+    };
+    let mut digits = [0u8; 20];
+    for key in keys {
+        let msg = match key {
+            Key::Bytes(b) => b,
+            Key::Int(k) => decimal(k, &mut digits),
+        };
+        let long = (msg.len() > ONE_BLOCK).then(|| scalar_word0(msg));
+        if long.is_none() {
+            load_lane(&mut m, filled, msg);
+        }
+        if let Some(slot) = scalar.get_mut(filled) {
+            *slot = long;
+        }
+        filled += 1;
+        if filled == LANES {
+            flush(&m, &scalar, filled);
+            filled = 0;
+        }
+    }
+    if filled > 0 {
+        flush(&m, &scalar, filled);
+    }
+}
+
+/// The four continuum points libketama derives from `MD5("{name}-{j}")`.
+pub fn ketama_points(name: &str, j: u64) -> [u32; 4] {
+    let mut hasher = Md5::new();
+    hasher.update(name.as_bytes());
+    hasher.update(b"-");
+    hasher.update(decimal(j, &mut [0; 20]));
+    let d = hasher.finalize();
+    [
+        u32::from_le_bytes([d[0], d[1], d[2], d[3]]),
+        u32::from_le_bytes([d[4], d[5], d[6], d[7]]),
+        u32::from_le_bytes([d[8], d[9], d[10], d[11]]),
+        u32::from_le_bytes([d[12], d[13], d[14], d[15]]),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reference(msg: &[u8]) -> u32 {
+        let d = Md5::digest(msg);
+        u32::from_le_bytes([d[0], d[1], d[2], d[3]])
+    }
+
+    #[test]
+    fn libketama_published_hash() {
+        // libketama test.sh / python_ketama tests: ketama_hashi("test") == 3446378249.
+        assert_eq!(ketama_hash(Key::Bytes(b"test")), 3_446_378_249);
+    }
+
+    #[test]
+    fn lanes_match_scalar_md5_for_every_length() {
+        let data: Vec<u8> = (0..200u32).map(|i| (i * 37 + 11) as u8).collect();
+        let keys: Vec<&[u8]> = (0..=130).map(|n| &data[..n]).collect();
+        let mut got = Vec::new();
+        ketama_hash_many(keys.iter().map(|k| Key::Bytes(k)), |h| got.push(h));
+        let want: Vec<u32> = keys.iter().map(|k| reference(k)).collect();
+        assert_eq!(got, want);
+        for k in &keys {
+            assert_eq!(ketama_hash(Key::Bytes(k)), reference(k));
+        }
+    }
+
+    #[test]
+    fn integer_keys_hash_as_decimal_text() {
+        for k in [0u64, 7, 10, 99_999, u64::MAX] {
+            let text = k.to_string();
+            assert_eq!(ketama_hash(Key::Int(k)), reference(text.as_bytes()));
+            let mut got = Vec::new();
+            ketama_hash_many([Key::Int(k)], |h| got.push(h));
+            assert_eq!(got, vec![reference(text.as_bytes())]);
+        }
+    }
+
+    #[test]
+    fn points_are_the_digest_words() {
+        let d = Md5::digest(b"10.0.1.1:11211-3");
+        let p = ketama_points("10.0.1.1:11211", 3);
+        assert_eq!(p[0], u32::from_le_bytes([d[0], d[1], d[2], d[3]]));
+        assert_eq!(p[3], u32::from_le_bytes([d[12], d[13], d[14], d[15]]));
+    }
+}

@@ -1,0 +1,282 @@
+//! Maglev hashing (Eisenbud et al., NSDI 2016) with Envoy's table construction.
+//!
+//! Invariants:
+//! - The table has a prime number `M` of slots and is a pure function of the node set: nodes are
+//!   sorted by name (byte-wise), node `name` has `offset = XXH64(name, seed 0) % M` and
+//!   `skip = XXH64(name, seed 1) % (M - 1) + 1`, and slots are filled exactly as Envoy's
+//!   `MaglevTable` does, weights included (normalised weight `w / sum(w)`; on pass `i = 1, 2, ...`
+//!   a node takes its next free preferred slot only if `i * weight >= target`, after which its
+//!   target grows by the largest normalised weight).
+//! - `get(key)` is `table[k % M]`, where `k` is an integer key as given (an already-hashed 64-bit
+//!   value, as Envoy's request hash) or [`super::hash_key`] of a byte key.
+//! - `preference(key, n)` follows Envoy's host-selection retries: attempt `a >= 1` looks up
+//!   `k ^ (2^64 - a)`. After `16 * len + 64` attempts it completes the list by sweeping the table
+//!   from the key's slot, then appends nodes that own no slot (possible only with weights), in name
+//!   order.
+
+use xxhash_rust::xxh64::xxh64;
+
+use super::{preference_len, ConsistentHash, Key, NodeId, NodeSet, SeenNodes};
+use crate::error::Result;
+
+/// Envoy's default table size (prime).
+pub const DEFAULT_TABLE_SIZE: u64 = 65_537;
+/// Largest accepted table size.
+pub const MAX_TABLE_SIZE: u64 = 1 << 26;
+
+/// A Maglev lookup table over named, weighted nodes.
+#[derive(Debug, Clone)]
+pub struct Maglev {
+    nodes: NodeSet,
+    table_size: u64,
+    table: Vec<NodeId>,
+    slotless: Vec<NodeId>,
+}
+
+fn is_prime(n: u64) -> bool {
+    if n < 2 {
+        return false;
+    }
+    let mut d = 2u64;
+    while d * d <= n {
+        if n.is_multiple_of(d) {
+            return false;
+        }
+        d += 1;
+    }
+    true
+}
+
+/// Per node while filling: its permutation and Envoy's weight bookkeeping.
+struct Filler {
+    id: NodeId,
+    position: u64,
+    skip: u64,
+    weight: f64,
+    target: f64,
+}
+
+impl Maglev {
+    /// A Maglev table of `table_size` slots (a prime in `2..=2^26`) over `(name, weight)` pairs.
+    pub fn new<S: AsRef<str>>(
+        nodes: impl IntoIterator<Item = (S, f64)>,
+        table_size: u64,
+    ) -> Result<Self> {
+        if !(2..=MAX_TABLE_SIZE).contains(&table_size) || !is_prime(table_size) {
+            return crate::value_err!(
+                "table_size must be a prime in 2..={MAX_TABLE_SIZE}, got {table_size}"
+            );
+        }
+        Ok(Self::build(NodeSet::from_pairs(nodes)?, table_size))
+    }
+
+    /// Number of slots `M`.
+    pub fn table_size(&self) -> u64 {
+        self.table_size
+    }
+
+    /// The node of every slot (empty when there is no node).
+    pub fn table(&self) -> &[NodeId] {
+        &self.table
+    }
+
+    fn build(nodes: NodeSet, table_size: u64) -> Self {
+        let m = table_size;
+        let mut table = vec![NodeId::MAX; if nodes.is_empty() { 0 } else { m as usize }];
+        let total: f64 = nodes.weights().iter().sum();
+        let mut fillers: Vec<Filler> = nodes
+            .ids_by_name()
+            .into_iter()
+            .map(|id| {
+                let name = nodes.name(id).map(|n| n.as_bytes()).unwrap_or_default();
+                let weight = nodes.weights().get(id as usize).copied().unwrap_or(0.0);
+                Filler {
+                    id,
+                    position: xxh64(name, 0) % m,
+                    skip: xxh64(name, 1) % (m - 1) + 1,
+                    weight: weight / total,
+                    target: 0.0,
+                }
+            })
+            .collect();
+        let max_weight = fillers.iter().map(|f| f.weight).fold(0.0, f64::max);
+        let mut counts = vec![0u64; nodes.len()];
+        let mut filled = 0u64;
+        let mut iteration = 1u64;
+        while filled < m && !fillers.is_empty() {
+            for f in fillers.iter_mut() {
+                if filled == m {
+                    break;
+                }
+                if (iteration as f64) * f.weight < f.target {
+                    continue;
+                }
+                f.target += max_weight;
+                // The permutation visits every slot once per M steps, and a free slot exists.
+                while table
+                    .get(f.position as usize)
+                    .is_some_and(|&s| s != NodeId::MAX)
+                {
+                    f.position = (f.position + f.skip) % m;
+                }
+                if let Some(slot) = table.get_mut(f.position as usize) {
+                    *slot = f.id;
+                }
+                f.position = (f.position + f.skip) % m;
+                if let Some(c) = counts.get_mut(f.id as usize) {
+                    *c += 1;
+                }
+                filled += 1;
+            }
+            iteration += 1;
+        }
+        let slotless = nodes
+            .ids_by_name()
+            .into_iter()
+            .filter(|&id| counts.get(id as usize).copied().unwrap_or(0) == 0)
+            .collect();
+        Self {
+            nodes,
+            table_size,
+            table,
+            slotless,
+        }
+    }
+
+    #[inline]
+    fn slot(&self, hash: u64) -> NodeId {
+        self.table
+            .get((hash % self.table_size) as usize)
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
+impl ConsistentHash for Maglev {
+    fn node_set(&self) -> &NodeSet {
+        &self.nodes
+    }
+
+    fn get(&self, key: Key<'_>) -> Result<NodeId> {
+        self.require_nodes()?;
+        Ok(self.slot(key.prehashed64()))
+    }
+
+    fn get_many_into<'k, I>(&self, keys: I, out: &mut Vec<NodeId>) -> Result<()>
+    where
+        I: IntoIterator<Item = Key<'k>>,
+    {
+        self.require_nodes()?;
+        out.clear();
+        out.extend(keys.into_iter().map(|k| self.slot(k.prehashed64())));
+        Ok(())
+    }
+
+    fn preference_into(&self, key: Key<'_>, n: usize, out: &mut Vec<NodeId>) -> Result<()> {
+        let n = preference_len(n, self.len())?;
+        out.clear();
+        let mut seen = SeenNodes::new(self.len());
+        let hash = key.prehashed64();
+        let attempts = 16 * self.len() as u64 + 64;
+        for a in 0..attempts {
+            if out.len() == n {
+                return Ok(());
+            }
+            let probe = if a == 0 {
+                hash
+            } else {
+                hash ^ a.wrapping_neg()
+            };
+            let id = self.slot(probe);
+            if seen.insert(id) {
+                out.push(id);
+            }
+        }
+        let start = (hash % self.table_size) as usize;
+        let (before, after) = self.table.split_at(start.min(self.table.len()));
+        for &id in after.iter().chain(before).chain(&self.slotless) {
+            if out.len() == n {
+                break;
+            }
+            if seen.insert(id) {
+                out.push(id);
+            }
+        }
+        Ok(())
+    }
+
+    fn add(&mut self, name: &str, weight: f64) -> Result<()> {
+        let mut nodes = self.nodes.clone();
+        nodes.push(name, weight)?;
+        *self = Self::build(nodes, self.table_size);
+        Ok(())
+    }
+
+    fn remove(&mut self, name: &str) -> Result<()> {
+        let mut nodes = self.nodes.clone();
+        nodes.remove(name)?;
+        *self = Self::build(nodes, self.table_size);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(t: &Maglev) -> Vec<&str> {
+        t.table()
+            .iter()
+            .map(|&id| &**t.node_set().name(id).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn envoy_basic_table() {
+        // envoy maglev_lb_test.cc "Basic": six hosts, M = 7.
+        let hosts: Vec<String> = (90..96).map(|p| format!("127.0.0.1:{p}")).collect();
+        let t = Maglev::new(hosts.iter().map(|h| (h.as_str(), 1.0)), 7).unwrap();
+        let want = [92, 94, 90, 91, 95, 90, 93].map(|p| format!("127.0.0.1:{p}"));
+        assert_eq!(
+            names(&t),
+            want.iter().map(String::as_str).collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn envoy_weighted_table() {
+        // envoy maglev_lb_test.cc "Weighted": weights 1 and 2, M = 17.
+        let t = Maglev::new([("127.0.0.1:90", 1.0), ("127.0.0.1:91", 2.0)], 17).unwrap();
+        let want = [1, 0, 0, 1, 0, 1, 1, 0, 1, 1, 1, 1, 1, 0, 1, 0, 1];
+        assert_eq!(t.table(), &want);
+    }
+
+    #[test]
+    fn envoy_retry_attempts() {
+        // "BasicWithRetryHostPredicate": hash 10 -> host 1, then 0 on retry, then 5.
+        let hosts: Vec<String> = (90..96).map(|p| format!("127.0.0.1:{p}")).collect();
+        let t = Maglev::new(hosts.iter().map(|h| (h.as_str(), 1.0)), 7).unwrap();
+        let mut out = Vec::new();
+        t.preference_into(Key::Int(10), 3, &mut out).unwrap();
+        assert_eq!(out, vec![1, 0, 5]);
+    }
+
+    #[test]
+    fn table_size_must_be_prime() {
+        for m in [0, 1, 4, 65_536, MAX_TABLE_SIZE + 1] {
+            assert!(Maglev::new([("a", 1.0)], m).is_err(), "{m}");
+        }
+        assert!(Maglev::new([("a", 1.0)], 2).is_ok());
+    }
+
+    #[test]
+    fn preference_lists_every_node_even_without_slots() {
+        // Fewer slots than nodes: the node sorting last gets none.
+        let t = Maglev::new([("c", 1.0), ("a", 1.0), ("b", 1.0)], 2).unwrap();
+        assert!(!t.table().contains(&0));
+        let mut out = Vec::new();
+        t.preference_into(Key::Int(3), 5, &mut out).unwrap();
+        assert_eq!(out.len(), 3);
+        assert_eq!(out[2], 0);
+    }
+}

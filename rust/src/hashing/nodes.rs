@@ -1,0 +1,172 @@
+//! The named, weighted node set every hasher is built on.
+//!
+//! Invariants: names are unique; weights are finite and positive; [`NodeId`]s are dense
+//! (`0..len`) and follow insertion order, so removing a node shifts the ids of later nodes down by
+//! one. An id is therefore only meaningful for the hasher state that produced it.
+
+use std::sync::Arc;
+
+use hashbrown::HashMap;
+
+use super::NodeId;
+use crate::error::{Error, Result};
+
+/// The most nodes a hasher holds (ids must fit below the flag bit the lookup tables use).
+pub const MAX_NODES: usize = 1 << 24;
+
+/// Names and weights of a hasher's nodes, in insertion order.
+#[derive(Debug, Clone, Default)]
+pub struct NodeSet {
+    names: Vec<Arc<str>>,
+    weights: Vec<f64>,
+    ids: HashMap<Arc<str>, NodeId>,
+}
+
+/// `Ok` when `weight` is finite and positive; otherwise a `ValueError` naming the node.
+pub fn check_weight(name: &str, weight: f64) -> Result<()> {
+    if weight.is_finite() && weight > 0.0 {
+        Ok(())
+    } else {
+        crate::value_err!("weight of node {name:?} must be finite and > 0, got {weight}")
+    }
+}
+
+impl NodeSet {
+    /// An empty set.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A set holding `nodes` in order; fails on a duplicate name or a bad weight.
+    pub fn from_pairs<S: AsRef<str>>(nodes: impl IntoIterator<Item = (S, f64)>) -> Result<Self> {
+        let mut set = Self::new();
+        for (name, weight) in nodes {
+            set.push(name.as_ref(), weight)?;
+        }
+        Ok(set)
+    }
+
+    /// Number of nodes.
+    pub fn len(&self) -> usize {
+        self.names.len()
+    }
+
+    /// True when there is no node.
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+
+    /// Node names, indexed by [`NodeId`].
+    pub fn names(&self) -> &[Arc<str>] {
+        &self.names
+    }
+
+    /// Node weights, indexed by [`NodeId`].
+    pub fn weights(&self) -> &[f64] {
+        &self.weights
+    }
+
+    /// The name of node `id`.
+    pub fn name(&self, id: NodeId) -> Option<&Arc<str>> {
+        self.names.get(id as usize)
+    }
+
+    /// The id of the node called `name`.
+    pub fn id(&self, name: &str) -> Option<NodeId> {
+        self.ids.get(name).copied()
+    }
+
+    /// True when a node is called `name`.
+    pub fn contains(&self, name: &str) -> bool {
+        self.ids.contains_key(name)
+    }
+
+    /// Checks that `name` could be added with `weight`, without adding it.
+    pub fn check_new(&self, name: &str, weight: f64) -> Result<()> {
+        if self.contains(name) {
+            return crate::value_err!("node {name:?} is already present");
+        }
+        if self.len() >= MAX_NODES {
+            return crate::value_err!("cannot add node {name:?}: at most {MAX_NODES} nodes");
+        }
+        check_weight(name, weight)
+    }
+
+    /// Appends a node; returns its id.
+    pub fn push(&mut self, name: &str, weight: f64) -> Result<NodeId> {
+        self.check_new(name, weight)?;
+        let id = self.names.len() as NodeId;
+        let name: Arc<str> = Arc::from(name);
+        self.ids.insert(Arc::clone(&name), id);
+        self.names.push(name);
+        self.weights.push(weight);
+        Ok(id)
+    }
+
+    /// The id of `name`, or a `KeyError` naming it.
+    pub fn require(&self, name: &str) -> Result<NodeId> {
+        self.id(name)
+            .ok_or_else(|| Error::Key(format!("unknown node {name:?}")))
+    }
+
+    /// Removes `name`; returns the id it had. Ids above it shift down by one.
+    pub fn remove(&mut self, name: &str) -> Result<NodeId> {
+        let id = self.require(name)?;
+        let at = id as usize;
+        self.names.remove(at);
+        self.weights.remove(at);
+        self.ids.remove(name);
+        for later in self.ids.values_mut() {
+            if *later > id {
+                *later -= 1;
+            }
+        }
+        Ok(id)
+    }
+
+    /// Node ids ordered by name, byte-wise (the order hashers use to break ties).
+    pub fn ids_by_name(&self) -> Vec<NodeId> {
+        let mut ids: Vec<NodeId> = (0..self.len() as NodeId).collect();
+        ids.sort_unstable_by(|&a, &b| self.names[a as usize].cmp(&self.names[b as usize]));
+        ids
+    }
+
+    /// For each node id, its position in [`NodeSet::ids_by_name`].
+    pub fn name_ranks(&self) -> Vec<u32> {
+        let mut ranks = vec![0u32; self.len()];
+        for (rank, id) in self.ids_by_name().into_iter().enumerate() {
+            if let Some(r) = ranks.get_mut(id as usize) {
+                *r = rank as u32;
+            }
+        }
+        ranks
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_follow_insertion_and_shift_on_removal() {
+        let mut set = NodeSet::from_pairs([("b", 1.0), ("a", 2.0), ("c", 1.0)]).unwrap();
+        assert_eq!(set.id("a"), Some(1));
+        assert_eq!(set.ids_by_name(), vec![1, 0, 2]);
+        assert_eq!(set.name_ranks(), vec![1, 0, 2]);
+        assert_eq!(set.remove("b").unwrap(), 0);
+        assert_eq!(set.id("a"), Some(0));
+        assert_eq!(set.id("c"), Some(1));
+        assert_eq!(set.weights(), &[2.0, 1.0]);
+    }
+
+    #[test]
+    fn bad_input_is_refused_without_change() {
+        let mut set = NodeSet::from_pairs([("a", 1.0)]).unwrap();
+        assert!(matches!(set.push("a", 1.0), Err(Error::Value(_))));
+        for w in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            assert!(matches!(set.push("b", w), Err(Error::Value(_))));
+        }
+        assert!(matches!(set.remove("zz"), Err(Error::Key(_))));
+        assert_eq!(set.len(), 1);
+    }
+}

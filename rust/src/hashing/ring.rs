@@ -1,0 +1,482 @@
+//! Consistent-hash ring (Karger et al.) in two flavours: libketama-compatible and XXH3.
+//!
+//! Invariants:
+//! - A key maps to the owner of the first point `>= hash(key)` on the ring, wrapping to the first
+//!   point (libketama's `ketama_get_server`). When several nodes own the same point, the node whose
+//!   name sorts first (byte-wise) owns it, so placement depends only on the node set, never on the
+//!   order nodes were added in.
+//! - [`RingHash::Ketama`]: points and key hashes are libketama's ([`super::ketama`]); node `i`
+//!   with weight `w_i` (a whole number) gets `4 * floor((vnodes/4) * n * w_i / sum(w))` points,
+//!   computed exactly in integers (`uhashring`'s formula; see [`HashRing`] for how this relates to
+//!   libketama's float32 arithmetic). `vnodes` must be a multiple of 4; the default 160 is
+//!   libketama's 40 digests x 4 points and `uhashring`'s `vnodes=40`.
+//! - [`RingHash::Xxh3`]: node `name` of weight `w` owns `max(1, round(vnodes * w))` points, point
+//!   `j` at `XXH3-64(name, seed = j)`; keys hash with [`super::hash_key`]. A node's points depend
+//!   only on its own name and weight, so adding or removing a node moves only keys to or from it.
+//! - `preference(key, n)` walks the ring clockwise from the key's point, collecting distinct
+//!   owners; nodes that own no point (possible in ketama mode for a tiny weight share) come last,
+//!   in name order.
+//! - Lookups are O(1) expected: a table indexed by the top bits of the hash answers directly for
+//!   buckets that hold no point boundary and otherwise gives where to start a short scan.
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use super::ketama::{ketama_hash, ketama_hash_many, ketama_points};
+use super::{preference_len, ConsistentHash, Key, NodeId, NodeSet, SeenNodes};
+use crate::error::Result;
+
+/// Points per unit of weight by default: libketama's 40 digests x 4 points.
+pub const DEFAULT_VNODES: u32 = 160;
+/// The most points a ring may hold (about 200 MB of tables).
+pub const MAX_POINTS: usize = 1 << 24;
+/// Largest bucket table: 2^22 entries (16 MiB).
+const MAX_TABLE_BITS: u32 = 22;
+
+/// How a ring places points and hashes keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RingHash {
+    /// libketama / `uhashring` `hash_fn="ketama"`: MD5, 32-bit points, integer weights.
+    Ketama,
+    /// XXH3-64 points and keys; weights are multipliers of `vnodes`.
+    Xxh3,
+}
+
+impl RingHash {
+    fn hash_bits(self) -> u32 {
+        match self {
+            RingHash::Ketama => 32,
+            RingHash::Xxh3 => 64,
+        }
+    }
+}
+
+/// A consistent-hash ring; see the module documentation for its guarantees.
+///
+/// Ketama weights: libketama computes a server's digest count as
+/// `floorf((float)w/(float)sum * 40.0 * n)` in float32, `uhashring` as `(40*n*w)//sum` in integers.
+/// They agree unless the exact share lands within float32 rounding of an integer: then libketama
+/// may give one digest (4 points) more or fewer. This ring follows the exact integer formula (it
+/// is platform-independent and matches `uhashring`); the two agree on every published vector.
+#[derive(Debug, Clone)]
+pub struct HashRing {
+    nodes: NodeSet,
+    hash: RingHash,
+    vnodes: u32,
+    /// Sorted points, followed by a `u64::MAX` sentinel.
+    points: Vec<u64>,
+    /// Owner of each point, followed by the owner of the first point (the wrap-around).
+    owners: Vec<NodeId>,
+    /// Per bucket of the top hash bits: the first point `>=` the bucket's lowest hash.
+    table: Vec<u32>,
+    shift: u32,
+    pointless: Vec<NodeId>,
+}
+
+impl HashRing {
+    /// A ring over `nodes` (`(name, weight)` pairs, names unique, weights finite and positive;
+    /// whole numbers in ketama mode) with `vnodes` points per unit of weight.
+    pub fn new<S: AsRef<str>>(
+        nodes: impl IntoIterator<Item = (S, f64)>,
+        vnodes: u32,
+        hash: RingHash,
+    ) -> Result<Self> {
+        Self::build(NodeSet::from_pairs(nodes)?, vnodes, hash)
+    }
+
+    /// How points and keys are hashed.
+    pub fn hash_kind(&self) -> RingHash {
+        self.hash
+    }
+
+    /// Points per unit of weight.
+    pub fn vnodes(&self) -> u32 {
+        self.vnodes
+    }
+
+    /// Number of points on the ring.
+    pub fn num_points(&self) -> usize {
+        self.points.len().saturating_sub(1)
+    }
+
+    /// The ring's points in ascending order, with their owners.
+    pub fn points(&self) -> impl ExactSizeIterator<Item = (u64, NodeId)> + '_ {
+        let n = self.num_points();
+        let points = self.points.get(..n).unwrap_or_default();
+        let owners = self.owners.get(..n).unwrap_or_default();
+        points.iter().copied().zip(owners.iter().copied())
+    }
+
+    /// The position of `key` on the ring (a 32-bit value in ketama mode).
+    #[inline]
+    pub fn key_hash(&self, key: Key<'_>) -> u64 {
+        match self.hash {
+            RingHash::Ketama => u64::from(ketama_hash(key)),
+            RingHash::Xxh3 => key.hash64(),
+        }
+    }
+
+    fn point_counts(nodes: &NodeSet, vnodes: u32, hash: RingHash) -> Result<Vec<usize>> {
+        if vnodes == 0 {
+            return crate::value_err!("vnodes must be >= 1, got 0");
+        }
+        let counts: Vec<usize> = match hash {
+            RingHash::Ketama => {
+                if !vnodes.is_multiple_of(4) {
+                    return crate::value_err!(
+                        "ketama places points in fours: vnodes must be a multiple of 4, got {vnodes}"
+                    );
+                }
+                const EXACT: f64 = (1u64 << 53) as f64;
+                for (name, &w) in nodes.names().iter().zip(nodes.weights()) {
+                    if w.fract() != 0.0 || w > EXACT {
+                        return crate::value_err!(
+                            "ketama weights must be whole numbers <= 2**53, got {w} for node {name:?}"
+                        );
+                    }
+                }
+                let total: u128 = nodes.weights().iter().map(|&w| w as u128).sum();
+                let scale = u128::from(vnodes / 4) * nodes.len() as u128;
+                if scale * 4 > MAX_POINTS as u128 {
+                    return crate::value_err!(
+                        "ring too large: {} nodes x {vnodes} vnodes exceeds {MAX_POINTS} points",
+                        nodes.len()
+                    );
+                }
+                nodes
+                    .weights()
+                    .iter()
+                    .map(|&w| (4 * (scale * w as u128 / total.max(1))) as usize)
+                    .collect()
+            }
+            RingHash::Xxh3 => {
+                let total: f64 = nodes
+                    .weights()
+                    .iter()
+                    .map(|&w| (f64::from(vnodes) * w).round())
+                    .sum();
+                if total > MAX_POINTS as f64 {
+                    return crate::value_err!(
+                        "ring too large: weights x {vnodes} vnodes exceed {MAX_POINTS} points"
+                    );
+                }
+                nodes
+                    .weights()
+                    .iter()
+                    .map(|&w| ((f64::from(vnodes) * w).round() as usize).max(1))
+                    .collect()
+            }
+        };
+        Ok(counts)
+    }
+
+    fn build(nodes: NodeSet, vnodes: u32, hash: RingHash) -> Result<Self> {
+        let counts = Self::point_counts(&nodes, vnodes, hash)?;
+        let ranks = nodes.name_ranks();
+        let mut entries: Vec<(u64, u32, NodeId)> = Vec::with_capacity(counts.iter().sum());
+        for (id, (name, &count)) in nodes.names().iter().zip(&counts).enumerate() {
+            let id = id as NodeId;
+            let rank = ranks.get(id as usize).copied().unwrap_or(0);
+            match hash {
+                RingHash::Ketama => {
+                    for j in 0..(count / 4) as u64 {
+                        for p in ketama_points(name, j) {
+                            entries.push((u64::from(p), rank, id));
+                        }
+                    }
+                }
+                RingHash::Xxh3 => {
+                    for j in 0..count as u64 {
+                        entries.push((xxh3_64_with_seed(name.as_bytes(), j), rank, id));
+                    }
+                }
+            }
+        }
+        entries.sort_unstable();
+        let mut points: Vec<u64> = entries.iter().map(|e| e.0).collect();
+        let mut owners: Vec<NodeId> = entries.iter().map(|e| e.2).collect();
+        let table = bucket_table(&points, hash.hash_bits());
+        if let Some(&first) = owners.first() {
+            points.push(u64::MAX);
+            owners.push(first);
+        }
+        let mut owns = vec![false; nodes.len()];
+        for &o in &owners {
+            if let Some(slot) = owns.get_mut(o as usize) {
+                *slot = true;
+            }
+        }
+        let pointless = nodes
+            .ids_by_name()
+            .into_iter()
+            .filter(|&id| !owns.get(id as usize).copied().unwrap_or(true))
+            .collect();
+        let (table, shift) = table;
+        Ok(Self {
+            nodes,
+            hash,
+            vnodes,
+            points,
+            owners,
+            table,
+            shift,
+            pointless,
+        })
+    }
+
+    /// Index of the first point `>= h`, wrapping to 0.
+    fn position(&self, h: u64) -> usize {
+        let i = self.points.partition_point(|&p| p < h);
+        if i >= self.num_points() {
+            0
+        } else {
+            i
+        }
+    }
+
+    /// The owner of the first point `>= h` (wrapping). The ring must have points.
+    ///
+    /// The bucket table gives a start at most a few points before the answer; the sentinel stops
+    /// every scan, and its owner is the wrap-around. Two unconditional steps cover almost every
+    /// bucket, so lookups in a batch rarely mispredict a branch.
+    #[inline]
+    fn owner_of(&self, h: u64) -> NodeId {
+        let before = |i: usize| self.points.get(i).is_some_and(|&p| p < h);
+        let mut i = self
+            .table
+            .get((h >> self.shift) as usize)
+            .copied()
+            .unwrap_or(0) as usize;
+        i += usize::from(before(i));
+        i += usize::from(before(i));
+        while before(i) {
+            i += 1;
+        }
+        self.owners.get(i).copied().unwrap_or(0)
+    }
+}
+
+/// The bucket table over the top `bits` of the hash space: for each bucket, the index of the
+/// first point `>=` its lowest hash (see [`HashRing::owner_of`]). Returns it with the shift that
+/// maps a hash to its bucket.
+fn bucket_table(points: &[u64], hash_bits: u32) -> (Vec<u32>, u32) {
+    if points.is_empty() {
+        return (Vec::new(), hash_bits - 1);
+    }
+    // About two buckets per point.
+    let bits = (usize::BITS - (points.len() - 1).leading_zeros() + 1).clamp(1, MAX_TABLE_BITS);
+    let shift = hash_bits - bits;
+    let mut table = Vec::with_capacity(1 << bits);
+    let mut first = 0;
+    for t in 0..(1u64 << bits) {
+        let lo = t << shift;
+        while points.get(first).is_some_and(|&p| p < lo) {
+            first += 1;
+        }
+        table.push(first as u32);
+    }
+    (table, shift)
+}
+
+impl ConsistentHash for HashRing {
+    fn node_set(&self) -> &NodeSet {
+        &self.nodes
+    }
+
+    fn get(&self, key: Key<'_>) -> Result<NodeId> {
+        self.require_nodes()?;
+        Ok(self.owner_of(self.key_hash(key)))
+    }
+
+    fn get_many_into<'k, I>(&self, keys: I, out: &mut Vec<NodeId>) -> Result<()>
+    where
+        I: IntoIterator<Item = Key<'k>>,
+    {
+        self.require_nodes()?;
+        out.clear();
+        // Hash every key first, then look them up: independent lookups overlap their cache misses.
+        match self.hash {
+            RingHash::Ketama => {
+                ketama_hash_many(keys, |h| out.push(h));
+                for slot in out.iter_mut() {
+                    *slot = self.owner_of(u64::from(*slot));
+                }
+            }
+            RingHash::Xxh3 => {
+                let mut hashes = [0u64; 256];
+                let mut keys = keys.into_iter().peekable();
+                while keys.peek().is_some() {
+                    let mut filled = 0;
+                    for (slot, key) in hashes.iter_mut().zip(&mut keys) {
+                        *slot = key.hash64();
+                        filled += 1;
+                    }
+                    out.extend(hashes.iter().take(filled).map(|&h| self.owner_of(h)));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn preference_into(&self, key: Key<'_>, n: usize, out: &mut Vec<NodeId>) -> Result<()> {
+        let n = preference_len(n, self.len())?;
+        out.clear();
+        let mut seen = SeenNodes::new(self.len());
+        let start = self.position(self.key_hash(key));
+        let owners = self.owners.get(..self.num_points()).unwrap_or_default();
+        let (before, after) = owners.split_at(start.min(owners.len()));
+        for &o in after.iter().chain(before).chain(&self.pointless) {
+            if out.len() == n {
+                break;
+            }
+            if seen.insert(o) {
+                out.push(o);
+            }
+        }
+        Ok(())
+    }
+
+    fn add(&mut self, name: &str, weight: f64) -> Result<()> {
+        let mut nodes = self.nodes.clone();
+        nodes.push(name, weight)?;
+        *self = Self::build(nodes, self.vnodes, self.hash)?;
+        Ok(())
+    }
+
+    fn remove(&mut self, name: &str) -> Result<()> {
+        let mut nodes = self.nodes.clone();
+        nodes.remove(name)?;
+        *self = Self::build(nodes, self.vnodes, self.hash)?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Error;
+
+    fn ring(nodes: &[(&str, f64)], hash: RingHash) -> HashRing {
+        HashRing::new(nodes.iter().copied(), 160, hash).unwrap()
+    }
+
+    /// Lookup by plain binary search, the definition the bucket table must reproduce.
+    fn reference_owner(r: &HashRing, h: u64) -> NodeId {
+        let pts: Vec<(u64, NodeId)> = r.points().collect();
+        let i = pts.partition_point(|&(p, _)| p < h);
+        pts[if i == pts.len() { 0 } else { i }].1
+    }
+
+    #[test]
+    fn libketama_two_server_vectors() {
+        // RJ/ketama ketama.two.servers: 600/400 MB, 320 points; "test" -> point 3454255383.
+        let r = ring(
+            &[("127.0.0.1:11211", 600.0), ("127.0.0.1:11212", 400.0)],
+            RingHash::Ketama,
+        );
+        assert_eq!(r.num_points(), 320);
+        let h = r.key_hash(Key::Bytes(b"test"));
+        assert_eq!(h, 3_446_378_249);
+        let pos = r.position(h);
+        assert_eq!(r.points[pos], 3_454_255_383);
+        assert_eq!(r.get(Key::Bytes(b"test")).unwrap(), 0);
+    }
+
+    #[test]
+    fn bucket_table_agrees_with_binary_search() {
+        let names: Vec<String> = (0..37).map(|i| format!("n{i}")).collect();
+        for hash in [RingHash::Ketama, RingHash::Xxh3] {
+            let r = HashRing::new(names.iter().map(|n| (n.as_str(), 1.0)), 8, hash).unwrap();
+            let mut probes: Vec<u64> = r
+                .points()
+                .flat_map(|(p, _)| [p, p.wrapping_sub(1), p + 1])
+                .collect();
+            probes.extend([0, u64::from(u32::MAX), u64::MAX]);
+            for k in 0..2000u64 {
+                probes.push(r.key_hash(Key::Int(k)));
+            }
+            for h in probes {
+                if hash == RingHash::Ketama && h > u64::from(u32::MAX) {
+                    continue;
+                }
+                assert_eq!(r.owner_of(h), reference_owner(&r, h), "{hash:?} {h}");
+            }
+        }
+    }
+
+    #[test]
+    fn colliding_points_go_to_the_first_name() {
+        // 2000 ketama nodes put 320k points in 2^32: a dozen collisions are expected.
+        let names: Vec<String> = (0..2000)
+            .map(|i| format!("10.1.{}.{}:11211", i / 250, i % 250))
+            .collect();
+        let r = HashRing::new(
+            names.iter().map(|n| (n.as_str(), 1.0)),
+            160,
+            RingHash::Ketama,
+        )
+        .unwrap();
+        let pts: Vec<(u64, NodeId)> = r.points().collect();
+        let mut ties = 0;
+        for w in pts.windows(2) {
+            let ((p, a), (q, b)) = (w[0], w[1]);
+            if p == q && a != b {
+                ties += 1;
+                assert!(r.nodes.name(a).unwrap() < r.nodes.name(b).unwrap());
+                assert_eq!(r.owner_of(p), a);
+            }
+        }
+        assert!(ties > 0, "expected at least one collision");
+    }
+
+    #[test]
+    fn preference_starts_with_get_and_is_distinct() {
+        let r = ring(
+            &[("a", 1.0), ("b", 2.0), ("c", 1.0), ("d", 1.0)],
+            RingHash::Ketama,
+        );
+        let mut out = Vec::new();
+        for k in 0..200u64 {
+            r.preference_into(Key::Int(k), 10, &mut out).unwrap();
+            assert_eq!(out.len(), 4);
+            assert_eq!(out[0], r.get(Key::Int(k)).unwrap());
+            let mut sorted = out.clone();
+            sorted.sort_unstable();
+            sorted.dedup();
+            assert_eq!(sorted.len(), 4);
+        }
+        assert!(matches!(
+            r.preference_into(Key::Int(1), 0, &mut out),
+            Err(Error::Value(_))
+        ));
+    }
+
+    #[test]
+    fn bad_configurations_are_refused() {
+        let nodes = [("a", 1.0)];
+        assert!(HashRing::new(nodes, 0, RingHash::Xxh3).is_err());
+        assert!(HashRing::new(nodes, 10, RingHash::Ketama).is_err());
+        assert!(HashRing::new([("a", 1.5)], 160, RingHash::Ketama).is_err());
+        assert!(HashRing::new([("a", 1e9)], 160, RingHash::Xxh3).is_err());
+        let mut r = HashRing::new(nodes, 160, RingHash::Ketama).unwrap();
+        assert!(r.add("b", 0.5).is_err());
+        assert!(r.add("a", 1.0).is_err());
+        assert!(matches!(r.remove("zz"), Err(Error::Key(_))));
+        assert_eq!(r.len(), 1);
+        assert_eq!(r.num_points(), 160);
+    }
+
+    #[test]
+    fn xxh3_changes_move_keys_only_to_or_from_the_changed_node() {
+        let names: Vec<String> = (0..10).map(|i| format!("w{i}")).collect();
+        let r =
+            HashRing::new(names.iter().map(|n| (n.as_str(), 1.0)), 160, RingHash::Xxh3).unwrap();
+        let mut grown = r.clone();
+        grown.add("new", 1.0).unwrap();
+        let new_id = grown.nodes.id("new").unwrap();
+        for k in 0..5000u64 {
+            let before = r.get(Key::Int(k)).unwrap();
+            let after = grown.get(Key::Int(k)).unwrap();
+            assert!(after == before || after == new_id);
+        }
+    }
+}
