@@ -4,11 +4,26 @@ The hot paths live in the Rust extension ``kvroute._core``; this package re-expo
 names and adds the pure-Python parts (command line, simulator, event subscriber, gateway).
 """
 
-from ._core import BlockHasher, PrefixIndex, __version__, hash_key, jump_hash, jump_hash_many
+from ._core import (
+    BlockHasher,
+    HashRing,
+    JumpHash,
+    Maglev,
+    PrefixIndex,
+    Rendezvous,
+    __version__,
+    hash_key,
+    jump_hash,
+    jump_hash_many,
+)
 
 __all__ = [
     "BlockHasher",
+    "HashRing",
+    "JumpHash",
+    "Maglev",
     "PrefixIndex",
+    "Rendezvous",
     "__version__",
     "hash_key",
     "jump_hash",

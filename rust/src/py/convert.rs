@@ -100,6 +100,10 @@ pub fn u64_from_int(obj: &Bound<'_, PyAny>, what: &str, at: Option<usize>) -> Py
 
 /// Calls `f` with the routing key held in `obj`: `str` (UTF-8 bytes), `bytes`, or `int` in 0..2^64.
 pub fn with_key<R>(obj: &Bound<'_, PyAny>, f: impl FnOnce(Key<'_>) -> R) -> PyResult<R> {
+    // Exact `str` first: a pointer comparison, where the subclass check below is a call.
+    if let Ok(s) = obj.cast_exact::<PyString>() {
+        return Ok(f(Key::Bytes(str_bytes(s)?)));
+    }
     if let Ok(s) = obj.cast::<PyString>() {
         return Ok(f(Key::Bytes(str_bytes(s)?)));
     }
@@ -129,14 +133,48 @@ impl KeyBatch {
     /// Copies every key of an iterable of `str`/`bytes`/`int` objects.
     pub fn from_iterable(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
         let mut batch = KeyBatch::default();
+        batch.refill(obj)?;
+        Ok(batch)
+    }
+
+    /// Replaces the batch's keys with those of `obj` (as [`KeyBatch::from_iterable`]), reusing
+    /// its buffers. On error the batch holds an unspecified prefix of the keys.
+    pub fn refill(&mut self, obj: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.clear();
+        if let Some((n, get_item)) = list_or_tuple(obj) {
+            self.spans.reserve(n);
+            let py = obj.py();
+            return for_each_item(obj, n, get_item, |item, _| {
+                // SAFETY: `item` is a live borrowed reference (see `for_each_item`).
+                let item = unsafe { Borrowed::from_ptr(py, item) };
+                // An exact str is read in place (no Python code runs); anything else is
+                // converted through a strong reference, as its conversion may run Python code.
+                match item.cast_exact::<PyString>() {
+                    Ok(s) => self.push(Key::Bytes(str_bytes(&s)?)),
+                    Err(_) => with_key(&item.to_owned(), |k| self.push(k))?,
+                }
+                Ok(())
+            });
+        }
         if let Ok(n) = obj.len() {
-            batch.spans.reserve(n);
+            self.spans.reserve(n);
         }
         for item in obj.try_iter()? {
             let item = item?;
-            with_key(&item, |k| batch.push(k))?;
+            with_key(&item, |k| self.push(k))?;
         }
-        Ok(batch)
+        Ok(())
+    }
+
+    /// Removes every key, keeping the buffers' capacity.
+    pub fn clear(&mut self) {
+        self.bytes.clear();
+        self.spans.clear();
+    }
+
+    /// Bytes of buffer held (for callers that cap what they keep between batches).
+    pub fn capacity_bytes(&self) -> usize {
+        self.bytes.capacity() + self.spans.capacity() * std::mem::size_of::<(u64, u64)>()
     }
 
     fn push(&mut self, key: Key<'_>) {
@@ -308,45 +346,77 @@ pub fn u64_slice<'py>(
     Ok(U64Slice::Owned(out))
 }
 
-/// The `n` items of a list or tuple (read with `get_item`, `PyList_GetItem`/`PyTuple_GetItem`)
-/// as `u64`: exact `int`s in range are read directly (the common case, a few ns each); any other
-/// item goes through `slow(item, index)`.
+/// `PyList_GetItem` or `PyTuple_GetItem`: a borrowed item, or NULL with `IndexError`.
+type GetItem = unsafe extern "C" fn(
+    *mut pyo3::ffi::PyObject,
+    pyo3::ffi::Py_ssize_t,
+) -> *mut pyo3::ffi::PyObject;
+
+/// `(length, item getter)` when `obj` is exactly a list or a tuple.
+fn list_or_tuple(obj: &Bound<'_, PyAny>) -> Option<(usize, GetItem)> {
+    if let Ok(list) = obj.cast_exact::<PyList>() {
+        return Some((list.len(), pyo3::ffi::PyList_GetItem));
+    }
+    if let Ok(tuple) = obj.cast_exact::<PyTuple>() {
+        return Some((tuple.len(), pyo3::ffi::PyTuple_GetItem));
+    }
+    None
+}
+
+/// Calls `visit(item, index)` on each of the `n` items of a list or tuple, read with `get_item`
+/// (`PyList_GetItem`/`PyTuple_GetItem`) as borrowed pointers: no iterator, no refcounting. An
+/// item stays valid while `visit` runs no Python code; `visit` must take a strong reference
+/// (`Bound::from_borrowed_ptr`) before anything that might.
+fn for_each_item(
+    seq: &Bound<'_, impl PyTypeCheck>,
+    n: usize,
+    get_item: GetItem,
+    mut visit: impl FnMut(*mut pyo3::ffi::PyObject, usize) -> PyResult<()>,
+) -> PyResult<()> {
+    for i in 0..n {
+        let index = pyo3::ffi::Py_ssize_t::try_from(i)
+            .map_err(|_| PyValueError::new_err("sequence too long"))?;
+        // SAFETY: `seq` is a live list/tuple matching `get_item`, and we hold the GIL.
+        // `get_item` bounds-checks and returns a borrowed reference (NULL with IndexError if a
+        // list shrank).
+        let item = unsafe { get_item(seq.as_ptr(), index) };
+        if item.is_null() {
+            return Err(PyErr::fetch(seq.py()));
+        }
+        visit(item, i)?;
+    }
+    Ok(())
+}
+
+/// The `n` items of a list or tuple (see [`for_each_item`]) as `u64`: exact `int`s in range are
+/// read directly (the common case, a few ns each); any other item goes through
+/// `slow(item, index)`.
 fn fast_seq_to_u64(
     seq: &Bound<'_, impl PyTypeCheck>,
     n: usize,
-    get_item: unsafe extern "C" fn(
-        *mut pyo3::ffi::PyObject,
-        pyo3::ffi::Py_ssize_t,
-    ) -> *mut pyo3::ffi::PyObject,
+    get_item: GetItem,
     slow: impl Fn(&Bound<'_, PyAny>, usize) -> PyResult<u64>,
 ) -> PyResult<Vec<u64>> {
     let py = seq.py();
     let mut out = Vec::with_capacity(n);
-    for i in 0..n {
-        let index = pyo3::ffi::Py_ssize_t::try_from(i)
-            .map_err(|_| PyValueError::new_err("list too long"))?;
-        // SAFETY: `seq` is a live list/tuple matching `get_item`, and we hold the GIL.
-        // `get_item` bounds-checks and returns a borrowed reference (NULL with IndexError if a
-        // list shrank), which stays valid while no Python code runs; the fast path below runs
-        // none (the type is exactly `int`, so no `__index__`), and the slow path takes its own
-        // reference first.
+    for_each_item(seq, n, get_item, |item, i| {
+        // SAFETY: `item` is a live borrowed reference; the fast path runs no Python code (the
+        // type is exactly `int`, so no `__index__`), and the slow path takes its own reference
+        // first.
         unsafe {
-            let item = get_item(seq.as_ptr(), index);
-            if item.is_null() {
-                return Err(PyErr::fetch(py));
-            }
             if pyo3::ffi::Py_TYPE(item) == std::ptr::addr_of_mut!(pyo3::ffi::PyLong_Type) {
                 let v = pyo3::ffi::PyLong_AsUnsignedLongLong(item);
                 if v != u64::MAX || pyo3::ffi::PyErr_Occurred().is_null() {
                     out.push(v);
-                    continue;
+                    return Ok(());
                 }
                 pyo3::ffi::PyErr_Clear(); // negative or too large: the slow path names it
             }
             let item = Bound::from_borrowed_ptr(py, item);
             out.push(slow(&item, i)?);
         }
-    }
+        Ok(())
+    })?;
     Ok(out)
 }
 

@@ -1,16 +1,39 @@
-//! Bindings for `crate::hashing`.
+//! Bindings for `crate::hashing`: `hash_key`, `jump_hash`, `jump_hash_many` and the hasher
+//! classes `HashRing`, `Maglev`, `Rendezvous` and `JumpHash`, which share one Python face.
+//!
+//! Each class keeps its core hasher behind a `parking_lot::RwLock`. Lookups on one key take the read
+//! lock directly when it is free (they last well under a microsecond) and release the GIL while
+//! waiting otherwise; batches of keys and every mutation run with the GIL released, taking the
+//! lock inside `py.detach`. Results come back as node ids plus the node names they refer to,
+//! captured under the same lock, and are turned into Python `str` objects after the lock is
+//! released, from a per-object cache that creates each node's `str` once.
 
-use numpy::PyArray1;
-use pyo3::exceptions::PyValueError;
+use std::sync::Arc;
+
+use hashbrown::HashMap;
+use numpy::{PyArray1, PyUntypedArray};
+use parking_lot::{Mutex, RwLock};
+use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyMapping, PyString};
 
-use super::convert::{u64_from_int, u64_slice, with_key, Negative};
-use crate::hashing;
+use super::convert::{
+    describe, name_from_py, type_name, u64_from_int, u64_slice, with_key, KeyBatch, Negative,
+};
+use super::fastcall;
+use crate::hashing::{self, ConsistentHash, Key, NodeId, RingHash, SeenNodes};
+
+/// Batches at least this long are hashed with the GIL released.
+const DETACH_MIN_KEYS: usize = 64;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hash_key, m)?)?;
-    m.add_function(wrap_pyfunction!(jump_hash, m)?)?;
+    fastcall::add_function(m, c"jump_hash", JUMP_HASH_DOC, jump_hash)?;
     m.add_function(wrap_pyfunction!(jump_hash_many, m)?)?;
+    m.add_class::<HashRing>()?;
+    m.add_class::<Maglev>()?;
+    m.add_class::<Rendezvous>()?;
+    m.add_class::<JumpHash>()?;
     Ok(())
 }
 
@@ -30,10 +53,46 @@ fn hash_key(key: &Bound<'_, PyAny>) -> PyResult<u64> {
     with_key(key, |k| k.hash64())
 }
 
-/// Jump consistent hash of the 64-bit `key` into `0..num_buckets`.
-#[pyfunction]
-fn jump_hash(key: &Bound<'_, PyAny>, num_buckets: i64) -> PyResult<u32> {
-    let n = num_buckets_u32(num_buckets)?;
+const JUMP_HASH_DOC: &std::ffi::CStr = c"jump_hash($module, key, num_buckets, /)
+--
+
+Lamping-Veach jump consistent hash of the 64-bit int ``key`` into ``0..num_buckets``.";
+
+/// `jump_hash(key, num_buckets)`: called by CPython with `METH_FASTCALL` (see [`fastcall`]).
+unsafe extern "C" fn jump_hash(
+    _module: *mut pyo3::ffi::PyObject,
+    args: *const *mut pyo3::ffi::PyObject,
+    nargs: pyo3::ffi::Py_ssize_t,
+) -> *mut pyo3::ffi::PyObject {
+    // SAFETY: CPython calls this through the METH_FASTCALL definition made by `register`.
+    unsafe {
+        fastcall::run(args, nargs, |py, args| {
+            let (Some(key), Some(n), 2) = (
+                fastcall::arg(py, args, 0),
+                fastcall::arg(py, args, 1),
+                args.len(),
+            ) else {
+                return Err(PyTypeError::new_err(format!(
+                    "jump_hash() takes exactly 2 arguments (key, num_buckets), got {}",
+                    args.len()
+                )));
+            };
+            Ok(jump_hash_of(&key, &n)?.into_pyobject(py)?.into_any())
+        })
+    }
+}
+
+/// Jump hash of a Python `key` into `num_buckets`, validating both.
+fn jump_hash_of(key: &Bound<'_, PyAny>, num_buckets: &Bound<'_, PyAny>) -> PyResult<u32> {
+    // Fast path: both arguments exact ints in range (one type check and one conversion each).
+    if let (Ok(k), Ok(n)) = (key.cast_exact::<PyInt>(), num_buckets.cast_exact::<PyInt>()) {
+        if let (Ok(k), Ok(n)) = (k.extract::<u64>(), n.extract::<i64>()) {
+            if (1..=i64::from(i32::MAX)).contains(&n) {
+                return Ok(hashing::jump_hash(k, n as u32));
+            }
+        }
+    }
+    let n = num_buckets_u32(int_arg(num_buckets, "num_buckets")?)?;
     let k = u64_from_int(key, "key", None)?;
     Ok(hashing::jump_hash(k, n))
 }
@@ -43,16 +102,624 @@ fn jump_hash(key: &Bound<'_, PyAny>, num_buckets: i64) -> PyResult<u32> {
 fn jump_hash_many<'py>(
     py: Python<'py>,
     keys: &Bound<'py, PyAny>,
-    num_buckets: i64,
+    num_buckets: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-    let n = num_buckets_u32(num_buckets)?;
+    let n = num_buckets_u32(int_arg(num_buckets, "num_buckets")?)?;
     let keys = u64_slice(keys, "keys", Negative::Reject)?;
     let slice = keys.as_slice();
-    let out = py.detach(|| {
-        slice
-            .iter()
-            .map(|&k| i64::from(hashing::jump_hash(k, n)))
-            .collect()
-    });
+    let mut out: Vec<i64> = Vec::new();
+    if slice.len() >= DETACH_MIN_KEYS {
+        py.detach(|| hashing::jump_hash_many_into(slice, n, &mut out));
+    } else {
+        hashing::jump_hash_many_into(slice, n, &mut out);
+    }
     Ok(PyArray1::from_vec(py, out))
 }
+
+/// A Python `int` (not `bool`) as `i64`, saturating beyond its range; `TypeError` otherwise.
+fn int_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<i64> {
+    if obj.is_instance_of::<PyBool>() || !obj.is_instance_of::<PyInt>() {
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be an int, got {} {}",
+            type_name(obj),
+            describe(obj)
+        )));
+    }
+    Ok(obj.extract::<i64>().unwrap_or_else(|_| {
+        if obj.lt(0i64).unwrap_or(false) {
+            i64::MIN
+        } else {
+            i64::MAX
+        }
+    }))
+}
+
+/// A node weight: an `int` (exactly representable, |w| <= 2^53) or a `float`. Whether it is
+/// finite and positive is checked by the core.
+fn weight_from_py(obj: &Bound<'_, PyAny>, node: &str) -> PyResult<f64> {
+    const EXACT: i64 = 1 << 53;
+    if obj.is_instance_of::<PyBool>() {
+        return Err(PyTypeError::new_err(format!(
+            "weight of node {node:?} must be a number, got bool"
+        )));
+    }
+    if obj.is_instance_of::<PyInt>() {
+        return match obj.extract::<i64>() {
+            Ok(w) if (-EXACT..=EXACT).contains(&w) => Ok(w as f64),
+            _ => Err(PyValueError::new_err(format!(
+                "weight of node {node:?} is too large: {}",
+                describe(obj)
+            ))),
+        };
+    }
+    obj.extract::<f64>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "weight of node {node:?} must be a number, got {} {}",
+            type_name(obj),
+            describe(obj)
+        ))
+    })
+}
+
+/// `(name, weight)` pairs from `nodes` (an iterable of str, or a `{node: weight}` mapping) and an
+/// optional `weights` (a `{node: weight}` mapping or a sequence parallel to `nodes`).
+fn node_pairs(
+    nodes: &Bound<'_, PyAny>,
+    weights: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Vec<(String, f64)>> {
+    let weights = weights.filter(|w| !w.is_none());
+    if nodes.is_instance_of::<PyString>() || nodes.is_instance_of::<PyBytes>() {
+        return Err(PyTypeError::new_err(format!(
+            "nodes must be a list of str or a {{node: weight}} mapping, got {} {}",
+            type_name(nodes),
+            describe(nodes)
+        )));
+    }
+    let mut pairs: Vec<(String, f64)> = Vec::new();
+    if let Ok(map) = nodes.cast::<PyMapping>() {
+        if weights.is_some() {
+            return Err(PyValueError::new_err(
+                "give weights in the nodes mapping or as weights=, not both",
+            ));
+        }
+        for item in map.items()?.iter() {
+            let (name, weight): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
+            let name = name_from_py(&name, "node")?.into_owned();
+            let weight = weight_from_py(&weight, &name)?;
+            pairs.push((name, weight));
+        }
+        return Ok(pairs);
+    }
+    let items = nodes.try_iter().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "nodes must be a list of str or a {{node: weight}} mapping, got {}",
+            type_name(nodes)
+        ))
+    })?;
+    for item in items {
+        pairs.push((name_from_py(&item?, "node")?.into_owned(), 1.0));
+    }
+    let Some(weights) = weights else {
+        return Ok(pairs);
+    };
+    if let Ok(map) = weights.cast::<PyMapping>() {
+        let mut given: Vec<(usize, f64)> = Vec::new();
+        {
+            let at: HashMap<&str, usize> = pairs
+                .iter()
+                .enumerate()
+                .map(|(i, (n, _))| (n.as_str(), i))
+                .collect();
+            for item in map.items()?.iter() {
+                let (name, weight): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
+                let name = name_from_py(&name, "weights key")?;
+                let i = at.get(&*name).copied().ok_or_else(|| {
+                    PyKeyError::new_err(format!("weights name unknown node {name:?}"))
+                })?;
+                given.push((i, weight_from_py(&weight, &name)?));
+            }
+        }
+        for (i, w) in given {
+            if let Some(pair) = pairs.get_mut(i) {
+                pair.1 = w;
+            }
+        }
+    } else {
+        let values: Vec<Bound<'_, PyAny>> = weights
+            .try_iter()
+            .map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "weights must be a sequence or a mapping, got {}",
+                    type_name(weights)
+                ))
+            })?
+            .collect::<PyResult<_>>()?;
+        if values.len() != pairs.len() {
+            return Err(PyValueError::new_err(format!(
+                "{} weights given for {} nodes",
+                values.len(),
+                pairs.len()
+            )));
+        }
+        for (pair, w) in pairs.iter_mut().zip(&values) {
+            pair.1 = weight_from_py(w, &pair.0)?;
+        }
+    }
+    Ok(pairs)
+}
+
+/// Python `str` objects for node names, created once per node and reused while the node keeps
+/// its id and name (checked by identity of the core's `Arc<str>`, which the cache keeps alive).
+/// Only touched with the GIL held, and never held while Python code can run.
+#[derive(Default)]
+struct NameCache(Mutex<Vec<Option<CachedName>>>);
+
+/// A node's name as the core holds it, and the Python `str` made from it.
+type CachedName = (Arc<str>, Py<PyString>);
+
+impl NameCache {
+    /// The `str` of node `id`, called `name`.
+    fn one<'py>(&self, py: Python<'py>, id: NodeId, name: &Arc<str>) -> Bound<'py, PyString> {
+        let mut slots = self.0.lock();
+        let at = id as usize;
+        if slots.len() <= at {
+            slots.resize_with(at + 1, || None);
+        }
+        match slots.get_mut(at) {
+            Some(Some((cached, s))) if Arc::ptr_eq(cached, name) => s.bind(py).clone(),
+            Some(slot) => {
+                let s = PyString::new(py, name);
+                *slot = Some((Arc::clone(name), s.clone().unbind()));
+                s
+            }
+            None => PyString::new(py, name),
+        }
+    }
+
+    /// A list of the `str` of every id in `ids`; `names` holds the name of each distinct id
+    /// (see [`names_of`]).
+    fn list<'py>(
+        &self,
+        py: Python<'py>,
+        ids: &[NodeId],
+        names: &[(NodeId, Arc<str>)],
+    ) -> PyResult<Bound<'py, PyList>> {
+        let len = names
+            .iter()
+            .map(|(id, _)| *id as usize + 1)
+            .max()
+            .unwrap_or(0);
+        let missing = PyString::intern(py, "");
+        let mut strs: Vec<Bound<'py, PyString>> = vec![missing.clone(); len];
+        for (id, name) in names {
+            if let Some(dest) = strs.get_mut(*id as usize) {
+                *dest = self.one(py, *id, name);
+            }
+        }
+        // Every id of `ids` is in `names` (checked by `names_of`), so `missing` is never used.
+        PyList::new(
+            py,
+            ids.iter()
+                .map(|&id| strs.get(id as usize).unwrap_or(&missing).clone()),
+        )
+    }
+}
+
+/// The distinct ids of `ids` with their names; fails if an id has no node (an internal error).
+fn names_of<H: ConsistentHash>(h: &H, ids: &[NodeId]) -> crate::Result<Vec<(NodeId, Arc<str>)>> {
+    let mut seen = SeenNodes::new(h.len());
+    ids.iter()
+        .filter(|&&id| seen.insert(id) || id as usize >= h.len())
+        .map(|&id| {
+            h.name(id)
+                .map(|n| (id, Arc::clone(n)))
+                .ok_or_else(|| crate::Error::Value(format!("internal error: no node {id}")))
+        })
+        .collect()
+}
+
+/// Buffers reused across batch calls on one object (avoids re-faulting fresh pages per call).
+#[derive(Default)]
+struct Scratch {
+    keys: KeyBatch,
+    ids: Vec<NodeId>,
+}
+
+impl Scratch {
+    /// Buffers above this size are dropped after use rather than kept.
+    const KEEP_BYTES: usize = 64 << 20;
+
+    fn trim(&mut self) {
+        if self.keys.capacity_bytes() + self.ids.capacity() * 4 > Self::KEEP_BYTES {
+            *self = Self::default();
+        }
+    }
+}
+
+/// A core hasher shared between Python threads, with its name cache.
+struct Shared<H> {
+    core: RwLock<H>,
+    names: NameCache,
+    /// Taken with `try_lock` only: a concurrent batch uses fresh buffers instead of waiting.
+    scratch: Mutex<Scratch>,
+}
+
+impl<H: ConsistentHash + Send + Sync> Shared<H> {
+    fn new(core: H) -> Self {
+        Self {
+            core: RwLock::new(core),
+            names: NameCache::default(),
+            scratch: Mutex::new(Scratch::default()),
+        }
+    }
+
+    /// Runs short read-only work: at once when the lock is free, else waiting with the GIL released.
+    fn read<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&H) -> R + Send) -> R {
+        if let Some(guard) = self.core.try_read() {
+            return f(&guard);
+        }
+        py.detach(|| f(&self.core.read()))
+    }
+
+    /// Runs read-only work on `keys` keys, with the GIL released unless the batch is small.
+    fn read_batch<R: Send>(
+        &self,
+        py: Python<'_>,
+        keys: usize,
+        f: impl FnOnce(&H) -> R + Send,
+    ) -> R {
+        if keys < DETACH_MIN_KEYS {
+            return self.read(py, f);
+        }
+        py.detach(|| f(&self.core.read()))
+    }
+
+    fn write<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut H) -> R + Send) -> R {
+        py.detach(|| f(&mut self.core.write()))
+    }
+
+    fn get<'py>(&self, py: Python<'py>, key: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
+        let found = with_key(key, |k| {
+            self.read(py, |h| h.get(k).map(|id| (id, h.name(id).map(Arc::clone))))
+        })??;
+        match found {
+            (id, Some(name)) => Ok(self.names.one(py, id, &name)),
+            (id, None) => Err(PyRuntimeError::new_err(format!(
+                "internal error: no node {id}"
+            ))),
+        }
+    }
+
+    fn get_many<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let mut guard = self.scratch.try_lock();
+        let mut own = Scratch::default();
+        let scratch: &mut Scratch = guard.as_deref_mut().unwrap_or(&mut own);
+        let Scratch { keys: batch, ids } = scratch;
+        let names = if keys.cast::<PyUntypedArray>().is_ok() {
+            let values = u64_slice(keys, "keys", Negative::Reject)?;
+            let values = values.as_slice();
+            self.read_batch(py, values.len(), |h| {
+                h.get_many_into(values.iter().map(|&k| Key::Int(k)), ids)?;
+                names_of(h, ids)
+            })
+        } else {
+            batch.refill(keys)?;
+            let batch = &*batch;
+            self.read_batch(py, batch.len(), |h| {
+                h.get_many_into(batch.iter(), ids)?;
+                names_of(h, ids)
+            })
+        }?;
+        let list = self.names.list(py, ids, &names);
+        scratch.trim();
+        list
+    }
+
+    fn preference<'py>(
+        &self,
+        py: Python<'py>,
+        key: &Bound<'py, PyAny>,
+        n: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let n = int_arg(n, "n")?;
+        if n < 1 {
+            return Err(PyValueError::new_err(format!("n must be >= 1, got {n}")));
+        }
+        let n = usize::try_from(n).unwrap_or(usize::MAX);
+        let mut ids: Vec<NodeId> = Vec::new();
+        let names = with_key(key, |k| {
+            self.read(py, |h| {
+                h.preference_into(k, n, &mut ids)?;
+                names_of(h, &ids)
+            })
+        })??;
+        self.names.list(py, &ids, &names)
+    }
+
+    fn add(
+        &self,
+        py: Python<'_>,
+        node: &Bound<'_, PyAny>,
+        weight: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let name = name_from_py(node, "node")?.into_owned();
+        let weight = match weight.filter(|w| !w.is_none()) {
+            None => 1.0,
+            Some(w) => weight_from_py(w, &name)?,
+        };
+        Ok(self.write(py, |h| h.add(&name, weight))?)
+    }
+
+    fn remove(&self, py: Python<'_>, node: &Bound<'_, PyAny>) -> PyResult<()> {
+        let name = name_from_py(node, "node")?.into_owned();
+        Ok(self.write(py, |h| h.remove(&name))?)
+    }
+
+    fn nodes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let names: Vec<(NodeId, Arc<str>)> = self.read(py, |h| {
+            h.node_set()
+                .names()
+                .iter()
+                .enumerate()
+                .map(|(i, n)| (i as NodeId, Arc::clone(n)))
+                .collect()
+        });
+        let ids: Vec<NodeId> = names.iter().map(|(id, _)| *id).collect();
+        self.names.list(py, &ids, &names)
+    }
+
+    fn len(&self, py: Python<'_>) -> usize {
+        self.read(py, |h| h.len())
+    }
+
+    fn contains(&self, py: Python<'_>, node: &Bound<'_, PyAny>) -> PyResult<bool> {
+        match node.cast::<PyString>() {
+            Ok(s) => {
+                let name = s.to_cow()?;
+                Ok(self.read(py, |h| h.contains(&name)))
+            }
+            Err(_) => Ok(false),
+        }
+    }
+}
+
+/// The methods every hasher class shares, plus the class's own (`$extra`), in one `#[pymethods]`.
+macro_rules! hasher_class {
+    ($class:ident { $($extra:tt)* }) => {
+        #[pymethods]
+        impl $class {
+            $($extra)*
+
+            /// The node ``key`` maps to. ``key`` is a str (hashed as UTF-8), bytes, or an int in
+            /// ``0..2**64-1``. Raises ValueError when there is no node.
+            fn get<'py>(&self, py: Python<'py>, key: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
+                self.inner.get(py, key)
+            }
+
+            /// ``[get(k) for k in keys]``, computed in Rust with the GIL released. ``keys`` is a
+            /// list (or any iterable) of str/bytes/int, or a NumPy integer array.
+            fn get_many<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
+                self.inner.get_many(py, keys)
+            }
+
+            /// ``n`` distinct nodes in this hasher's fallback order for ``key``, starting with
+            /// ``get(key)``. ``n`` larger than the number of nodes returns every node; ``n < 1``
+            /// raises ValueError.
+            fn preference<'py>(&self, py: Python<'py>, key: &Bound<'py, PyAny>, n: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
+                self.inner.preference(py, key, n)
+            }
+
+            /// Adds ``node`` with ``weight`` (default 1). Raises ValueError for a node already
+            /// present or a weight this hasher cannot use; nothing changes then.
+            #[pyo3(signature = (node, weight = None), text_signature = "($self, node, weight=1)")]
+            fn add(&self, py: Python<'_>, node: &Bound<'_, PyAny>, weight: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+                self.inner.add(py, node, weight)
+            }
+
+            /// Removes ``node``; raises KeyError when it is unknown.
+            fn remove(&self, py: Python<'_>, node: &Bound<'_, PyAny>) -> PyResult<()> {
+                self.inner.remove(py, node)
+            }
+
+            /// Node names, in the order they were added.
+            #[getter]
+            fn nodes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+                self.inner.nodes(py)
+            }
+
+            fn __len__(&self, py: Python<'_>) -> usize {
+                self.inner.len(py)
+            }
+
+            fn __contains__(&self, py: Python<'_>, node: &Bound<'_, PyAny>) -> PyResult<bool> {
+                self.inner.contains(py, node)
+            }
+        }
+    };
+}
+
+/// Consistent-hash ring. ``hash="ketama"`` places str keys exactly as libketama and
+/// ``uhashring.HashRing(nodes, hash_fn="ketama")`` (``vnodes`` here = 4 x uhashring's ``vnodes``;
+/// the default 160 is libketama's 40 digests x 4 points). Weights must then be whole numbers;
+/// a node gets ``4 * ((vnodes/4) * n * w // sum(w))`` points, computed exactly as uhashring does
+/// (libketama uses float32 and can differ by one digest when a share lands within float32
+/// rounding of an integer). bytes keys hash as raw bytes (libketama; uhashring would hash
+/// ``str(b'..')``); int keys hash as ``str(key)`` (uhashring). Where libketama and uhashring
+/// disagree, this follows libketama: a key hashing exactly onto a point goes to that point's node
+/// (uhashring takes the next point), and a point owned by two nodes goes to the name that sorts
+/// first (uhashring: the node added last). Both happen with probability points/2**32 per key.
+///
+/// ``hash="xxh3"``: node ``name`` of weight ``w`` owns ``max(1, round(vnodes * w))`` points at
+/// ``XXH3-64(name, seed=j)``; keys hash with ``hash_key``. Adding or removing a node moves only the
+/// keys to or from it.
+#[pyclass(frozen, module = "kvroute._core")]
+pub struct HashRing {
+    inner: Shared<hashing::HashRing>,
+}
+
+hasher_class!(HashRing {
+    #[new]
+    #[pyo3(
+        signature = (nodes, *, vnodes = None, hash = "ketama"),
+        text_signature = "(nodes, *, vnodes=160, hash=\"ketama\")"
+    )]
+    fn new(py: Python<'_>, nodes: &Bound<'_, PyAny>, vnodes: Option<&Bound<'_, PyAny>>, hash: &str) -> PyResult<Self> {
+        let kind = match hash {
+            "ketama" => RingHash::Ketama,
+            "xxh3" => RingHash::Xxh3,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "hash must be \"ketama\" or \"xxh3\", got {other:?}"
+                )))
+            }
+        };
+        let vnodes = vnodes.map_or(Ok(i64::from(hashing::DEFAULT_VNODES)), |v| int_arg(v, "vnodes"))?;
+        let vnodes = u32::try_from(vnodes)
+            .ok()
+            .filter(|&v| v >= 1)
+            .ok_or_else(|| PyValueError::new_err(format!("vnodes must be in 1..2**32-1, got {vnodes}")))?;
+        let pairs = node_pairs(nodes, None)?;
+        let core = py.detach(|| hashing::HashRing::new(pairs, vnodes, kind))?;
+        Ok(Self { inner: Shared::new(core) })
+    }
+
+    /// Points per unit of weight.
+    #[getter]
+    fn vnodes(&self, py: Python<'_>) -> u32 {
+        self.inner.read(py, |h| h.vnodes())
+    }
+
+    /// ``"ketama"`` or ``"xxh3"``.
+    #[getter]
+    fn hash(&self, py: Python<'_>) -> &'static str {
+        match self.inner.read(py, |h| h.hash_kind()) {
+            RingHash::Ketama => "ketama",
+            RingHash::Xxh3 => "xxh3",
+        }
+    }
+
+    /// The ring's points in ascending order as ``(position, node)`` (positions are 32-bit in
+    /// ketama mode, where they equal ``uhashring``'s ``get_points()``).
+    #[getter]
+    fn points<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let (points, names) = self.inner.read(py, |h| {
+            let points: Vec<(u64, NodeId)> = h.points().collect();
+            let ids: Vec<NodeId> = points.iter().map(|p| p.1).collect();
+            (points, names_of(h, &ids))
+        });
+        let ids: Vec<NodeId> = points.iter().map(|p| p.1).collect();
+        let owners = self.inner.names.list(py, &ids, &names?)?;
+        let pairs = points
+            .iter()
+            .zip(owners.iter())
+            .map(|(&(p, _), owner)| (p, owner).into_pyobject(py))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyList::new(py, pairs)
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let (n, v, k) = self.inner.read(py, |h| (h.len(), h.vnodes(), h.hash_kind()));
+        let k = if k == RingHash::Ketama { "ketama" } else { "xxh3" };
+        format!("HashRing(<{n} nodes>, vnodes={v}, hash={k:?})")
+    }
+});
+
+/// Maglev hashing with Envoy's table construction: nodes sorted by name, offset
+/// ``XXH64(name, 0) % M``, skip ``XXH64(name, 1) % (M-1) + 1``, Envoy's weighted fill.
+/// ``table_size`` M must be prime. ``get(int)`` is ``table[key % M]``: int keys are taken as
+/// already-hashed 64-bit values (as Envoy's request hash); str/bytes keys go through ``hash_key``.
+/// ``preference`` follows Envoy's retry hashing (attempt a looks up ``key ^ (2**64 - a)``).
+#[pyclass(frozen, module = "kvroute._core")]
+pub struct Maglev {
+    inner: Shared<hashing::Maglev>,
+}
+
+hasher_class!(Maglev {
+    #[new]
+    #[pyo3(
+        signature = (nodes, *, weights = None, table_size = None),
+        text_signature = "(nodes, *, weights=None, table_size=65537)"
+    )]
+    fn new(py: Python<'_>, nodes: &Bound<'_, PyAny>, weights: Option<&Bound<'_, PyAny>>, table_size: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+        let m = table_size.map_or(Ok(hashing::DEFAULT_TABLE_SIZE as i64), |m| int_arg(m, "table_size"))?;
+        let m = u64::try_from(m).map_err(|_| PyValueError::new_err(format!("table_size must be a prime, got {m}")))?;
+        let pairs = node_pairs(nodes, weights)?;
+        let core = py.detach(|| hashing::Maglev::new(pairs, m))?;
+        Ok(Self { inner: Shared::new(core) })
+    }
+
+    /// The node of every slot: ``table[k % table_size]`` is ``get(k)`` for an int ``k``.
+    #[getter]
+    fn table<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let (slots, names) = self.inner.read(py, |h| (h.table().to_vec(), names_of(h, h.table())));
+        self.inner.names.list(py, &slots, &names?)
+    }
+
+    /// The number of slots M.
+    #[getter]
+    fn table_size(&self, py: Python<'_>) -> u64 {
+        self.inner.read(py, |h| h.table_size())
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let (n, m) = self.inner.read(py, |h| (h.len(), h.table_size()));
+        format!("Maglev(<{n} nodes>, table_size={m})")
+    }
+});
+
+/// Weighted rendezvous (highest-random-weight) hashing with the logarithmic method: node i scores
+/// ``w_i / -ln(u_i)`` for a uniform draw ``u_i`` from ``(hash_key(key), XXH3(name_i))``, so each
+/// node gets exactly its weight's share of keys. Keys of every type are hashed with ``hash_key``.
+/// ``preference`` is the descending score order.
+#[pyclass(frozen, module = "kvroute._core")]
+pub struct Rendezvous {
+    inner: Shared<hashing::Rendezvous>,
+}
+
+hasher_class!(Rendezvous {
+    #[new]
+    #[pyo3(signature = (nodes, *, weights = None))]
+    fn new(py: Python<'_>, nodes: &Bound<'_, PyAny>, weights: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+        let pairs = node_pairs(nodes, weights)?;
+        let core = py.detach(|| hashing::Rendezvous::new(pairs))?;
+        Ok(Self { inner: Shared::new(core) })
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!("Rendezvous(<{} nodes>)", self.inner.len(py))
+    }
+});
+
+/// Jump consistent hash over named nodes (MementoHash, Coluzzi et al. 2024), unweighted. With no
+/// removal, ``get(k)`` for an int ``k`` is ``nodes[jump_hash(k, len(nodes))]``: int keys are taken
+/// as already-hashed 64-bit values (as in the jump paper); str/bytes keys go through ``hash_key``.
+/// Removing any node moves only that node's keys, spread evenly over the others; adding a node
+/// after removals reuses the most recently freed bucket. ``preference(key, n)`` is the failover
+/// order: its second entry is where ``key`` goes once its first node is removed.
+#[pyclass(frozen, module = "kvroute._core")]
+pub struct JumpHash {
+    inner: Shared<hashing::JumpHash>,
+}
+
+hasher_class!(JumpHash {
+    #[new]
+    fn new(py: Python<'_>, nodes: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let pairs = node_pairs(nodes, None)?;
+        let core = py.detach(|| -> crate::Result<hashing::JumpHash> {
+            let mut h = hashing::JumpHash::default();
+            for (name, weight) in &pairs {
+                h.add(name, *weight)?;
+            }
+            Ok(h)
+        })?;
+        Ok(Self { inner: Shared::new(core) })
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!("JumpHash(<{} nodes>)", self.inner.len(py))
+    }
+});

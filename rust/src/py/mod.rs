@@ -6,6 +6,7 @@
 
 mod blocks;
 mod convert;
+mod fastcall;
 mod hashing;
 mod index;
 
