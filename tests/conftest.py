@@ -15,3 +15,13 @@ def load_vectors(name: str) -> dict:
 @pytest.fixture(scope="session")
 def jump_vectors() -> dict:
     return load_vectors("jump_consistent_hash.json")
+
+
+@pytest.fixture(scope="session")
+def ketama_vectors() -> dict:
+    return load_vectors("ketama.json")
+
+
+@pytest.fixture(scope="session")
+def maglev_vectors() -> dict:
+    return load_vectors("maglev.json")

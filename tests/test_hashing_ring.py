@@ -1,0 +1,203 @@
+"""HashRing against libketama's published vectors and uhashring (an independent implementation)."""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+from collections import Counter
+
+import kvroute
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+uhashring = pytest.importorskip("uhashring")
+
+
+def ketama_hashi(key: str | bytes) -> int:
+    """libketama's ketama_hashi: the first 4 MD5 digest bytes, little-endian."""
+    data = key.encode() if isinstance(key, str) else key
+    return int.from_bytes(hashlib.md5(data).digest()[:4], "little")
+
+
+def first_point_at_or_after(positions: list[int], h: int) -> int:
+    i = bisect.bisect_left(positions, h)
+    return positions[i if i < len(positions) else 0]
+
+
+def test_libketama_two_servers(ketama_vectors):
+    case = ketama_vectors["libketama_two_servers"]
+    ring = kvroute.HashRing(dict(case["servers"]))
+    positions = [p for p, _ in ring.points]
+    assert len(positions) == case["num_points"]
+    assert ketama_hashi("test") == case["hashi"]["test"]
+    expected = case["get_server"]["test"]
+    assert first_point_at_or_after(positions, ketama_hashi("test")) == expected["point"]
+    assert ring.get("test") == expected["server"]
+
+
+def test_libketama_million_key_golden_output(ketama_vectors):
+    """ketama_test's output for keys "0".."999999" (hash, chosen point, server), byte for byte."""
+    case = ketama_vectors["libketama_ketama_servers_file"]
+    ring = kvroute.HashRing(dict(case["servers"]))
+    positions = [p for p, _ in ring.points]
+    assert len(positions) == case["num_points_observed_with_uhashring"]
+    keys = [str(i) for i in range(1_000_000)]
+    servers = ring.get_many(keys)
+    lines = ["\n"]
+    for key, server in zip(keys, servers):
+        h = ketama_hashi(key)
+        lines.append(f"{h} {first_point_at_or_after(positions, h)} {server}\n")
+    assert lines[1 : 1 + len(case["first_lines_of_that_output"])] == [
+        line + "\n" for line in case["first_lines_of_that_output"]
+    ]
+    assert hashlib.md5("".join(lines).encode()).hexdigest() == case["golden_output_md5"]
+
+
+def test_go_ketama_counts(ketama_vectors):
+    case = ketama_vectors["go_ketama_basic_compat"]
+    ring = kvroute.HashRing([f"server{i}" for i in range(1, 11)])
+    counts = Counter(ring.get_many([f"foo{i}" for i in range(100_000)]))
+    assert counts == case["expected_counts"]
+
+
+def test_raw_byte_keys_hashing_to_zero(ketama_vectors):
+    # go-ketama's regression keys are raw bytes whose ketama hash is exactly 0. go-ketama (Perl's
+    # binary search with its underflow quirk) answers the LAST point's server, r01; libketama's
+    # ketama_get_server and uhashring answer the first point >= 0, whose owner is r02 here.
+    # kvroute follows libketama.
+    case = ketama_vectors["go_ketama_segfault_regression"]
+    ring = kvroute.HashRing(dict(case["servers"]))
+    peer = uhashring.HashRing(dict(case["servers"]), hash_fn="ketama")
+    first, last = ring.points[0][1], ring.points[-1][1]
+    assert (first, last) == ("r02", "r01")
+    for key_hex, go_ketama_server in case["keys_hex_bytes"].items():
+        key = bytes.fromhex(key_hex)
+        assert ketama_hashi(key) == 0
+        assert go_ketama_server == last
+        assert ring.get(key) == first
+    # uhashring hashes str(key) for bytes, so apply its lookup rule (bisect) to hash 0 directly.
+    runtime = peer.runtime
+    assert runtime._ring[runtime._keys[bisect.bisect(runtime._keys, 0)]] == first
+
+
+def divergence_is_documented(ring: kvroute.HashRing, key: str) -> bool:
+    """The two cases where libketama (and kvroute) and uhashring differ, by design."""
+    points = ring.points
+    positions = [p for p, _ in points]
+    h = ketama_hashi(key)
+    if h in positions:  # exact hit: libketama takes that point, uhashring the next one
+        return True
+    owners = {n for p, n in points if p == first_point_at_or_after(positions, h)}
+    return len(owners) > 1  # a point owned by two nodes
+
+
+names = st.text(
+    alphabet=st.characters(min_codepoint=33, max_codepoint=0x2FF), min_size=1, max_size=12
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    nodes=st.dictionaries(names, st.integers(1, 1000), min_size=1, max_size=24),
+    keys=st.lists(st.one_of(st.text(max_size=40), st.integers(0, 2**64 - 1)), max_size=60),
+    vnodes=st.sampled_from([4, 40, 160, 200]),
+)
+def test_parity_with_uhashring_ketama(nodes, keys, vnodes):
+    ours = kvroute.HashRing(nodes, vnodes=vnodes)
+    peer = uhashring.HashRing(dict(nodes), hash_fn="ketama", vnodes=vnodes // 4)
+    assert sorted(ours.points) == sorted(peer.get_points()) or any(
+        c > 1 for c in Counter(p for p, _ in ours.points).values()
+    )
+    assert [p for p, _ in ours.points] == sorted(peer.runtime._keys)
+    got = ours.get_many(keys)
+    for key, node in zip(keys, got):
+        assert node == ours.get(key)
+        expected = peer.get_node(key)
+        assert node == expected or divergence_is_documented(ours, str(key)), key
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    nodes=st.lists(names, min_size=1, max_size=16, unique=True),
+    keys=st.lists(st.text(max_size=20), min_size=1, max_size=20),
+)
+def test_preference_matches_uhashring_walk(nodes, keys):
+    ours = kvroute.HashRing(nodes)
+    positions = [p for p, _ in ours.points]
+    assume(len(set(positions)) == len(positions))  # no point owned twice anywhere on the walk
+    peer = uhashring.HashRing(list(nodes), hash_fn="ketama")
+    for key in keys:
+        assume(not divergence_is_documented(ours, key))
+        assert ours.preference(key, len(nodes)) == list(peer.iterate_nodes(key))
+
+
+def test_exact_hit_follows_libketama_not_uhashring():
+    # "a-0" is the text libketama hashes for node "a"'s first digest, so the key's 32-bit hash is
+    # exactly one of "a"'s points. libketama (first point >= hash) answers "a"; uhashring (first
+    # point > hash) answers the owner of the next point.
+    nodes = ["a", "b", "c", "d"]
+    ring = kvroute.HashRing(nodes)
+    assert ketama_hashi("a-0") in {p for p, n in ring.points if n == "a"}
+    assert ring.get("a-0") == "a"
+    peer = uhashring.HashRing(nodes, hash_fn="ketama")
+    positions = [p for p, _ in ring.points]
+    nxt = positions[(positions.index(ketama_hashi("a-0")) + 1) % len(positions)]
+    assert peer.get_node("a-0") == dict(ring.points)[nxt]
+
+
+def test_weighted_point_counts_follow_the_exact_integer_formula():
+    # Weights 1, 18, 21 over 3 servers: the third server's exact share is 40*3*21/40 = 63 digests.
+    # libketama's float32 pct (0.52499998) gives floorf(62.999997) = 62; uhashring's integer
+    # formula gives 63, and so does kvroute (documented in HashRing's docstring).
+    weights = {"s1": 1, "s2": 18, "s3": 21}
+    pct = np.float32(np.float32(21) / np.float32(40))
+    assert int(np.floor(np.float32(float(pct) * 40.0 * 3.0))) == 62
+    ring = kvroute.HashRing(weights)
+    counts = Counter(n for _, n in ring.points)
+    assert counts == {"s1": 12, "s2": 216, "s3": 252}
+    assert counts == uhashring.HashRing(weights, hash_fn="ketama").distribution
+
+
+def test_integer_keys_hash_as_their_decimal_text():
+    ring = kvroute.HashRing([f"n{i}" for i in range(10)])
+    for k in [0, 7, 12345, 2**64 - 1]:
+        assert ring.get(k) == ring.get(str(k))
+
+
+def test_xxh3_ring_points_are_documented():
+    xxhash = pytest.importorskip("xxhash")
+    ring = kvroute.HashRing({"a": 1, "b": 2.5}, vnodes=8, hash="xxh3")
+    expected = sorted(
+        [(xxhash.xxh3_64_intdigest(b"a", seed=j), "a") for j in range(8)]
+        + [(xxhash.xxh3_64_intdigest(b"b", seed=j), "b") for j in range(20)]
+    )
+    assert ring.points == expected
+    positions = [p for p, _ in expected]
+    for key in ["x", "y", "zz", b"\x00", 5]:
+        h = kvroute.hash_key(key)
+        assert ring.get(key) == dict(expected)[first_point_at_or_after(positions, h)]
+
+
+def test_ring_options_and_errors():
+    ring = kvroute.HashRing(["a", "b"], vnodes=40, hash="xxh3")
+    assert (ring.vnodes, ring.hash) == (40, "xxh3")
+    assert "vnodes=40" in repr(ring)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        kvroute.HashRing(["a"], vnodes=10)
+    with pytest.raises(ValueError, match="whole numbers"):
+        kvroute.HashRing({"a": 1.5})
+    with pytest.raises(ValueError, match="hash must be"):
+        kvroute.HashRing(["a"], hash="md5")
+    for bad in (0, -1, 2**40):
+        with pytest.raises(ValueError, match="vnodes"):
+            kvroute.HashRing(["a"], vnodes=bad)
+    with pytest.raises(TypeError):
+        kvroute.HashRing(["a"], vnodes=1.5)
+    with pytest.raises(ValueError, match="too large"):
+        kvroute.HashRing({"a": 10**6}, hash="xxh3")
+    ketama = kvroute.HashRing(["a"])
+    with pytest.raises(ValueError, match="whole numbers"):
+        ketama.add("b", 0.5)
+    assert ketama.nodes == ["a"]
