@@ -10,6 +10,23 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import pytest
+
+
+@pytest.fixture
+def per_call(benchmark):
+    """``per_call(fn, *args)`` times single calls with a fixed number of calls per round.
+
+    pytest-benchmark's calibration can settle on one call per round for a sub-microsecond
+    function and then mostly time its own timer; fixing the counts treats every implementation
+    in a group alike.
+    """
+
+    def run(fn, *args):
+        return benchmark.pedantic(fn, args=args, iterations=2000, rounds=200, warmup_rounds=5)
+
+    return run
+
 
 def _per_op(bench) -> float:
     return bench.stats.median / float(bench.extra_info.get("ops", 1))

@@ -3,12 +3,21 @@
 /// Bucket in `0..num_buckets` for `key`, bit-exact with the paper's reference implementation.
 ///
 /// `num_buckets` must be at least 1 (callers validate; `0` yields `0` rather than panicking).
-/// The loop keeps `b` and `j` as integer-valued `f64`s: the reference converts them to and from
-/// floats on every step, and skipping those conversions (exact, since both stay below 2^31 while
-/// the loop runs) shortens the dependency chain without changing any result.
 #[inline]
-pub fn jump_hash(mut key: u64, num_buckets: u32) -> u32 {
-    let n = f64::from(num_buckets);
+pub fn jump_hash(key: u64, num_buckets: u32) -> u32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("sse4.1") {
+        // SAFETY: the running CPU supports SSE4.1 (checked just above).
+        return unsafe { jump_hash_sse41(key, num_buckets) };
+    }
+    jump_float(key, f64::from(num_buckets))
+}
+
+/// The reference loop with `b` and `j` kept as integer-valued `f64`s. The reference converts
+/// them to and from floats on every step; skipping those conversions (exact, since both stay
+/// below 2^31 while the loop runs) shortens the dependency chain without changing any result.
+#[inline(always)]
+fn jump_float(mut key: u64, n: f64) -> u32 {
     let mut b = 0.0f64;
     let mut j = 0.0f64;
     while j < n {
@@ -18,6 +27,13 @@ pub fn jump_hash(mut key: u64, num_buckets: u32) -> u32 {
         j = ((b + 1.0) * ((1u64 << 31) as f64 / (f64::from((key >> 33) as i32) + 1.0))).trunc();
     }
     b as u32
+}
+
+/// The same loop where `trunc` is one instruction (`roundsd`) instead of a libm call.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "sse4.1")]
+fn jump_hash_sse41(key: u64, num_buckets: u32) -> u32 {
+    jump_float(key, f64::from(num_buckets))
 }
 
 /// Keys advanced together by [`jump_hash_many_into`]. The single-key loop waits on one float

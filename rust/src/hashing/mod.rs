@@ -12,6 +12,13 @@
 //!   `get`. A failed call returns an [`Error`](crate::Error) and leaves the hasher unchanged.
 //! - [`bounded`] walks a preference order under a load bound (consistent hashing with bounded
 //!   loads, Mirrokni, Thorup & Zadimoghaddam 2018).
+//!
+//! Rust API for the router and other modules: build a hasher with `HashRing::new(pairs, vnodes,
+//! RingHash::Xxh3)`, `Maglev::new(pairs, table_size)`, `Rendezvous::new(pairs)` or
+//! `JumpHash::new(names)` (`pairs` yields `(name, weight)`), then use the [`ConsistentHash`]
+//! methods. Lookups return [`NodeId`]s (indices into `node_set()`, valid until the next mutation);
+//! the batch and preference calls fill a caller-owned `Vec` so hot loops reuse one buffer.
+//! [`BoundedLoad::pick_for`] chooses a node for a key given per-node loads.
 
 pub mod bounded;
 mod jump;

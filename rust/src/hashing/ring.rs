@@ -16,8 +16,8 @@
 //! - `preference(key, n)` walks the ring clockwise from the key's point, collecting distinct
 //!   owners; nodes that own no point (possible in ketama mode for a tiny weight share) come last,
 //!   in name order.
-//! - Lookups are O(1) expected: a table indexed by the top bits of the hash answers directly for
-//!   buckets that hold no point boundary and otherwise gives where to start a short scan.
+//! - Lookups are O(1) expected: a table indexed by the top bits of the hash (about two buckets per
+//!   point) gives the first point of the key's bucket, and a short scan finds the answer.
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -52,11 +52,20 @@ impl RingHash {
 
 /// A consistent-hash ring; see the module documentation for its guarantees.
 ///
-/// Ketama weights: libketama computes a server's digest count as
-/// `floorf((float)w/(float)sum * 40.0 * n)` in float32, `uhashring` as `(40*n*w)//sum` in integers.
-/// They agree unless the exact share lands within float32 rounding of an integer: then libketama
-/// may give one digest (4 points) more or fewer. This ring follows the exact integer formula (it
-/// is platform-independent and matches `uhashring`); the two agree on every published vector.
+/// Ketama mode versus its two references:
+/// - Points per server: libketama computes the digest count as
+///   `floorf((float)w / (float)sum * 40.0 * n)`, through a float32 share; `uhashring` as
+///   `(40 * n * w) // sum` in integers. They differ when the exact count is an integer (or within
+///   float32 rounding of one) that the float32 share rounds below: weights 1, 18, 21 give the third
+///   server exactly 63 digests, but libketama computes floorf(62.999997) = 62. This ring uses the
+///   exact integer formula: it matches `uhashring`, is platform-independent, and agrees with
+///   libketama on every published vector (random weight lists differ about once in 7000).
+/// - A key whose 32-bit hash equals a point goes to that point (libketama; `uhashring` bisects to
+///   the next point). A point owned by two servers goes to the name that sorts first (libketama
+///   keeps its sorted order, `uhashring` the server added last). Both cases need a 32-bit
+///   collision: about `points / 2^32` per key, or `points^2 / 2^33` colliding points per ring.
+/// - Hash 0 goes to the first point, as in libketama and `uhashring` (go-ketama, following Perl's
+///   binary search, answers the last point).
 #[derive(Debug, Clone)]
 pub struct HashRing {
     nodes: NodeSet,

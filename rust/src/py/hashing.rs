@@ -84,12 +84,20 @@ unsafe extern "C" fn jump_hash(
 
 /// Jump hash of a Python `key` into `num_buckets`, validating both.
 fn jump_hash_of(key: &Bound<'_, PyAny>, num_buckets: &Bound<'_, PyAny>) -> PyResult<u32> {
-    // Fast path: both arguments exact ints in range (one type check and one conversion each).
-    if let (Ok(k), Ok(n)) = (key.cast_exact::<PyInt>(), num_buckets.cast_exact::<PyInt>()) {
-        if let (Ok(k), Ok(n)) = (k.extract::<u64>(), n.extract::<i64>()) {
-            if (1..=i64::from(i32::MAX)).contains(&n) {
-                return Ok(hashing::jump_hash(k, n as u32));
-            }
+    // Fast path: both arguments exact ints in range (a type comparison and one conversion each).
+    if key.is_exact_instance_of::<PyInt>() && num_buckets.is_exact_instance_of::<PyInt>() {
+        // SAFETY: both objects are live `int`s and the GIL is held.
+        let (k, n) = unsafe {
+            (
+                pyo3::ffi::PyLong_AsUnsignedLongLong(key.as_ptr()),
+                pyo3::ffi::PyLong_AsLongLong(num_buckets.as_ptr()),
+            )
+        };
+        // A failed conversion returns -1 (as u64: u64::MAX) with an exception set: take it (the
+        // slow path below raises the precise error).
+        let failed = (k == u64::MAX || n == -1) && PyErr::take(key.py()).is_some();
+        if !failed && (1..=i64::from(i32::MAX)).contains(&n) {
+            return Ok(hashing::jump_hash(k, n as u32));
         }
     }
     let n = num_buckets_u32(int_arg(num_buckets, "num_buckets")?)?;
@@ -542,20 +550,23 @@ macro_rules! hasher_class {
     };
 }
 
-/// Consistent-hash ring. ``hash="ketama"`` places str keys exactly as libketama and
-/// ``uhashring.HashRing(nodes, hash_fn="ketama")`` (``vnodes`` here = 4 x uhashring's ``vnodes``;
-/// the default 160 is libketama's 40 digests x 4 points). Weights must then be whole numbers;
-/// a node gets ``4 * ((vnodes/4) * n * w // sum(w))`` points, computed exactly as uhashring does
-/// (libketama uses float32 and can differ by one digest when a share lands within float32
-/// rounding of an integer). bytes keys hash as raw bytes (libketama; uhashring would hash
-/// ``str(b'..')``); int keys hash as ``str(key)`` (uhashring). Where libketama and uhashring
-/// disagree, this follows libketama: a key hashing exactly onto a point goes to that point's node
-/// (uhashring takes the next point), and a point owned by two nodes goes to the name that sorts
-/// first (uhashring: the node added last). Both happen with probability points/2**32 per key.
+/// Consistent-hash ring. ``hash="ketama"`` places str keys as libketama and
+/// ``uhashring.HashRing(nodes, hash_fn="ketama")`` do; ``vnodes`` here is 4 x uhashring's (the
+/// default 160 is libketama's 40 digests x 4 points) and must be a multiple of 4. Weights must then
+/// be whole numbers; a node gets ``4 * ((vnodes // 4) * n * w // sum(w))`` points, exactly as
+/// uhashring computes them. libketama computes that count through a float32 share and can get
+/// one digest fewer when the exact count is an integer (weights 1, 18, 21: 62 instead of 63
+/// digests for the third server); kvroute follows the exact formula. bytes keys hash as raw bytes
+/// (libketama; uhashring would hash ``str(b"...")``); int keys as ``str(key)`` (uhashring). Where
+/// libketama and uhashring disagree, kvroute follows libketama: a key hashing exactly onto a point
+/// goes to that point's node (uhashring takes the next point), and a point owned by two nodes goes
+/// to the name that sorts first (uhashring: the node added last). Both need a 32-bit collision
+/// (about points/2**32 per key).
 ///
 /// ``hash="xxh3"``: node ``name`` of weight ``w`` owns ``max(1, round(vnodes * w))`` points at
-/// ``XXH3-64(name, seed=j)``; keys hash with ``hash_key``. Adding or removing a node moves only the
-/// keys to or from it.
+/// ``XXH3-64(name, seed=j)``; keys of every type hash with ``hash_key``. Adding or removing a node
+/// moves only the keys to or from it. In both modes ``preference`` walks the ring clockwise from
+/// the key.
 #[pyclass(frozen, module = "kvroute._core")]
 pub struct HashRing {
     inner: Shared<hashing::HashRing>,
