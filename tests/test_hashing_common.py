@@ -254,5 +254,5 @@ def test_stubs_list_every_public_method():
         }
         assert declared == runtime, name
     functions = {f.name for f in stub.body if isinstance(f, ast.FunctionDef)}
-    assert functions == {"hash_key", "jump_hash", "jump_hash_many"}
+    assert functions >= {"hash_key", "jump_hash", "jump_hash_many"}
     assert set(kvroute.__all__) >= functions | set(classes)
