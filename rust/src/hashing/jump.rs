@@ -49,18 +49,25 @@ fn jump_lanes<const L: usize>(keys: &[u64; L], n: f64) -> [u32; L] {
     let mut key = *keys;
     let mut b = [0.0f64; L];
     let mut j = [0.0f64; L];
-    while j.iter().any(|&x| x < n) {
+    loop {
+        let mut running = 0u32;
         for l in 0..L {
+            let active = j[l] < n;
+            running |= u32::from(active);
             let next_key = key[l]
                 .wrapping_mul(2_862_933_555_777_941_757)
                 .wrapping_add(1);
             // (next_key >> 33) < 2^31, so the i32 conversion is exact.
             let divisor = f64::from((next_key >> 33) as i32) + 1.0;
             let next_j = ((j[l] + 1.0) * ((1u64 << 31) as f64 / divisor)).trunc();
-            let active = j[l] < n;
-            b[l] = if active { j[l] } else { b[l] };
-            key[l] = if active { next_key } else { key[l] };
-            j[l] = if active { next_j } else { j[l] };
+            // Branch-free selects keep the lanes in registers.
+            let keep = u64::from(active).wrapping_neg();
+            b[l] = f64::from_bits((j[l].to_bits() & keep) | (b[l].to_bits() & !keep));
+            key[l] = (next_key & keep) | (key[l] & !keep);
+            j[l] = f64::from_bits((next_j.to_bits() & keep) | (j[l].to_bits() & !keep));
+        }
+        if running == 0 {
+            break;
         }
     }
     b.map(|x| x as u32)
