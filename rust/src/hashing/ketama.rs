@@ -104,16 +104,18 @@ fn md5_word0<const L: usize>(m: &Block<L>) -> [u32; L] {
             for l in 0..L {
                 let (x, y, z) = ($b[l], $c[l], $d[l]);
                 let f: u32 = $f(x, y, z);
+                // `a + K + M` does not depend on `b`; adding `f` last keeps one add on the
+                // step-to-step dependency chain.
                 let t = $a[l]
-                    .wrapping_add(f)
                     .wrapping_add(K[$i])
-                    .wrapping_add(m[$g][l]);
+                    .wrapping_add(m[$g][l])
+                    .wrapping_add(f);
                 $a[l] = x.wrapping_add(t.rotate_left($s));
             }
         };
     }
     let f = |x: u32, y: u32, z: u32| z ^ (x & (y ^ z));
-    let g = |x: u32, y: u32, z: u32| y ^ (z & (x ^ y));
+    let g = |x: u32, y: u32, z: u32| (x & z).wrapping_add(y & !z);
     let h = |x: u32, y: u32, z: u32| x ^ y ^ z;
     let i = |x: u32, y: u32, z: u32| y ^ (x | !z);
     macro_rules! four {
