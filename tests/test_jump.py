@@ -120,3 +120,16 @@ def test_hash_key_bad_input(key, exc):
 def test_hash_key_matches_python_xxhash(data):
     xxhash = pytest.importorskip("xxhash")
     assert kvroute.hash_key(data) == xxhash.xxh3_64_intdigest(data, seed=0)
+
+
+def test_jump_hash_arguments_bind_like_a_def():
+    assert kvroute.jump_hash(key=0xDEADBEEF, num_buckets=19) == 16
+    assert kvroute.jump_hash(0xDEADBEEF, num_buckets=19) == 16
+    with pytest.raises(TypeError, match="missing"):
+        kvroute.jump_hash(1)
+    with pytest.raises(TypeError, match="takes 2 arguments"):
+        kvroute.jump_hash(1, 2, 3)
+    with pytest.raises(TypeError, match="multiple values"):
+        kvroute.jump_hash(1, 2, key=3)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        kvroute.jump_hash(1, buckets=3)

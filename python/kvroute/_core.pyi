@@ -17,7 +17,7 @@ Keys = Iterable[Key] | npt.NDArray[np.integer]
 def hash_key(key: Key) -> int:
     """XXH3-64 (seed 0) of a str's UTF-8 bytes, bytes as given, or an int's 8 LE bytes."""
 
-def jump_hash(key: int, num_buckets: int, /) -> int:
+def jump_hash(key: int, num_buckets: int) -> int:
     """Lamping–Veach jump consistent hash of the 64-bit ``key`` into ``0..num_buckets``."""
 
 def jump_hash_many(keys: U64Array, num_buckets: int) -> npt.NDArray[np.int64]:

@@ -53,32 +53,33 @@ fn hash_key(key: &Bound<'_, PyAny>) -> PyResult<u64> {
     with_key(key, |k| k.hash64())
 }
 
-const JUMP_HASH_DOC: &std::ffi::CStr = c"jump_hash($module, key, num_buckets, /)
+const JUMP_HASH_DOC: &std::ffi::CStr = c"jump_hash($module, key, num_buckets)
 --
 
 Lamping-Veach jump consistent hash of the 64-bit int ``key`` into ``0..num_buckets``.";
 
-/// `jump_hash(key, num_buckets)`: called by CPython with `METH_FASTCALL` (see [`fastcall`]).
+/// `jump_hash(key, num_buckets)`, called by CPython with `METH_FASTCALL` (see [`fastcall`]).
 unsafe extern "C" fn jump_hash(
     _module: *mut pyo3::ffi::PyObject,
     args: *const *mut pyo3::ffi::PyObject,
     nargs: pyo3::ffi::Py_ssize_t,
+    kwnames: *mut pyo3::ffi::PyObject,
 ) -> *mut pyo3::ffi::PyObject {
-    // SAFETY: CPython calls this through the METH_FASTCALL definition made by `register`.
+    // SAFETY: CPython calls this through the definition made by `register`, with its arguments.
     unsafe {
-        fastcall::run(args, nargs, |py, args| {
-            let (Some(key), Some(n), 2) = (
-                fastcall::arg(py, args, 0),
-                fastcall::arg(py, args, 1),
-                args.len(),
-            ) else {
-                return Err(PyTypeError::new_err(format!(
-                    "jump_hash() takes exactly 2 arguments (key, num_buckets), got {}",
-                    args.len()
-                )));
-            };
-            Ok(jump_hash_of(&key, &n)?.into_pyobject(py)?.into_any())
-        })
+        fastcall::run(
+            "jump_hash",
+            ["key", "num_buckets"],
+            args,
+            nargs,
+            kwnames,
+            |py, args| {
+                let [Some(key), Some(n)] = args else {
+                    return Err(PyRuntimeError::new_err("internal error: unbound argument"));
+                };
+                Ok(jump_hash_of(&key, &n)?.into_pyobject(py)?.into_any())
+            },
+        )
     }
 }
 
