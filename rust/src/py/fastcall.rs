@@ -2,9 +2,9 @@
 //!
 //! pyo3 gives functions of an abi3-py39 module the tuple convention (`METH_FASTCALL` joined the
 //! limited API only in 3.10): every call builds an argument tuple and parses it, which costs about
-//! 60 ns on top of the work. CPython calls a `METH_FASTCALL` builtin as `f(module, args, nargs)`
-//! since 3.7, with the same ABI in every later 3.x, so a hand-made `PyMethodDef` with that flag
-//! works in every interpreter this wheel loads in.
+//! 60 ns on top of the work. CPython calls a `METH_FASTCALL | METH_KEYWORDS` builtin as
+//! `f(module, args, nargs, kwnames)` since 3.7, with the same ABI in every later 3.x, so a
+//! hand-made `PyMethodDef` with those flags works in every interpreter this wheel loads in.
 //!
 //! Guarantees: arguments bind by position or by keyword as in a Python `def` (unknown, repeated or
 //! missing arguments raise `TypeError`); errors become Python exceptions; a panic in a body is
@@ -130,8 +130,7 @@ fn bind<'a, 'py, const N: usize>(
             "{function}() takes {N} arguments ({positional} given)"
         )));
     }
-    // SAFETY (both closures below): every pointer in `values` is a live object borrowed for the
-    // duration of the call.
+    // SAFETY: every pointer in `values` is a live object borrowed for the duration of the call.
     let value = |i: usize| {
         values
             .get(i)
