@@ -201,3 +201,16 @@ def test_ring_options_and_errors():
     with pytest.raises(ValueError, match="whole numbers"):
         ketama.add("b", 0.5)
     assert ketama.nodes == ["a"]
+
+
+def test_ketama_node_without_points_comes_last_in_preference():
+    # Digests: 40 * 2 * 1000 // 1001 = 79 for "big", 40 * 2 * 1 // 1001 = 0 for "tiny". "tiny" owns
+    # no point (as in uhashring and libketama), so it never receives a key, but it is still a node
+    # and closes every preference list.
+    ring = kvroute.HashRing({"big": 1000, "tiny": 1})
+    assert {n for _, n in ring.points} == {"big"}
+    assert set(ring.get_many([str(i) for i in range(1000)])) == {"big"}
+    assert ring.preference("k", 5) == ["big", "tiny"]
+    assert "tiny" in ring and len(ring) == 2
+    peer = uhashring.HashRing({"big": 1000, "tiny": 1}, hash_fn="ketama")
+    assert peer.distribution == Counter(n for _, n in ring.points) == {"big": 4 * 79}
