@@ -9,7 +9,11 @@
 use std::borrow::Cow;
 use std::os::raw::c_char;
 
-use numpy::{Element, PyArray1, PyArrayMethods, PyReadonlyArray1};
+use numpy::npyffi::objects::_PyArray_GET_ITEM_DATA;
+use numpy::{
+    Element, PyArray1, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1, PyUntypedArray,
+    PyUntypedArrayMethods,
+};
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::type_object::PyTypeCheck;
@@ -211,10 +215,16 @@ impl KeyBatch {
     }
 }
 
+/// Arrays of at most this many values may be copied rather than borrowed (see [`ArraySlice`]).
+pub const INLINE_VALUES: usize = 16;
+
 /// A read-only 1-D NumPy array's values: borrowed when C-contiguous, else copied once.
 pub enum ArraySlice<'py, T: Element> {
     /// A C-contiguous array, borrowed without copying.
     Borrowed(PyReadonlyArray1<'py, T>),
+    /// A short C-contiguous array (at most [`INLINE_VALUES`] values) copied under the GIL: for
+    /// per-call hot paths, where registering a NumPy borrow costs more than the copy.
+    Inline([T; INLINE_VALUES], usize),
     /// Converted from a list, another dtype, or a non-contiguous array.
     Owned(Vec<T>),
 }
@@ -225,9 +235,41 @@ impl<T: Element + Copy> ArraySlice<'_, T> {
         match self {
             // A borrowed array is only constructed after checking contiguity, so `as_slice` succeeds.
             ArraySlice::Borrowed(a) => a.as_slice().unwrap_or_default(),
+            ArraySlice::Inline(values, len) => values.get(..*len).unwrap_or_default(),
             ArraySlice::Owned(v) => v,
         }
     }
+}
+
+/// Copies a 1-D, C-contiguous, aligned, native-endian 8-byte unsigned array of at most
+/// [`INLINE_VALUES`] values; `None` for anything else.
+fn inline_u64s<'py>(obj: &Bound<'py, PyAny>) -> Option<ArraySlice<'py, u64>> {
+    let arr = obj.cast::<PyUntypedArray>().ok()?;
+    if arr.ndim() != 1 || arr.len() > INLINE_VALUES {
+        return None;
+    }
+    let dtype = arr.dtype();
+    if dtype.kind() != b'u' || dtype.itemsize() != 8 || dtype.is_native_byteorder() == Some(false) {
+        return None;
+    }
+    let flags = numpy::npyffi::NPY_ARRAY_C_CONTIGUOUS | numpy::npyffi::NPY_ARRAY_ALIGNED;
+    // SAFETY: `arr` is a live ndarray and the GIL is held; this is `PyArray_FLAGS`.
+    if unsafe { (*_PyArray_GET_ITEM_DATA(arr.as_array_ptr())).flags } & flags != flags {
+        return None;
+    }
+    let len = arr.len();
+    let mut values = [0u64; INLINE_VALUES];
+    // SAFETY: the array is 1-D with `len <= INLINE_VALUES` aligned, contiguous, native 8-byte
+    // unsigned elements starting at `data` (checked above). The GIL is held for the whole copy,
+    // so no Python code can write to the buffer meanwhile.
+    unsafe {
+        let data = (*_PyArray_GET_ITEM_DATA(arr.as_array_ptr()))
+            .data
+            .cast::<u64>()
+            .cast_const();
+        std::ptr::copy_nonoverlapping(data, values.as_mut_ptr(), len);
+    }
+    Some(ArraySlice::Inline(values, len))
 }
 
 /// A read-only `u64` sequence from Python: a borrowed NumPy buffer or an owned copy.
@@ -282,12 +324,15 @@ pub enum Negative {
 }
 
 /// A sequence of unsigned 64-bit values: a 1-D NumPy integer array (borrowed when it is a
-/// C-contiguous `uint64` array) or any iterable of Python ints. `what` names it in errors.
+/// C-contiguous `uint64` array, copied when it is also short) or any iterable of Python ints. `what` names it in errors.
 pub fn u64_slice<'py>(
     obj: &Bound<'py, PyAny>,
     what: &str,
     negative: Negative,
 ) -> PyResult<U64Slice<'py>> {
+    if let Some(short) = inline_u64s(obj) {
+        return Ok(short);
+    }
     if let Some(arr) = int_array(obj, what)? {
         return match arr {
             IntArray::U64(s) => Ok(s),
