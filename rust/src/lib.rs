@@ -6,11 +6,13 @@
 //! - [`hashing`]: stable key hashing and the consistent-hashing family (jump, ring, Maglev, rendezvous).
 //! - [`blocks`]: token blocks → chained block hashes (native XXH3, vLLM `sha256_cbor`, SGLang).
 //! - [`index`]: the prefix index — which worker holds which chained KV blocks, and prefix matching.
+//! - [`cache`]: a worker's KV memory model — LRU of leaves with pins, leases and reserved partitions.
 //!
 //! Guarantees shared by every module: no public function panics on caller-supplied input; invalid
 //! input is reported as an [`Error`] and leaves the receiving object unchanged.
 
 pub mod blocks;
+pub mod cache;
 pub mod error;
 pub mod hashing;
 pub mod index;

@@ -1,0 +1,220 @@
+//! Hash table from block hash to slab index: open addressing with linear probing and
+//! backward-shift deletion (no tombstones), a power-of-two number of 16-byte slots, at most half
+//! full.
+//!
+//! Each slot holds the block hash itself next to the index, so a lookup compares hashes without
+//! touching the slab and usually reads one cache line; batch callers can [`prefetch`](Table::prefetch)
+//! the line of a hash they will look up soon.
+//!
+//! Invariant: every stored hash sits in the run of occupied slots that starts at its home slot
+//! (`mix(hash) & mask`), so a lookup stops at the first empty slot.
+
+/// Slot layout: `[hash, index + 1]`; `index + 1 == 0` marks an empty slot, so a fresh table is
+/// all zeroes (and its pages come from the OS already zeroed).
+type Slot = [u64; 2];
+
+/// A folded 64×64→128 multiply: structured inputs (small integers, multiples of a power of two)
+/// spread over the slots as well as random ones.
+#[inline]
+fn mix(h: u64) -> u64 {
+    let p = u128::from(h).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    (p as u64) ^ ((p >> 64) as u64)
+}
+
+/// Result of [`Table::probe`].
+pub(super) enum Probe {
+    /// The hash is stored, with this slab index.
+    Found(u32),
+    /// The hash is absent; this is the empty slot that ends its probe run.
+    Vacant(usize),
+}
+
+#[derive(Clone, Debug, Default)]
+pub(super) struct Table {
+    slots: Vec<Slot>,
+    len: usize,
+}
+
+impl Table {
+    #[inline]
+    fn mask(&self) -> usize {
+        self.slots.len().wrapping_sub(1)
+    }
+
+    #[inline]
+    fn home(&self, hash: u64) -> usize {
+        mix(hash) as usize & self.mask()
+    }
+
+    /// Slab index stored for `hash`.
+    #[inline]
+    pub fn get(&self, hash: u64) -> Option<u32> {
+        match self.probe(hash) {
+            Probe::Found(index) => Some(index),
+            Probe::Vacant(_) => None,
+        }
+    }
+
+    /// Where `hash` is: its slab index, or the empty slot where [`fill`](Self::fill) may store
+    /// it (valid until the next `insert`, `remove` or `reserve`).
+    #[inline]
+    pub fn probe(&self, hash: u64) -> Probe {
+        let mask = self.mask();
+        let mut i = self.home(hash);
+        loop {
+            let Some(slot) = self.slots.get(i) else {
+                return Probe::Vacant(usize::MAX);
+            };
+            if slot[1] == 0 {
+                return Probe::Vacant(i);
+            }
+            if slot[0] == hash {
+                return Probe::Found((slot[1] - 1) as u32);
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// Stores `hash → index` in the empty slot `at` that [`probe`](Self::probe) returned for
+    /// `hash`, if room was reserved; otherwise (a stale slot) falls back to [`insert`](Self::insert).
+    #[inline]
+    pub fn fill(&mut self, at: usize, hash: u64, index: u32) {
+        let room = (self.len + 1) * 2 <= self.slots.len();
+        match self.slots.get_mut(at) {
+            Some(slot) if room && slot[1] == 0 => {
+                *slot = [hash, u64::from(index) + 1];
+                self.len += 1;
+            }
+            _ => self.insert(hash, index),
+        }
+    }
+
+    /// Hints the CPU to load the cache line where a lookup of `hash` starts.
+    #[inline]
+    pub fn prefetch(&self, hash: u64) {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(slot) = self.slots.get(self.home(hash)) {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            // SAFETY: SSE, which `_mm_prefetch` requires, is part of the x86-64 baseline; a
+            // prefetch is only a hint: it never faults and reads nothing into the program.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(slot.as_ptr().cast::<i8>()) };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = hash;
+    }
+
+    /// Makes room for `additional` more hashes without exceeding half-full.
+    #[inline]
+    pub fn reserve(&mut self, additional: usize) {
+        let needed = self.len.saturating_add(additional).saturating_mul(2);
+        if needed > self.slots.len() {
+            self.grow(needed.max(8));
+        }
+    }
+
+    #[cold]
+    fn grow(&mut self, needed: usize) {
+        let size = needed.checked_next_power_of_two().unwrap_or(needed);
+        let old = std::mem::replace(&mut self.slots, vec![[0, 0]; size]);
+        super::advise_huge_pages(&self.slots);
+        let mask = self.mask();
+        for slot in old.into_iter().filter(|s| s[1] != 0) {
+            let mut i = self.home(slot[0]);
+            while let Some(s) = self.slots.get_mut(i) {
+                if s[1] == 0 {
+                    *s = slot;
+                    break;
+                }
+                i = (i + 1) & mask;
+            }
+        }
+    }
+
+    /// Stores `hash → index`; `hash` must not be present.
+    #[inline]
+    pub fn insert(&mut self, hash: u64, index: u32) {
+        self.reserve(1);
+        let mask = self.mask();
+        let mut i = self.home(hash);
+        while let Some(s) = self.slots.get_mut(i) {
+            if s[1] == 0 {
+                *s = [hash, u64::from(index) + 1];
+                self.len += 1;
+                return;
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// Removes `hash`, shifting later slots of its run back so no lookup stops early.
+    pub fn remove(&mut self, hash: u64) {
+        let mask = self.mask();
+        let mut hole = self.home(hash);
+        loop {
+            match self.slots.get(hole) {
+                Some(s) if s[1] == 0 => return,
+                Some(s) if s[0] == hash => break,
+                Some(_) => hole = (hole + 1) & mask,
+                None => return,
+            }
+        }
+        let mut j = hole;
+        loop {
+            j = (j + 1) & mask;
+            let Some(&slot) = self.slots.get(j) else {
+                return;
+            };
+            if slot[1] == 0 {
+                break;
+            }
+            // `slot` may fill the hole if the hole lies between its home and `j` (cyclically).
+            let home = self.home(slot[0]);
+            if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
+                if let Some(h) = self.slots.get_mut(hole) {
+                    *h = slot;
+                }
+                hole = j;
+            }
+        }
+        if let Some(h) = self.slots.get_mut(hole) {
+            *h = [0, 0];
+        }
+        self.len -= 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    #[test]
+    fn agrees_with_a_map_through_growth_wraparound_and_deletion() {
+        let mut table = Table::default();
+        let mut model: HashMap<u64, u32> = HashMap::new();
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        for step in 0..200_000u32 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // Few distinct keys, some structured (multiples of 2^32), so runs collide and wrap.
+            let key = if x.is_multiple_of(3) {
+                (x % 50) << 32
+            } else {
+                x % 300
+            };
+            if model.remove(&key).is_some() {
+                table.remove(key);
+            } else {
+                table.insert(key, step);
+                model.insert(key, step);
+            }
+            if step.is_multiple_of(997) {
+                for k in (0..300).chain((0..50).map(|k| k << 32)) {
+                    assert_eq!(table.get(k), model.get(&k).copied(), "key {k}");
+                }
+            }
+        }
+        assert_eq!(table.len, model.len());
+    }
+}
