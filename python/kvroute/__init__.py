@@ -5,6 +5,7 @@ names and adds the pure-Python parts (command line, simulator, event subscriber,
 """
 
 from ._core import (
+    BlockCache,
     BlockHasher,
     HashRing,
     JumpHash,
@@ -18,6 +19,7 @@ from ._core import (
 )
 
 __all__ = [
+    "BlockCache",
     "BlockHasher",
     "HashRing",
     "JumpHash",

@@ -219,3 +219,56 @@ class JumpHash:
     def nodes(self) -> list[str]: ...
     def __len__(self) -> int: ...
     def __contains__(self, node: object) -> bool: ...
+
+class BlockCache:
+    """LRU cache model of a worker's KV memory: leaf-first eviction, pins, leases, partitions.
+
+    Eviction takes the least recently used unpinned leaf (a block with no cached child) that the
+    inserting partition may evict; a partition's blocks up to its reservation are evicted only by
+    inserts into that partition. Calls that take ``now`` first release the leases that ended at or
+    before it; ``now`` defaults to ``time.monotonic()`` (pass it on every call, or on none).
+    """
+
+    def __init__(self, capacity: int, *, reserved: dict[str, int] | None = None) -> None: ...
+    def insert(
+        self,
+        block_hashes: U64Array,
+        *,
+        partition: str | None = None,
+        parent: int | None = None,
+        now: float | None = None,
+    ) -> tuple[int, npt.NDArray[np.uint64]]:
+        """Insert a chain; returns (leading blocks now cached, evicted hashes in eviction order)."""
+
+    def match(self, block_hashes: U64Array, /) -> int:
+        """Leading blocks cached; refreshes them."""
+
+    def peek(self, block_hashes: U64Array, /) -> int:
+        """Leading blocks cached, without refreshing them."""
+
+    def pin(
+        self, block_hashes: U64Array, *, ttl: float | None = None, now: float | None = None
+    ) -> None:
+        """One reference per listed block, or (with ``ttl``) a lease until ``now + ttl``."""
+
+    def unpin(self, block_hashes: U64Array, *, now: float | None = None) -> None:
+        """Remove one reference per listed block; raises and changes nothing if one is unpinned."""
+
+    def expire(self, *, now: float | None = None) -> int:
+        """Release the leases ended at or before ``now``; returns how many."""
+
+    def usage(self, partition: str | None = None) -> int:
+        """Blocks that belong to ``partition`` (None: the shared pool)."""
+
+    def pins(self, block_hash: int) -> int:
+        """References held by ``pin`` (leases not counted); KeyError if not cached."""
+
+    def lease_end(self, block_hash: int) -> float | None:
+        """End time of the block's lease, or None; KeyError if not cached."""
+
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def reserved(self) -> dict[str, int]: ...
+    def __len__(self) -> int: ...
+    def __contains__(self, block_hash: object) -> bool: ...

@@ -5,6 +5,7 @@
 //! nothing here panics on user input. Routing logic lives in the core modules.
 
 mod blocks;
+mod cache;
 mod convert;
 mod fastcall;
 mod hashing;
@@ -18,5 +19,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     hashing::register(m)?;
     blocks::register(m)?;
     index::register(m)?;
+    cache::register(m)?;
     Ok(())
 }

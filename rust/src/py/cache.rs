@@ -1,0 +1,275 @@
+//! Bindings for `crate::cache`: `kvroute.BlockCache`.
+//!
+//! Calls on up to [`INLINE_BLOCKS`] blocks run with the GIL held when the cache's lock is free
+//! (`try_lock`, never a blocking wait while holding the GIL): releasing and re-taking the GIL
+//! would cost more than the work. Larger calls, and calls that find the lock taken, release the
+//! GIL and take the lock inside `py.detach`.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use pyo3::exceptions::{PyKeyError, PyTypeError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyInt};
+
+use super::convert::{
+    block_hash_from_py, describe, name_from_py, type_name, u64_array, u64_from_int, u64_slice,
+    Negative, U64Slice,
+};
+use crate::cache::{BlockCache, PartitionId};
+
+/// Largest call that may run without releasing the GIL.
+const INLINE_BLOCKS: usize = 64;
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyBlockCache>()
+}
+
+fn hash_array<'py>(obj: &Bound<'py, PyAny>) -> PyResult<U64Slice<'py>> {
+    u64_slice(obj, "block_hashes", Negative::Reinterpret)
+}
+
+/// An LRU cache of KV blocks with leaf-first eviction, pins, leases and reserved partitions.
+///
+/// `BlockCache(capacity, *, reserved=None)`: `capacity` in blocks; `reserved` maps partition
+/// names to the blocks reserved for them (the sum must not exceed `capacity`). Eviction takes the
+/// least recently used unpinned leaf that the inserting partition may evict; a partition's blocks,
+/// up to its reservation, are evicted only by inserts into that partition. See the Rust module
+/// `kvroute::cache` for the full semantics. Safe to share between threads.
+#[pyclass(frozen, module = "kvroute._core", name = "BlockCache")]
+pub struct PyBlockCache {
+    core: Mutex<BlockCache>,
+    partitions: HashMap<String, PartitionId>,
+    /// `time.monotonic()` at construction, paired with `started`: the default `now`.
+    clock_zero: f64,
+    started: Instant,
+}
+
+impl PyBlockCache {
+    /// `now` as given, or the current `time.monotonic()` value.
+    fn now(&self, now: Option<f64>) -> f64 {
+        now.unwrap_or_else(|| self.clock_zero + self.started.elapsed().as_secs_f64())
+    }
+
+    /// Runs `f` on the core: inline for small calls when the lock is free, else GIL released.
+    fn run<R, F>(&self, py: Python<'_>, blocks: usize, f: F) -> R
+    where
+        R: Send,
+        F: FnOnce(&mut BlockCache) -> R + Send,
+    {
+        if blocks <= INLINE_BLOCKS {
+            if let Some(mut core) = self.core.try_lock() {
+                return f(&mut core);
+            }
+        }
+        py.detach(|| f(&mut self.core.lock()))
+    }
+
+    fn partition_id(&self, partition: Option<&Bound<'_, PyAny>>) -> PyResult<PartitionId> {
+        let Some(obj) = partition else {
+            return Ok(PartitionId::SHARED);
+        };
+        let name = name_from_py(obj, "partition")?;
+        self.partitions
+            .get(name.as_ref())
+            .copied()
+            .ok_or_else(|| PyKeyError::new_err(format!("unknown partition {name:?}")))
+    }
+}
+
+#[pymethods]
+impl PyBlockCache {
+    #[new]
+    #[pyo3(signature = (capacity, *, reserved=None))]
+    fn new(
+        py: Python<'_>,
+        capacity: &Bound<'_, PyAny>,
+        reserved: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let capacity =
+            usize::try_from(u64_from_int(capacity, "capacity", None)?).unwrap_or(usize::MAX);
+        let mut shares: Vec<(String, usize)> = Vec::new();
+        if let Some(obj) = reserved {
+            let dict = obj.cast::<PyDict>().map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "reserved must be a dict of partition name to blocks, got {} {}",
+                    type_name(obj),
+                    describe(obj)
+                ))
+            })?;
+            for (name, blocks) in dict.iter() {
+                let name = name_from_py(&name, "partition name")?.into_owned();
+                let what = format!("reserved[{name:?}]");
+                let blocks =
+                    usize::try_from(u64_from_int(&blocks, &what, None)?).unwrap_or(usize::MAX);
+                shares.push((name, blocks));
+            }
+        }
+        let core = BlockCache::with_reserved(capacity, &shares)?;
+        let partitions = shares
+            .iter()
+            .map(|(name, _)| Ok((name.clone(), core.partition(name)?)))
+            .collect::<crate::Result<HashMap<_, _>>>()?;
+        let clock_zero: f64 = py
+            .import("time")?
+            .getattr("monotonic")?
+            .call0()?
+            .extract()?;
+        Ok(PyBlockCache {
+            core: Mutex::new(core),
+            partitions,
+            clock_zero,
+            started: Instant::now(),
+        })
+    }
+
+    /// Inserts the chain `block_hashes` (each block the child of the one before; the first the
+    /// child of `parent`, which must be cached, or a root) into `partition` (None: the shared
+    /// pool). Returns `(stored, evicted)`: how many leading blocks of the chain are now cached
+    /// (all unless pins and reservations left no room) and the evicted hashes, in eviction order.
+    /// Leases that ended at or before `now` (default: `time.monotonic()`) are released first.
+    #[pyo3(signature = (block_hashes, *, partition=None, parent=None, now=None))]
+    fn insert<'py>(
+        &self,
+        py: Python<'py>,
+        block_hashes: &Bound<'py, PyAny>,
+        partition: Option<&Bound<'py, PyAny>>,
+        parent: Option<&Bound<'py, PyAny>>,
+        now: Option<f64>,
+    ) -> PyResult<(usize, Bound<'py, numpy::PyArray1<u64>>)> {
+        let hashes = hash_array(block_hashes)?;
+        let part = self.partition_id(partition)?;
+        let parent = parent
+            .map(|p| block_hash_from_py(p, "parent"))
+            .transpose()?;
+        let now = self.now(now);
+        let slice = hashes.as_slice();
+        let mut evicted = Vec::new();
+        let stored = self.run(py, slice.len(), |c| {
+            c.insert_into(slice, part, parent, now, &mut evicted)
+        })?;
+        Ok((stored, u64_array(py, evicted)))
+    }
+
+    /// Number of leading blocks of `block_hashes` that are cached; refreshes them, in order.
+    #[pyo3(name = "match", signature = (block_hashes, /))]
+    fn match_prefix(&self, py: Python<'_>, block_hashes: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let hashes = hash_array(block_hashes)?;
+        let slice = hashes.as_slice();
+        Ok(self.run(py, slice.len(), |c| c.match_prefix(slice)))
+    }
+
+    /// Number of leading blocks of `block_hashes` that are cached, without refreshing them.
+    #[pyo3(signature = (block_hashes, /))]
+    fn peek(&self, py: Python<'_>, block_hashes: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let hashes = hash_array(block_hashes)?;
+        let slice = hashes.as_slice();
+        Ok(self.run(py, slice.len(), |c| c.peek_prefix(slice)))
+    }
+
+    /// Pins every block (all must be cached): with `ttl=None`, adds one reference per listed
+    /// block (undone by `unpin`); with `ttl` seconds, gives each block a lease until `now + ttl`
+    /// that ends by itself (extending, never shortening, an existing lease).
+    #[pyo3(signature = (block_hashes, *, ttl=None, now=None))]
+    fn pin(
+        &self,
+        py: Python<'_>,
+        block_hashes: &Bound<'_, PyAny>,
+        ttl: Option<f64>,
+        now: Option<f64>,
+    ) -> PyResult<()> {
+        let hashes = hash_array(block_hashes)?;
+        let now = self.now(now);
+        let slice = hashes.as_slice();
+        self.run(py, slice.len(), |c| match ttl {
+            Some(ttl) => c.lease(slice, ttl, now),
+            None => c.pin(slice, now),
+        })?;
+        Ok(())
+    }
+
+    /// Removes one reference per listed block; a block released of its last pin becomes the
+    /// most recently used. Raises (and changes nothing) if a block is not cached or not pinned.
+    #[pyo3(signature = (block_hashes, *, now=None))]
+    fn unpin(
+        &self,
+        py: Python<'_>,
+        block_hashes: &Bound<'_, PyAny>,
+        now: Option<f64>,
+    ) -> PyResult<()> {
+        let hashes = hash_array(block_hashes)?;
+        let now = self.now(now);
+        let slice = hashes.as_slice();
+        self.run(py, slice.len(), |c| c.unpin(slice, now))?;
+        Ok(())
+    }
+
+    /// Releases the leases that ended at or before `now`; returns how many.
+    #[pyo3(signature = (*, now=None))]
+    fn expire(&self, py: Python<'_>, now: Option<f64>) -> PyResult<usize> {
+        let now = self.now(now);
+        Ok(self.run(py, 0, |c| c.expire(now))?)
+    }
+
+    /// Blocks that belong to `partition` (None: the shared pool).
+    #[pyo3(signature = (partition=None))]
+    fn usage(&self, py: Python<'_>, partition: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
+        let part = self.partition_id(partition)?;
+        Ok(self.run(py, 0, |c| c.usage(part)))
+    }
+
+    /// References held on `block_hash` by `pin` (leases not counted); KeyError if not cached.
+    fn pins(&self, py: Python<'_>, block_hash: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let h = block_hash_from_py(block_hash, "block_hash")?;
+        self.run(py, 0, |c| c.pins(h))
+            .ok_or_else(|| PyKeyError::new_err(format!("block {h:#x} is not cached")))
+    }
+
+    /// End time of `block_hash`'s lease, or None; KeyError if not cached.
+    fn lease_end(&self, py: Python<'_>, block_hash: &Bound<'_, PyAny>) -> PyResult<Option<f64>> {
+        let h = block_hash_from_py(block_hash, "block_hash")?;
+        let (cached, end) = self.run(py, 0, |c| (c.contains(h), c.lease_end(h)));
+        if cached {
+            Ok(end)
+        } else {
+            Err(PyKeyError::new_err(format!("block {h:#x} is not cached")))
+        }
+    }
+
+    /// Capacity in blocks.
+    #[getter]
+    fn capacity(&self, py: Python<'_>) -> usize {
+        self.run(py, 0, |c| c.capacity())
+    }
+
+    /// The declared partitions: `{name: reserved blocks}`, in declaration order.
+    #[getter]
+    fn reserved<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let shares: Vec<(String, usize)> = self.run(py, 0, |c| {
+            c.reservations().map(|(n, r)| (n.to_owned(), r)).collect()
+        });
+        let dict = PyDict::new(py);
+        for (name, blocks) in shares {
+            dict.set_item(name, blocks)?;
+        }
+        Ok(dict)
+    }
+
+    fn __len__(&self, py: Python<'_>) -> usize {
+        self.run(py, 0, |c| c.len())
+    }
+
+    fn __contains__(&self, py: Python<'_>, block_hash: &Bound<'_, PyAny>) -> PyResult<bool> {
+        match block_hash_from_py(block_hash, "block_hash") {
+            Ok(h) => Ok(self.run(py, 0, |c| c.contains(h))),
+            Err(_) if block_hash.is_instance_of::<PyInt>() => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let (len, capacity) = self.run(py, 0, |c| (c.len(), c.capacity()));
+        format!("BlockCache(len={len}, capacity={capacity})")
+    }
+}
