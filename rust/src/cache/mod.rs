@@ -548,6 +548,11 @@ impl BlockCache {
     fn evict(&mut self, i: u32, evicted: &mut Vec<u64>) {
         let (hash, part) = self.order.remove(i);
         self.table.remove(hash);
+        // The next victim is usually the new head of this list (often the parent just re-linked):
+        // start loading its table slot now.
+        if let Some(next) = self.order.head_hash(part) {
+            self.table.prefetch(next);
+        }
         if let Some(p) = self.partitions.get_mut(usize::from(part)) {
             p.usage -= 1;
         }

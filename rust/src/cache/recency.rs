@@ -250,6 +250,13 @@ impl Recency {
         }
     }
 
+    /// Hash of the block at the head of `part`'s list (the next eviction candidate).
+    #[inline]
+    pub fn head_hash(&self, part: u16) -> Option<u64> {
+        let head = self.lists.get(part as usize)?.head;
+        self.entries.get(head as usize).map(|e| e.hash)
+    }
+
     /// Partition `part`'s least recently used unpinned leaf, if its tick is older than
     /// `protect_from` (blocks touched by the running operation are not victims). Non-leaves met
     /// at the head are parked on the way. Returns `(tick, index)`.
