@@ -225,8 +225,10 @@ class BlockCache:
 
     Eviction takes the least recently used unpinned leaf (a block with no cached child) that the
     inserting partition may evict; a partition's blocks up to its reservation are evicted only by
-    inserts into that partition. Calls that take ``now`` first release the leases that ended at or
-    before it; ``now`` defaults to ``time.monotonic()`` (pass it on every call, or on none).
+    inserts into that partition, and unused reservations are lent and taken back. A cached block
+    inserted again into a declared partition moves to it. Calls that take ``now`` first release
+    the leases that ended at or before it; ``now`` defaults to ``time.monotonic()`` (pass it on
+    every call, or on none). Invalid input raises and changes nothing.
     """
 
     def __init__(self, capacity: int, *, reserved: dict[str, int] | None = None) -> None: ...

@@ -33,10 +33,23 @@ fn hash_array<'py>(obj: &Bound<'py, PyAny>) -> PyResult<U64Slice<'py>> {
 /// An LRU cache of KV blocks with leaf-first eviction, pins, leases and reserved partitions.
 ///
 /// `BlockCache(capacity, *, reserved=None)`: `capacity` in blocks; `reserved` maps partition
-/// names to the blocks reserved for them (the sum must not exceed `capacity`). Eviction takes the
-/// least recently used unpinned leaf that the inserting partition may evict; a partition's blocks,
-/// up to its reservation, are evicted only by inserts into that partition. See the Rust module
-/// `kvroute::cache` for the full semantics. Safe to share between threads.
+/// names to blocks reserved for them (their sum must not exceed `capacity`).
+///
+/// - Blocks form chains as inserted; eviction takes the least recently used unpinned *leaf* (a
+///   block with no cached child), so a prefix never goes before its descendants. Recency is each
+///   block's own last touch (insert, match, or the release of its last pin).
+/// - A partition's blocks, up to its reservation, are evicted only by inserts into that
+///   partition. Unused reservations are lent to everyone and taken back by evicting borrowers.
+///   A new block belongs to the partition that inserted it; a cached block inserted again into a
+///   declared partition moves to it (never to the shared pool). `usage(p)` counts the blocks that
+///   belong to `p`; `usage()` those of the shared pool.
+/// - `pin` references are counted and undone by `unpin`; `pin(..., ttl=s)` is a lease until
+///   `now + s` instead, released (lazily) by the first `insert`/`pin`/`unpin`/`expire` whose
+///   `now` is at or past its end. `now` defaults to `time.monotonic()`: pass it on every call
+///   (virtual time) or on none.
+/// - Invalid input raises (KeyError, ValueError, TypeError) and changes nothing.
+///
+/// The Rust module `kvroute::cache` states the semantics in full. Safe to share between threads.
 #[pyclass(frozen, module = "kvroute._core", name = "BlockCache")]
 pub struct PyBlockCache {
     core: Mutex<BlockCache>,
@@ -209,7 +222,8 @@ impl PyBlockCache {
     #[pyo3(signature = (*, now=None))]
     fn expire(&self, py: Python<'_>, now: Option<f64>) -> PyResult<usize> {
         let now = self.now(now);
-        Ok(self.run(py, 0, |c| c.expire(now))?)
+        // Releasing many leases is long work: always release the GIL.
+        Ok(self.run(py, usize::MAX, |c| c.expire(now))?)
     }
 
     /// Blocks that belong to `partition` (None: the shared pool).
