@@ -11,11 +11,12 @@ use std::os::raw::c_char;
 
 use numpy::npyffi::objects::_PyArray_GET_ITEM_DATA;
 use numpy::{
-    Element, PyArray1, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1, PyUntypedArray,
-    PyUntypedArrayMethods,
+    Element, PyArray1, PyArrayDescr, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1,
+    PyUntypedArray, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::type_object::PyTypeCheck;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
 
@@ -241,32 +242,41 @@ impl<T: Element + Copy> ArraySlice<'_, T> {
     }
 }
 
+/// NumPy's canonical `uint64` descriptor, looked up once: arrays made with `dtype=np.uint64`
+/// share it, so one pointer comparison usually settles the dtype.
+static UINT64_DESCR: PyOnceLock<Py<PyArrayDescr>> = PyOnceLock::new();
+
 /// Copies a 1-D, C-contiguous, aligned, native-endian 8-byte unsigned array of at most
 /// [`INLINE_VALUES`] values; `None` for anything else.
 fn inline_u64s<'py>(obj: &Bound<'py, PyAny>) -> Option<ArraySlice<'py, u64>> {
     let arr = obj.cast::<PyUntypedArray>().ok()?;
-    if arr.ndim() != 1 || arr.len() > INLINE_VALUES {
-        return None;
-    }
-    let dtype = arr.dtype();
-    if dtype.kind() != b'u' || dtype.itemsize() != 8 || dtype.is_native_byteorder() == Some(false) {
-        return None;
-    }
+    // SAFETY: `arr` is a live ndarray and the GIL is held; these are `PyArray_NDIM`,
+    // `PyArray_FLAGS`, `PyArray_DESCR`, `PyArray_DIMS` and `PyArray_DATA`.
+    let fields = unsafe { &*_PyArray_GET_ITEM_DATA(arr.as_array_ptr()) };
     let flags = numpy::npyffi::NPY_ARRAY_C_CONTIGUOUS | numpy::npyffi::NPY_ARRAY_ALIGNED;
-    // SAFETY: `arr` is a live ndarray and the GIL is held; this is `PyArray_FLAGS`.
-    if unsafe { (*_PyArray_GET_ITEM_DATA(arr.as_array_ptr())).flags } & flags != flags {
+    if fields.nd != 1 || fields.flags & flags != flags {
         return None;
     }
-    let len = arr.len();
+    let py = obj.py();
+    let canonical = UINT64_DESCR.get_or_init(py, || numpy::dtype::<u64>(py).unbind());
+    if fields.descr.cast::<pyo3::ffi::PyObject>() != canonical.as_ptr() {
+        let dtype = arr.dtype();
+        let native = dtype.is_native_byteorder() != Some(false);
+        if dtype.kind() != b'u' || dtype.itemsize() != 8 || !native {
+            return None;
+        }
+    }
+    // SAFETY: `nd == 1`, so `dimensions` points to one length.
+    let len = usize::try_from(unsafe { *fields.dimensions }).ok()?;
+    if len > INLINE_VALUES {
+        return None;
+    }
     let mut values = [0u64; INLINE_VALUES];
     // SAFETY: the array is 1-D with `len <= INLINE_VALUES` aligned, contiguous, native 8-byte
     // unsigned elements starting at `data` (checked above). The GIL is held for the whole copy,
     // so no Python code can write to the buffer meanwhile.
     unsafe {
-        let data = (*_PyArray_GET_ITEM_DATA(arr.as_array_ptr()))
-            .data
-            .cast::<u64>()
-            .cast_const();
+        let data = fields.data.cast::<u64>().cast_const();
         std::ptr::copy_nonoverlapping(data, values.as_mut_ptr(), len);
     }
     Some(ArraySlice::Inline(values, len))
