@@ -58,7 +58,7 @@
 //! # Cost
 //!
 //! O(1) amortised per block and no allocation per block (slab entries with `u32` indices,
-//! intrusive lists, an open-addressing table of block hash → slab index), plus a scan of the partitions over their
+//! intrusive lists, an open-addressing table of 8-byte slots: hash tag → slab index), plus a scan of the partitions over their
 //! reservation per eviction; see `recency` for the eviction order and its proof.
 
 mod lease;
@@ -323,7 +323,9 @@ impl BlockCache {
             if let Some(&ahead) = hashes.get(k + PREFETCH) {
                 self.table.prefetch(ahead);
             }
-            let mut vacant = match self.table.probe(h) {
+            let order = &self.order;
+            let is_h = |i: u32| order.get(i).is_some_and(|e| e.hash == h);
+            let mut vacant = match self.table.probe(h, is_h) {
                 Probe::Found(i) => {
                     if claims && self.order.get(i).is_some_and(|e| e.part != part) {
                         self.move_block(i, part);
@@ -341,7 +343,9 @@ impl BlockCache {
                     None => return Ok(k),
                 }
                 // The eviction shifted table slots: find the empty slot again.
-                if let Probe::Vacant(at) = self.table.probe(h) {
+                let order = &self.order;
+                let is_h = |i: u32| order.get(i).is_some_and(|e| e.hash == h);
+                if let Probe::Vacant(at) = self.table.probe(h, is_h) {
                     vacant = at;
                 }
             }
@@ -469,7 +473,9 @@ impl BlockCache {
     /// Slab index of the cached block `hash`.
     #[inline]
     fn find(&self, hash: u64) -> Option<u32> {
-        self.table.get(hash)
+        let order = &self.order;
+        self.table
+            .get(hash, |i| order.get(i).is_some_and(|e| e.hash == hash))
     }
 
     /// Makes room in the table and slab for `additional` new blocks, so a batch never rehashes
@@ -547,7 +553,7 @@ impl BlockCache {
     /// Evicts the unpinned leaf `i`, appending its hash to `evicted`.
     fn evict(&mut self, i: u32, evicted: &mut Vec<u64>) {
         let (hash, part) = self.order.remove(i);
-        self.table.remove(hash);
+        self.table.remove(hash, i);
         // The next victim is usually the new head of this list (often the parent just re-linked):
         // start loading its table slot now.
         if let Some(next) = self.order.head_hash(part) {

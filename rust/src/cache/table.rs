@@ -1,24 +1,26 @@
 //! Hash table from block hash to slab index: open addressing with linear probing and
-//! backward-shift deletion (no tombstones), a power-of-two number of 16-byte slots, at most half
+//! backward-shift deletion (no tombstones), a power-of-two number of 8-byte slots, at most half
 //! full.
 //!
-//! Each slot holds the block hash itself next to the index, so a lookup compares hashes without
-//! touching the slab and usually reads one cache line; batch callers can [`prefetch`](Table::prefetch)
-//! the line of a hash they will look up soon.
+//! A slot holds the slab index and a 32-bit *tag* of the block hash (the high half of its mixed
+//! hash); the slot's home is derived from the tag alone, so growing and deleting never read the
+//! slab. A lookup compares tags (eight slots per cache line) and confirms a matching tag against
+//! the slab entry's full hash, which the caller reads anyway to touch the block. Batch callers
+//! can [`prefetch`](Table::prefetch) the line of a hash they will look up soon.
 //!
-//! Invariant: every stored hash sits in the run of occupied slots that starts at its home slot
-//! (`mix(hash) & mask`), so a lookup stops at the first empty slot.
+//! Invariant: every stored block sits in the run of occupied slots that starts at its home slot,
+//! so a lookup stops at the first empty slot.
 
-/// Slot layout: `[hash, index + 1]`; `index + 1 == 0` marks an empty slot, so a fresh table is
-/// all zeroes (and its pages come from the OS already zeroed).
-type Slot = [u64; 2];
+/// Slot layout: `tag << 32 | (index + 1)`; `0` marks an empty slot, so a fresh table is all
+/// zeroes (and its pages come from the OS already zeroed).
+type Slot = u64;
 
-/// A folded 64×64→128 multiply: structured inputs (small integers, multiples of a power of two)
-/// spread over the slots as well as random ones.
+/// The tag of a block hash: the high half of a folded 64×64→128 multiply, so structured inputs
+/// (small integers, multiples of a power of two) spread over the slots as well as random ones.
 #[inline]
-fn mix(h: u64) -> u64 {
+fn tag(h: u64) -> u32 {
     let p = u128::from(h).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    (p as u64) ^ ((p >> 64) as u64)
+    (((p as u64) ^ ((p >> 64) as u64)) >> 32) as u32
 }
 
 /// Result of [`Table::probe`].
@@ -41,51 +43,43 @@ impl Table {
         self.slots.len().wrapping_sub(1)
     }
 
+    /// Home slot of a tag: its top bits scaled to the table size.
     #[inline]
-    fn home(&self, hash: u64) -> usize {
-        mix(hash) as usize & self.mask()
+    fn home(&self, tag: u32) -> usize {
+        ((u64::from(tag) * self.slots.len() as u64) >> 32) as usize
     }
 
-    /// Slab index stored for `hash`.
+    /// Slab index stored for `hash`; `is_hash(index)` confirms a candidate whose tag matches.
     #[inline]
-    pub fn get(&self, hash: u64) -> Option<u32> {
-        match self.probe(hash) {
+    pub fn get(&self, hash: u64, is_hash: impl Fn(u32) -> bool) -> Option<u32> {
+        match self.probe(hash, is_hash) {
             Probe::Found(index) => Some(index),
             Probe::Vacant(_) => None,
         }
     }
 
     /// Where `hash` is: its slab index, or the empty slot where [`fill`](Self::fill) may store
-    /// it (valid until the next `insert`, `remove` or `reserve`).
+    /// it (valid until the next `insert`, `remove` or `reserve`). `is_hash(index)` confirms a
+    /// candidate whose tag matches.
     #[inline]
-    pub fn probe(&self, hash: u64) -> Probe {
+    pub fn probe(&self, hash: u64, is_hash: impl Fn(u32) -> bool) -> Probe {
+        let tag = tag(hash);
         let mask = self.mask();
-        let mut i = self.home(hash);
+        let mut i = self.home(tag);
         loop {
-            let Some(slot) = self.slots.get(i) else {
+            let Some(&slot) = self.slots.get(i) else {
                 return Probe::Vacant(usize::MAX);
             };
-            if slot[1] == 0 {
+            if slot == 0 {
                 return Probe::Vacant(i);
             }
-            if slot[0] == hash {
-                return Probe::Found((slot[1] - 1) as u32);
+            if (slot >> 32) as u32 == tag {
+                let index = (slot as u32).wrapping_sub(1);
+                if is_hash(index) {
+                    return Probe::Found(index);
+                }
             }
             i = (i + 1) & mask;
-        }
-    }
-
-    /// Stores `hash → index` in the empty slot `at` that [`probe`](Self::probe) returned for
-    /// `hash`, if room was reserved; otherwise (a stale slot) falls back to [`insert`](Self::insert).
-    #[inline]
-    pub fn fill(&mut self, at: usize, hash: u64, index: u32) {
-        let room = (self.len + 1) * 2 <= self.slots.len();
-        match self.slots.get_mut(at) {
-            Some(slot) if room && slot[1] == 0 => {
-                *slot = [hash, u64::from(index) + 1];
-                self.len += 1;
-            }
-            _ => self.insert(hash, index),
         }
     }
 
@@ -93,11 +87,11 @@ impl Table {
     #[inline]
     pub fn prefetch(&self, hash: u64) {
         #[cfg(target_arch = "x86_64")]
-        if let Some(slot) = self.slots.get(self.home(hash)) {
+        if let Some(slot) = self.slots.get(self.home(tag(hash))) {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
             // SAFETY: SSE, which `_mm_prefetch` requires, is part of the x86-64 baseline; a
             // prefetch is only a hint: it never faults and reads nothing into the program.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(slot.as_ptr().cast::<i8>()) };
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(slot).cast::<i8>()) };
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = hash;
@@ -108,37 +102,29 @@ impl Table {
     pub fn reserve(&mut self, additional: usize) {
         let needed = self.len.saturating_add(additional).saturating_mul(2);
         if needed > self.slots.len() {
-            self.grow(needed.max(8));
+            self.grow(needed.max(16));
         }
     }
 
     #[cold]
     fn grow(&mut self, needed: usize) {
         let size = needed.checked_next_power_of_two().unwrap_or(needed);
-        let old = std::mem::replace(&mut self.slots, vec![[0, 0]; size]);
+        let old = std::mem::replace(&mut self.slots, vec![0; size]);
         super::advise_huge_pages(&self.slots);
-        let mask = self.mask();
-        for slot in old.into_iter().filter(|s| s[1] != 0) {
-            let mut i = self.home(slot[0]);
-            while let Some(s) = self.slots.get_mut(i) {
-                if s[1] == 0 {
-                    *s = slot;
-                    break;
-                }
-                i = (i + 1) & mask;
-            }
+        self.len = 0;
+        for slot in old.into_iter().filter(|&s| s != 0) {
+            self.place(slot);
         }
     }
 
-    /// Stores `hash → index`; `hash` must not be present.
+    /// Puts an occupied slot value at the end of its home's run.
     #[inline]
-    pub fn insert(&mut self, hash: u64, index: u32) {
-        self.reserve(1);
+    fn place(&mut self, slot: Slot) {
         let mask = self.mask();
-        let mut i = self.home(hash);
+        let mut i = self.home((slot >> 32) as u32);
         while let Some(s) = self.slots.get_mut(i) {
-            if s[1] == 0 {
-                *s = [hash, u64::from(index) + 1];
+            if *s == 0 {
+                *s = slot;
                 self.len += 1;
                 return;
             }
@@ -146,16 +132,38 @@ impl Table {
         }
     }
 
-    /// Removes `hash`, shifting later slots of its run back so no lookup stops early.
-    pub fn remove(&mut self, hash: u64) {
+    /// Stores `hash → index`; `hash` must not be present.
+    #[inline]
+    pub fn insert(&mut self, hash: u64, index: u32) {
+        self.reserve(1);
+        self.place(u64::from(tag(hash)) << 32 | u64::from(index + 1));
+    }
+
+    /// Stores `hash → index` in the empty slot `at` that [`probe`](Self::probe) returned for
+    /// `hash`, if room was reserved; otherwise (a stale slot) falls back to [`insert`](Self::insert).
+    #[inline]
+    pub fn fill(&mut self, at: usize, hash: u64, index: u32) {
+        let room = (self.len + 1) * 2 <= self.slots.len();
+        match self.slots.get_mut(at) {
+            Some(slot) if room && *slot == 0 => {
+                *slot = u64::from(tag(hash)) << 32 | u64::from(index + 1);
+                self.len += 1;
+            }
+            _ => self.insert(hash, index),
+        }
+    }
+
+    /// Removes the entry for slab index `index` (stored for `hash`), shifting later slots of its
+    /// run back so no lookup stops early.
+    pub fn remove(&mut self, hash: u64, index: u32) {
+        let target = u64::from(tag(hash)) << 32 | u64::from(index + 1);
         let mask = self.mask();
-        let mut hole = self.home(hash);
+        let mut hole = self.home(tag(hash));
         loop {
             match self.slots.get(hole) {
-                Some(s) if s[1] == 0 => return,
-                Some(s) if s[0] == hash => break,
-                Some(_) => hole = (hole + 1) & mask,
-                None => return,
+                Some(&s) if s == target => break,
+                Some(&s) if s != 0 => hole = (hole + 1) & mask,
+                _ => return,
             }
         }
         let mut j = hole;
@@ -164,11 +172,11 @@ impl Table {
             let Some(&slot) = self.slots.get(j) else {
                 return;
             };
-            if slot[1] == 0 {
+            if slot == 0 {
                 break;
             }
             // `slot` may fill the hole if the hole lies between its home and `j` (cyclically).
-            let home = self.home(slot[0]);
+            let home = self.home((slot >> 32) as u32);
             if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
                 if let Some(h) = self.slots.get_mut(hole) {
                     *h = slot;
@@ -177,7 +185,7 @@ impl Table {
             }
         }
         if let Some(h) = self.slots.get_mut(hole) {
-            *h = [0, 0];
+            *h = 0;
         }
         self.len -= 1;
     }
@@ -192,8 +200,10 @@ mod tests {
     fn agrees_with_a_map_through_growth_wraparound_and_deletion() {
         let mut table = Table::default();
         let mut model: HashMap<u64, u32> = HashMap::new();
+        // The "slab": index -> hash, so lookups can confirm tags.
+        let mut slab: Vec<u64> = Vec::new();
         let mut x = 0x9E37_79B9_7F4A_7C15u64;
-        for step in 0..200_000u32 {
+        for _ in 0..200_000u32 {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
@@ -203,15 +213,18 @@ mod tests {
             } else {
                 x % 300
             };
-            if model.remove(&key).is_some() {
-                table.remove(key);
+            if let Some(index) = model.remove(&key) {
+                table.remove(key, index);
             } else {
-                table.insert(key, step);
-                model.insert(key, step);
+                slab.push(key);
+                let index = (slab.len() - 1) as u32;
+                table.insert(key, index);
+                model.insert(key, index);
             }
-            if step.is_multiple_of(997) {
+            if slab.len().is_multiple_of(997) {
                 for k in (0..300).chain((0..50).map(|k| k << 32)) {
-                    assert_eq!(table.get(k), model.get(&k).copied(), "key {k}");
+                    let got = table.get(k, |i| slab[i as usize] == k);
+                    assert_eq!(got, model.get(&k).copied(), "key {k}");
                 }
             }
         }
