@@ -57,9 +57,12 @@
 //!
 //! # Cost
 //!
-//! O(1) amortised per block and no allocation per block (slab entries with `u32` indices,
-//! intrusive lists, an open-addressing table of 8-byte slots: hash tag → slab index), plus a scan of the partitions over their
-//! reservation per eviction; see `recency` for the eviction order and its proof.
+//! O(1) amortised per block and no allocation per block: slab entries with `u32` indices, one
+//! intrusive recency list per partition, and an open-addressing table of 8-byte slots (hash tag
+//! → slab index), grown at most once per batch. An eviction also scans the partitions over their
+//! reservation (a handful). Batches prefetch the table slots a few blocks ahead, and large tables
+//! and slabs ask Linux for transparent huge pages. See `recency` for the eviction order and the
+//! proof that it is exact, and `table` for the hash table.
 
 mod lease;
 mod recency;

@@ -46,7 +46,7 @@ impl Table {
     /// Home slot of a tag: its top bits scaled to the table size.
     #[inline]
     fn home(&self, tag: u32) -> usize {
-        ((u64::from(tag) * self.slots.len() as u64) >> 32) as usize
+        ((u128::from(tag) * self.slots.len() as u128) >> 32) as usize
     }
 
     /// Slab index stored for `hash`; `is_hash(index)` confirms a candidate whose tag matches.
