@@ -51,9 +51,28 @@
 //! caller passes (virtual time in a simulator); it need not increase between calls — a lease
 //! released stays released.
 //!
+//! **Matching.** `match_prefix` (Python `match`) counts the leading hashes that are cached and
+//! touches them; `peek_prefix` (Python `peek`) counts without touching. Both look hashes up one
+//! by one: with chained block hashes a cached hash implies its prefix.
+//!
 //! **Errors.** Every method validates all of its input before changing anything: an unknown
 //! partition, a `parent` or pinned block that is not cached, a block unpinned more times than it
-//! is pinned, a non-finite time or negative ttl is an [`Error`](crate::Error) and leaves the cache unchanged.
+//! is pinned, a non-finite time or negative ttl is an [`Error`](crate::Error) and leaves the
+//! cache unchanged.
+//!
+//! # Invariants
+//!
+//! After every call: `len() <= capacity()`; the usages of all partitions add up to `len()`; a
+//! cached block's parent is cached; no block with a pin or an unreleased lease has been evicted;
+//! an insert into `p` evicted at most `usage(q) - reserved(q)` blocks of any other partition `q`;
+//! the evicted hashes reported are exactly the blocks that left, in eviction order.
+//!
+//! # Use from Rust
+//!
+//! Resolve partition names once with [`BlockCache::partition`]; on hot paths call
+//! [`BlockCache::insert_into`] with a reused `Vec` for the evicted hashes, and
+//! [`BlockCache::peek_prefix`] to score a cache without refreshing it. The cache is a plain value
+//! (`Send`, `Clone`); share it behind a lock.
 //!
 //! # Cost
 //!
@@ -208,7 +227,7 @@ impl BlockCache {
         })
     }
 
-    /// The id of the declared partition `name` (a [`Error::Key`] if it was not declared).
+    /// The id of the declared partition `name` (a [`crate::Error::Key`] if it was not declared).
     pub fn partition(&self, name: &str) -> Result<PartitionId> {
         match self.by_name.get(name) {
             Some(&id) => Ok(PartitionId(id)),
