@@ -43,7 +43,8 @@
 //! owner evicts its own blocks or stores a shorter prefix.
 //!
 //! **Pins and leases.** `pin` adds one reference to each block and `unpin` removes one; a block
-//! with a reference is never evicted. `pin` with a time-to-live instead gives each block a *lease*
+//! with a reference is never evicted (a block holds at most 65 535 references, a lease counting
+//! as one; `pin` beyond that is an error). `pin` with a time-to-live instead gives each block a *lease*
 //! ending at `now + ttl` (an existing lease is extended, never shortened). A lease is not a
 //! reference: `unpin` does not end it. Leases end lazily: every call that takes `now` (`insert`,
 //! `pin`, `unpin`, `expire`) first releases, in order of end time (then of when they were set),
@@ -76,9 +77,10 @@
 //!
 //! # Cost
 //!
-//! O(1) amortised per block and no allocation per block: slab entries with `u32` indices, one
-//! intrusive recency list per partition, and an open-addressing table of 8-byte slots (hash tag
-//! → slab index), grown at most once per batch. An eviction also scans the partitions over their
+//! O(1) amortised per block and no allocation per block: 32-byte slab entries with `u32`
+//! indices, one intrusive recency list per partition, and an open-addressing table of 8-byte
+//! slots (hash tag → slab index), grown at most once per batch — 48 to 64 bytes per cached block
+//! in all. An eviction also scans the partitions over their
 //! reservation (a handful). Batches prefetch the table slots a few blocks ahead, and large tables
 //! and slabs ask Linux for transparent huge pages. See `recency` for the eviction order and the
 //! proof that it is exact, and `table` for the hash table.
@@ -97,8 +99,8 @@ use table::{Probe, Table};
 /// How many blocks ahead batch lookups prefetch their hash-table slot.
 const PREFETCH: usize = 16;
 
-/// Largest capacity a cache accepts (slab indices are `u32`, one value is reserved for "none").
-pub const MAX_CAPACITY: usize = (u32::MAX - 1) as usize;
+/// Largest capacity a cache accepts (2^30 - 1 blocks).
+pub const MAX_CAPACITY: usize = recency::MAX_BLOCKS;
 
 /// A partition of a [`BlockCache`], resolved once by name with [`BlockCache::partition`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -271,8 +273,9 @@ impl BlockCache {
 
     /// Number of references (`pin` minus `unpin`) block `hash` holds, if it is cached.
     pub fn pins(&self, hash: u64) -> Option<u32> {
-        let e = self.order.get(self.find(hash)?)?;
-        Some(e.pins - u32::from(e.leased))
+        let i = self.find(hash)?;
+        let leased = u32::from(self.leases.end(i).is_some());
+        Some(u32::from(self.order.get(i)?.pins) - leased)
     }
 
     /// End time of block `hash`'s lease, if it is cached and has one (ended leases count until
@@ -333,7 +336,7 @@ impl BlockCache {
             None => NIL,
         };
         self.expire(now)?;
-        let protect_from = self.order.next_tick();
+        self.order.protect_from_now();
         if parent != NIL {
             self.order.touch(parent);
         }
@@ -360,9 +363,12 @@ impl BlockCache {
                 Probe::Vacant(at) => at,
             };
             if self.len >= self.capacity {
-                match self.victim(part, protect_from) {
+                match self.victim(part) {
                     Some(v) => self.evict(v, evicted),
-                    None => return Ok(k),
+                    None => {
+                        self.order.unprotect();
+                        return Ok(k);
+                    }
                 }
                 // The eviction shifted table slots: find the empty slot again.
                 let order = &self.order;
@@ -379,6 +385,7 @@ impl BlockCache {
             }
             prev = i;
         }
+        self.order.unprotect();
         Ok(hashes.len())
     }
 
@@ -430,12 +437,19 @@ impl BlockCache {
             return crate::value_err!("ttl must be a finite number of seconds >= 0, got {ttl}");
         }
         let blocks = self.lookup_all(hashes)?;
+        for &i in &blocks {
+            let full = self.order.get(i).is_some_and(|e| e.pins == u16::MAX);
+            if full && self.leases.end(i).is_none() {
+                let hash = self.order.get(i).map_or(0, |e| e.hash);
+                self.scratch = blocks;
+                return crate::value_err!("block {hash:#x} has too many pins");
+            }
+        }
         self.expire(now)?;
         let end = now + ttl;
         for &i in &blocks {
             if self.leases.extend(i, end) {
                 if let Some(e) = self.order.get_mut(i) {
-                    e.leased = true;
                     e.pins = e.pins.saturating_add(1);
                 }
                 self.order.hold(i);
@@ -452,10 +466,11 @@ impl BlockCache {
         check_time(now)?;
         let blocks = self.lookup_all(hashes)?;
         for (k, &i) in blocks.iter().enumerate() {
+            let leased = u16::from(self.leases.end(i).is_some());
             let Some(e) = self.order.get_mut(i) else {
                 continue;
             };
-            if e.pins <= u32::from(e.leased) {
+            if e.pins <= leased {
                 let hash = e.hash;
                 self.add_pins(blocks.get(..k).unwrap_or_default(), 1);
                 self.scratch = blocks;
@@ -483,7 +498,6 @@ impl BlockCache {
             let Some(e) = self.order.get_mut(i) else {
                 continue;
             };
-            e.leased = false;
             e.pins = e.pins.saturating_sub(1);
             if e.pins == 0 {
                 self.order.touch(i);
@@ -528,7 +542,7 @@ impl BlockCache {
     fn add_pins(&mut self, blocks: &[u32], delta: i64) {
         for &i in blocks {
             if let Some(e) = self.order.get_mut(i) {
-                e.pins = u32::try_from(i64::from(e.pins) + delta).unwrap_or(e.pins);
+                e.pins = u16::try_from(i64::from(e.pins) + delta).unwrap_or(e.pins);
             }
         }
     }
@@ -548,15 +562,15 @@ impl BlockCache {
     }
 
     /// The block to evict for a new block of partition `part`, per the partition rules.
-    fn victim(&mut self, part: u16, protect_from: u64) -> Option<u32> {
-        let mut best: Option<(u64, u32)> = None;
+    fn victim(&mut self, part: u16) -> Option<u32> {
+        let mut best: Option<(u32, u32)> = None;
         for q in 0..self.partitions.len() {
             let q16 = q as u16;
             let over = self.partitions.get(q).is_some_and(|p| p.usage > p.reserved);
             if q16 == part || !over {
                 continue;
             }
-            if let Some(c) = self.order.victim(q16, protect_from) {
+            if let Some(c) = self.order.victim(q16) {
                 best = Some(best.map_or(c, |b| b.min(c)));
             }
         }
@@ -565,7 +579,7 @@ impl BlockCache {
             .get(usize::from(part))
             .is_some_and(|p| p.usage < p.reserved);
         if !(reclaiming && best.is_some()) {
-            if let Some(c) = self.order.victim(part, protect_from) {
+            if let Some(c) = self.order.victim(part) {
                 best = Some(best.map_or(c, |b| b.min(c)));
             }
         }

@@ -43,6 +43,9 @@
 //! itself" — a touch of a prefix refreshes the prefix alone, and a block whose descendants are
 //! all evicted competes with its own (possibly recent) tick, never an inherited one.
 //!
+//! Ticks are 32-bit: when the counter would overflow, the live blocks are renumbered 1, 2, … in
+//! tick order (O(n log n) once per ~4 billion touches), which keeps every comparison above.
+//!
 //! # Cost
 //!
 //! A touch, pin, unpin and eviction are O(1); each parking is paid for by the touch or re-link
@@ -55,9 +58,25 @@
 /// "No entry": the end of a list, the root's parent, an empty free list.
 pub(super) const NIL: u32 = u32::MAX;
 
+/// `parent` of a free slab slot (never a valid index: see `MAX_CAPACITY`).
+const FREED: u32 = u32::MAX - 1;
+
+/// `Entry::bits`: the entry is in its partition's list.
+const LINKED: u32 = 1 << 31;
+/// `Entry::bits`: a linked entry is among the `Stale` blocks at the head.
+const STALE: u32 = 1 << 30;
+/// `Entry::bits`: the number of cached children.
+const CHILDREN: u32 = STALE - 1;
+
+/// Largest number of blocks (so a child count always fits in `CHILDREN`).
+pub(super) const MAX_BLOCKS: usize = CHILDREN as usize;
+
+/// Ticks are renumbered before the counter passes this.
+const TICK_LIMIT: u32 = if cfg!(test) { 64 } else { u32::MAX - 1 };
+
 /// Where an entry is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Place {
+enum Place {
     /// A free slab slot (its `next` links the free list).
     Free,
     /// In its partition's list, placed by its own touch.
@@ -70,21 +89,43 @@ pub(super) enum Place {
     Pinned,
 }
 
-/// One cached block.
+/// One cached block: 32 bytes, so an entry never straddles two cache lines.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Entry {
     pub hash: u64,
-    pub tick: u64,
-    pub prev: u32,
-    pub next: u32,
-    pub parent: u32,
-    /// Number of cached blocks whose parent this is.
-    pub children: u32,
+    tick: u32,
+    prev: u32,
+    next: u32,
+    parent: u32,
+    /// Number of cached children (low bits) and the `LINKED`/`STALE` flags.
+    bits: u32,
     /// Manual pins, plus one while a lease is held.
-    pub pins: u32,
+    pub pins: u16,
     pub part: u16,
-    pub place: Place,
-    pub leased: bool,
+}
+
+impl Entry {
+    #[inline]
+    fn children(&self) -> u32 {
+        self.bits & CHILDREN
+    }
+
+    #[inline]
+    fn place(&self) -> Place {
+        if self.bits & LINKED != 0 {
+            if self.bits & STALE != 0 {
+                Place::Stale
+            } else {
+                Place::Listed
+            }
+        } else if self.parent == FREED {
+            Place::Free
+        } else if self.pins > 0 {
+            Place::Pinned
+        } else {
+            Place::Parked
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -104,7 +145,9 @@ pub(super) struct Recency {
     entries: Vec<Entry>,
     free: u32,
     lists: Vec<Ends>,
-    clock: u64,
+    clock: u32,
+    /// Blocks touched at or after this tick are not victims (the running insert's own).
+    protect_from: u32,
 }
 
 impl Recency {
@@ -114,13 +157,18 @@ impl Recency {
             free: NIL,
             lists: vec![EMPTY; partitions],
             clock: 0,
+            protect_from: u32::MAX,
         }
     }
 
-    /// The tick the next touch will receive.
-    #[inline]
-    pub fn next_tick(&self) -> u64 {
-        self.clock + 1
+    /// From now until [`unprotect`](Self::unprotect), blocks touched are not victims.
+    pub fn protect_from_now(&mut self) {
+        self.protect_from = self.clock + 1;
+    }
+
+    /// Ends [`protect_from_now`](Self::protect_from_now).
+    pub fn unprotect(&mut self) {
+        self.protect_from = u32::MAX;
     }
 
     #[inline]
@@ -143,23 +191,54 @@ impl Recency {
         }
     }
 
+    /// The next tick, renumbering first if the counter is about to overflow.
+    #[inline]
+    fn tick(&mut self) -> u32 {
+        if self.clock >= TICK_LIMIT {
+            self.renumber();
+        }
+        self.clock += 1;
+        self.clock
+    }
+
+    /// Renumbers the live blocks' ticks 1, 2, … in their order, and `protect_from` with them.
+    #[cold]
+    fn renumber(&mut self) {
+        let mut live: Vec<(u32, u32)> = self
+            .entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.parent != FREED)
+            .map(|(i, e)| (e.tick, i as u32))
+            .collect();
+        live.sort_unstable();
+        let protected = live.partition_point(|&(tick, _)| tick < self.protect_from);
+        for (rank, &(_, i)) in live.iter().enumerate() {
+            if let Some(e) = self.entries.get_mut(i as usize) {
+                e.tick = rank as u32 + 1;
+            }
+        }
+        if self.protect_from != u32::MAX {
+            self.protect_from = protected as u32 + 1;
+        }
+        self.clock = live.len() as u32;
+    }
+
     /// Adds an unpinned block owned by `part`, child of `parent` (or `NIL`), as the most recent
     /// block of its list. Returns its index.
     #[inline]
     pub fn add(&mut self, hash: u64, parent: u32, part: u16) -> u32 {
-        self.clock += 1;
+        let tick = self.tick();
         let tail = self.lists.get(part as usize).map_or(NIL, |l| l.tail);
         let entry = Entry {
             hash,
-            tick: self.clock,
+            tick,
             prev: tail,
             next: NIL,
             parent,
-            children: 0,
+            bits: LINKED,
             pins: 0,
             part,
-            place: Place::Listed,
-            leased: false,
         };
         let i = match self.entries.get_mut(self.free as usize) {
             Some(slot) => {
@@ -183,7 +262,7 @@ impl Recency {
             t.next = i;
         }
         if let Some(p) = self.entries.get_mut(parent as usize) {
-            p.children += 1;
+            p.bits += 1;
         }
         i
     }
@@ -196,12 +275,14 @@ impl Recency {
             return (0, 0);
         };
         let (hash, part, parent) = (e.hash, e.part, e.parent);
-        e.place = Place::Free;
+        e.parent = FREED;
         e.next = self.free;
         self.free = i;
         if let Some(p) = self.entries.get_mut(parent as usize) {
-            p.children = p.children.saturating_sub(1);
-            if p.children == 0 && p.place == Place::Parked {
+            if p.children() > 0 {
+                p.bits -= 1;
+            }
+            if p.children() == 0 && p.place() == Place::Parked {
                 self.link_stale(parent);
             }
         }
@@ -211,14 +292,13 @@ impl Recency {
     /// Gives block `i` the next tick; if unpinned, it becomes the most recent block of its list.
     #[inline]
     pub fn touch(&mut self, i: u32) {
-        self.clock += 1;
-        let tick = self.clock;
+        let tick = self.tick();
         let Some(e) = self.entries.get_mut(i as usize) else {
             return;
         };
         e.tick = tick;
-        let (part, place, pins) = (e.part, e.place, e.pins);
-        if pins > 0 {
+        let (part, place) = (e.part, e.place());
+        if e.pins > 0 {
             self.hold(i);
             return;
         }
@@ -233,9 +313,6 @@ impl Recency {
     pub fn claim(&mut self, i: u32, part: u16) {
         self.unlink(i);
         if let Some(e) = self.entries.get_mut(i as usize) {
-            if e.place != Place::Pinned {
-                e.place = Place::Parked;
-            }
             e.part = part;
         }
         self.touch(i);
@@ -245,9 +322,6 @@ impl Recency {
     #[inline]
     pub fn hold(&mut self, i: u32) {
         self.unlink(i);
-        if let Some(e) = self.entries.get_mut(i as usize) {
-            e.place = Place::Pinned;
-        }
     }
 
     /// Hash of the block at the head of `part`'s list (the next eviction candidate).
@@ -257,30 +331,27 @@ impl Recency {
         self.entries.get(head as usize).map(|e| e.hash)
     }
 
-    /// Partition `part`'s least recently used unpinned leaf, if its tick is older than
-    /// `protect_from` (blocks touched by the running operation are not victims). Non-leaves met
-    /// at the head are parked on the way. Returns `(tick, index)`.
-    pub fn victim(&mut self, part: u16, protect_from: u64) -> Option<(u64, u32)> {
+    /// Partition `part`'s least recently used unpinned leaf that the running operation has not
+    /// touched (see [`protect_from_now`](Self::protect_from_now)). Non-leaves met at the head are
+    /// parked on the way. Returns `(tick, index)`.
+    pub fn victim(&mut self, part: u16) -> Option<(u32, u32)> {
         loop {
             let i = self.lists.get(part as usize)?.head;
             let e = self.entries.get(i as usize)?;
-            if e.children == 0 {
-                return (e.tick < protect_from).then_some((e.tick, i));
+            if e.children() == 0 {
+                return (e.tick < self.protect_from).then_some((e.tick, i));
             }
             self.unlink(i);
-            if let Some(e) = self.entries.get_mut(i as usize) {
-                e.place = Place::Parked;
-            }
         }
     }
 
-    /// Unlinks block `i` if it is in a list (its place is left for the caller to set).
+    /// Unlinks block `i` if it is in a list (it becomes `Parked`, or `Pinned` if it has a pin).
     #[inline]
     fn unlink(&mut self, i: u32) {
         let Some(&e) = self.entries.get(i as usize) else {
             return;
         };
-        if !matches!(e.place, Place::Listed | Place::Stale) {
+        if e.bits & LINKED == 0 {
             return;
         }
         let Some(ends) = self.lists.get_mut(e.part as usize) else {
@@ -297,7 +368,7 @@ impl Recency {
         if let Some(e) = self.entries.get_mut(i as usize) {
             e.prev = NIL;
             e.next = NIL;
-            e.place = Place::Parked;
+            e.bits &= CHILDREN;
         }
     }
 
@@ -316,7 +387,7 @@ impl Recency {
         if let Some(e) = self.entries.get_mut(i as usize) {
             e.prev = tail;
             e.next = NIL;
-            e.place = Place::Listed;
+            e.bits = (e.bits & CHILDREN) | LINKED;
         }
     }
 
@@ -330,7 +401,7 @@ impl Recency {
         };
         let mut before = ends.head;
         while let Some(b) = self.entries.get(before as usize) {
-            if b.place != Place::Stale || b.tick > e.tick {
+            if b.place() != Place::Stale || b.tick > e.tick {
                 break;
             }
             before = b.next;
@@ -338,7 +409,7 @@ impl Recency {
         let Some(b) = self.entries.get_mut(before as usize) else {
             self.push_back(i, e.part);
             if let Some(e) = self.entries.get_mut(i as usize) {
-                e.place = Place::Stale;
+                e.bits |= STALE;
             }
             return;
         };
@@ -355,7 +426,7 @@ impl Recency {
         if let Some(e) = self.entries.get_mut(i as usize) {
             e.prev = after;
             e.next = before;
-            e.place = Place::Stale;
+            e.bits = (e.bits & CHILDREN) | LINKED | STALE;
         }
     }
 }
