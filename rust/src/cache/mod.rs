@@ -993,6 +993,21 @@ mod tests {
     }
 
     #[test]
+    fn limits_are_errors_that_change_nothing() {
+        assert!(BlockCache::new(MAX_CAPACITY).is_ok());
+        assert!(BlockCache::new(MAX_CAPACITY + 1).is_err());
+        let mut c = BlockCache::new(2).unwrap();
+        c.insert(&[1, 2], PartitionId::SHARED, None, 0.0).unwrap();
+        c.pin(&vec![1; usize::from(u16::MAX) - 1], 0.0).unwrap();
+        c.lease(&[1], 5.0, 0.0).unwrap();
+        // 1 now holds 65 535 references counting its lease: another pin fails, changing nothing.
+        assert!(c.pin(&[2, 1], 0.0).is_err());
+        assert_eq!((c.pins(1), c.pins(2)), (Some(65_534), Some(0)));
+        c.unpin(&vec![1; 65_534], 0.0).unwrap();
+        assert!(c.lease(&[2], 1.0, 0.0).is_ok() && c.pin(&[1], 0.0).is_ok());
+    }
+
+    #[test]
     fn leases_end_lazily_in_end_order() {
         let mut c = BlockCache::new(2).unwrap();
         let s = PartitionId::SHARED;
