@@ -50,6 +50,11 @@ impl PyPrefixIndex {
             names: Mutex::new(Vec::new()),
         }
     }
+
+    /// The shared core, for Rust code that feeds or reads the same index (e.g. the event applier).
+    pub(crate) fn shared(&self) -> &SharedPrefixIndex {
+        &self.core
+    }
 }
 
 fn budget(max_bytes: Option<&Bound<'_, PyAny>>) -> PyResult<Option<usize>> {
