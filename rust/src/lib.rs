@@ -5,6 +5,7 @@
 //!
 //! - [`hashing`]: stable key hashing and the consistent-hashing family (jump, ring, Maglev, rendezvous).
 //! - [`blocks`]: token blocks → chained block hashes (native XXH3, vLLM `sha256_cbor`, SGLang).
+//! - [`events`]: engine KV events (vLLM, SGLang msgpack) decoded and applied to the indexes.
 //! - [`index`]: the prefix index — which worker holds which chained KV blocks, and prefix matching.
 //! - [`cache`]: a worker's KV memory model — LRU of leaves with pins, leases and reserved partitions.
 //!
@@ -15,6 +16,7 @@ pub mod blocks;
 pub mod cache;
 pub mod error;
 pub mod hashing;
+pub mod events;
 pub mod index;
 
 #[cfg(feature = "python")]

@@ -8,6 +8,7 @@ mod blocks;
 mod cache;
 mod convert;
 mod fastcall;
+mod events;
 mod hashing;
 mod index;
 
@@ -20,5 +21,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     blocks::register(m)?;
     index::register(m)?;
     cache::register(m)?;
+    events::register(m)?;
     Ok(())
 }

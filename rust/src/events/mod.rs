@@ -1,0 +1,73 @@
+//! Engine KV events (vLLM, SGLang) → the router's prefix indexes.
+//!
+//! Engines publish, per scheduler step, a msgpack batch of `BlockStored` / `BlockRemoved` /
+//! `AllBlocksCleared` events (wire format: `tests/data/vectors/KV_EVENTS_SPEC.md`). [`decode`]
+//! turns one payload into a reusable [`Batch`]; [`Applier`] applies batches, per worker, to a
+//! shared [`crate::index::PrefixIndex`] (the GPU tier) and to one index per other storage tier.
+//! Transport (ZMQ sockets, sequence numbers, replay) lives in Python (`kvroute.events`); it calls
+//! [`Applier::apply`] with each payload and [`Applier::clear_worker`] when it loses track.
+//!
+//! # Guarantees
+//! - **A malformed payload changes nothing.** The whole payload is decoded before any event is
+//!   applied; a decode error only increments the worker's `malformed` counter.
+//! - **Sound, never guessing.** Every (worker, block) the index gains is one the engine reported
+//!   holding, keyed so that a later `match` of the same tokens finds it. When an event cannot be
+//!   placed exactly it is skipped and counted (`skipped_*`), never approximated:
+//!   - a `BlockStored` whose parent the worker is not known to hold is skipped — storing it as a
+//!     new root would claim a prefix match for tokens whose earlier blocks the router never saw
+//!     (and in rehash mode its hashes cannot even be computed without the parent's chain state).
+//!     Such chains come back when the engine stores them again from the start (vLLM 0.33 re-emits
+//!     prefix-cache hits from block 0);
+//!   - a partial block (token count below the router's block size, or
+//!     `len(token_ids) != len(block_hashes) * block_size`, e.g. vLLM 0.33 partial windows or
+//!     SGLang's short last page) is skipped;
+//!   - only KV-cache group `group_idx` (default 0) is followed: in hybrid models a sliding-window
+//!     group evicts blocks the full-attention group still holds;
+//!   - in rehash mode, keys the router cannot reproduce from the event (multimodal items, prompt
+//!     embedding digests, vLLM 0.33 lookahead tokens) make the store skipped.
+//! - **Removals and clears are exact.** `BlockRemoved` drops the router blocks of each named engine
+//!   block and, as the index does, every block after them; unknown hashes are ignored.
+//!   `AllBlocksCleared` clears the worker in every tier.
+//! - **Tiers are separate.** `medium` nil or `"GPU"` goes to the main index; any other medium
+//!   (`"CPU"`, `"STORAGE"`, SGLang's `"CPU_PINNED"`, `"DISK"`, `"EXTERNAL"`, …) to its own index
+//!   ([`Applier::tier_index`]), created on first use with the main index's budget, at most
+//!   [`MAX_TIERS`] of them. A CPU hit is never a GPU hit; the router scores tiers separately.
+//!
+//! # Rehash and direct mode
+//! - **Rehash** (default): the router recomputes its own block hashes from each event's
+//!   `token_ids` with a [`crate::blocks::BlockHasher`] of its profile and block size, continuing
+//!   from the chain state it recorded for the parent. Per worker and tier it keeps
+//!   `engine hash → (first own block, last own block, chain state)` so that children can be
+//!   chained and removals translated. It works whatever hash algorithm, seed or
+//!   `PYTHONHASHSEED` the engine uses. Namespaces follow the engine: a cache salt (vLLM: the
+//!   string extra key of a sequence's first block; SGLang: `cache_salt`) and `lora_name` select a
+//!   hasher with that salt / LoRA name (LoRA path `""`: events do not carry it), so the router's
+//!   `BlockHasher(salt=..., lora_name=...)` finds them and tenants never share blocks.
+//! - **Direct**: the engine's hashes are the keys (the router's `hash_profile` must reproduce the
+//!   engine's, e.g. `vllm` for vLLM ≥ 0.29 with `sha256_cbor`, or `sglang`). No map is kept.
+//!
+//! # Block sizes
+//! A `BlockStored` carries the engine's block size `E`; the router's is `R`.
+//! - `E == R`: one router block per engine block.
+//! - Rehash, `E = k·R`: each engine block becomes `k` router blocks (its removal drops the first
+//!   of them and so all `k`). Lossless.
+//! - `E < R` cannot be told apart from a partial block and is skipped (`skipped_partial`);
+//!   `E` not a multiple of `R` (or, in direct mode, `E != R`) is skipped (`skipped_block_size`).
+//!   Choose `R` dividing the engine's block size (vLLM's default 16 → 16; SGLang `page_size=P`
+//!   → a divisor of `P`).
+//! - In rehash mode with `E = k·R`, a vLLM partial window whose length is a multiple of `R` is
+//!   stored as whole router blocks, which is what the engine holds for those tokens.
+//!
+//! # Memory
+//! The per-worker map holds one entry per engine block the worker holds (removals and clears
+//! prune it), about 64 bytes each. Decoding reuses the applier's buffers; nothing is allocated
+//! per block except map growth.
+
+mod apply;
+pub mod decode;
+
+pub use apply::{Applier, BatchOutcome, Config, Mode, WorkerCounters, GPU, MAX_TIERS};
+pub use decode::{Batch, Decoder, Event, EventKind, ExtraKeys, ExtraSummary};
+
+#[cfg(test)]
+mod tests;

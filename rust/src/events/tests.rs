@@ -1,0 +1,408 @@
+use std::sync::Arc;
+
+use parking_lot::RwLock;
+
+use super::*;
+use crate::blocks::{BlockHasher, ChainState, Options, Profile};
+use crate::index::{PrefixIndex, SharedPrefixIndex};
+
+/// vLLM 0.33 vector `batch_stored_stored` (tests/data/vectors/vllm_0.33.0_...json).
+const STORED_STORED: &str = "93cb41d954fc4020000092de000aa474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657392cf7b0bf7bf7fd01682cf0b368b33d87bf3bfb1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f696473dc00200102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f20aa626c6f636b5f73697a6510a76c6f72615f6964c0a66d656469756da3475055a96c6f72615f6e616d65c0a967726f75705f69647800b26b765f63616368655f737065635f6b696e64ae66756c6c5f617474656e74696f6ede000aa474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657391cf96f37f6bfe25db82b1706172656e745f626c6f636b5f68617368cf0b368b33d87bf3bfa9746f6b656e5f696473dc00102122232425262728292a2b2c2d2e2f30aa626c6f636b5f73697a6510a76c6f72615f6964c0a66d656469756da3475055a96c6f72615f6e616d65c0a967726f75705f69647800b26b765f63616368655f737065635f6b696e64ae66756c6c5f617474656e74696f6e00";
+/// vLLM 0.33 vector `batch_removed`.
+const REMOVED: &str = "93cb41d954fc405000009184a474797065ac426c6f636b52656d6f766564ac626c6f636b5f68617368657391cf96f37f6bfe25db82a66d656469756da3475055a967726f75705f6964780000";
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
+        .collect()
+}
+
+/// A minimal msgpack writer for building test payloads.
+#[derive(Default)]
+struct W(Vec<u8>);
+
+impl W {
+    fn arr(&mut self, n: usize) -> &mut Self {
+        if n < 16 {
+            self.0.push(0x90 | n as u8);
+        } else {
+            self.0.push(0xdc);
+            self.0.extend_from_slice(&(n as u16).to_be_bytes());
+        }
+        self
+    }
+    fn map(&mut self, n: usize) -> &mut Self {
+        self.0.push(0x80 | n as u8);
+        self
+    }
+    fn s(&mut self, s: &str) -> &mut Self {
+        self.0.push(0xd9);
+        self.0.push(s.len() as u8);
+        self.0.extend_from_slice(s.as_bytes());
+        self
+    }
+    fn u(&mut self, v: u64) -> &mut Self {
+        self.0.push(0xcf);
+        self.0.extend_from_slice(&v.to_be_bytes());
+        self
+    }
+    fn i(&mut self, v: i64) -> &mut Self {
+        self.0.push(0xd3);
+        self.0.extend_from_slice(&v.to_be_bytes());
+        self
+    }
+    fn nil(&mut self) -> &mut Self {
+        self.0.push(0xc0);
+        self
+    }
+    fn f(&mut self, v: f64) -> &mut Self {
+        self.0.push(0xcb);
+        self.0.extend_from_slice(&v.to_be_bytes());
+        self
+    }
+    fn bin(&mut self, b: &[u8]) -> &mut Self {
+        self.0.push(0xc4);
+        self.0.push(b.len() as u8);
+        self.0.extend_from_slice(b);
+        self
+    }
+    fn ints(&mut self, v: &[u64]) -> &mut Self {
+        self.arr(v.len());
+        for &x in v {
+            self.u(x);
+        }
+        self
+    }
+}
+
+struct Ev<'a> {
+    hashes: &'a [u64],
+    parent: Option<u64>,
+    tokens: &'a [u64],
+    block_size: u64,
+    medium: Option<&'a str>,
+}
+
+fn stored(w: &mut W, e: &Ev<'_>) {
+    w.map(6).s("type").s("BlockStored");
+    w.s("block_hashes").ints(e.hashes);
+    w.s("parent_block_hash");
+    match e.parent {
+        Some(p) => w.u(p),
+        None => w.nil(),
+    };
+    w.s("token_ids").ints(e.tokens);
+    w.s("block_size").u(e.block_size);
+    w.s("medium");
+    match e.medium {
+        Some(m) => w.s(m),
+        None => w.nil(),
+    };
+}
+
+fn removed(w: &mut W, hashes: &[u64], medium: Option<&str>) {
+    w.map(3).s("type").s("BlockRemoved");
+    w.s("block_hashes").ints(hashes);
+    w.s("medium");
+    match medium {
+        Some(m) => w.s(m),
+        None => w.nil(),
+    };
+}
+
+fn batch(events: impl FnOnce(&mut W) -> usize) -> Vec<u8> {
+    let mut body = W::default();
+    let n = events(&mut body);
+    let mut w = W::default();
+    w.arr(3).f(1.5);
+    w.arr(n);
+    w.0.extend_from_slice(&body.0);
+    w.nil();
+    w.0
+}
+
+fn shared() -> SharedPrefixIndex {
+    Arc::new(RwLock::new(PrefixIndex::new(None).expect("index")))
+}
+
+fn own_hashes(tokens: &[u64], block_size: usize) -> Vec<u64> {
+    let h = BlockHasher::new(block_size, Profile::Native, Options::default()).expect("hasher");
+    let mut out = Vec::new();
+    h.hash_into(tokens, &ChainState::Root, &[], &mut out)
+        .expect("hash");
+    out
+}
+
+fn matched(index: &SharedPrefixIndex, query: &[u64], worker: &str) -> u32 {
+    index
+        .read()
+        .match_names(query)
+        .into_iter()
+        .find(|(w, _)| &**w == worker)
+        .map_or(0, |(_, n)| n)
+}
+
+#[test]
+fn decodes_the_vllm_vector() {
+    let payload = unhex(STORED_STORED);
+    let mut batch = Batch::default();
+    Decoder::new().decode(&payload, &mut batch).expect("decode");
+    assert_eq!(batch.ts, 1700000000.5);
+    assert_eq!(batch.dp_rank, Some(0));
+    let events: Vec<Event<'_>> = batch.events(&payload).collect();
+    assert_eq!(events.len(), 2);
+    assert_eq!(events[0].kind, EventKind::Stored);
+    assert_eq!(
+        events[0].block_hashes,
+        &[8866452693264111234, 807986237951177663]
+    );
+    assert_eq!(events[0].parent, None);
+    assert_eq!(events[0].token_ids, (1..=32).collect::<Vec<u32>>());
+    assert_eq!(events[0].block_size, 16);
+    assert_eq!(events[0].medium, Some("GPU"));
+    assert_eq!(events[1].parent, Some(807986237951177663));
+    assert_eq!(events[1].block_hashes, &[10877177626832001922]);
+
+    let payload = unhex(REMOVED);
+    Decoder::new().decode(&payload, &mut batch).expect("decode");
+    let e = batch.events(&payload).next().expect("one event");
+    assert_eq!(e.kind, EventKind::Removed);
+    assert_eq!(e.block_hashes, &[10877177626832001922]);
+}
+
+#[test]
+fn every_truncation_is_an_error_and_leaves_the_batch_empty() {
+    let payload = unhex(STORED_STORED);
+    let mut batch = Batch::default();
+    for cut in 0..payload.len() {
+        let out = Decoder::new().decode(&payload[..cut], &mut batch);
+        assert!(out.is_err(), "prefix of {cut} bytes decoded");
+        assert!(batch.is_empty());
+    }
+    let mut longer = payload.clone();
+    longer.push(0);
+    assert!(Decoder::new().decode(&longer, &mut batch).is_err());
+}
+
+#[test]
+fn legacy_arrays_signed_and_digest_hashes() {
+    let digest: Vec<u8> = (0u8..32).collect();
+    let payload = batch(|w| {
+        // vLLM <= 0.23: ["BlockStored", hashes, parent, tokens, block_size, lora_id]
+        w.arr(6).s("BlockStored").arr(2).i(-5).bin(&digest);
+        w.nil().ints(&[1, 2]).u(1).nil();
+        // ["BlockRemoved", hashes] and ["AllBlocksCleared"] and an unknown type
+        w.arr(2).s("BlockRemoved").arr(1).i(-5);
+        w.arr(1).s("AllBlocksCleared");
+        w.arr(3).s("BlockMoved").u(1).u(2);
+        4
+    });
+    let mut b = Batch::default();
+    Decoder::new().decode(&payload, &mut b).expect("decode");
+    let events: Vec<Event<'_>> = b.events(&payload).collect();
+    let last8 = u64::from_be_bytes(digest[24..].try_into().expect("8 bytes"));
+    assert_eq!(events[0].block_hashes, &[(-5i64) as u64, last8]);
+    assert_eq!(events[1].block_hashes, &[(-5i64) as u64]);
+    assert_eq!(events[2].kind, EventKind::Cleared);
+    assert_eq!(events[3].kind, EventKind::Unknown);
+    assert_eq!(events[3].type_name, "BlockMoved");
+}
+
+#[test]
+fn rehash_chains_removes_and_clears() {
+    let tokens: Vec<u64> = (100..164).collect(); // 4 blocks of 16
+    let own = own_hashes(&tokens, 16);
+    let index = shared();
+    let mut a = Applier::new(index.clone(), Config::default()).expect("applier");
+    let p1 = batch(|w| {
+        stored(
+            w,
+            &Ev {
+                hashes: &[11, 12],
+                parent: None,
+                tokens: &tokens[..32],
+                block_size: 16,
+                medium: None,
+            },
+        );
+        stored(
+            w,
+            &Ev {
+                hashes: &[13, 14],
+                parent: Some(12),
+                tokens: &tokens[32..],
+                block_size: 16,
+                medium: Some("GPU"),
+            },
+        );
+        2
+    });
+    a.apply("w", &p1).expect("apply");
+    assert_eq!(matched(&index, &own, "w"), 4);
+    // Unknown parent: skipped, counted, nothing stored.
+    let p2 = batch(|w| {
+        stored(
+            w,
+            &Ev {
+                hashes: &[99],
+                parent: Some(98),
+                tokens: &tokens[..16],
+                block_size: 16,
+                medium: None,
+            },
+        );
+        1
+    });
+    a.apply("w", &p2).expect("apply");
+    let c = a.counters("w").expect("counters");
+    assert_eq!(c.skipped_unknown_parent, 1);
+    assert_eq!(c.blocks_stored, 4);
+    // Removing engine block 13 drops own blocks 2 and 3.
+    let p3 = batch(|w| {
+        removed(w, &[13], None);
+        1
+    });
+    a.apply("w", &p3).expect("apply");
+    assert_eq!(matched(&index, &own, "w"), 2);
+    // A malformed payload changes nothing.
+    assert!(a.apply("w", &p1[..p1.len() - 3]).is_err());
+    assert_eq!(matched(&index, &own, "w"), 2);
+    assert_eq!(a.counters("w").expect("c").malformed, 1);
+    // AllBlocksCleared.
+    let p4 = batch(|w| {
+        w.map(1).s("type").s("AllBlocksCleared");
+        1
+    });
+    a.apply("w", &p4).expect("apply");
+    assert_eq!(matched(&index, &own, "w"), 0);
+    assert_eq!(index.read().num_blocks("w").expect("known"), 0);
+}
+
+#[test]
+fn engine_blocks_larger_than_router_blocks_and_tiers() {
+    let tokens: Vec<u64> = (0..64).collect();
+    let own = own_hashes(&tokens, 16);
+    let index = shared();
+    let mut a = Applier::new(index.clone(), Config::default()).expect("applier");
+    let p = batch(|w| {
+        stored(
+            w,
+            &Ev {
+                hashes: &[1, 2],
+                parent: None,
+                tokens: &tokens,
+                block_size: 32,
+                medium: None,
+            },
+        );
+        stored(
+            w,
+            &Ev {
+                hashes: &[1],
+                parent: None,
+                tokens: &tokens[..32],
+                block_size: 32,
+                medium: Some("CPU"),
+            },
+        );
+        // Partial block (5 tokens) and a block size that is not a multiple of 16.
+        stored(
+            w,
+            &Ev {
+                hashes: &[7],
+                parent: Some(2),
+                tokens: &tokens[..5],
+                block_size: 5,
+                medium: None,
+            },
+        );
+        stored(
+            w,
+            &Ev {
+                hashes: &[8],
+                parent: Some(2),
+                tokens: &tokens[..24],
+                block_size: 24,
+                medium: None,
+            },
+        );
+        4
+    });
+    a.apply("w", &p).expect("apply");
+    assert_eq!(matched(&index, &own, "w"), 4);
+    let cpu = a.tier_index("CPU").expect("CPU tier");
+    assert_eq!(matched(&cpu, &own, "w"), 2);
+    let c = a.counters("w").expect("c");
+    assert_eq!((c.skipped_partial, c.skipped_block_size), (1, 1));
+    // Removing engine block 2 (own blocks 2, 3) on the GPU leaves the CPU tier alone.
+    let r = batch(|w| {
+        removed(w, &[2], None);
+        1
+    });
+    a.apply("w", &r).expect("apply");
+    assert_eq!(matched(&index, &own, "w"), 2);
+    assert_eq!(matched(&cpu, &own, "w"), 2);
+    a.clear_worker("w");
+    assert_eq!(matched(&cpu, &own, "w"), 0);
+    assert_eq!(a.counters("w").expect("c").resets, 1);
+}
+
+#[test]
+fn direct_mode_uses_engine_hashes() {
+    let index = shared();
+    let config = Config {
+        mode: Mode::Direct,
+        ..Config::default()
+    };
+    let mut a = Applier::new(index.clone(), config).expect("applier");
+    let payload = unhex(STORED_STORED);
+    a.apply("w", &payload).expect("apply");
+    let engine = [
+        8866452693264111234,
+        807986237951177663,
+        10877177626832001922,
+    ];
+    assert_eq!(matched(&index, &engine, "w"), 3);
+    a.apply("w", &unhex(REMOVED)).expect("apply");
+    assert_eq!(matched(&index, &engine, "w"), 2);
+}
+
+#[test]
+fn a_worker_removed_from_the_index_is_re_registered_empty() {
+    let tokens: Vec<u64> = (0..32).collect();
+    let own = own_hashes(&tokens, 16);
+    let index = shared();
+    let mut a = Applier::new(index.clone(), Config::default()).expect("applier");
+    let first = batch(|w| {
+        stored(
+            w,
+            &Ev {
+                hashes: &[1],
+                parent: None,
+                tokens: &tokens[..16],
+                block_size: 16,
+                medium: None,
+            },
+        );
+        1
+    });
+    a.apply("w", &first).expect("apply");
+    index.write().remove_worker("w").expect("known");
+    let child = batch(|w| {
+        stored(
+            w,
+            &Ev {
+                hashes: &[2],
+                parent: Some(1),
+                tokens: &tokens[16..],
+                block_size: 16,
+                medium: None,
+            },
+        );
+        1
+    });
+    a.apply("w", &child).expect("apply");
+    assert_eq!(matched(&index, &own, "w"), 0);
+    assert_eq!(a.counters("w").expect("c").index_rejected, 1);
+}

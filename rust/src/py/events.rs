@@ -1,0 +1,311 @@
+//! Bindings for `crate::events`: `kvroute.KvEventApplier` and `kvroute.decode_kv_events`.
+//!
+//! The applier's state sits behind a `parking_lot::Mutex`; `apply` copies nothing from a `bytes`
+//! payload, releases the GIL, then takes the applier lock (and, per event, the index lock).
+
+use parking_lot::Mutex;
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyMemoryView};
+
+use super::convert::{describe, name_from_py, type_name};
+use super::index::PyPrefixIndex;
+use crate::blocks::Profile;
+use crate::events::{Applier, Batch, Config, Decoder, EventKind, Mode, WorkerCounters};
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyKvEventApplier>()?;
+    m.add_function(wrap_pyfunction!(decode_kv_events, m)?)?;
+    Ok(())
+}
+
+/// Calls `f` with the payload's bytes: borrowed from `bytes`, copied from `bytearray` or a
+/// contiguous `memoryview`.
+fn with_payload<R>(obj: &Bound<'_, PyAny>, f: impl FnOnce(&[u8]) -> R) -> PyResult<R> {
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        return Ok(f(b.as_bytes()));
+    }
+    if let Ok(b) = obj.cast::<PyByteArray>() {
+        return Ok(f(&b.to_vec()));
+    }
+    if obj.is_instance_of::<PyMemoryView>() {
+        let bytes: Vec<u8> = obj.call_method0("tobytes")?.extract()?;
+        return Ok(f(&bytes));
+    }
+    Err(PyTypeError::new_err(format!(
+        "payload must be bytes, bytearray or memoryview, got {} {}",
+        type_name(obj),
+        describe(obj)
+    )))
+}
+
+fn counters_dict<'py>(py: Python<'py>, c: &WorkerCounters) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    let WorkerCounters {
+        batches,
+        malformed,
+        events,
+        stored_events,
+        removed_events,
+        cleared_events,
+        blocks_stored,
+        blocks_removed,
+        skipped_unknown_parent,
+        skipped_partial,
+        skipped_block_size,
+        skipped_unsupported,
+        skipped_other_group,
+        skipped_unknown_type,
+        index_rejected,
+        resets,
+    } = *c;
+    for (k, v) in [
+        ("batches", batches),
+        ("malformed", malformed),
+        ("events", events),
+        ("stored_events", stored_events),
+        ("removed_events", removed_events),
+        ("cleared_events", cleared_events),
+        ("blocks_stored", blocks_stored),
+        ("blocks_removed", blocks_removed),
+        ("skipped_unknown_parent", skipped_unknown_parent),
+        ("skipped_partial", skipped_partial),
+        ("skipped_block_size", skipped_block_size),
+        ("skipped_unsupported", skipped_unsupported),
+        ("skipped_other_group", skipped_other_group),
+        ("skipped_unknown_type", skipped_unknown_type),
+        ("index_rejected", index_rejected),
+        ("resets", resets),
+    ] {
+        d.set_item(k, v)?;
+    }
+    Ok(d)
+}
+
+/// Applies engine KV-event payloads (vLLM / SGLang msgpack), per worker, to a `PrefixIndex`.
+///
+/// `mode="rehash"` (default) recomputes the router's own block hashes from each event's tokens
+/// with a `BlockHasher(block_size, profile=hash_profile, seed=seed)`, chained from the parent's
+/// state, and keeps an engine-hash → own-hash map per worker for removals; `mode="direct"` stores
+/// the engine's hashes as they are. Events on a `medium` other than the GPU go to a separate
+/// index per tier (`tier_index(medium)`). Only KV-cache group `group_idx` is followed.
+/// `apply` raises `ValueError` for a malformed payload, which then changes nothing (it is
+/// counted as `malformed`); events that cannot be placed exactly are skipped and counted.
+#[pyclass(frozen, module = "kvroute._core", name = "KvEventApplier")]
+pub struct PyKvEventApplier {
+    core: Mutex<Applier>,
+    index: Py<PyPrefixIndex>,
+}
+
+#[pymethods]
+impl PyKvEventApplier {
+    #[new]
+    #[pyo3(signature = (index, *, mode = "rehash", block_size = 16, hash_profile = "native", seed = None, group_idx = 0))]
+    fn new(
+        index: Bound<'_, PyPrefixIndex>,
+        mode: &str,
+        block_size: usize,
+        hash_profile: &str,
+        seed: Option<String>,
+        group_idx: i64,
+    ) -> PyResult<Self> {
+        let config = Config {
+            mode: mode.parse::<Mode>()?,
+            block_size,
+            profile: hash_profile.parse::<Profile>()?,
+            seed,
+            group_idx,
+        };
+        let core = Applier::new(index.get().shared().clone(), config)?;
+        Ok(PyKvEventApplier {
+            core: Mutex::new(core),
+            index: index.unbind(),
+        })
+    }
+
+    /// Decodes `payload` (one msgpack event batch from `worker`) and applies it; returns the
+    /// number of events. `ValueError` for a malformed payload (nothing changes).
+    fn apply(
+        &self,
+        py: Python<'_>,
+        worker: &Bound<'_, PyAny>,
+        payload: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let name = name_from_py(worker, "worker")?;
+        let name = &*name;
+        let out = with_payload(payload, |bytes| {
+            py.detach(|| self.core.lock().apply(name, bytes))
+        })??;
+        Ok(out.events)
+    }
+
+    /// Forgets every block of `worker` in every tier (after an unrecoverable sequence gap or an
+    /// engine restart); counted as a reset.
+    fn clear(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<()> {
+        let name = name_from_py(worker, "worker")?;
+        let name = &*name;
+        py.detach(|| self.core.lock().clear_worker(name));
+        Ok(())
+    }
+
+    /// Clears `worker`, drops it from the tier indexes and forgets its counters (it stays in the
+    /// main index, whose owner decides membership). Returns whether it was known.
+    fn remove_worker(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let name = name_from_py(worker, "worker")?;
+        let name = &*name;
+        Ok(py.detach(|| self.core.lock().remove_worker(name)))
+    }
+
+    /// Counters of `worker` (a dict of ints), or of every worker (a dict of such dicts).
+    /// `KeyError` for an unknown worker.
+    #[pyo3(signature = (worker = None))]
+    fn stats<'py>(
+        &self,
+        py: Python<'py>,
+        worker: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        match worker {
+            Some(w) => {
+                let name = name_from_py(w, "worker")?;
+                let counters = self.core.lock().counters(&name);
+                match counters {
+                    Some(c) => counters_dict(py, &c),
+                    None => Err(pyo3::exceptions::PyKeyError::new_err(format!(
+                        "unknown worker {name:?}"
+                    ))),
+                }
+            }
+            None => {
+                let all: Vec<(String, WorkerCounters)> = {
+                    let core = self.core.lock();
+                    core.workers()
+                        .into_iter()
+                        .filter_map(|w| core.counters(w).map(|c| (w.to_owned(), c)))
+                        .collect()
+                };
+                let out = PyDict::new(py);
+                for (name, c) in all {
+                    out.set_item(name, counters_dict(py, &c)?)?;
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    /// Workers that sent at least one payload, sorted.
+    #[getter]
+    fn workers(&self) -> Vec<String> {
+        self.core
+            .lock()
+            .workers()
+            .into_iter()
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// The main (GPU) index.
+    #[getter]
+    fn index(&self, py: Python<'_>) -> Py<PyPrefixIndex> {
+        self.index.clone_ref(py)
+    }
+
+    /// The index of tier `medium` (e.g. "CPU"); "GPU" gives the main index; None if never seen.
+    fn tier_index(&self, py: Python<'_>, medium: &str) -> PyResult<Option<Py<PyPrefixIndex>>> {
+        if medium == crate::events::GPU {
+            return Ok(Some(self.index.clone_ref(py)));
+        }
+        let shared = self.core.lock().tier_index(medium);
+        shared
+            .map(|s| Py::new(py, PyPrefixIndex::from_shared(s)))
+            .transpose()
+    }
+
+    /// Names of the non-GPU tiers seen so far, in order of appearance.
+    #[getter]
+    fn tiers(&self) -> Vec<String> {
+        self.core
+            .lock()
+            .tiers()
+            .iter()
+            .map(|t| t.to_string())
+            .collect()
+    }
+
+    /// "rehash" or "direct".
+    #[getter]
+    fn mode(&self) -> &'static str {
+        self.core.lock().config().mode.name()
+    }
+
+    /// The router's block size in tokens.
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.core.lock().config().block_size
+    }
+
+    /// The router's hash profile.
+    #[getter]
+    fn hash_profile(&self) -> &'static str {
+        self.core.lock().config().profile.name()
+    }
+
+    /// The KV-cache group followed.
+    #[getter]
+    fn group_idx(&self) -> i64 {
+        self.core.lock().config().group_idx
+    }
+
+    fn __repr__(&self) -> String {
+        let core = self.core.lock();
+        let c = core.config();
+        format!(
+            "KvEventApplier(mode={:?}, block_size={}, hash_profile={:?}, workers={})",
+            c.mode.name(),
+            c.block_size,
+            c.profile.name(),
+            core.workers().len()
+        )
+    }
+}
+
+/// Decodes one KV-event payload into Python objects (for inspection and tests):
+/// `(ts, events, data_parallel_rank)`, each event a dict with every field the decoder reads.
+/// `ValueError` for a malformed payload.
+#[pyfunction]
+fn decode_kv_events<'py>(
+    py: Python<'py>,
+    payload: &Bound<'py, PyAny>,
+) -> PyResult<(f64, Bound<'py, PyList>, Option<i64>)> {
+    with_payload(payload, |bytes| {
+        let mut batch = Batch::default();
+        Decoder::new().decode(bytes, &mut batch)?;
+        let events = PyList::empty(py);
+        for e in batch.events(bytes) {
+            let d = PyDict::new(py);
+            d.set_item("type", e.type_name)?;
+            let known = matches!(e.kind, EventKind::Stored | EventKind::Removed);
+            if known {
+                d.set_item("block_hashes", e.block_hashes.to_vec())?;
+                d.set_item("medium", e.medium)?;
+                d.set_item("group_idx", e.group_idx)?;
+            }
+            if e.kind == EventKind::Stored {
+                d.set_item("parent_block_hash", e.parent)?;
+                d.set_item("token_ids", e.token_ids.to_vec())?;
+                d.set_item("tokens_fit_u32", e.tokens_fit_u32)?;
+                d.set_item("block_size", e.block_size)?;
+                d.set_item("lora_id", e.lora_id)?;
+                d.set_item("lora_name", e.lora_name)?;
+                d.set_item("cache_salt", e.cache_salt)?;
+                let extra = e.extra_keys.raw().map(|b| PyBytes::new(py, b));
+                d.set_item("extra_keys", extra)?;
+                let summary = e.extra_keys.summary(e.lora_name);
+                d.set_item("extra_salt", summary.salt)?;
+                d.set_item("extra_unsupported", summary.unsupported)?;
+                d.set_item("has_lookahead", e.has_lookahead)?;
+            }
+            events.append(d)?;
+        }
+        Ok((batch.ts, events, batch.dp_rank))
+    })?
+}
