@@ -1,7 +1,7 @@
 """Type stubs for the Rust extension module ``kvroute._core``."""
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -274,3 +274,67 @@ class BlockCache:
     def reserved(self) -> dict[str, int]: ...
     def __len__(self) -> int: ...
     def __contains__(self, block_hash: object) -> bool: ...
+
+class KvEventApplier:
+    """Applies engine KV-event payloads (vLLM / SGLang msgpack), per worker, to a PrefixIndex.
+
+    ``mode="rehash"`` recomputes the router's own block hashes from each event's tokens with
+    ``BlockHasher(block_size, profile=hash_profile, seed=seed)`` chained from the parent's state
+    (engine-hash -> own-hash map per worker); ``mode="direct"`` stores the engine's hashes as they
+    are. Non-GPU media go to one index per tier (``tier_index``). Only KV-cache group
+    ``group_idx`` is followed. A malformed payload raises ``ValueError`` and changes nothing;
+    events that cannot be placed exactly are skipped and counted (``stats``).
+    """
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        *,
+        mode: Literal["rehash", "direct"] = "rehash",
+        block_size: int = 16,
+        hash_profile: Literal["native", "vllm", "sglang"] = "native",
+        seed: str | None = None,
+        group_idx: int = 0,
+    ) -> None: ...
+    def apply(self, worker: str, payload: bytes | bytearray | memoryview) -> int:
+        """Decodes and applies one batch; returns its number of events (GIL released)."""
+
+    def clear(self, worker: str) -> None:
+        """Forgets every block of ``worker`` in every tier; counted as a reset."""
+
+    def remove_worker(self, worker: str) -> bool:
+        """Clears ``worker``, drops it from the tier indexes and forgets its counters."""
+
+    @overload
+    def stats(self, worker: str) -> dict[str, int]: ...
+    @overload
+    def stats(self, worker: None = None) -> dict[str, dict[str, int]]: ...
+    @property
+    def workers(self) -> list[str]:
+        """Workers that sent at least one payload, sorted."""
+
+    @property
+    def index(self) -> PrefixIndex:
+        """The main (GPU) index."""
+
+    def tier_index(self, medium: str) -> PrefixIndex | None:
+        """The index of tier ``medium`` ("GPU" gives ``index``); None if never seen."""
+
+    @property
+    def tiers(self) -> list[str]:
+        """Non-GPU tiers seen so far, in order of appearance."""
+
+    @property
+    def mode(self) -> Literal["rehash", "direct"]: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def hash_profile(self) -> Literal["native", "vllm", "sglang"]: ...
+    @property
+    def group_idx(self) -> int: ...
+
+def decode_kv_events(
+    payload: bytes | bytearray | memoryview,
+) -> tuple[float, list[dict[str, Any]], int | None]:
+    """``(ts, events, data_parallel_rank)`` of one payload, each event a dict of the fields the
+    decoder reads (``ValueError`` for a malformed payload). For inspection and tests."""

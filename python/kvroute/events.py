@@ -1,0 +1,541 @@
+"""Engine KV events over ZMQ (vLLM, SGLang) → the router's prefix index.
+
+``KvEventSubscriber`` connects one SUB socket per engine (frames ``[topic, seq (8-byte big-endian),
+msgpack payload]``), hands every payload to a ``kvroute.KvEventApplier`` (decoding and index
+updates run in Rust with the GIL released) and keeps each worker's index **sound** across lost
+messages and restarts:
+
+- **Sequence tracking.** Each publisher numbers its batches 0, 1, 2, … A jump forward (ZMQ dropped
+  messages at its high-water mark, or the subscriber was slow) is a *gap*: with a replay endpoint
+  the subscriber asks the engine's ROUTER socket for everything from the first missing number over
+  a DEALER socket (a REQ socket would receive only the first replayed batch), buffers live
+  messages meanwhile, applies the replayed batches in order, then the buffered ones; the worker is
+  reported stale until then. Without a replay endpoint — or when the replay does not reach back
+  far enough, times out, or overflows the buffer — the worker's blocks are cleared: the index never
+  keeps guessing about a worker whose history it lost.
+- **Restarts.** A sequence number that goes back means the engine restarted (its cache is empty):
+  the worker is cleared, and its numbering is followed afresh.
+- **Catch-up.** When the first message seen from an engine is not number 0 and a replay endpoint
+  is known, the subscriber replays from 0 to learn the blocks stored before it connected
+  (``catch_up=False`` turns this off).
+- ``AllBlocksCleared`` clears the worker (done by the applier).
+- **Malformed input** — wrong frame count, a sequence frame that is not 8 bytes, a payload the
+  decoder refuses — is counted and skipped; nothing crashes and nothing else changes.
+
+Replay protocol (vLLM ``ZmqEventPublisher``): send ``[b"", start_seq (8-byte BE)]`` from a DEALER;
+the ROUTER answers ``[b"", topic, seq, payload]`` for every buffered batch with ``seq >= start``
+(``[b"", seq, payload]`` from vLLM ≤ 0.24, without the topic frame), then the end marker
+``[b"", b"", 0xff×8, b""]`` (``[b"", 0xff×8, b""]``).
+
+Freshness: the target's (or ``freshness=``'s) ``mark_stale(worker)`` / ``mark_fresh(worker)`` are
+called when a worker goes stale (replay started) and when it has caught up; ``stats()`` also gives
+each worker's seconds since its last message. One background thread polls every socket; ``stop()``
+wakes it at once through an inproc socket, joins it and closes every socket and the ZMQ context.
+
+Requires ``pyzmq`` (``pip install kvroute[events]``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from ._core import KvEventApplier, PrefixIndex
+
+__all__ = ["END_SEQ", "Freshness", "KvEventSubscriber"]
+
+#: The sequence number of the replay end marker (``-1`` as a signed 8-byte big-endian int).
+END_SEQ = b"\xff" * 8
+
+_ids = itertools.count()
+
+
+class Freshness(Protocol):
+    """What the subscriber tells the router about a worker's index freshness."""
+
+    def mark_stale(self, worker: str) -> None: ...
+
+    def mark_fresh(self, worker: str) -> None: ...
+
+
+def _zmq() -> Any:
+    try:
+        import zmq
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError("kvroute.events needs pyzmq: pip install 'kvroute[events]'") from e
+    return zmq
+
+
+class _Worker:
+    """One engine: its sockets, sequence state and counters (touched by the poll thread only,
+    read under the subscriber's lock)."""
+
+    def __init__(self, name: str, endpoint: str, replay: str | None) -> None:
+        self.name = name
+        self.endpoint = endpoint
+        self.replay_endpoint = replay
+        self.sub: Any = None
+        self.dealer: Any = None
+        self.expected: int | None = None  # next sequence number expected
+        self.replaying = False
+        self.replay_deadline = 0.0
+        self.pending: list[tuple[int, bytes]] = []
+        self.stale = False
+        self.gaps = 0
+        self.replays = 0
+        self.replay_failures = 0
+        self.resets = 0
+        self.restarts = 0
+        self.malformed_frames = 0
+        self.errors = 0
+        self.last_seq: int | None = None
+        self.last_message: float | None = None
+
+
+class KvEventSubscriber:
+    """Subscribes to engines' KV events and keeps ``target``'s prefix index in step.
+
+    ``target``: a ``kvroute.PrefixIndex`` (a ``KvEventApplier`` is built for it with ``mode``,
+    ``block_size``, ``hash_profile``, ``seed``, ``group_idx``), a ``KvEventApplier`` (used as
+    is), or a router-like object with an ``index`` attribute (its ``block_size`` and
+    ``hash_profile`` attributes are the defaults, and it is the freshness sink when it has
+    ``mark_stale``/``mark_fresh``). ``endpoints``: ``{worker: "tcp://host:5557"}``; ``replay``:
+    ``{worker: "tcp://host:5558"}`` for the engines that run a replay socket. ``topic`` is the
+    SUB prefix filter (vLLM's default topic is ``""``).
+    """
+
+    def __init__(
+        self,
+        target: Any,
+        endpoints: Mapping[str, str],
+        *,
+        replay: Mapping[str, str] | None = None,
+        topic: str = "",
+        mode: str = "rehash",
+        block_size: int | None = None,
+        hash_profile: str | None = None,
+        seed: str | None = None,
+        group_idx: int = 0,
+        freshness: Freshness | None = None,
+        catch_up: bool = True,
+        replay_timeout: float = 5.0,
+        max_pending: int = 100_000,
+        rcvhwm: int = 100_000,
+    ) -> None:
+        replay = dict(replay or {})
+        unknown = sorted(set(replay) - set(endpoints))
+        if unknown:
+            raise KeyError(f"replay endpoints given for unknown workers {unknown}")
+        for name, endpoint in endpoints.items():
+            if not isinstance(name, str) or not isinstance(endpoint, str):
+                raise TypeError(f"endpoints must map str to str, got {name!r}: {endpoint!r}")
+        if replay_timeout <= 0:
+            raise ValueError(f"replay_timeout must be > 0, got {replay_timeout!r}")
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending!r}")
+        self._zmq = _zmq()
+        self.applier = self._applier_for(target, mode, block_size, hash_profile, seed, group_idx)
+        if freshness is None and hasattr(target, "mark_stale") and hasattr(target, "mark_fresh"):
+            freshness = target
+        self._freshness = freshness
+        self._topic = topic.encode()
+        self._catch_up = catch_up
+        self._replay_timeout = float(replay_timeout)
+        self._max_pending = int(max_pending)
+        self._rcvhwm = int(rcvhwm)
+        self._workers = {
+            name: _Worker(name, endpoint, replay.get(name)) for name, endpoint in endpoints.items()
+        }
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._ctx: Any = None
+        self._stop_addr = f"inproc://kvroute-events-stop-{next(_ids)}"
+        self._stop_sock: Any = None
+        self._ready = threading.Event()
+        self._failure: BaseException | None = None
+        self._poller: Any = None  # the poll thread's own
+        self._owner: dict[Any, tuple[_Worker, bool]] = {}
+
+    @staticmethod
+    def _applier_for(
+        target: Any,
+        mode: str,
+        block_size: int | None,
+        hash_profile: str | None,
+        seed: str | None,
+        group_idx: int,
+    ) -> KvEventApplier:
+        if isinstance(target, KvEventApplier):
+            return target
+        if isinstance(target, PrefixIndex):
+            index = target
+        elif isinstance(getattr(target, "index", None), PrefixIndex):
+            index = target.index
+            block_size = (
+                block_size if block_size is not None else getattr(target, "block_size", None)
+            )
+            if hash_profile is None:
+                hash_profile = getattr(target, "hash_profile", None)
+        else:
+            raise TypeError(
+                "target must be a PrefixIndex, a KvEventApplier or a router with an .index, "
+                f"got {type(target).__name__}"
+            )
+        return KvEventApplier(
+            index,
+            mode=mode,
+            block_size=16 if block_size is None else block_size,
+            hash_profile=hash_profile or "native",
+            seed=seed,
+            group_idx=group_idx,
+        )
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        """True between ``start()`` and ``stop()``."""
+        return self._thread is not None
+
+    def start(self) -> KvEventSubscriber:
+        """Connects the sockets and starts the poll thread (returns once it is polling)."""
+        if self._thread is not None:
+            return self
+        zmq = self._zmq
+        self._ctx = zmq.Context()
+        self._ready.clear()
+        self._failure = None
+        thread = threading.Thread(target=self._run, name="kvroute-kv-events", daemon=True)
+        thread.start()
+        self._ready.wait()
+        if self._failure is not None:
+            thread.join()
+            self._ctx.term()
+            self._ctx = None
+            raise self._failure
+        stop = self._ctx.socket(zmq.PAIR)
+        stop.setsockopt(zmq.LINGER, 0)
+        stop.connect(self._stop_addr)
+        self._stop_sock = stop
+        self._thread = thread
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stops the poll thread and closes every socket; idempotent."""
+        thread = self._thread
+        if thread is None:
+            return
+        try:
+            self._stop_sock.send(b"stop")
+        finally:
+            thread.join(timeout)
+            self._stop_sock.close(linger=0)
+            self._stop_sock = None
+            self._thread = None
+            if not thread.is_alive():
+                self._ctx.term()
+            self._ctx = None
+
+    def __enter__(self) -> KvEventSubscriber:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> KvEventSubscriber:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.start)
+
+    async def __aexit__(self, *exc: object) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.stop)
+
+    # ---- inspection -----------------------------------------------------------------------
+
+    @property
+    def workers(self) -> list[str]:
+        """The subscribed workers."""
+        return list(self._workers)
+
+    @property
+    def index(self) -> PrefixIndex:
+        """The GPU prefix index being fed."""
+        return self.applier.index
+
+    def is_stale(self, worker: str) -> bool:
+        """True while ``worker`` is waiting for a replay to fill a gap."""
+        with self._lock:
+            return self._workers[worker].stale
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per worker: the applier's counters (batches, events, blocks_stored, blocks_removed,
+        skipped_*, …) plus gaps, replays, replay_failures, resets (clears for lost history:
+        unrecoverable gaps and restarts), restarts, malformed (frames and payloads), errors,
+        last_seq, stale and seconds_since_event (``None`` before the first message)."""
+        now = time.monotonic()
+        applied = self.applier.stats()
+        out: dict[str, dict[str, Any]] = {}
+        with self._lock:
+            for name, w in self._workers.items():
+                row: dict[str, Any] = dict(applied.get(name, {}))
+                payload_malformed = int(row.get("malformed", 0))
+                row.update(
+                    endpoint=w.endpoint,
+                    replay_endpoint=w.replay_endpoint,
+                    gaps=w.gaps,
+                    replays=w.replays,
+                    replay_failures=w.replay_failures,
+                    resets=w.resets,
+                    restarts=w.restarts,
+                    malformed=payload_malformed + w.malformed_frames,
+                    malformed_frames=w.malformed_frames,
+                    malformed_payloads=payload_malformed,
+                    errors=w.errors,
+                    last_seq=w.last_seq,
+                    stale=w.stale,
+                    seconds_since_event=None
+                    if w.last_message is None
+                    else max(0.0, now - w.last_message),
+                )
+                out[name] = row
+        return out
+
+    # ---- poll thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        zmq = self._zmq
+        ctx = self._ctx
+        self._poller = poller = zmq.Poller()
+        self._owner = owner = {}
+        stop = None
+        try:
+            stop = ctx.socket(zmq.PAIR)
+            stop.setsockopt(zmq.LINGER, 0)
+            stop.bind(self._stop_addr)
+            poller.register(stop, zmq.POLLIN)
+            for w in self._workers.values():
+                sub = ctx.socket(zmq.SUB)
+                w.sub = sub
+                sub.setsockopt(zmq.LINGER, 0)
+                sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
+                sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+                sub.connect(w.endpoint)
+                poller.register(sub, zmq.POLLIN)
+                owner[sub] = (w, False)
+                if w.replay_endpoint is not None:
+                    self._new_dealer(w)
+        except BaseException as e:
+            self._failure = e
+            self._close_all(stop)
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            while True:
+                ready = dict(poller.poll(self._poll_timeout()))
+                if stop in ready:
+                    break
+                for sock in ready:
+                    for _ in range(1024):
+                        entry = owner.get(sock)  # a dealer may be replaced meanwhile
+                        if entry is None:
+                            break
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.ZMQError:
+                            break
+                        w, is_replay = entry
+                        handler = self._on_replay_frames if is_replay else self._on_frames
+                        self._guarded(handler, w, frames)
+                now = time.monotonic()
+                for w in self._workers.values():
+                    if w.replaying and now >= w.replay_deadline:
+                        self._guarded(self._replay_failed, w)
+        finally:
+            self._close_all(stop)
+
+    def _close_all(self, stop: Any) -> None:
+        for w in self._workers.values():
+            for s in (w.sub, w.dealer):
+                if s is not None:
+                    s.close(linger=0)
+            w.sub = w.dealer = None
+        if stop is not None:
+            stop.close(linger=0)
+        self._owner = {}
+
+    def _new_dealer(self, w: _Worker) -> None:
+        """(Re)creates the worker's replay DEALER; replacing it drops late replies to an
+        abandoned request along with the old socket."""
+        zmq = self._zmq
+        old = w.dealer
+        if old is not None:
+            self._poller.unregister(old)
+            self._owner.pop(old, None)
+            old.close(linger=0)
+            w.dealer = None
+        dealer = self._ctx.socket(zmq.DEALER)
+        w.dealer = dealer
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(w.replay_endpoint)
+        self._poller.register(dealer, zmq.POLLIN)
+        self._owner[dealer] = (w, True)
+
+    def _poll_timeout(self) -> int:
+        deadlines = [w.replay_deadline for w in self._workers.values() if w.replaying]
+        if not deadlines:
+            return 1000
+        return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
+
+    def _guarded(self, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:  # never let one bad message stop the thread
+            w = args[0]
+            with self._lock:
+                w.errors += 1
+
+    def _notify(self, w: _Worker, stale: bool) -> None:
+        with self._lock:
+            w.stale = stale
+        sink = self._freshness
+        if sink is None:
+            return
+        try:
+            (sink.mark_stale if stale else sink.mark_fresh)(w.name)
+        except Exception:
+            with self._lock:
+                w.errors += 1
+
+    # ---- sequence logic (poll thread) -----------------------------------------------------
+
+    def _on_frames(self, w: _Worker, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            with self._lock:
+                w.malformed_frames += 1
+            return
+        self._on_live(w, int.from_bytes(frames[1], "big"), frames[2])
+
+    def _on_live(self, w: _Worker, seq: int, payload: bytes, catch_up: bool = True) -> None:
+        if w.replaying:
+            if len(w.pending) < self._max_pending:
+                w.pending.append((seq, payload))
+                return
+            self._replay_failed(w)  # too much buffered: give up, follow the live stream
+        if w.expected is not None and seq < w.expected:
+            with self._lock:
+                w.restarts += 1
+            self._reset(w)
+        if w.expected is None:
+            if seq > 0 and catch_up and self._catch_up and w.dealer is not None:
+                w.pending.append((seq, payload))
+                self._start_replay(w, 0)
+                return
+            w.expected = seq
+        if seq > w.expected:
+            with self._lock:
+                w.gaps += 1
+            if w.dealer is not None:
+                w.pending.append((seq, payload))
+                self._start_replay(w, w.expected)
+                return
+            self._reset(w)
+            w.expected = seq
+        self._apply(w, seq, payload)
+
+    def _apply(self, w: _Worker, seq: int, payload: bytes) -> None:
+        w.expected = seq + 1
+        with self._lock:
+            w.last_seq = seq
+            w.last_message = time.monotonic()
+        try:
+            self.applier.apply(w.name, payload)
+        except ValueError:
+            pass  # counted by the applier as a malformed payload; it changed nothing
+
+    def _reset(self, w: _Worker) -> None:
+        """Forgets the worker's blocks and its numbering (history lost)."""
+        self.applier.clear(w.name)
+        w.expected = None
+        with self._lock:
+            w.resets += 1
+
+    def _start_replay(self, w: _Worker, start: int) -> None:
+        zmq = self._zmq
+        w.replaying = True
+        w.expected = start
+        w.replay_deadline = time.monotonic() + self._replay_timeout
+        with self._lock:
+            w.replays += 1
+        self._notify(w, True)
+        try:
+            w.dealer.send_multipart([b"", start.to_bytes(8, "big")], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self._replay_failed(w)
+
+    def _on_replay_frames(self, w: _Worker, frames: list[bytes]) -> None:
+        # [b"", topic, seq, payload] (vLLM >= 0.28) or [b"", seq, payload] (<= 0.24).
+        if len(frames) == 4 and frames[0] == b"":
+            seq_frame, payload = frames[2], frames[3]
+        elif len(frames) == 3 and frames[0] == b"":
+            seq_frame, payload = frames[1], frames[2]
+        else:
+            seq_frame = payload = b""
+        if len(seq_frame) != 8:
+            with self._lock:
+                w.malformed_frames += 1
+            return
+        if not w.replaying:
+            return  # a reply to a request given up on (the dealer is replaced then; be safe)
+        w.replay_deadline = time.monotonic() + self._replay_timeout
+        if seq_frame == END_SEQ:
+            self._finish_replay(w)
+            return
+        seq = int.from_bytes(seq_frame, "big")
+        expected = w.expected if w.expected is not None else 0
+        if seq < expected:
+            return  # already applied
+        if seq > expected:
+            # The engine's buffer does not reach back to what we missed: that history is lost.
+            with self._lock:
+                w.replay_failures += 1
+            self._reset(w)
+        self._apply(w, seq, payload)
+
+    def _finish_replay(self, w: _Worker) -> None:
+        w.replaying = False
+        pending, w.pending = w.pending, []
+        previous = -1
+        for i, (seq, payload) in enumerate(pending):
+            if w.replaying:  # a new gap inside the buffered messages started another replay
+                w.pending.extend(pending[i:])
+                return
+            if seq < previous:  # the engine restarted while we were replaying
+                with self._lock:
+                    w.restarts += 1
+                self._reset(w)
+            previous = seq
+            if w.expected is not None and seq < w.expected:
+                continue  # the replay already delivered it
+            self._on_live(w, seq, payload)
+        if not w.replaying:
+            self._notify(w, False)
+
+    def _replay_failed(self, w: _Worker) -> None:
+        """The replay cannot be completed (timeout, send failure, buffer overflow): clear the
+        worker and follow the live stream from the messages buffered meanwhile."""
+        w.replaying = False
+        with self._lock:
+            w.replay_failures += 1
+        if w.dealer is not None:
+            self._new_dealer(w)
+        self._reset(w)
+        pending, w.pending = w.pending, []
+        for seq, payload in pending:
+            self._on_live(w, seq, payload, catch_up=False)
+        if not w.replaying:
+            self._notify(w, False)
