@@ -15,8 +15,8 @@
 pub mod blocks;
 pub mod cache;
 pub mod error;
-pub mod hashing;
 pub mod events;
+pub mod hashing;
 pub mod index;
 
 #[cfg(feature = "python")]

@@ -139,15 +139,15 @@ pub struct BatchOutcome {
     pub ts: f64,
 }
 
-/// Where an engine block ends up in the router's chain (rehash mode).
+/// Where an engine block ends up in the router's chain (rehash mode). 16 bytes: for the `native`
+/// profile the chain state after the block is `last` itself; `vllm`/`sglang` keep the 32-byte
+/// digest in [`TierState::digests`].
 #[derive(Clone, Copy, Debug)]
 struct Link {
     /// The first router block inside the engine block (what a removal drops).
     first: u64,
     /// The last router block inside the engine block (the parent of what follows).
     last: u64,
-    /// The chain state after `last`.
-    state: ChainState,
 }
 
 /// One worker's view of one tier's index.
@@ -158,6 +158,15 @@ struct TierState {
     registered: Option<(WorkerId, Arc<str>)>,
     /// Engine hash → router chain position (rehash mode only).
     links: HashMap<u64, Link>,
+    /// Engine hash → SHA-256 chain state after its last router block (digest profiles only).
+    digests: HashMap<u64, [u8; 32]>,
+}
+
+impl TierState {
+    fn forget(&mut self) {
+        self.links.clear();
+        self.digests.clear();
+    }
 }
 
 #[derive(Default)]
@@ -203,7 +212,7 @@ pub struct Applier {
 #[derive(Default)]
 struct Scratch {
     own: Vec<u64>,
-    ends: Vec<ChainState>,
+    ends: Vec<[u8; 32]>,
     removed: Vec<u64>,
 }
 
@@ -307,6 +316,7 @@ impl Applier {
             name: worker,
             state,
             scratch,
+            pending_tier: None,
         };
         let mut outcome = BatchOutcome {
             events: batch.len(),
@@ -314,6 +324,9 @@ impl Applier {
             ts: batch.ts,
         };
         for event in batch.events(payload) {
+            if event.kind != EventKind::Removed {
+                ctx.flush_removals();
+            }
             match event.kind {
                 EventKind::Stored => ctx.store(&event),
                 EventKind::Removed => ctx.remove(&event),
@@ -325,6 +338,7 @@ impl Applier {
                 EventKind::Unknown => ctx.state.counters.skipped_unknown_type += 1,
             }
         }
+        ctx.flush_removals();
         Ok(outcome)
     }
 
@@ -350,6 +364,7 @@ impl Applier {
             name: worker,
             state,
             scratch,
+            pending_tier: None,
         }
         .clear();
     }
@@ -394,7 +409,7 @@ fn ensure_id(index: &mut PrefixIndex, tier: &mut TierState, name: &str) -> Resul
     if let Some(id) = valid_id(index, tier) {
         return Ok(id);
     }
-    tier.links.clear();
+    tier.forget();
     tier.registered = None;
     let id = index.add_worker(name)?;
     if let Some(arc) = index.worker_name_arc(id) {
@@ -412,6 +427,8 @@ struct Ctx<'s> {
     name: &'s str,
     state: &'s mut WorkerState,
     scratch: &'s mut Scratch,
+    /// The tier of the removals gathered in `scratch.removed`, not yet applied.
+    pending_tier: Option<usize>,
 }
 
 impl Ctx<'_> {
@@ -425,7 +442,8 @@ impl Ctx<'_> {
                 None if create && self.indexes.len() <= MAX_TIERS => {
                     let budget = self.indexes.first()?.1.read().max_bytes();
                     let index = PrefixIndex::new(budget).ok()?;
-                    self.indexes.push((Arc::from(m), Arc::new(RwLock::new(index))));
+                    self.indexes
+                        .push((Arc::from(m), Arc::new(RwLock::new(index))));
                     self.indexes.len() - 1
                 }
                 None => return None,
@@ -512,10 +530,8 @@ impl Ctx<'_> {
             return;
         };
         let mut index = index.write();
-        let out =
-            ensure_id(&mut index, state, self.name).and_then(|id| {
-                index.store_id(id, ev.block_hashes, ev.parent)
-            });
+        let out = ensure_id(&mut index, state, self.name)
+            .and_then(|id| index.store_id(id, ev.block_hashes, ev.parent));
         drop(index);
         let counters = &mut self.state.counters;
         match out {
@@ -542,25 +558,29 @@ impl Ctx<'_> {
         }
         let salt = salt.filter(|s| !s.is_empty());
         let lora = ev.lora_name.filter(|s| !s.is_empty());
-        let parent = match ev.parent {
-            None => None,
+        let digest_chain = self.config.profile.chains_on_digest();
+        let (parent, start) = match ev.parent {
+            None => (None, ChainState::Root),
             Some(p) => {
-                let link = self
-                    .state
-                    .tiers
-                    .get(tier)
-                    .and_then(|t| t.links.get(&p))
-                    .copied();
-                match link {
-                    Some(link) => Some(link),
-                    None => {
+                let tier_state = self.state.tiers.get(tier);
+                let link = tier_state.and_then(|t| t.links.get(&p)).copied();
+                let state = if digest_chain {
+                    tier_state
+                        .and_then(|t| t.digests.get(&p))
+                        .map(|d| ChainState::Digest(*d))
+                } else {
+                    link.map(|l| ChainState::Native(l.last))
+                };
+                match (link, state) {
+                    (Some(link), Some(state)) => (Some(link.last), state),
+                    _ => {
                         self.state.counters.skipped_unknown_parent += 1;
                         return;
                     }
                 }
             }
         };
-        let start = parent.map_or(ChainState::Root, |l| l.state);
+        let n = ev.block_hashes.len();
         let mut scratch = std::mem::take(self.scratch);
         scratch.own.clear();
         scratch.ends.clear();
@@ -570,15 +590,19 @@ impl Ctx<'_> {
                 let mut i = 0usize;
                 hasher.hash_each(ev.token_ids, &start, &[], |value, state| {
                     own.push(value);
-                    i += 1;
-                    if i % per_block == 0 {
-                        ends.push(*state);
+                    if digest_chain {
+                        i += 1;
+                        if let (0, ChainState::Digest(d)) = (i % per_block, state) {
+                            ends.push(*d);
+                        }
                     }
                 })
             }
             Err(e) => Err(e),
         };
-        if hashed.is_err() || scratch.ends.len() != ev.block_hashes.len() {
+        let complete =
+            scratch.own.len() == n * per_block && (!digest_chain || scratch.ends.len() == n);
+        if hashed.is_err() || !complete {
             self.state.counters.skipped_unsupported += 1;
             *self.scratch = scratch;
             return;
@@ -586,33 +610,28 @@ impl Ctx<'_> {
         let stored = match (self.state.tiers.get_mut(tier), self.indexes.get(tier)) {
             (Some(state), Some((_, index))) => {
                 let mut index = index.write();
-                ensure_id(&mut index, state, self.name).and_then(|id| {
-                    index.store_id(id, &scratch.own, parent.map(|l| l.last))
-                })
+                ensure_id(&mut index, state, self.name)
+                    .and_then(|id| index.store_id(id, &scratch.own, parent))
             }
             _ => value_err!("tier {tier} is missing"),
         };
         let counters = &mut self.state.counters;
         match stored {
             Ok(()) => {
-                counters.blocks_stored += ev.block_hashes.len() as u64;
+                counters.blocks_stored += n as u64;
                 if let Some(state) = self.state.tiers.get_mut(tier) {
-                    let links = &mut state.links;
-                    links.reserve(ev.block_hashes.len());
+                    state.links.reserve(n);
                     let blocks = scratch.own.chunks_exact(per_block);
-                    for ((&engine, own), &end) in ev.block_hashes.iter().zip(blocks).zip(&scratch.ends)
-                    {
-                        let (Some(&first), Some(&last)) = (own.first(), own.last()) else {
-                            continue;
-                        };
-                        links.insert(
-                            engine,
-                            Link {
-                                first,
-                                last,
-                                state: end,
-                            },
-                        );
+                    for (&engine, own) in ev.block_hashes.iter().zip(blocks) {
+                        if let (Some(&first), Some(&last)) = (own.first(), own.last()) {
+                            state.links.insert(engine, Link { first, last });
+                        }
+                    }
+                    if digest_chain {
+                        state.digests.reserve(n);
+                        for (&engine, &end) in ev.block_hashes.iter().zip(&scratch.ends) {
+                            state.digests.insert(engine, end);
+                        }
                     }
                 }
             }
@@ -632,36 +651,51 @@ impl Ctx<'_> {
         let Some(tier) = self.tier(ev.medium, false) else {
             return; // a tier never stored into holds nothing to remove
         };
+        if self.pending_tier.is_some_and(|t| t != tier) {
+            self.flush_removals();
+        }
         let Some(state) = self.state.tiers.get_mut(tier) else {
             return;
         };
-        let removed: &[u64] = match self.config.mode {
-            Mode::Direct => ev.block_hashes,
+        let removed = &mut self.scratch.removed;
+        match self.config.mode {
+            Mode::Direct => removed.extend_from_slice(ev.block_hashes),
             Mode::Rehash => {
-                let removed = &mut self.scratch.removed;
-                removed.clear();
                 for h in ev.block_hashes {
                     if let Some(link) = state.links.remove(h) {
                         removed.push(link.first);
                     }
+                    state.digests.remove(h);
                 }
-                removed
             }
-        };
-        if removed.is_empty() {
-            return;
         }
-        if let Some((_, index)) = self.indexes.get(tier) {
+        if !removed.is_empty() {
+            self.pending_tier = Some(tier);
+        }
+    }
+
+    /// Applies the removals gathered from consecutive `BlockRemoved` events of one tier in one
+    /// index call (vLLM sends one event per evicted block). Called before any other event, when
+    /// the tier changes, and at the end of the batch, so the order of operations is unchanged.
+    fn flush_removals(&mut self) {
+        let Some(tier) = self.pending_tier.take() else {
+            return;
+        };
+        let removed = &mut self.scratch.removed;
+        if let (Some(state), Some((_, index))) =
+            (self.state.tiers.get(tier), self.indexes.get(tier))
+        {
             let mut index = index.write();
             if let Some(id) = valid_id(&index, state) {
                 let _ = index.remove_id(id, removed);
             }
         }
+        removed.clear();
     }
 
     fn clear(&mut self) {
         for (state, (_, index)) in self.state.tiers.iter_mut().zip(self.indexes.iter()) {
-            state.links.clear();
+            state.forget();
             let mut index = index.write();
             if let Some(id) = valid_id(&index, state) {
                 let _ = index.clear_id(id);

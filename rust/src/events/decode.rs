@@ -152,14 +152,22 @@ impl Batch {
             let range = |(a, b): (u32, u32)| a as usize..b as usize;
             Event {
                 kind: e.kind.unwrap_or(EventKind::Unknown),
-                type_name: e.tag.str(payload),
+                type_name: match e.kind {
+                    Some(EventKind::Stored) => "BlockStored",
+                    Some(EventKind::Removed) => "BlockRemoved",
+                    Some(EventKind::Cleared) => "AllBlocksCleared",
+                    _ => e.tag.str(payload),
+                },
                 block_hashes: self.hashes.get(range(e.hashes)).unwrap_or_default(),
                 parent: e.parent,
                 token_ids: self.tokens.get(range(e.tokens)).unwrap_or_default(),
                 tokens_fit_u32: !e.wide_tokens,
                 block_size: e.block_size.unwrap_or(0),
                 lora_id: e.lora_id,
-                medium: e.medium.map(|s| s.str(payload)),
+                medium: e.medium.map(|s| match s.get(payload) {
+                    b"GPU" => "GPU",
+                    _ => s.str(payload),
+                }),
                 lora_name: e.lora_name.map(|s| s.str(payload)),
                 cache_salt: e.cache_salt.map(|s| s.str(payload)),
                 extra_keys: ExtraKeys(e.extra_keys.map(|s| s.get(payload))),
@@ -316,7 +324,9 @@ mod field {
 
 fn decode_batch(r: &mut Reader<'_>, batch: &mut Batch) -> Result<()> {
     let m = r.marker()?;
-    let n = r.array_len(m).map_err(|_| r.error("the batch is not an array"))?;
+    let n = r
+        .array_len(m)
+        .map_err(|_| r.error("the batch is not an array"))?;
     if n < 2 {
         return Err(r.error("the batch array has fewer than 2 elements (ts, events)"));
     }
@@ -408,7 +418,7 @@ fn decode_map_event(
     for _ in 0..pairs {
         let key_at = r.pos();
         let m = r.marker()?;
-        let Some(key) = r.str_span(m, key_at)? else {
+        let Some(key) = r.str_span_checked(m, key_at, false)? else {
             return Err(r.error_at(key_at, "an event map key is not a string"));
         };
         let bit = match key.get(r.payload) {
@@ -433,7 +443,10 @@ fn decode_map_event(
         if fields & bit != 0 {
             return Err(r.error_at(
                 key_at,
-                &format!("the event key {:?} is repeated", key.str(r.payload)),
+                &format!(
+                    "the event key {:?} is repeated",
+                    String::from_utf8_lossy(key.get(r.payload))
+                ),
             ));
         }
         fields |= bit;
@@ -504,11 +517,15 @@ fn read_field(r: &mut Reader<'_>, batch: &mut Batch, bit: u32, e: &mut RawEvent)
         field::TYPE => {
             let at = r.pos();
             let m = r.marker()?;
-            let Some(tag) = r.str_span(m, at)? else {
+            let Some(tag) = r.str_span_checked(m, at, false)? else {
                 return Err(r.error_at(at, "the event type tag is not a string"));
             };
+            let kind = kind_of(tag.get(r.payload));
+            if kind == EventKind::Unknown && std::str::from_utf8(tag.get(r.payload)).is_err() {
+                return Err(r.error_at(at, "a string is not valid UTF-8"));
+            }
             e.tag = tag;
-            e.kind = Some(kind_of(tag.get(r.payload)));
+            e.kind = Some(kind);
         }
         field::HASHES => {
             let m = r.marker()?;
@@ -540,18 +557,7 @@ fn read_field(r: &mut Reader<'_>, batch: &mut Batch, bit: u32, e: &mut RawEvent)
                 .map_err(|_| r.error("token_ids is not an array"))?;
             r.check_items(n)?;
             let start = batch.tokens.len();
-            batch.tokens.reserve(n as usize);
-            let mut wide = false;
-            for _ in 0..n {
-                let t = match r.int("token_ids")? {
-                    Int::Pos(v) if v <= u64::from(u32::MAX) => v as u32,
-                    _ => {
-                        wide = true;
-                        0
-                    }
-                };
-                batch.tokens.push(t);
-            }
+            let wide = r.token_ids(n, &mut batch.tokens)?;
             e.tokens = (start as u32, batch.tokens.len() as u32);
             e.wide_tokens = wide;
         }
@@ -716,6 +722,12 @@ impl<'a> Reader<'a> {
 
     /// For a string marker, the (UTF-8 checked) span of its bytes; `None` for a non-string.
     fn str_span(&mut self, m: Marker, at: usize) -> Result<Option<Span>> {
+        self.str_span_checked(m, at, true)
+    }
+
+    /// [`Reader::str_span`], with the UTF-8 check only when `validate` (map keys are compared
+    /// as bytes and never turned into `str`).
+    fn str_span_checked(&mut self, m: Marker, at: usize, validate: bool) -> Result<Option<Span>> {
         let len = match m {
             Marker::FixStr(n) => u32::from(n),
             Marker::Str8 => u32::from(self.data::<1>()?[0]),
@@ -729,7 +741,7 @@ impl<'a> Reader<'a> {
             .remaining_slice()
             .get(..len as usize)
             .ok_or_else(|| self.truncated())?;
-        if std::str::from_utf8(bytes).is_err() {
+        if validate && std::str::from_utf8(bytes).is_err() {
             return Err(self.error_at(at, "a string is not valid UTF-8"));
         }
         self.skip(len as usize)?;
@@ -803,6 +815,83 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// Appends `n` token ids to `out` (the hot loop: a direct scan of the integer encodings);
+    /// returns true when some id is negative or beyond `u32` (stored as 0). `n` was checked
+    /// against the bytes left.
+    fn token_ids(&mut self, n: u32, out: &mut Vec<u32>) -> Result<bool> {
+        let bytes = self.rd.remaining_slice();
+        let start = out.len();
+        out.resize(start + n as usize, 0);
+        let slots = out.get_mut(start..).unwrap_or_default();
+        let mut at = 0usize;
+        let mut wide = false;
+        let mut done = 0usize;
+        for slot in slots.iter_mut() {
+            done += 1;
+            match bytes.get(at..at + 3) {
+                Some(&[m @ 0x00..=0x7f, _, _]) => {
+                    *slot = u32::from(m);
+                    at += 1;
+                    continue;
+                }
+                Some(&[0xcd, a, b]) => {
+                    *slot = u32::from(u16::from_be_bytes([a, b]));
+                    at += 3;
+                    continue;
+                }
+                _ => {}
+            }
+            let Some(&m) = bytes.get(at) else {
+                done -= 1;
+                break;
+            };
+            let (value, len): (u64, usize) = match m {
+                0x00..=0x7f => (u64::from(m), 1),
+                0xcc => match bytes.get(at + 1) {
+                    Some(&b) => (u64::from(b), 2),
+                    None => (0, usize::MAX / 2),
+                },
+                0xcd => match bytes.get(at + 1..at + 3) {
+                    Some(&[a, b]) => (u64::from(u16::from_be_bytes([a, b])), 3),
+                    _ => (0, usize::MAX / 2),
+                },
+                0xce => match bytes.get(at + 1..at + 5) {
+                    Some(&[a, b, c, d]) => (u64::from(u32::from_be_bytes([a, b, c, d])), 5),
+                    _ => (0, usize::MAX / 2),
+                },
+                0xcf => match bytes.get(at + 1..at + 9).map(<[u8; 8]>::try_from) {
+                    Some(Ok(b)) => (u64::from_be_bytes(b), 9),
+                    _ => (0, usize::MAX / 2),
+                },
+                0xd0 => (u64::MAX, 2),
+                0xd1 => (u64::MAX, 3),
+                0xd2 => (u64::MAX, 5),
+                0xd3 => (u64::MAX, 9),
+                0xe0..=0xff => (u64::MAX, 1),
+                _ => {
+                    let pos = self.pos() + at;
+                    out.truncate(start);
+                    return Err(
+                        self.error_at(pos, "token_ids holds a value that is not an integer")
+                    );
+                }
+            };
+            at = at.saturating_add(len);
+            if at > bytes.len() {
+                break; // truncated inside the value
+            }
+            match u32::try_from(value) {
+                Ok(t) => *slot = t,
+                Err(_) => wide = true,
+            }
+        }
+        if done != n as usize || at > bytes.len() || self.skip(at).is_err() {
+            out.truncate(start);
+            return Err(self.truncated());
+        }
+        Ok(wide)
+    }
+
     /// A block hash: an int (negative ones as their two's-complement bits) or a digest (`bin`).
     fn block_hash(&mut self, what: &str) -> Result<u64> {
         let at = self.pos();
@@ -817,9 +906,7 @@ impl<'a> Reader<'a> {
             Marker::Bin8 => u32::from(self.data::<1>()?[0]),
             Marker::Bin16 => self.len16()?,
             Marker::Bin32 => self.len32()?,
-            _ => {
-                return Err(self.error_at(at, &format!("{what} holds a value that is not a hash")))
-            }
+            _ => return Err(self.error_at(at, &format!("{what} holds a value that is not a hash"))),
         };
         if !(1..=64).contains(&len) {
             return Err(self.error_at(
@@ -864,7 +951,9 @@ impl<'a> Reader<'a> {
     /// that follow (container elements).
     fn skip_body(&mut self, m: Marker) -> Result<u64> {
         let fixed = match m {
-            Marker::FixPos(_) | Marker::FixNeg(_) | Marker::Null | Marker::True | Marker::False => 0,
+            Marker::FixPos(_) | Marker::FixNeg(_) | Marker::Null | Marker::True | Marker::False => {
+                0
+            }
             Marker::U8 | Marker::I8 => 1,
             Marker::U16 | Marker::I16 => 2,
             Marker::U32 | Marker::I32 | Marker::F32 => 4,

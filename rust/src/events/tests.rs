@@ -42,9 +42,20 @@ impl W {
         self.0.extend_from_slice(s.as_bytes());
         self
     }
+    /// The smallest encoding, as msgspec and msgpack write.
     fn u(&mut self, v: u64) -> &mut Self {
-        self.0.push(0xcf);
-        self.0.extend_from_slice(&v.to_be_bytes());
+        if v < 128 {
+            self.0.push(v as u8);
+        } else if v < 1 << 16 {
+            self.0.push(0xcd);
+            self.0.extend_from_slice(&(v as u16).to_be_bytes());
+        } else if v < 1 << 32 {
+            self.0.push(0xce);
+            self.0.extend_from_slice(&(v as u32).to_be_bytes());
+        } else {
+            self.0.push(0xcf);
+            self.0.extend_from_slice(&v.to_be_bytes());
+        }
         self
     }
     fn i(&mut self, v: i64) -> &mut Self {
@@ -405,4 +416,66 @@ fn a_worker_removed_from_the_index_is_re_registered_empty() {
     a.apply("w", &child).expect("apply");
     assert_eq!(matched(&index, &own, "w"), 0);
     assert_eq!(a.counters("w").expect("c").index_rejected, 1);
+}
+
+#[test]
+#[ignore]
+fn perf_probe() {
+    use std::time::Instant;
+    let mut payloads = Vec::new();
+    let mut next = 1u64;
+    let mut blocks = 0usize;
+    for r in 0..2000u64 {
+        let n = 16 + (r * 37 % 113) as usize;
+        let tokens: Vec<u64> = (0..n * 16).map(|i| (i as u64 * 7919 + r) % 32000).collect();
+        let hashes: Vec<u64> = (0..n)
+            .map(|_| {
+                next += 1;
+                next
+            })
+            .collect();
+        blocks += n;
+        payloads.push(batch(|w| {
+            stored(
+                w,
+                &Ev {
+                    hashes: &hashes,
+                    parent: None,
+                    tokens: &tokens,
+                    block_size: 16,
+                    medium: Some("GPU"),
+                },
+            );
+            1
+        }));
+    }
+    let reps: usize = std::env::var("PROBE_REPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
+    for _ in 0..reps {
+        let mut b = Batch::default();
+        let d = Decoder::new();
+        let t = Instant::now();
+        for p in &payloads {
+            d.decode(p, &mut b).expect("ok");
+        }
+        let dec = t.elapsed().as_nanos() as f64 / blocks as f64;
+        for mode in [Mode::Direct, Mode::Rehash] {
+            let mut a = Applier::new(
+                shared(),
+                Config {
+                    mode,
+                    ..Config::default()
+                },
+            )
+            .expect("a");
+            let t = Instant::now();
+            for (i, p) in payloads.iter().enumerate() {
+                a.apply(if i % 2 == 0 { "a" } else { "b" }, p).expect("ok");
+            }
+            let app = t.elapsed().as_nanos() as f64 / blocks as f64;
+            println!("decode {dec:.0} ns/block, {mode} apply {app:.0} ns/block");
+        }
+    }
 }
