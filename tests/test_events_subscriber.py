@@ -418,3 +418,30 @@ def test_bad_arguments_and_a_bad_endpoint():
     with pytest.raises(zmq.ZMQError):
         sub.start()
     assert not sub.running
+
+
+def test_replay_buffer_overflow_gives_up_and_clears(engines):
+    engine = engines(answer_replays=False)
+    index = PrefixIndex()
+    tokens = list(range(16 * 6))
+    payloads = chain_payloads(tokens, 6)
+    sub = KvEventSubscriber(
+        index,
+        {"w": engine.endpoint},
+        replay={"w": engine.replay_endpoint},
+        replay_timeout=60,
+        max_pending=2,
+    )
+    with sub:
+        engine.wait_subscriber()
+        engine.publish(payloads[0])
+        wait_for(lambda: sub.stats()["w"]["last_seq"] == 0, "seq 0")
+        engine.publish(payloads[1], send=False)
+        for p in payloads[2:]:
+            engine.publish(p)  # seq 2 opens the replay, 3 fills the buffer, 4 overflows it
+        wait_for(lambda: sub.stats()["w"]["last_seq"] == 5, "seq 5")
+        s = sub.stats()["w"]
+    assert (s["gaps"], s["replays"], s["replay_failures"], s["resets"]) == (1, 1, 1, 1)
+    assert s["stale"] is False
+    assert index.match(own(tokens)) == {}  # every block after the gap chains on a lost one
+    assert s["skipped_unknown_parent"] == 4

@@ -426,6 +426,8 @@ class KvEventSubscriber:
                 w.pending.append((seq, payload))
                 return
             self._replay_failed(w)  # too much buffered: give up, follow the live stream
+            self._on_live(w, seq, payload, catch_up=False)
+            return
         if w.expected is not None and seq < w.expected:
             with self._lock:
                 w.restarts += 1

@@ -730,7 +730,7 @@ impl<'a> Reader<'a> {
     fn str_span_checked(&mut self, m: Marker, at: usize, validate: bool) -> Result<Option<Span>> {
         let len = match m {
             Marker::FixStr(n) => u32::from(n),
-            Marker::Str8 => u32::from(self.data::<1>()?[0]),
+            Marker::Str8 => u32::from(u8::from_be_bytes(self.data::<1>()?)),
             Marker::Str16 => self.len16()?,
             Marker::Str32 => self.len32()?,
             _ => return Ok(None),
@@ -766,7 +766,7 @@ impl<'a> Reader<'a> {
         Ok(Some(match m {
             Marker::FixPos(v) => Int::Pos(u64::from(v)),
             Marker::FixNeg(v) => Int::Neg(i64::from(v)),
-            Marker::U8 => Int::Pos(u64::from(self.data::<1>()?[0])),
+            Marker::U8 => Int::Pos(u64::from(u8::from_be_bytes(self.data::<1>()?))),
             Marker::U16 => Int::Pos(u64::from(u16::from_be_bytes(self.data::<2>()?))),
             Marker::U32 => Int::Pos(u64::from(u32::from_be_bytes(self.data::<4>()?))),
             Marker::U64 => Int::Pos(u64::from_be_bytes(self.data::<8>()?)),
@@ -903,7 +903,7 @@ impl<'a> Reader<'a> {
             });
         }
         let len = match m {
-            Marker::Bin8 => u32::from(self.data::<1>()?[0]),
+            Marker::Bin8 => u32::from(u8::from_be_bytes(self.data::<1>()?)),
             Marker::Bin16 => self.len16()?,
             Marker::Bin32 => self.len32()?,
             _ => return Err(self.error_at(at, &format!("{what} holds a value that is not a hash"))),
@@ -959,7 +959,7 @@ impl<'a> Reader<'a> {
             Marker::U32 | Marker::I32 | Marker::F32 => 4,
             Marker::U64 | Marker::I64 | Marker::F64 => 8,
             Marker::FixStr(n) => usize::from(n),
-            Marker::Str8 | Marker::Bin8 => usize::from(self.data::<1>()?[0]),
+            Marker::Str8 | Marker::Bin8 => usize::from(u8::from_be_bytes(self.data::<1>()?)),
             Marker::Str16 | Marker::Bin16 => self.len16()? as usize,
             Marker::Str32 | Marker::Bin32 => self.len32()? as usize,
             Marker::FixExt1 => 2,
@@ -967,7 +967,7 @@ impl<'a> Reader<'a> {
             Marker::FixExt4 => 5,
             Marker::FixExt8 => 9,
             Marker::FixExt16 => 17,
-            Marker::Ext8 => usize::from(self.data::<1>()?[0]) + 1,
+            Marker::Ext8 => usize::from(u8::from_be_bytes(self.data::<1>()?)) + 1,
             Marker::Ext16 => self.len16()? as usize + 1,
             Marker::Ext32 => self.len32()? as usize + 1,
             Marker::FixArray(n) => return Ok(u64::from(n)),
