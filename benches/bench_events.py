@@ -1,6 +1,7 @@
 """KV events: decode + apply from raw payload bytes, against Dynamo's RadixTree.apply_event.
 
-Workload (same events for both sides): 4 workers, each with a KV cache of a fixed number of blocks. Each request is one engine batch holding one BlockStored for the request's newly full
+Workload (same events for both sides): 4 workers, each with a KV cache of a fixed number of
+blocks. Each request is one engine batch holding one BlockStored for the request's newly full
 blocks (16..128 blocks of 16 tokens, a 32k vocabulary), half of them continuing an earlier
 conversation on the same worker (parent = its last block); once the worker's cache is full the
 batch also evicts as many blocks, tail first from the least recently used conversations, one
@@ -148,7 +149,7 @@ def workload(request):
     payloads, dynamo = encode_msgpack(batches), encode_dynamo(batches)
     split = sum(len(events) for _, events in batches[:warmup])  # Dynamo takes single events
     timed = batches[warmup:]
-    stored = sum(len(e["block_hashes"]) for _, ev in timed for e in ev if e["type"] == "BlockStored")
+    removed = [e for _, ev in timed for e in ev if e["type"] == "BlockRemoved"]
     return {
         "name": request.param,
         "warmup": payloads[:warmup],
@@ -156,7 +157,7 @@ def workload(request):
         "dynamo_warmup": dynamo[:split],
         "dynamo": dynamo[split:],
         "blocks": count_blocks(timed),
-        "removed": count_blocks(timed) - stored,
+        "removed": sum(len(e["block_hashes"]) for e in removed),
         "sample": sample,
     }
 
