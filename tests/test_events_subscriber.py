@@ -445,3 +445,15 @@ def test_replay_buffer_overflow_gives_up_and_clears(engines):
     assert s["stale"] is False
     assert index.match(own(tokens)) == {}  # every block after the gap chains on a lost one
     assert s["skipped_unknown_parent"] == 4
+
+
+def test_a_router_that_owns_its_applier():
+    class Router:
+        def __init__(self):
+            self.index = PrefixIndex()
+            self.event_applier = KvEventApplier(self.index, mode="direct", hash_profile="vllm")
+
+    router = Router()
+    sub = KvEventSubscriber(router, {"w": "tcp://127.0.0.1:1"})
+    assert sub.applier is router.event_applier
+    assert sub.index is router.index

@@ -101,10 +101,11 @@ class KvEventSubscriber:
 
     ``target``: a ``kvroute.PrefixIndex`` (a ``KvEventApplier`` is built for it with ``mode``,
     ``block_size``, ``hash_profile``, ``seed``, ``group_idx``), a ``KvEventApplier`` (used as
-    is), or a router-like object with an ``index`` attribute (its ``block_size`` and
-    ``hash_profile`` attributes are the defaults, and it is the freshness sink when it has
-    ``mark_stale``/``mark_fresh``). ``endpoints``: ``{worker: "tcp://host:5557"}``; ``replay``:
-    ``{worker: "tcp://host:5558"}`` for the engines that run a replay socket. ``topic`` is the
+    is), or a router-like object: its ``event_applier`` (a ``KvEventApplier``) if it has one,
+    else its ``index`` with its ``block_size`` and ``hash_profile`` attributes as defaults; it is
+    the freshness sink when it has ``mark_stale``/``mark_fresh``. ``endpoints``:
+    ``{worker: "tcp://host:5557"}``; ``replay``: ``{worker: "tcp://host:5558"}`` for the engines
+    that run a replay socket. ``topic`` is the
     SUB prefix filter (vLLM's default topic is ``""``).
     """
 
@@ -171,6 +172,9 @@ class KvEventSubscriber:
     ) -> KvEventApplier:
         if isinstance(target, KvEventApplier):
             return target
+        own = getattr(target, "event_applier", None)  # a router that owns its applier (tiers)
+        if isinstance(own, KvEventApplier):
+            return own
         if isinstance(target, PrefixIndex):
             index = target
         elif isinstance(getattr(target, "index", None), PrefixIndex):

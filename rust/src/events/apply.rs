@@ -139,25 +139,18 @@ pub struct BatchOutcome {
     pub ts: f64,
 }
 
-/// Where an engine block ends up in the router's chain (rehash mode). 16 bytes: for the `native`
-/// profile the chain state after the block is `last` itself; `vllm`/`sglang` keep the 32-byte
-/// digest in [`TierState::digests`].
-#[derive(Clone, Copy, Debug)]
-struct Link {
-    /// The first router block inside the engine block (what a removal drops).
-    first: u64,
-    /// The last router block inside the engine block (the parent of what follows).
-    last: u64,
-}
-
 /// One worker's view of one tier's index.
 #[derive(Default)]
 struct TierState {
     /// The worker's id in the tier's index and the name `Arc` the index held for it, to notice
     /// when the worker was removed from the index by someone else (ids are reused).
     registered: Option<(WorkerId, Arc<str>)>,
-    /// Engine hash → router chain position (rehash mode only).
-    links: HashMap<u64, Link>,
+    /// Rehash mode: engine hash → the last router block inside it (the parent of what follows;
+    /// for the `native` profile also the chain state). 16-byte entries, the hot map.
+    links: HashMap<u64, u64>,
+    /// Engine hash → the first router block inside it (what a removal drops), only for engine
+    /// blocks of more than one router block (otherwise it is the `links` value).
+    firsts: HashMap<u64, u64>,
     /// Engine hash → SHA-256 chain state after its last router block (digest profiles only).
     digests: HashMap<u64, [u8; 32]>,
 }
@@ -165,6 +158,7 @@ struct TierState {
 impl TierState {
     fn forget(&mut self) {
         self.links.clear();
+        self.firsts.clear();
         self.digests.clear();
     }
 }
@@ -569,10 +563,10 @@ impl Ctx<'_> {
                         .and_then(|t| t.digests.get(&p))
                         .map(|d| ChainState::Digest(*d))
                 } else {
-                    link.map(|l| ChainState::Native(l.last))
+                    link.map(ChainState::Native)
                 };
                 match (link, state) {
-                    (Some(link), Some(state)) => (Some(link.last), state),
+                    (Some(last), Some(state)) => (Some(last), state),
                     _ => {
                         self.state.counters.skipped_unknown_parent += 1;
                         return;
@@ -624,7 +618,12 @@ impl Ctx<'_> {
                     let blocks = scratch.own.chunks_exact(per_block);
                     for (&engine, own) in ev.block_hashes.iter().zip(blocks) {
                         if let (Some(&first), Some(&last)) = (own.first(), own.last()) {
-                            state.links.insert(engine, Link { first, last });
+                            state.links.insert(engine, last);
+                            if per_block > 1 {
+                                state.firsts.insert(engine, first);
+                            } else if !state.firsts.is_empty() {
+                                state.firsts.remove(&engine);
+                            }
                         }
                     }
                     if digest_chain {
@@ -662,10 +661,16 @@ impl Ctx<'_> {
             Mode::Direct => removed.extend_from_slice(ev.block_hashes),
             Mode::Rehash => {
                 for h in ev.block_hashes {
-                    if let Some(link) = state.links.remove(h) {
-                        removed.push(link.first);
+                    if let Some(last) = state.links.remove(h) {
+                        let first = match state.firsts.is_empty() {
+                            true => None,
+                            false => state.firsts.remove(h),
+                        };
+                        removed.push(first.unwrap_or(last));
                     }
-                    state.digests.remove(h);
+                    if !state.digests.is_empty() {
+                        state.digests.remove(h);
+                    }
                 }
             }
         }

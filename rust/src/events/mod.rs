@@ -37,8 +37,9 @@
 //! - **Rehash** (default): the router recomputes its own block hashes from each event's
 //!   `token_ids` with a [`crate::blocks::BlockHasher`] of its profile and block size, continuing
 //!   from the chain state it recorded for the parent. Per worker and tier it keeps
-//!   `engine hash → (first own block, last own block, chain state)` so that children can be
-//!   chained and removals translated. It works whatever hash algorithm, seed or
+//!   `engine hash → last own block` (for `native`, also the chain state), plus the first own block
+//!   when an engine block spans several router blocks and the 32-byte digest for `vllm`/`sglang`,
+//!   so that children can be chained and removals translated. It works whatever hash algorithm, seed or
 //!   `PYTHONHASHSEED` the engine uses. Namespaces follow the engine: a cache salt (vLLM: the
 //!   string extra key of a sequence's first block; SGLang: `cache_salt`) and `lora_name` select a
 //!   hasher with that salt / LoRA name (LoRA path `""`: events do not carry it), so the router's
@@ -60,8 +61,11 @@
 //!
 //! # Memory
 //! The per-worker map holds one entry per engine block the worker holds (removals and clears
-//! prune it), about 64 bytes each. Decoding reuses the applier's buffers; nothing is allocated
-//! per block except map growth.
+//! prune it): 16 bytes plus the hash table's overhead with the `native` profile and engine blocks
+//! of the router's size; +16 bytes when engine blocks span several router blocks, +40 bytes for
+//! the digest profiles. Decoding reuses the applier's buffers; nothing is allocated per block
+//! except map growth. Consecutive `BlockRemoved` events (vLLM sends one per evicted block) are
+//! applied to the index in one call.
 
 mod apply;
 pub mod decode;
