@@ -7,8 +7,8 @@
 mod blocks;
 mod cache;
 mod convert;
-mod fastcall;
 mod events;
+mod fastcall;
 mod hashing;
 mod index;
 
