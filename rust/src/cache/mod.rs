@@ -56,6 +56,20 @@
 //! touches them; `peek_prefix` (Python `peek`) counts without touching. Both look hashes up one
 //! by one: with chained block hashes a cached hash implies its prefix.
 //!
+//! **Idle expiry.** With [`BlockCache::track_idle`] on, each touch is stamped with the cache's
+//! clock (the largest `now` passed to any call so far) and [`BlockCache::expire_idle_into`] drops
+//! the blocks idle longer than a given time, by the eviction rules: only evictable blocks (no pin,
+//! no lease), leaves first, so a prefix still outlives its descendants. Pinned blocks are never
+//! idle; releasing the last pin is a touch.
+//!
+//! **Changing partitions.** [`BlockCache::add_partition`] declares a partition later and
+//! [`BlockCache::set_reserved`] changes a reservation (lowering it evicts nothing: the blocks above
+//! it become borrowers). The reservations never add up to more than the capacity.
+//!
+//! **Removal.** [`BlockCache::remove_into`] takes blocks out explicitly (a model corrected by what
+//! the engine reported), descendants first; a pinned block, or one whose cached children are not
+//! removed before it, is refused.
+//!
 //! **Errors.** Every method validates all of its input before changing anything: an unknown
 //! partition, a `parent` or pinned block that is not cached, a block unpinned more times than it
 //! is pinned, a non-finite time or negative ttl is an [`Error`](crate::Error) and leaves the
@@ -492,6 +506,7 @@ impl BlockCache {
     /// was set); a block left with no pin is touched. Returns the number of leases released.
     pub fn expire(&mut self, now: f64) -> Result<usize> {
         check_time(now)?;
+        self.order.advance(now);
         let mut released = 0;
         while let Some(i) = self.leases.pop_due(now) {
             released += 1;
@@ -504,6 +519,168 @@ impl BlockCache {
             }
         }
         Ok(released)
+    }
+
+    /// Starts recording when each block was last touched, for [`expire_idle_into`]
+    /// (Self::expire_idle_into). A touch is stamped with the cache's clock: the largest `now`
+    /// passed to any call so far (`match_prefix` takes no `now` and uses it as it stands).
+    /// Blocks already cached count as touched at the current clock. Costs 8 bytes per block.
+    pub fn track_idle(&mut self) {
+        self.order.track_times();
+    }
+
+    /// The cache's clock: the largest `now` passed so far (`-inf` before any).
+    pub fn clock(&self) -> f64 {
+        self.order.now()
+    }
+
+    /// When block `hash` was last touched (with [`track_idle`](Self::track_idle) on).
+    pub fn last_touch(&self, hash: u64) -> Option<f64> {
+        self.order.time(self.find(hash)?)
+    }
+
+    /// Drops every block idle for more than `max_idle` at `now` — last touched before
+    /// `now - max_idle` — that is evictable: unpinned, without a lease (leases ended at `now` are
+    /// released first) and without a cached child once its idle descendants are gone. Blocks
+    /// leave leaves first, least recently used first within each partition; their hashes are
+    /// appended to `dropped`. Returns the last-touch time of the least recently used evictable
+    /// block left, if any: nothing can expire before that time plus `max_idle`, until an
+    /// eviction (which can turn an older block into a leaf) or a pin release.
+    ///
+    /// Errors (`Value`): idle tracking is off; `now` not finite; `max_idle` negative or NaN.
+    pub fn expire_idle_into(
+        &mut self,
+        now: f64,
+        max_idle: f64,
+        dropped: &mut Vec<u64>,
+    ) -> Result<Option<f64>> {
+        check_time(now)?;
+        if !self.order.tracks_times() {
+            return crate::value_err!("idle expiry needs idle tracking: call track_idle first");
+        }
+        if max_idle.is_nan() || max_idle < 0.0 {
+            return crate::value_err!("max_idle must be >= 0 seconds, got {max_idle}");
+        }
+        self.expire(now)?;
+        let cutoff = now - max_idle;
+        let mut oldest: Option<f64> = None;
+        for q in 0..self.partitions.len() as u16 {
+            while let Some((_, i)) = self.order.victim(q) {
+                let t = self.order.time(i).unwrap_or(f64::NEG_INFINITY);
+                if t < cutoff {
+                    self.evict(i, dropped);
+                } else {
+                    oldest = Some(oldest.map_or(t, |o: f64| o.min(t)));
+                    break;
+                }
+            }
+        }
+        Ok(oldest)
+    }
+
+    /// Declares a new partition `name` with `reserved` blocks (see [`BlockCache::with_reserved`]
+    /// for the limits); returns its id. Errors change nothing.
+    pub fn add_partition(&mut self, name: &str, reserved: usize) -> Result<PartitionId> {
+        if self.by_name.contains_key(name) {
+            return crate::value_err!("partition {name:?} is declared twice");
+        }
+        if self.partitions.len() >= usize::from(u16::MAX) {
+            return crate::value_err!("at most {} partitions", u16::MAX - 1);
+        }
+        self.check_reservations(None, reserved)?;
+        let id = self.partitions.len() as u16;
+        self.partitions.push(Partition {
+            name: Some(name.to_owned()),
+            reserved,
+            usage: 0,
+        });
+        self.by_name.insert(name.to_owned(), id);
+        self.order.add_list();
+        Ok(PartitionId(id))
+    }
+
+    /// Changes the reservation of declared partition `partition` to `blocks`. Blocks above a
+    /// lowered reservation become borrowers (evictable by every partition); nothing is evicted
+    /// now. Errors (the shared pool, an unknown id, reservations over the capacity) change
+    /// nothing.
+    pub fn set_reserved(&mut self, partition: PartitionId, blocks: usize) -> Result<()> {
+        let at = usize::from(partition.0);
+        if partition == PartitionId::SHARED || at >= self.partitions.len() {
+            return crate::key_err!("no declared partition with id {}", partition.0);
+        }
+        self.check_reservations(Some(at), blocks)?;
+        if let Some(p) = self.partitions.get_mut(at) {
+            p.reserved = blocks;
+        }
+        Ok(())
+    }
+
+    /// The reservation of `partition` (0 for the shared pool or an unknown id).
+    pub fn reserved(&self, partition: PartitionId) -> usize {
+        self.partitions
+            .get(usize::from(partition.0))
+            .map_or(0, |p| p.reserved)
+    }
+
+    /// `Ok` when the reservations, with partition `replacing` (if any) set to `blocks` or a new
+    /// one of `blocks` added, fit in the capacity.
+    fn check_reservations(&self, replacing: Option<usize>, blocks: usize) -> Result<()> {
+        let others: usize = self
+            .partitions
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| Some(i) != replacing)
+            .fold(0usize, |a, (_, p)| a.saturating_add(p.reserved));
+        let total = others.saturating_add(blocks);
+        if total > self.capacity {
+            return crate::value_err!(
+                "reserved blocks would add up to {total}, more than the capacity {}",
+                self.capacity
+            );
+        }
+        Ok(())
+    }
+
+    /// Removes the listed blocks that are cached, in list order, appending their hashes to
+    /// `removed`; hashes not cached (or listed again after their removal) are ignored. Each
+    /// block must be unpinned, without a lease, and have no cached child when its turn comes:
+    /// list descendants before their ancestors. Otherwise nothing changes and the error names
+    /// the block. Removing is not a touch: the parents keep their recency.
+    pub fn remove_into(&mut self, hashes: &[u64], removed: &mut Vec<u64>) -> Result<usize> {
+        let mut blocks = std::mem::take(&mut self.scratch);
+        blocks.clear();
+        // Children of each block removed earlier in the list, counted per parent.
+        let mut gone: HashMap<u32, u32> = HashMap::new();
+        for &h in hashes {
+            let Some(i) = self.find(h) else { continue };
+            if gone.get(&i) == Some(&u32::MAX) {
+                continue; // listed twice
+            }
+            let pins = self.order.get(i).map_or(0, |e| e.pins);
+            let children = self.order.children(i) - gone.get(&i).copied().unwrap_or(0);
+            if pins > 0 || children > 0 {
+                self.scratch = blocks;
+                let why = if pins > 0 {
+                    "is pinned"
+                } else {
+                    "has a cached child not listed before it"
+                };
+                return crate::value_err!("cannot remove block {h:#x}: it {why}");
+            }
+            gone.insert(i, u32::MAX);
+            let parent = self.order.parent(i);
+            if parent != NIL {
+                let c = gone.entry(parent).or_insert(0);
+                *c = c.saturating_add(1);
+            }
+            blocks.push(i);
+        }
+        for &i in &blocks {
+            self.evict(i, removed);
+        }
+        let n = blocks.len();
+        self.scratch = blocks;
+        Ok(n)
     }
 
     /// Slab index of the cached block `hash`.
@@ -1022,5 +1199,109 @@ mod tests {
         assert_eq!(c.leases(), 0);
         assert!(c.lease(&[2], f64::NAN, 0.0).is_err());
         assert!(c.insert(&[4], s, None, f64::INFINITY).is_err());
+    }
+
+    #[test]
+    fn idle_blocks_expire_leaves_first() {
+        let s = PartitionId::SHARED;
+        let mut c = BlockCache::new(100).unwrap();
+        let mut out = Vec::new();
+        assert!(c.expire_idle_into(0.0, 1.0, &mut out).is_err());
+        c.track_idle();
+        c.insert(&[1, 2, 3], s, None, 0.0).unwrap();
+        c.insert(&[1, 2, 9], s, None, 5.0).unwrap(); // 1 and 2 refreshed at 5
+        c.insert(&[7], s, None, 6.0).unwrap();
+        c.pin(&[7], 6.0).unwrap();
+        assert_eq!(c.last_touch(3), Some(0.0));
+        assert_eq!(c.last_touch(2), Some(5.0));
+        // At 10: with max_idle 5 only 3 (idle 10) goes; with 4, 9, 2, 1 (idle 5) go too; 7 is
+        // pinned.
+        let next = c.expire_idle_into(10.0, 5.0, &mut out).unwrap();
+        assert_eq!(out, vec![3]);
+        assert_eq!(next, Some(5.0));
+        out.clear();
+        let next = c.expire_idle_into(10.0, 4.0, &mut out).unwrap();
+        assert_eq!(out, vec![9, 2, 1]);
+        assert_eq!(next, None);
+        assert_eq!(c.len(), 1);
+        // The pin's release is a touch at the cache's clock.
+        c.unpin(&[7], 10.0).unwrap();
+        out.clear();
+        assert_eq!(c.expire_idle_into(12.0, 3.0, &mut out).unwrap(), Some(10.0));
+        assert!(out.is_empty());
+        assert!(c.expire_idle_into(f64::NAN, 3.0, &mut out).is_err());
+        assert!(c.expire_idle_into(1.0, -3.0, &mut out).is_err());
+        // A clock that goes back stamps touches with the latest time seen.
+        c.insert(&[8], s, None, 1.0).unwrap();
+        assert_eq!(c.last_touch(8), Some(12.0));
+    }
+
+    #[test]
+    fn a_parent_expires_once_its_last_child_is_gone() {
+        let s = PartitionId::SHARED;
+        let mut c = BlockCache::new(3).unwrap();
+        c.track_idle();
+        c.insert(&[1, 2], s, None, 0.0).unwrap();
+        c.insert(&[1, 3], s, None, 10.0).unwrap(); // 1 refreshed; 2 stays old
+        let mut out = Vec::new();
+        assert_eq!(c.expire_idle_into(11.0, 5.0, &mut out).unwrap(), Some(10.0));
+        assert_eq!(out, vec![2]);
+        // Capacity eviction of 3 turns 1 into a leaf again: it is next.
+        out.clear();
+        c.insert(&[4, 5], s, None, 12.0).unwrap();
+        assert_eq!(c.len(), 3);
+        c.insert(&[6], s, None, 13.0).unwrap();
+        assert!(!c.contains(1) || !c.contains(3));
+    }
+
+    #[test]
+    fn partitions_can_be_added_and_resized() {
+        let mut c = BlockCache::with_reserved(10, &[("a", 4)]).unwrap();
+        let b = c.add_partition("b", 6).unwrap();
+        assert!(c.add_partition("b", 0).is_err());
+        assert!(c.add_partition("c", 1).is_err());
+        assert!(c.set_reserved(b, 7).is_err());
+        assert_eq!(c.reserved(b), 6);
+        assert!(c.set_reserved(PartitionId::SHARED, 1).is_err());
+        c.insert(&[1, 2, 3, 4, 5, 6], b, None, 0.0).unwrap();
+        // b's blocks are protected from the shared pool while reserved...
+        let (stored, _) = c
+            .insert(&[10, 11, 12, 13, 14, 15], PartitionId::SHARED, None, 0.0)
+            .unwrap();
+        assert_eq!(stored, 4);
+        assert_eq!(c.usage(b), 6);
+        // ...and become borrowers when the reservation goes.
+        c.set_reserved(b, 0).unwrap();
+        let (stored, evicted) = c.insert(&[20, 21], PartitionId::SHARED, None, 1.0).unwrap();
+        assert_eq!(stored, 2);
+        assert_eq!(evicted, vec![6, 5]);
+        assert_eq!(c.partition("b").unwrap(), b);
+    }
+
+    #[test]
+    fn remove_takes_descendants_first_and_changes_nothing_on_error() {
+        let s = PartitionId::SHARED;
+        let mut c = BlockCache::new(10).unwrap();
+        c.insert(&[1, 2, 3], s, None, 0.0).unwrap();
+        c.insert(&[1, 2, 4], s, None, 0.0).unwrap();
+        c.pin(&[4], 0.0).unwrap();
+        let mut out = Vec::new();
+        assert!(c.remove_into(&[2], &mut out).is_err());
+        assert!(c.remove_into(&[3, 4, 2], &mut out).is_err());
+        assert!(c.remove_into(&[2, 3], &mut out).is_err());
+        assert_eq!(c.len(), 4);
+        assert!(out.is_empty());
+        c.unpin(&[4], 0.0).unwrap();
+        assert_eq!(c.remove_into(&[3, 3, 99, 4, 2], &mut out).unwrap(), 3);
+        assert_eq!(out, vec![3, 4, 2]);
+        assert_eq!(c.len(), 1);
+        assert_eq!(c.usage(s), 1);
+        // The parent left behind is a leaf again and the first to go.
+        let mut small = c.clone();
+        small
+            .insert(&[5, 6, 7, 8, 9, 10, 11, 12, 13], s, None, 1.0)
+            .unwrap();
+        let (_, evicted) = small.insert(&[14], s, None, 2.0).unwrap();
+        assert_eq!(evicted, vec![1]);
     }
 }

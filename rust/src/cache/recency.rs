@@ -148,6 +148,11 @@ pub(super) struct Recency {
     clock: u32,
     /// Blocks touched at or after this tick are not victims (the running insert's own).
     protect_from: u32,
+    /// Idle tracking: the time of each entry's last touch (indexed like `entries`), kept only
+    /// while `timed`; `now` is the time given to touches.
+    times: Vec<f64>,
+    timed: bool,
+    now: f64,
 }
 
 impl Recency {
@@ -158,7 +163,73 @@ impl Recency {
             lists: vec![EMPTY; partitions],
             clock: 0,
             protect_from: u32::MAX,
+            times: Vec::new(),
+            timed: false,
+            now: f64::NEG_INFINITY,
         }
+    }
+
+    /// Starts recording each block's last-touch time; blocks already cached count as touched
+    /// at the current time.
+    pub fn track_times(&mut self) {
+        if !self.timed {
+            self.timed = true;
+            let now = self.now;
+            self.times = vec![now; self.entries.len()];
+        }
+    }
+
+    /// Whether last-touch times are recorded.
+    pub fn tracks_times(&self) -> bool {
+        self.timed
+    }
+
+    /// Sets the time given to later touches: the largest `now` seen so far (so times never
+    /// decrease along the tick order).
+    #[inline]
+    pub fn advance(&mut self, now: f64) {
+        if now > self.now {
+            self.now = now;
+        }
+    }
+
+    /// The current time (the largest `now` seen; `-inf` before any).
+    pub fn now(&self) -> f64 {
+        self.now
+    }
+
+    /// Last-touch time of block `i` (only while times are tracked).
+    #[inline]
+    pub fn time(&self, i: u32) -> Option<f64> {
+        self.times.get(i as usize).copied()
+    }
+
+    #[inline]
+    fn stamp(&mut self, i: u32) {
+        if self.timed {
+            let now = self.now;
+            match self.times.get_mut(i as usize) {
+                Some(t) => *t = now,
+                None => {
+                    self.times.resize(i as usize + 1, now);
+                }
+            }
+        }
+    }
+
+    /// Adds the recency list of a new partition (numbered after the existing ones).
+    pub fn add_list(&mut self) {
+        self.lists.push(EMPTY);
+    }
+
+    /// Number of cached children of block `i`.
+    pub fn children(&self, i: u32) -> u32 {
+        self.entries.get(i as usize).map_or(0, |e| e.children())
+    }
+
+    /// The slab index of block `i`'s parent (`NIL` for a root).
+    pub fn parent(&self, i: u32) -> u32 {
+        self.entries.get(i as usize).map_or(NIL, |e| e.parent)
     }
 
     /// From now until [`unprotect`](Self::unprotect), blocks touched are not victims.
@@ -264,6 +335,7 @@ impl Recency {
         if let Some(p) = self.entries.get_mut(parent as usize) {
             p.bits += 1;
         }
+        self.stamp(i);
         i
     }
 
@@ -298,7 +370,9 @@ impl Recency {
         };
         e.tick = tick;
         let (part, place) = (e.part, e.place());
-        if e.pins > 0 {
+        let pinned = e.pins > 0;
+        self.stamp(i);
+        if pinned {
             self.hold(i);
             return;
         }
