@@ -16,6 +16,7 @@
 //!   keeping them would only waste memory). Blocks the worker does not hold are ignored, so
 //!   replaying a removal is harmless. A later `store` of the dropped block does not revive its
 //!   descendants: the engine stores them again when it reuses them.
+//!   [`PrefixIndex::remove_id_into`] also lists the dropped blocks, each after its descendants.
 //! - [`PrefixIndex::match_into`] (query chain): for each worker, the number of leading blocks of the
 //!   query it holds; workers with 0 are omitted. A block counts only if the worker holds every
 //!   block before it *in the query*, and only if it was stored after the same parent the query
@@ -468,6 +469,27 @@ impl PrefixIndex {
 
     /// [`Self::remove`] by worker id.
     pub fn remove_id(&mut self, w: WorkerId, hashes: &[u64]) -> Result<u64> {
+        self.remove_impl(w, hashes, None)
+    }
+
+    /// [`Self::remove_id`], also appending every block the worker dropped to `dropped`, each
+    /// block after all of its descendants (so the list can be replayed leaf-first, e.g. on a
+    /// [`crate::cache::BlockCache`] that mirrors the worker).
+    pub fn remove_id_into(
+        &mut self,
+        w: WorkerId,
+        hashes: &[u64],
+        dropped: &mut Vec<u64>,
+    ) -> Result<u64> {
+        self.remove_impl(w, hashes, Some(dropped))
+    }
+
+    fn remove_impl(
+        &mut self,
+        w: WorkerId,
+        hashes: &[u64],
+        mut collect: Option<&mut Vec<u64>>,
+    ) -> Result<u64> {
         self.check_id(w)?;
         let mut dropped = 0;
         for &h in hashes {
@@ -482,7 +504,7 @@ impl PrefixIndex {
             } else {
                 node
             };
-            dropped += self.drop_below(w, &[start]);
+            dropped += self.drop_below(w, &[start], collect.as_deref_mut());
         }
         self.enforce_budget();
         Ok(dropped)
@@ -501,7 +523,7 @@ impl PrefixIndex {
             .children(ROOT)
             .filter(|&c| self.tree.node(c).workers.contains(w))
             .collect();
-        let dropped = self.drop_below(w, &tops);
+        let dropped = self.drop_below(w, &tops, None);
         self.enforce_budget();
         Ok(dropped)
     }
@@ -520,7 +542,8 @@ impl PrefixIndex {
 
     /// Removes worker `w` from the subtrees at `starts` (nodes holding `w`), deletes nodes left
     /// without workers and restores canonical form. Returns the pairs dropped.
-    fn drop_below(&mut self, w: WorkerId, starts: &[u32]) -> u64 {
+    /// With `collect`, appends the dropped blocks, each after all of its descendants.
+    fn drop_below(&mut self, w: WorkerId, starts: &[u32], collect: Option<&mut Vec<u64>>) -> u64 {
         let mut visited = Vec::new();
         let mut stack = starts.to_vec();
         while let Some(x) = stack.pop() {
@@ -530,6 +553,13 @@ impl PrefixIndex {
                     .children(x)
                     .filter(|&c| self.tree.node(c).workers.contains(w)),
             );
+        }
+        if let Some(out) = collect {
+            // `visited` lists every node before its children: reversed (runs too), every block
+            // comes after its descendants.
+            for &x in visited.iter().rev() {
+                out.extend(self.tree.node(x).hashes.iter().rev());
+            }
         }
         let mut dropped = 0u64;
         for &x in &visited {
@@ -1133,5 +1163,24 @@ mod tests {
                 loaded.check_invariants().unwrap();
             }
         }
+    }
+
+    #[test]
+    fn remove_into_lists_descendants_first() {
+        let mut ix = PrefixIndex::new(None).unwrap();
+        ix.store("a", &[1, 2, 3, 4], None).unwrap();
+        ix.store("a", &[5, 6], Some(2)).unwrap();
+        ix.store("b", &[1, 2, 3], None).unwrap();
+        let a = ix.worker_id("a").unwrap();
+        let mut dropped = Vec::new();
+        assert_eq!(ix.remove_id_into(a, &[2, 77], &mut dropped).unwrap(), 5);
+        let pos = |h: u64| dropped.iter().position(|&x| x == h).unwrap();
+        let mut sorted = dropped.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, vec![2, 3, 4, 5, 6]);
+        assert!(pos(4) < pos(3) && pos(3) < pos(2));
+        assert!(pos(6) < pos(5) && pos(5) < pos(2));
+        assert_eq!(m(&ix, &[1, 2, 3]), pairs(&[("a", 1), ("b", 3)]));
+        ix.check_invariants().unwrap();
     }
 }
