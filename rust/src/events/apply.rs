@@ -19,6 +19,10 @@ pub const GPU: &str = "GPU";
 /// Most non-GPU tiers tracked; events naming further media are skipped (counted `unsupported`).
 pub const MAX_TIERS: usize = 8;
 
+/// The non-GPU tiers of an [`Applier`] as `(medium, index)`, in order of appearance, shared so
+/// a reader (the router) can see the tiers without taking the applier's lock.
+pub type TierRegistry = Arc<RwLock<Vec<(Arc<str>, SharedPrefixIndex)>>>;
+
 /// Most distinct (salt, LoRA) hashers kept; past it the cache is emptied and rebuilt on demand.
 const MAX_NAMESPACES: usize = 1024;
 
@@ -197,6 +201,8 @@ pub struct Applier {
     gpu: SharedPrefixIndex,
     /// `(tier name, index)`; entry 0 is the GPU index given at construction.
     indexes: Vec<(Arc<str>, SharedPrefixIndex)>,
+    /// The same non-GPU tiers, for readers outside the applier's lock.
+    registry: TierRegistry,
     workers: HashMap<String, WorkerState>,
     decoder: Decoder,
     batch: Batch,
@@ -229,6 +235,7 @@ impl Applier {
             namespaces: HashMap::new(),
             gpu: index.clone(),
             indexes: vec![(Arc::from(GPU), index)],
+            registry: TierRegistry::default(),
             workers: HashMap::new(),
             decoder: Decoder::new(),
             batch: Batch::default(),
@@ -255,6 +262,11 @@ impl Applier {
             .iter()
             .find(|(name, _)| &**name == medium)
             .map(|(_, index)| index.clone())
+    }
+
+    /// The non-GPU tiers, shared: new tiers appear in it as the applier creates them.
+    pub fn tier_registry(&self) -> TierRegistry {
+        self.registry.clone()
     }
 
     /// Names of the non-GPU tiers seen so far, in order of appearance.
@@ -290,6 +302,7 @@ impl Applier {
             hasher,
             namespaces,
             indexes,
+            registry,
             workers,
             batch,
             scratch,
@@ -307,6 +320,7 @@ impl Applier {
             hasher,
             namespaces,
             indexes,
+            registry,
             name: worker,
             state,
             scratch,
@@ -344,6 +358,7 @@ impl Applier {
             hasher,
             namespaces,
             indexes,
+            registry,
             workers,
             scratch,
             ..
@@ -355,6 +370,7 @@ impl Applier {
             hasher,
             namespaces,
             indexes,
+            registry,
             name: worker,
             state,
             scratch,
@@ -418,6 +434,7 @@ struct Ctx<'s> {
     hasher: &'s BlockHasher,
     namespaces: &'s mut HashMap<Namespace, BlockHasher>,
     indexes: &'s mut Vec<(Arc<str>, SharedPrefixIndex)>,
+    registry: &'s TierRegistry,
     name: &'s str,
     state: &'s mut WorkerState,
     scratch: &'s mut Scratch,
@@ -436,8 +453,10 @@ impl Ctx<'_> {
                 None if create && self.indexes.len() <= MAX_TIERS => {
                     let budget = self.indexes.first()?.1.read().max_bytes();
                     let index = PrefixIndex::new(budget).ok()?;
-                    self.indexes
-                        .push((Arc::from(m), Arc::new(RwLock::new(index))));
+                    let tier: (Arc<str>, SharedPrefixIndex) =
+                        (Arc::from(m), Arc::new(RwLock::new(index)));
+                    self.registry.write().push(tier.clone());
+                    self.indexes.push(tier);
                     self.indexes.len() - 1
                 }
                 None => return None,

@@ -70,7 +70,9 @@
 mod apply;
 pub mod decode;
 
-pub use apply::{Applier, BatchOutcome, Config, Mode, WorkerCounters, GPU, MAX_TIERS};
+pub use apply::{
+    Applier, BatchOutcome, Config, Mode, TierRegistry, WorkerCounters, GPU, MAX_TIERS,
+};
 pub use decode::{Batch, Decoder, Event, EventKind, ExtraKeys, ExtraSummary};
 
 #[cfg(test)]

@@ -344,6 +344,13 @@ fn engine_blocks_larger_than_router_blocks_and_tiers() {
     assert_eq!(matched(&index, &own, "w"), 4);
     let cpu = a.tier_index("CPU").expect("CPU tier");
     assert_eq!(matched(&cpu, &own, "w"), 2);
+    // The shared registry lists the same tier index.
+    let registry = a.tier_registry();
+    let tiers = registry.read();
+    assert_eq!(tiers.len(), 1);
+    assert_eq!(&*tiers[0].0, "CPU");
+    assert!(Arc::ptr_eq(&tiers[0].1, &cpu));
+    drop(tiers);
     let c = a.counters("w").expect("c");
     assert_eq!((c.skipped_partial, c.skipped_block_size), (1, 1));
     // Removing engine block 2 (own blocks 2, 3) on the GPU leaves the CPU tier alone.
