@@ -8,6 +8,7 @@
 //! - [`events`]: engine KV events (vLLM, SGLang msgpack) decoded and applied to the indexes.
 //! - [`index`]: the prefix index — which worker holds which chained KV blocks, and prefix matching.
 //! - [`cache`]: a worker's KV memory model — LRU of leaves with pins, leases and reserved partitions.
+//! - [`router`]: workers, load, policies and endpoint pools: which worker gets a request, and why.
 //!
 //! Guarantees shared by every module: no public function panics on caller-supplied input; invalid
 //! input is reported as an [`Error`] and leaves the receiving object unchanged.
@@ -18,6 +19,7 @@ pub mod error;
 pub mod events;
 pub mod hashing;
 pub mod index;
+pub mod router;
 
 #[cfg(feature = "python")]
 mod py;

@@ -1,0 +1,157 @@
+//! A routing decision and its lifecycle: routed → begun → (prefilled) → finished.
+//!
+//! Invariants: a decision is begun at most once and finished at most once, only after it was
+//! begun, and only by the router that made it; `prefilled` and `observe` apply at most once each.
+//! The state lives in the decision itself (atomic flags), and the router changes it only while
+//! holding its own lock, together with the load counters it accounts for — so counters stay
+//! exact when decisions are shared between threads.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+
+use super::policy::{Policy, Reason};
+
+const BEGUN: u8 = 1;
+const PREFILLED: u8 = 2;
+const FINISHED: u8 = 4;
+const OBSERVED: u8 = 8;
+
+/// Where a decision is in its lifecycle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    /// Returned by `route`, not begun.
+    Routed,
+    /// Begun, not finished.
+    Active,
+    /// Finished.
+    Finished,
+}
+
+/// The answer of [`super::Router::route`]: which worker, why, and how much of the prompt it is
+/// expected to hold.
+#[derive(Debug)]
+pub struct Decision {
+    /// Unique per router (1, 2, …).
+    pub id: u64,
+    pub(super) router: u64,
+    /// The chosen worker.
+    pub worker: Arc<str>,
+    pub(super) worker_uid: u64,
+    pub(super) slot_hint: u32,
+    /// The policy that chose.
+    pub policy: Policy,
+    /// Why (see [`Reason`]).
+    pub reason: Reason,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Prompt length in tokens (blocks × block size when block hashes were given).
+    pub prompt_tokens: usize,
+    /// Full blocks of the prompt.
+    pub prompt_blocks: usize,
+    /// Leading prompt blocks the chosen worker holds, per the index (raw, before freshness).
+    pub cached_blocks: usize,
+    /// The endpoint the request was routed for.
+    pub endpoint: Option<Arc<str>>,
+    /// Approx mode: the prompt's block hashes (the model is updated with them).
+    pub(super) hashes: Vec<u64>,
+    /// Worker names by slot when the decision was made (for `scores`).
+    pub(super) roster: Arc<[Arc<str>]>,
+    pub(super) scores: Vec<(u32, f64)>,
+    state: AtomicU8,
+}
+
+impl Decision {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
+        id: u64,
+        router: u64,
+        worker: Arc<str>,
+        worker_uid: u64,
+        slot_hint: u32,
+        policy: Policy,
+        reason: Reason,
+        block_size: usize,
+        prompt_tokens: usize,
+        prompt_blocks: usize,
+        cached_blocks: usize,
+        endpoint: Option<Arc<str>>,
+        hashes: Vec<u64>,
+        roster: Arc<[Arc<str>]>,
+        scores: Vec<(u32, f64)>,
+    ) -> Self {
+        Decision {
+            id,
+            router,
+            worker,
+            worker_uid,
+            slot_hint,
+            policy,
+            reason,
+            block_size,
+            prompt_tokens,
+            prompt_blocks,
+            cached_blocks,
+            endpoint,
+            hashes,
+            roster,
+            scores,
+            state: AtomicU8::new(0),
+        }
+    }
+
+    /// `cached_blocks × block_size`: prompt tokens expected to be served from the cache.
+    pub fn cached_tokens(&self) -> usize {
+        self.cached_blocks.saturating_mul(self.block_size)
+    }
+
+    /// Blocks the worker is expected to prefill: prompt blocks not cached.
+    pub fn prefill_blocks(&self) -> usize {
+        self.prompt_blocks.saturating_sub(self.cached_blocks)
+    }
+
+    /// The value the policy compared for each worker it considered (see
+    /// [`super::policy`]), as `(worker, value)`.
+    pub fn scores(&self) -> impl Iterator<Item = (&Arc<str>, f64)> + '_ {
+        self.scores
+            .iter()
+            .filter_map(|&(s, v)| self.roster.get(s as usize).map(|n| (n, v)))
+    }
+
+    /// The lifecycle stage.
+    pub fn stage(&self) -> Stage {
+        let s = self.state.load(Ordering::Acquire);
+        if s & FINISHED != 0 {
+            Stage::Finished
+        } else if s & BEGUN != 0 {
+            Stage::Active
+        } else {
+            Stage::Routed
+        }
+    }
+
+    /// True once `prefilled` was applied.
+    pub fn is_prefilled(&self) -> bool {
+        self.state.load(Ordering::Acquire) & PREFILLED != 0
+    }
+
+    /// True once `observe` was applied.
+    pub fn is_observed(&self) -> bool {
+        self.state.load(Ordering::Acquire) & OBSERVED != 0
+    }
+
+    pub(super) fn set_begun(&self) {
+        self.state.fetch_or(BEGUN, Ordering::AcqRel);
+    }
+
+    pub(super) fn set_prefilled(&self) {
+        self.state.fetch_or(PREFILLED, Ordering::AcqRel);
+    }
+
+    pub(super) fn set_finished(&self) {
+        self.state.fetch_or(FINISHED, Ordering::AcqRel);
+    }
+
+    pub(super) fn set_observed(&self) {
+        self.state.fetch_or(OBSERVED, Ordering::AcqRel);
+    }
+}

@@ -1,0 +1,430 @@
+//! Routing policies: how a worker is picked among the candidates (healthy, in the endpoint's pool
+//! if any, not excluded).
+//!
+//! Every policy is deterministic given the router's state and seed, and picks only a candidate.
+//! The value each policy compares is what [`super::Decision::scores`] reports:
+//!
+//! - `random`: a candidate drawn with probability `weight / Σ weight` (SplitMix64 seeded by the
+//!   router's `seed`; a draw `u = (x >> 11) · 2⁻⁵³` picks the first candidate, in slot order,
+//!   whose cumulative weight exceeds `u · Σ weight`). Scores: the probabilities.
+//! - `round_robin`: smooth weighted round robin (nginx): every candidate's current weight grows
+//!   by its weight, the largest (first in slot order on ties) is picked and loses `Σ weight`.
+//!   Scores: the current weights compared.
+//! - `least_loaded`: the fewest active requests per unit of weight. Scores: that load.
+//! - `power_of_two`: two distinct candidates drawn uniformly (first `⌊u₁·n⌋`, then `⌊u₂·(n−1)⌋`
+//!   skipping the first), the lower load wins, the first drawn on ties. Scores: the two loads.
+//! - `hash`: the candidates in the rendezvous order of the request's hash key, walked with
+//!   bounded loads ([`crate::hashing::BoundedLoad`]: the first whose active requests are under
+//!   `ceil(c · (T + 1) · w / Σw)`). Scores: the active requests of the workers probed.
+//! - `kv_aware`: the minimum of one continuous cost per candidate, in blocks (the time to prefill
+//!   one block on a weight-1 worker):
+//!
+//!   `cost = (prompt_blocks − credit) + (queue_weight · prefill_blocks + decode_weight ·
+//!   decode_blocks) / weight`
+//!
+//!   where `credit` is the worker's cached overlap scaled by its index freshness (and, in events
+//!   mode, with blocks found only in a slower tier counted at that tier's weight),
+//!   `prefill_blocks` the prefill work queued there, `decode_blocks` the prompt blocks its running
+//!   requests hold. No threshold switches between "affinity" and "balance": a long cached prefix
+//!   wins until the queue in front of it costs more than recomputing the prefix elsewhere.
+//!
+//! Ties (costs within 1e-9 relative, equal loads) go to the tied candidate ranked first by
+//! rendezvous hashing of the request's prefix (its first block hash), so repeated requests with
+//! the same prefix agree from the very first one.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::error::{Error, Result};
+use crate::hashing::{BoundedLoad, ConsistentHash, Key, Rendezvous};
+use crate::value_err;
+
+use super::workers::WorkerTable;
+
+/// A routing policy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Policy {
+    /// Weighted random.
+    Random,
+    /// Smooth weighted round robin.
+    RoundRobin,
+    /// Fewest active requests per unit of weight.
+    LeastLoaded,
+    /// Best of two random candidates.
+    PowerOfTwo,
+    /// Consistent hashing of the request key with bounded loads.
+    Hash,
+    /// Minimum of the continuous prefill + queue + decode cost.
+    KvAware,
+}
+
+impl Policy {
+    /// All policies.
+    pub const ALL: [Policy; 6] = [
+        Policy::Random,
+        Policy::RoundRobin,
+        Policy::LeastLoaded,
+        Policy::PowerOfTwo,
+        Policy::Hash,
+        Policy::KvAware,
+    ];
+
+    /// The policy's name as accepted by [`Policy::from_str`].
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Random => "random",
+            Policy::RoundRobin => "round_robin",
+            Policy::LeastLoaded => "least_loaded",
+            Policy::PowerOfTwo => "power_of_two",
+            Policy::Hash => "hash",
+            Policy::KvAware => "kv_aware",
+        }
+    }
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Policy {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        Policy::ALL
+            .iter()
+            .copied()
+            .find(|p| p.name() == s)
+            .map_or_else(
+                || {
+                    value_err!(
+                        "policy must be one of 'random', 'round_robin', 'least_loaded', \
+                         'power_of_two', 'hash', 'kv_aware', got {s:?}"
+                    )
+                },
+                Ok,
+            )
+    }
+}
+
+/// Why a worker was picked (for metrics and logs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// `kv_aware`: the chosen worker holds part of the prompt.
+    Prefix,
+    /// `kv_aware`: no overlap on the chosen worker; load decided.
+    Load,
+    /// `random`.
+    Random,
+    /// `round_robin`.
+    RoundRobin,
+    /// `least_loaded`.
+    LeastLoaded,
+    /// `power_of_two`.
+    PowerOfTwo,
+    /// `hash`: the key's first choice.
+    Hash,
+    /// `hash`: the first choice was over the load bound; a later one took it.
+    HashBounded,
+}
+
+impl Reason {
+    /// A short, stable name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Reason::Prefix => "prefix",
+            Reason::Load => "load",
+            Reason::Random => "random",
+            Reason::RoundRobin => "round_robin",
+            Reason::LeastLoaded => "least_loaded",
+            Reason::PowerOfTwo => "power_of_two",
+            Reason::Hash => "hash",
+            Reason::HashBounded => "hash_bounded",
+        }
+    }
+}
+
+/// The weights of the `kv_aware` cost's load terms, in blocks of prefill per unit of load.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CostWeights {
+    /// Per block queued for prefill on the worker (default 1: each queued block delays a new
+    /// request by one block's prefill on a FIFO worker).
+    pub queue: f64,
+    /// Per prompt block held by a running request (default 0.1: decode steps share the GPU with
+    /// prefill; a held block costs a tenth of prefilling one).
+    pub decode: f64,
+}
+
+impl Default for CostWeights {
+    fn default() -> Self {
+        CostWeights {
+            queue: 1.0,
+            decode: 0.1,
+        }
+    }
+}
+
+impl CostWeights {
+    /// Checks that both weights are finite and >= 0.
+    pub fn check(&self) -> Result<()> {
+        for (what, v) in [("queue_weight", self.queue), ("decode_weight", self.decode)] {
+            if !(v.is_finite() && v >= 0.0) {
+                return value_err!("{what} must be finite and >= 0, got {v}");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// SplitMix64 (Steele, Lea & Flood 2014): the router's seeded generator.
+#[derive(Clone, Debug)]
+pub struct SplitMix64(pub u64);
+
+impl SplitMix64 {
+    /// The next 64-bit output.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// A uniform draw in `[0, 1)` with 53 bits.
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+}
+
+/// What one pick needs besides the workers.
+pub(super) struct Request<'a> {
+    /// Candidate slots, ascending.
+    pub candidates: &'a [u32],
+    /// Prompt length in blocks.
+    pub prompt_blocks: usize,
+    /// Overlap credit by slot (freshness and tiers applied).
+    pub credit: &'a [f64],
+    /// The key `hash` routes by.
+    pub hash_key: Key<'a>,
+    /// The key ties are broken by (the prefix).
+    pub tie_key: Key<'a>,
+}
+
+/// The mutable state policies use.
+pub(super) struct PickState<'a> {
+    pub rng: &'a mut SplitMix64,
+    pub ring: &'a Rendezvous,
+    pub bound: BoundedLoad,
+    pub weights: CostWeights,
+    /// Reused buffers.
+    pub order: &'a mut Vec<u32>,
+    pub loads: &'a mut Vec<u64>,
+    pub shares: &'a mut Vec<f64>,
+}
+
+/// The outcome of a pick.
+pub(super) struct Pick {
+    pub slot: u32,
+    pub reason: Reason,
+    /// `(slot, value)` per worker considered (see the module docs).
+    pub scores: Vec<(u32, f64)>,
+}
+
+/// Picks a candidate by `policy`; `req.candidates` must not be empty.
+pub(super) fn pick(
+    policy: Policy,
+    workers: &mut WorkerTable,
+    req: &Request<'_>,
+    st: &mut PickState<'_>,
+) -> Result<Pick> {
+    let Some(&first) = req.candidates.first() else {
+        return value_err!("no healthy worker to route to");
+    };
+    let weight = |w: &WorkerTable, s: u32| w.get(s).map_or(1.0, |x| x.weight);
+    let load = |w: &WorkerTable, s: u32| w.get(s).map_or(0.0, |x| x.request_load());
+    match policy {
+        Policy::Random => {
+            let total: f64 = req.candidates.iter().map(|&s| weight(workers, s)).sum();
+            let target = st.rng.next_f64() * total;
+            let mut acc = 0.0;
+            let mut chosen = req.candidates.last().copied().unwrap_or(first);
+            for &s in req.candidates {
+                acc += weight(workers, s);
+                if acc > target {
+                    chosen = s;
+                    break;
+                }
+            }
+            let scores = req
+                .candidates
+                .iter()
+                .map(|&s| (s, weight(workers, s) / total))
+                .collect();
+            Ok(Pick {
+                slot: chosen,
+                reason: Reason::Random,
+                scores,
+            })
+        }
+        Policy::RoundRobin => {
+            let total: f64 = req.candidates.iter().map(|&s| weight(workers, s)).sum();
+            let mut scores = Vec::with_capacity(req.candidates.len());
+            let mut best: Option<(f64, u32)> = None;
+            for &s in req.candidates {
+                if let Some(w) = workers.get_mut(s) {
+                    w.rr_current += w.weight;
+                    scores.push((s, w.rr_current));
+                    if best.is_none_or(|(b, _)| w.rr_current > b) {
+                        best = Some((w.rr_current, s));
+                    }
+                }
+            }
+            let chosen = best.map_or(first, |(_, s)| s);
+            if let Some(w) = workers.get_mut(chosen) {
+                w.rr_current -= total;
+            }
+            Ok(Pick {
+                slot: chosen,
+                reason: Reason::RoundRobin,
+                scores,
+            })
+        }
+        Policy::LeastLoaded => {
+            let scores: Vec<(u32, f64)> = req
+                .candidates
+                .iter()
+                .map(|&s| (s, load(workers, s)))
+                .collect();
+            let chosen = argmin(&scores, st.ring, req.tie_key, st.order)?;
+            Ok(Pick {
+                slot: chosen,
+                reason: Reason::LeastLoaded,
+                scores,
+            })
+        }
+        Policy::PowerOfTwo => {
+            let n = req.candidates.len();
+            let i = ((st.rng.next_f64() * n as f64) as usize).min(n - 1);
+            let mut j = i;
+            if n > 1 {
+                j = ((st.rng.next_f64() * (n - 1) as f64) as usize).min(n - 2);
+                if j >= i {
+                    j += 1;
+                }
+            }
+            let a = req.candidates.get(i).copied().unwrap_or(first);
+            let b = req.candidates.get(j).copied().unwrap_or(first);
+            let (la, lb) = (load(workers, a), load(workers, b));
+            let chosen = if lb < la { b } else { a };
+            let mut scores = vec![(a, la)];
+            if b != a {
+                scores.push((b, lb));
+            }
+            Ok(Pick {
+                slot: chosen,
+                reason: Reason::PowerOfTwo,
+                scores,
+            })
+        }
+        Policy::Hash => pick_hash(workers, req, st),
+        Policy::KvAware => {
+            let p = req.prompt_blocks as f64;
+            let scores: Vec<(u32, f64)> = req
+                .candidates
+                .iter()
+                .filter_map(|&s| {
+                    let w = workers.get(s)?;
+                    let credit = req.credit.get(s as usize).copied().unwrap_or(0.0);
+                    let queued = st.weights.queue * w.prefill_blocks as f64
+                        + st.weights.decode * w.decode_blocks as f64;
+                    Some((s, (p - credit) + queued / w.weight))
+                })
+                .collect();
+            let chosen = argmin(&scores, st.ring, req.tie_key, st.order)?;
+            let credit = req.credit.get(chosen as usize).copied().unwrap_or(0.0);
+            Ok(Pick {
+                slot: chosen,
+                reason: if credit > 0.0 {
+                    Reason::Prefix
+                } else {
+                    Reason::Load
+                },
+                scores,
+            })
+        }
+    }
+}
+
+/// The slot with the lowest value; ties (within 1e-9 relative) broken by the rendezvous order of
+/// `tie_key`.
+fn argmin(
+    scores: &[(u32, f64)],
+    ring: &Rendezvous,
+    tie_key: Key<'_>,
+    order: &mut Vec<u32>,
+) -> Result<u32> {
+    let Some(min) = scores.iter().map(|&(_, v)| v).reduce(f64::min) else {
+        return value_err!("no healthy worker to route to");
+    };
+    let tol = 1e-9 * min.abs().max(1.0);
+    let tied = |v: f64| v - min <= tol;
+    let mut first_tied = None;
+    let mut ties = 0;
+    for &(s, v) in scores {
+        if tied(v) {
+            ties += 1;
+            first_tied.get_or_insert(s);
+        }
+    }
+    let first_tied = first_tied.unwrap_or(0);
+    if ties == 1 {
+        return Ok(first_tied);
+    }
+    ring.preference_into(tie_key, ring.len(), order)?;
+    for &s in order.iter() {
+        if scores.iter().any(|&(c, v)| c == s && tied(v)) {
+            return Ok(s);
+        }
+    }
+    Ok(first_tied)
+}
+
+fn pick_hash(workers: &WorkerTable, req: &Request<'_>, st: &mut PickState<'_>) -> Result<Pick> {
+    // The rendezvous order over every worker, restricted to the candidates: the order a
+    // rendezvous hasher over the candidates alone would give. Position k of `loads`/`shares`
+    // is the k-th candidate in that order; `probe` is that order itself.
+    st.ring
+        .preference_into(req.hash_key, st.ring.len(), st.order)?;
+    st.order
+        .retain(|s| req.candidates.binary_search(s).is_ok() && workers.get(*s).is_some());
+    st.loads.clear();
+    st.shares.clear();
+    for &s in st.order.iter() {
+        if let Some(w) = workers.get(s) {
+            st.loads.push(w.active);
+            st.shares.push(w.weight);
+        }
+    }
+    let probe: Vec<u32> = (0..st.order.len() as u32).collect();
+    let picked = st.bound.pick(&probe, st.loads, Some(st.shares))?;
+    let Some(&chosen) = st.order.get(picked.node as usize) else {
+        return value_err!("no healthy worker to route to");
+    };
+    let scores = st
+        .order
+        .iter()
+        .zip(st.loads.iter())
+        .take(picked.probes)
+        .map(|(&s, &l)| (s, l as f64))
+        .collect();
+    Ok(Pick {
+        slot: chosen,
+        reason: if picked.probes == 1 {
+            Reason::Hash
+        } else {
+            Reason::HashBounded
+        },
+        scores,
+    })
+}

@@ -1,0 +1,112 @@
+//! Router core tests (the Python suite checks the policies against reference models).
+
+use super::*;
+
+fn router(policy: Policy, names: &[&str]) -> Router {
+    let config = Config {
+        policy,
+        block_size: 4,
+        capacity_blocks: 64,
+        ..Config::default()
+    };
+    Router::new(names.iter().map(|&n| (n, 1.0)), config).unwrap()
+}
+
+fn tokens(seed: u32, n: u32) -> Vec<u32> {
+    (0..n).map(|i| seed * 100_000 + i).collect()
+}
+
+#[test]
+fn a_repeated_prefix_follows_its_first_request() {
+    let mut r = router(Policy::KvAware, &["a", "b", "c", "d"]);
+    let first = r.route_tokens(&tokens(1, 64), None, None, 0.0).unwrap();
+    assert_eq!(first.cached_blocks, 0);
+    for t in 1..10 {
+        let d = r
+            .route_tokens(&tokens(1, 64), None, None, t as f64)
+            .unwrap();
+        assert_eq!(d.worker, first.worker);
+        assert_eq!(d.cached_blocks, 16);
+        assert_eq!(d.reason, Reason::Prefix);
+    }
+    r.check_model().unwrap();
+}
+
+#[test]
+fn load_accounting_is_exact_and_lifecycle_errors_change_nothing() {
+    let mut r = router(Policy::LeastLoaded, &["a", "b"]);
+    let d = r.route_tokens(&tokens(2, 40), None, None, 0.0).unwrap();
+    assert!(r.finish(&d, 0.0).is_err());
+    r.begin(&d).unwrap();
+    assert!(r.begin(&d).is_err());
+    let w = r
+        .workers()
+        .get(r.workers().slot(&d.worker).unwrap())
+        .unwrap();
+    assert_eq!((w.active, w.prefill_blocks, w.decode_blocks), (1, 10, 10));
+    r.prefilled(&d).unwrap();
+    assert!(r.prefilled(&d).is_err());
+    r.finish(&d, 1.0).unwrap();
+    assert!(r.finish(&d, 1.0).is_err());
+    let w = r
+        .workers()
+        .get(r.workers().slot(&d.worker).unwrap())
+        .unwrap();
+    assert_eq!((w.active, w.prefill_blocks, w.decode_blocks), (0, 0, 0));
+    let mut other = router(Policy::LeastLoaded, &["a", "b"]);
+    assert!(other.begin(&d).is_err());
+}
+
+#[test]
+fn ttl_and_capacity_make_the_model_forget() {
+    let config = Config {
+        block_size: 4,
+        capacity_blocks: 16,
+        ttl: Some(10.0),
+        ..Config::default()
+    };
+    let mut r = Router::new([("a", 1.0), ("b", 1.0)], config).unwrap();
+    let d = r.route_tokens(&tokens(3, 32), None, None, 0.0).unwrap();
+    let again = r.route_tokens(&tokens(3, 32), None, None, 5.0).unwrap();
+    assert_eq!(again.cached_blocks, 8);
+    let late = r.route_tokens(&tokens(3, 32), None, None, 16.0).unwrap();
+    assert_eq!(late.cached_blocks, 0, "idle past the TTL");
+    r.check_model().unwrap();
+    // Capacity: 16 blocks per worker; two other prompts of 8 evict the first on that worker.
+    let w = late.worker.clone();
+    let _ = d;
+    for s in 10..14 {
+        let _ = r.route_tokens(&tokens(s, 32), None, None, 17.0).unwrap();
+    }
+    r.check_model().unwrap();
+    let slot = r.workers().slot(&w).unwrap();
+    assert!(r.workers().get(slot).unwrap().cache.as_ref().unwrap().len() <= 16);
+}
+
+#[test]
+fn observe_drops_what_the_engine_lacked() {
+    let mut r = router(Policy::KvAware, &["a", "b"]);
+    let t = tokens(4, 64);
+    let _ = r.route_tokens(&t, None, None, 0.0).unwrap();
+    let mut branch = t[..32].to_vec();
+    branch.extend(tokens(5, 32));
+    let b = r.route_tokens(&branch, None, None, 1.0).unwrap();
+    assert_eq!(b.cached_blocks, 8);
+    // The engine had only 4 blocks: blocks 4.. of both chains are gone, then b's chain is back.
+    r.observe(&b, 16, 2.0).unwrap();
+    assert!(r.observe(&b, 16, 2.0).is_err());
+    let again = r.route_tokens(&t, None, None, 3.0).unwrap();
+    assert_eq!(again.cached_blocks, 8);
+    r.check_model().unwrap();
+}
+
+#[test]
+fn tiered_credit_counts_each_block_at_its_best_tier() {
+    let mut scratch = Vec::new();
+    assert_eq!(tiered_credit(&[(4, 1.0)], &mut scratch), 4.0);
+    // GPU 2, CPU 6 (0.5), disk 10 (0.25): 2 + 4 × 0.5 + 4 × 0.25.
+    let got = tiered_credit(&[(6, 0.5), (10, 0.25), (2, 1.0)], &mut scratch);
+    assert!((got - 5.0).abs() < 1e-12);
+    // A slower tier that holds less adds nothing.
+    assert_eq!(tiered_credit(&[(1, 0.5), (3, 1.0)], &mut scratch), 3.0);
+}
