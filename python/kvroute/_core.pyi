@@ -338,3 +338,148 @@ def decode_kv_events(
 ) -> tuple[float, list[dict[str, Any]], int | None]:
     """``(ts, events, data_parallel_rank)`` of one payload, each event a dict of the fields the
     decoder reads (``ValueError`` for a malformed payload). For inspection and tests."""
+
+class Decision:
+    """A routing decision: the worker, why, and how much of the prompt it is expected to hold.
+
+    Pass it to the router's ``begin``, ``prefilled``, ``finish`` and ``observe``.
+    """
+
+    @property
+    def worker(self) -> str: ...
+    @property
+    def cached_blocks(self) -> int:
+        """Leading prompt blocks the worker is expected to hold."""
+
+    @property
+    def cached_tokens(self) -> int:
+        """``cached_blocks * block_size``."""
+
+    @property
+    def prompt_blocks(self) -> int: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def scores(self) -> dict[str, float]:
+        """Per worker, the value the policy compared (kv_aware: its cost; lower wins)."""
+
+    @property
+    def policy(self) -> str: ...
+    @property
+    def reason(self) -> str:
+        """"prefix" / "load" (kv_aware), "hash" / "hash_bounded", or the policy's name."""
+
+    @property
+    def endpoint(self) -> str | None: ...
+    @property
+    def id(self) -> int: ...
+    @property
+    def stage(self) -> Literal["routed", "active", "finished"]: ...
+
+class Router:
+    """Which worker gets a request, why, and how much of the prompt is cached there.
+
+    ``index="approx"`` models each worker's cache from where requests were routed (a
+    ``BlockCache`` of ``capacity_blocks``, blocks idle over ``ttl`` seconds gone); ``observe``
+    corrects it. ``index="events"``: ``router.index`` is fed by ``router.event_applier`` (engine
+    KV events); stale workers' overlap credit decays (``mark_stale``). Policies: ``random``,
+    ``round_robin``, ``least_loaded``, ``power_of_two``, ``hash``, ``kv_aware``. ``now`` defaults
+    to ``time.monotonic()``. Unknown names raise ``KeyError``, bad values ``ValueError``; errors
+    change nothing.
+    """
+
+    def __init__(
+        self,
+        workers: Iterable[str] | Mapping[str, float],
+        *,
+        policy: Literal[
+            "random", "round_robin", "least_loaded", "power_of_two", "hash", "kv_aware"
+        ] = "kv_aware",
+        block_size: int = 16,
+        hash_profile: Literal["native", "vllm", "sglang"] = "native",
+        index: Literal["approx", "events"] = "approx",
+        capacity_blocks: int = 32768,
+        ttl: float | None = None,
+        queue_weight: float = 1.0,
+        decode_weight: float = 0.1,
+        load_bound: float = 1.25,
+        seed: int = 0,
+        stale_half_life: float = 5.0,
+        tier_weights: Mapping[str, float] | None = None,
+        salt: str | None = None,
+        hash_seed: str | None = None,
+        event_mode: Literal["rehash", "direct"] = "rehash",
+    ) -> None: ...
+    def route(
+        self,
+        tokens: TokenArray | None = None,
+        *,
+        block_hashes: U64Array | None = None,
+        key: Key | None = None,
+        endpoint: str | None = None,
+        exclude: Iterable[str] | None = None,
+        now: float | None = None,
+    ) -> Decision:
+        """Route one request (exactly one of ``tokens`` and ``block_hashes``)."""
+
+    def begin(self, decision: Decision) -> None:
+        """The request starts: counted in its worker's load."""
+
+    def prefilled(self, decision: Decision) -> None:
+        """The request's prefill is done: its blocks leave the worker's prefill queue."""
+
+    def finish(self, decision: Decision, *, now: float | None = None) -> None:
+        """The request ended: taken off its worker's load."""
+
+    def observe(
+        self, decision: Decision, cached_tokens: int, *, now: float | None = None
+    ) -> None:
+        """Feed back the engine's reported cached tokens (corrects the approx model)."""
+
+    def add_worker(self, name: str, weight: float = 1.0) -> None: ...
+    def remove_worker(self, name: str) -> None: ...
+    def set_healthy(self, name: str, ok: bool) -> None: ...
+    def is_healthy(self, name: str) -> bool: ...
+    def load(self, name: str) -> dict[str, float]:
+        """``{"active", "prefill_blocks", "decode_blocks", "weight"}`` of worker ``name``."""
+
+    def add_endpoint(
+        self,
+        endpoint_id: str,
+        *,
+        pool_size: int,
+        reserved_blocks: int | None = None,
+        salt: str | None = None,
+        isolate: bool = True,
+    ) -> None:
+        """A dedicated endpoint: a sticky pool, its own block-hash salt, reserved blocks."""
+
+    def remove_endpoint(self, endpoint_id: str) -> None: ...
+    def endpoint_pool(self, endpoint_id: str) -> list[str]: ...
+    def endpoint_salt(self, endpoint_id: str) -> str | None:
+        """The ``cache_salt`` to send upstream for this endpoint (None if not isolated)."""
+
+    @property
+    def endpoints(self) -> list[str]: ...
+    def mark_stale(self, worker: str, now: float | None = None) -> None:
+        """The worker's index stream is stale: its overlap credit halves every half-life."""
+
+    def mark_fresh(self, worker: str) -> None: ...
+    def set_freshness(self, worker: str, value: float) -> None: ...
+    def freshness(self, worker: str, now: float | None = None) -> float: ...
+    @property
+    def index(self) -> PrefixIndex: ...
+    @property
+    def event_applier(self) -> KvEventApplier | None: ...
+    @property
+    def workers(self) -> list[str]: ...
+    @property
+    def policy(self) -> str: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def hash_profile(self) -> str: ...
+    @property
+    def mode(self) -> Literal["approx", "events"]: ...
+    def _check_model(self) -> None: ...
+    def __len__(self) -> int: ...

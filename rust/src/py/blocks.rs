@@ -34,9 +34,10 @@ macro_rules! typed {
         }
     };
 }
+pub(super) use typed;
 
 /// Token ids: a 1-D NumPy array of a supported integer dtype (borrowed), or a sequence of ints.
-fn tokens_from_py<'py>(obj: &Bound<'py, PyAny>) -> PyResult<IntArray<'py>> {
+pub(super) fn tokens_from_py<'py>(obj: &Bound<'py, PyAny>) -> PyResult<IntArray<'py>> {
     match int_array(obj, "tokens")? {
         Some(array) => Ok(array),
         None => Ok(IntArray::U64(u64_slice(obj, "tokens", Negative::Reject)?)),
@@ -185,7 +186,7 @@ impl PyBlockHasher {
 
 /// The token slice of one call, in whichever dtype it arrived.
 #[derive(Clone, Copy)]
-enum Tokens<'a> {
+pub(super) enum Tokens<'a> {
     U32(&'a [u32]),
     I32(&'a [i32]),
     U64(&'a [u64]),
@@ -193,7 +194,7 @@ enum Tokens<'a> {
 }
 
 impl<'a> Tokens<'a> {
-    fn of(array: &'a IntArray<'_>) -> Self {
+    pub(super) fn of(array: &'a IntArray<'_>) -> Self {
         match array {
             IntArray::U32(a) => Tokens::U32(a.as_slice()),
             IntArray::I32(a) => Tokens::I32(a.as_slice()),
@@ -202,7 +203,7 @@ impl<'a> Tokens<'a> {
         }
     }
 
-    fn len(self) -> usize {
+    pub(super) fn len(self) -> usize {
         typed!(self, |s| s.len())
     }
 }

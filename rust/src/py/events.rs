@@ -97,6 +97,16 @@ pub struct PyKvEventApplier {
     index: Py<PyPrefixIndex>,
 }
 
+impl PyKvEventApplier {
+    /// A Python face for an applier built in Rust (the router's own, over its index).
+    pub(crate) fn from_core(core: Applier, index: Py<PyPrefixIndex>) -> Self {
+        PyKvEventApplier {
+            core: Mutex::new(core),
+            index,
+        }
+    }
+}
+
 #[pymethods]
 impl PyKvEventApplier {
     #[new]

@@ -11,6 +11,7 @@ mod events;
 mod fastcall;
 mod hashing;
 mod index;
+mod router;
 
 use pyo3::prelude::*;
 
@@ -22,5 +23,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     index::register(m)?;
     cache::register(m)?;
     events::register(m)?;
+    router::register(m)?;
     Ok(())
 }

@@ -1,0 +1,741 @@
+//! Bindings for `crate::router`: `kvroute.Router` and `kvroute.Decision`.
+//!
+//! The router's core sits behind a `parking_lot::Mutex`. `route` converts its arguments under the
+//! GIL, then hashes the tokens (the hasher is an `Arc` taken under the lock, so threads hash in
+//! parallel) and routes with the lock held; for prompts of at least [`DETACH_MIN_TOKENS`] tokens
+//! (or when the lock is busy) that work runs with the GIL released. `d.scores` is built only when
+//! read.
+
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyString};
+
+use super::blocks::{tokens_from_py, typed, Tokens};
+use super::convert::{
+    describe, name_from_py, type_name, u64_from_int, u64_slice, with_key, Negative,
+};
+use super::events::PyKvEventApplier;
+use super::index::PyPrefixIndex;
+use crate::blocks::{ChainState, Options, Profile};
+use crate::events::Mode;
+use crate::hashing::Key;
+use crate::router::{
+    Config, CostWeights, Decision, IndexMode, Policy, RouteRequest, Router, Stage,
+};
+
+/// Prompts of at least this many tokens (or blocks) are routed with the GIL released.
+const DETACH_MIN_TOKENS: usize = 512;
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyRouter>()?;
+    m.add_class::<PyDecision>()?;
+    Ok(())
+}
+
+/// A routing key copied out of Python (so routing can run without the GIL).
+enum OwnedKey {
+    Bytes(Vec<u8>),
+    Int(u64),
+}
+
+impl OwnedKey {
+    fn as_key(&self) -> Key<'_> {
+        match self {
+            OwnedKey::Bytes(b) => Key::Bytes(b),
+            OwnedKey::Int(k) => Key::Int(*k),
+        }
+    }
+}
+
+/// Which worker gets a request, why, and how much of the prompt is expected cached there.
+///
+/// `Router(workers, *, policy="kv_aware", block_size=16, hash_profile="native", index="approx",
+/// capacity_blocks=32768, ttl=None, queue_weight=1.0, decode_weight=0.1, load_bound=1.25, seed=0,
+/// stale_half_life=5.0, tier_weights=None, salt=None, hash_seed=None, event_mode="rehash")`;
+/// `workers` is a list of names or a `{name: weight}` dict (weight = relative capacity).
+///
+/// `route(tokens=None, *, block_hashes=None, key=None, endpoint=None, exclude=None, now=None)`
+/// returns a `Decision`. Pass exactly one of `tokens` (hashed with the router's `BlockHasher`, or
+/// the endpoint's salted one) and `block_hashes`. Policies: `random`, `round_robin`,
+/// `least_loaded`, `power_of_two`, `hash` (rendezvous hash of `key`, else the endpoint, else the
+/// first block, with bounded loads `load_bound`), `kv_aware` (minimum of `prompt_blocks - credit +
+/// (queue_weight * prefill_blocks + decode_weight * decode_blocks) / weight`, in blocks; ties by
+/// rendezvous hash of the first block). Only healthy workers are chosen; with `endpoint`, only
+/// members of its pool; never one in `exclude`. No candidate raises `ValueError`.
+///
+/// `index="approx"`: the router models each worker's cache (a `BlockCache` of `capacity_blocks`,
+/// blocks idle over `ttl` seconds gone) from where it routed; `observe` corrects the model.
+/// `index="events"`: `router.index` is fed from outside (`router.event_applier`, engine KV
+/// events); `mark_stale`/`mark_fresh` decay a worker's overlap credit (half-life
+/// `stale_half_life` seconds); tier overlap counts at `tier_weights` (default CPU 0.5, others
+/// 0.25). `now` defaults to `time.monotonic()`: pass it on every call (virtual time) or on none.
+///
+/// Load: `begin(d)`, `prefilled(d)`, `finish(d)`; `load(worker)` gives `active`,
+/// `prefill_blocks` and `decode_blocks` (prompt blocks of running requests). Unknown names raise
+/// `KeyError`; bad values `ValueError`; errors change nothing. Safe to share between threads.
+#[pyclass(frozen, module = "kvroute._core", name = "Router")]
+pub struct PyRouter {
+    core: Mutex<Router>,
+    index: Py<PyPrefixIndex>,
+    applier: Option<Py<PyKvEventApplier>>,
+    clock_zero: f64,
+    started: Instant,
+}
+
+impl PyRouter {
+    /// Routes with the core lock taken here (call with the GIL released).
+    fn core_route<'a>(
+        &self,
+        hashes: Vec<u64>,
+        prompt_tokens: Option<usize>,
+        request: &impl Fn(Vec<u64>, Option<usize>) -> RouteRequest<'a>,
+    ) -> crate::Result<Decision> {
+        self.core.lock().route(request(hashes, prompt_tokens))
+    }
+
+    fn now(&self, now: Option<f64>) -> f64 {
+        now.unwrap_or_else(|| self.clock_zero + self.started.elapsed().as_secs_f64())
+    }
+
+    /// Runs `f` on the core: inline when `light` and the lock is free, else with the GIL
+    /// released.
+    fn run<R: Send>(
+        &self,
+        py: Python<'_>,
+        light: bool,
+        f: impl FnOnce(&mut Router) -> R + Send,
+    ) -> R {
+        if light {
+            if let Some(mut core) = self.core.try_lock() {
+                return f(&mut core);
+            }
+        }
+        py.detach(|| f(&mut self.core.lock()))
+    }
+}
+
+fn workers_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Vec<(String, f64)>> {
+    if let Ok(dict) = obj.cast::<PyDict>() {
+        let mut out = Vec::with_capacity(dict.len());
+        for (name, weight) in dict.iter() {
+            let name = name_from_py(&name, "worker name")?.into_owned();
+            let weight: f64 = weight.extract().map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "weight of worker {name:?} must be a number, got {}",
+                    describe(&weight)
+                ))
+            })?;
+            out.push((name, weight));
+        }
+        return Ok(out);
+    }
+    if obj.is_instance_of::<PyString>() {
+        return Err(PyTypeError::new_err(
+            "workers must be a list of names or a {name: weight} dict, not a str",
+        ));
+    }
+    let iter = obj.try_iter().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "workers must be a list of names or a {{name: weight}} dict, got {}",
+            type_name(obj)
+        ))
+    })?;
+    let mut out = Vec::new();
+    for item in iter {
+        let item = item?;
+        out.push((name_from_py(&item, "worker name")?.into_owned(), 1.0));
+    }
+    Ok(out)
+}
+
+fn optional_string(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<String>> {
+    match obj.filter(|o| !o.is_none()) {
+        None => Ok(None),
+        Some(o) => Ok(Some(name_from_py(o, what)?.into_owned())),
+    }
+}
+
+fn finite(v: f64, what: &str) -> PyResult<f64> {
+    if v.is_finite() {
+        Ok(v)
+    } else {
+        Err(PyValueError::new_err(format!(
+            "{what} must be a finite number, got {v}"
+        )))
+    }
+}
+
+#[pymethods]
+impl PyRouter {
+    #[new]
+    #[pyo3(signature = (
+        workers, *, policy = "kv_aware", block_size = None, hash_profile = "native",
+        index = "approx", capacity_blocks = None, ttl = None, queue_weight = 1.0,
+        decode_weight = 0.1, load_bound = 1.25, seed = None, stale_half_life = 5.0,
+        tier_weights = None, salt = None, hash_seed = None, event_mode = "rehash"
+    ), text_signature = "(workers, *, policy='kv_aware', block_size=16, hash_profile='native', \
+        index='approx', capacity_blocks=32768, ttl=None, queue_weight=1.0, decode_weight=0.1, \
+        load_bound=1.25, seed=0, stale_half_life=5.0, tier_weights=None, salt=None, \
+        hash_seed=None, event_mode='rehash')")]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        workers: &Bound<'_, PyAny>,
+        policy: &str,
+        block_size: Option<&Bound<'_, PyAny>>,
+        hash_profile: &str,
+        index: &str,
+        capacity_blocks: Option<&Bound<'_, PyAny>>,
+        ttl: Option<f64>,
+        queue_weight: f64,
+        decode_weight: f64,
+        load_bound: f64,
+        seed: Option<&Bound<'_, PyAny>>,
+        stale_half_life: f64,
+        tier_weights: Option<&Bound<'_, PyAny>>,
+        salt: Option<&Bound<'_, PyAny>>,
+        hash_seed: Option<&Bound<'_, PyAny>>,
+        event_mode: &str,
+    ) -> PyResult<Self> {
+        let workers = workers_from_py(workers)?;
+        let count = |obj: Option<&Bound<'_, PyAny>>, what: &str, default: u64| match obj {
+            None => Ok(default),
+            Some(o) => u64_from_int(o, what, None),
+        };
+        let block_size = usize::try_from(count(block_size, "block_size", 16)?)
+            .map_err(|_| PyValueError::new_err("block_size is too large"))?;
+        let capacity_blocks =
+            usize::try_from(count(capacity_blocks, "capacity_blocks", 32_768)?)
+                .unwrap_or(usize::MAX);
+        let mut config = Config {
+            policy: policy.parse::<Policy>()?,
+            block_size,
+            profile: hash_profile.parse::<Profile>()?,
+            hash_options: Options {
+                salt: optional_string(salt, "salt")?,
+                seed: optional_string(hash_seed, "hash_seed")?,
+                ..Options::default()
+            },
+            mode: index.parse::<IndexMode>()?,
+            capacity_blocks,
+            ttl,
+            weights: CostWeights {
+                queue: queue_weight,
+                decode: decode_weight,
+            },
+            bound_c: load_bound,
+            seed: count(seed, "seed", 0)?,
+            stale_half_life,
+            ..Config::default()
+        };
+        if let Some(obj) = tier_weights.filter(|o| !o.is_none()) {
+            let dict = obj.cast::<PyDict>().map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "tier_weights must be a dict of tier name to weight, got {}",
+                    type_name(obj)
+                ))
+            })?;
+            config.tier_weights.clear();
+            for (tier, w) in dict.iter() {
+                let tier = name_from_py(&tier, "tier name")?.into_owned();
+                let w: f64 = w.extract()?;
+                config.tier_weights.push((tier, w));
+            }
+        }
+        let event_mode = event_mode.parse::<Mode>()?;
+        let mut core = Router::new(workers.iter().map(|(n, w)| (n.as_str(), *w)), config)?;
+        let index = Py::new(py, PyPrefixIndex::from_shared(core.index().clone()))?;
+        let applier = if core.config().mode == IndexMode::Events {
+            let applier = core.new_event_applier(event_mode)?;
+            Some(Py::new(
+                py,
+                PyKvEventApplier::from_core(applier, index.clone_ref(py)),
+            )?)
+        } else {
+            None
+        };
+        let time = py.import("time")?;
+        let clock_zero: f64 = time.call_method0("monotonic")?.extract()?;
+        Ok(PyRouter {
+            core: Mutex::new(core),
+            index,
+            applier,
+            clock_zero,
+            started: Instant::now(),
+        })
+    }
+
+    /// Routes one request; returns a `Decision`. In approx mode the prompt is recorded on the
+    /// chosen worker.
+    #[pyo3(signature = (tokens = None, *, block_hashes = None, key = None, endpoint = None, exclude = None, now = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn route(
+        &self,
+        py: Python<'_>,
+        tokens: Option<&Bound<'_, PyAny>>,
+        block_hashes: Option<&Bound<'_, PyAny>>,
+        key: Option<&Bound<'_, PyAny>>,
+        endpoint: Option<&Bound<'_, PyAny>>,
+        exclude: Option<&Bound<'_, PyAny>>,
+        now: Option<f64>,
+    ) -> PyResult<PyDecision> {
+        let tokens = tokens.filter(|o| !o.is_none());
+        let block_hashes = block_hashes.filter(|o| !o.is_none());
+        let key = match key.filter(|o| !o.is_none()) {
+            None => None,
+            Some(k) => Some(with_key(k, |k| match k {
+                Key::Bytes(b) => OwnedKey::Bytes(b.to_vec()),
+                Key::Int(v) => OwnedKey::Int(v),
+            })?),
+        };
+        let endpoint = optional_string(endpoint, "endpoint")?;
+        let exclude: Vec<String> = match exclude.filter(|o| !o.is_none()) {
+            None => Vec::new(),
+            Some(obj) => {
+                if obj.is_instance_of::<PyString>() {
+                    return Err(PyTypeError::new_err(
+                        "exclude must be a list of worker names, not a str",
+                    ));
+                }
+                let mut names = Vec::new();
+                for item in obj.try_iter()? {
+                    names.push(name_from_py(&item?, "exclude item")?.into_owned());
+                }
+                names
+            }
+        };
+        let now = finite(self.now(now), "now")?;
+        let endpoint = endpoint.as_deref();
+        let excluded: Vec<&str> = exclude.iter().map(String::as_str).collect();
+        let request = |hashes: Vec<u64>, prompt_tokens: Option<usize>| RouteRequest {
+            hashes,
+            prompt_tokens,
+            key: key.as_ref().map(OwnedKey::as_key),
+            endpoint,
+            exclude: &excluded,
+            now,
+        };
+        let decision = match (tokens, block_hashes) {
+            (Some(_), Some(_)) | (None, None) => {
+                return Err(PyTypeError::new_err(
+                    "route() takes exactly one of tokens and block_hashes",
+                ))
+            }
+            (Some(tokens), None) => {
+                let array = tokens_from_py(tokens)?;
+                let tokens = Tokens::of(&array);
+                let n = tokens.len();
+                let hasher = self.run(py, true, |r| r.hasher_for(endpoint))?;
+                let hash = || -> crate::Result<Vec<u64>> {
+                    let mut hashes = Vec::with_capacity(hasher.num_blocks(n));
+                    typed!(tokens, |s| hasher.hash_into(
+                        s,
+                        &ChainState::Root,
+                        &[],
+                        &mut hashes
+                    ))?;
+                    Ok(hashes)
+                };
+                if n >= DETACH_MIN_TOKENS {
+                    py.detach(|| self.core_route(hash()?, Some(n), &request))?
+                } else {
+                    let hashes = hash()?;
+                    self.run(py, true, |r| r.route(request(hashes, Some(n))))?
+                }
+            }
+            (None, Some(hashes)) => {
+                let hashes = u64_slice(hashes, "block_hashes", Negative::Reinterpret)?;
+                let mut hashes = hashes.as_slice().to_vec();
+                let light = hashes.len() < DETACH_MIN_TOKENS;
+                self.run(py, light, |r| {
+                    r.salt_block_hashes(endpoint, &mut hashes)?;
+                    r.route(request(hashes, None))
+                })?
+            }
+        };
+        Ok(PyDecision { inner: decision })
+    }
+
+    /// The request of `decision` starts: counted in its worker's load. `ValueError` if it was
+    /// already begun or comes from another router; `KeyError` if its worker was removed.
+    fn begin(&self, py: Python<'_>, decision: &Bound<'_, PyDecision>) -> PyResult<()> {
+        let d = &decision.get().inner;
+        Ok(self.run(py, true, |r| r.begin(d))?)
+    }
+
+    /// The request's prefill is done (first token): its blocks leave the worker's prefill queue.
+    fn prefilled(&self, py: Python<'_>, decision: &Bound<'_, PyDecision>) -> PyResult<()> {
+        let d = &decision.get().inner;
+        Ok(self.run(py, true, |r| r.prefilled(d))?)
+    }
+
+    /// The request ended: taken off its worker's load (approx mode: its blocks are refreshed).
+    /// `ValueError` if it was not begun, already finished, or comes from another router.
+    #[pyo3(signature = (decision, *, now = None))]
+    fn finish(
+        &self,
+        py: Python<'_>,
+        decision: &Bound<'_, PyDecision>,
+        now: Option<f64>,
+    ) -> PyResult<()> {
+        let d = &decision.get().inner;
+        let now = self.now(now);
+        let light = d.prompt_blocks < DETACH_MIN_TOKENS / 16;
+        Ok(self.run(py, light, |r| r.finish(d, now))?)
+    }
+
+    /// Feeds back the cached tokens the engine reported for `decision` (OpenAI
+    /// `usage.prompt_tokens_details.cached_tokens`). Approx mode: fewer than predicted drops the
+    /// worker's blocks from there on; then the prompt is recorded. Once per decision.
+    #[pyo3(signature = (decision, cached_tokens, *, now = None))]
+    fn observe(
+        &self,
+        py: Python<'_>,
+        decision: &Bound<'_, PyDecision>,
+        cached_tokens: &Bound<'_, PyAny>,
+        now: Option<f64>,
+    ) -> PyResult<()> {
+        let d = &decision.get().inner;
+        let cached = usize::try_from(u64_from_int(cached_tokens, "cached_tokens", None)?)
+            .unwrap_or(usize::MAX);
+        let now = self.now(now);
+        Ok(self.run(py, false, |r| r.observe(d, cached, now))?)
+    }
+
+    /// Adds worker `name` with relative capacity `weight`.
+    #[pyo3(signature = (name, weight = 1.0))]
+    fn add_worker(&self, py: Python<'_>, name: &Bound<'_, PyAny>, weight: f64) -> PyResult<()> {
+        let name = name_from_py(name, "name")?;
+        let name = &*name;
+        Ok(self.run(py, false, |r| r.add_worker(name, weight))?)
+    }
+
+    /// Removes worker `name` (its load, its blocks in the index, its pool places).
+    fn remove_worker(&self, py: Python<'_>, name: &Bound<'_, PyAny>) -> PyResult<()> {
+        let name = name_from_py(name, "name")?;
+        let name = &*name;
+        Ok(self.run(py, false, |r| r.remove_worker(name))?)
+    }
+
+    /// Marks worker `name` healthy (`ok=True`) or not; unhealthy workers are never chosen and
+    /// are replaced in endpoint pools until they come back.
+    fn set_healthy(&self, py: Python<'_>, name: &Bound<'_, PyAny>, ok: bool) -> PyResult<()> {
+        let name = name_from_py(name, "name")?;
+        let name = &*name;
+        Ok(self.run(py, true, |r| r.set_healthy(name, ok))?)
+    }
+
+    /// Whether worker `name` is healthy.
+    fn is_healthy(&self, py: Python<'_>, name: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let name = name_from_py(name, "name")?;
+        let name = &*name;
+        Ok(self.run(py, true, |r| {
+            let slot = r.workers().require(name)?;
+            Ok::<_, crate::Error>(r.workers().get(slot).is_some_and(|w| w.healthy))
+        })?)
+    }
+
+    /// Worker `name`'s load: `{"active", "prefill_blocks", "decode_blocks", "weight"}`.
+    fn load<'py>(
+        &self,
+        py: Python<'py>,
+        name: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let name = name_from_py(name, "name")?;
+        let name = &*name;
+        let (active, prefill, decode, weight) = self.run(py, true, |r| {
+            let slot = r.workers().require(name)?;
+            Ok::<_, crate::Error>(r.workers().get(slot).map_or((0, 0, 0, 1.0), |w| {
+                (w.active, w.prefill_blocks, w.decode_blocks, w.weight)
+            }))
+        })?;
+        let d = PyDict::new(py);
+        d.set_item("active", active)?;
+        d.set_item("prefill_blocks", prefill)?;
+        d.set_item("decode_blocks", decode)?;
+        d.set_item("weight", weight)?;
+        Ok(d)
+    }
+
+    /// Adds a dedicated endpoint: a pool of `pool_size` workers chosen by rendezvous hashing of
+    /// `endpoint_id` over the healthy workers. Its requests are salted with `salt` (default: the
+    /// endpoint id; `isolate=False`: not salted). `reserved_blocks` (approx mode) reserves that
+    /// many blocks for it in each member's modelled cache.
+    #[pyo3(signature = (endpoint_id, *, pool_size, reserved_blocks = None, salt = None, isolate = true))]
+    fn add_endpoint(
+        &self,
+        py: Python<'_>,
+        endpoint_id: &Bound<'_, PyAny>,
+        pool_size: &Bound<'_, PyAny>,
+        reserved_blocks: Option<&Bound<'_, PyAny>>,
+        salt: Option<&Bound<'_, PyAny>>,
+        isolate: bool,
+    ) -> PyResult<()> {
+        let id = name_from_py(endpoint_id, "endpoint_id")?;
+        let pool_size = usize::try_from(u64_from_int(pool_size, "pool_size", None)?)
+            .unwrap_or(usize::MAX);
+        let reserved = match reserved_blocks.filter(|o| !o.is_none()) {
+            None => None,
+            Some(o) => Some(
+                usize::try_from(u64_from_int(o, "reserved_blocks", None)?).unwrap_or(usize::MAX),
+            ),
+        };
+        let salt = optional_string(salt, "salt")?;
+        let (id, salt) = (&*id, salt.as_deref());
+        Ok(self.run(py, false, |r| {
+            r.add_endpoint(id, pool_size, reserved, salt, isolate)
+        })?)
+    }
+
+    /// Removes endpoint `endpoint_id`.
+    fn remove_endpoint(&self, py: Python<'_>, endpoint_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = name_from_py(endpoint_id, "endpoint_id")?;
+        let id = &*id;
+        Ok(self.run(py, false, |r| r.remove_endpoint(id))?)
+    }
+
+    /// The workers of endpoint `endpoint_id`'s pool (in the order workers were added).
+    fn endpoint_pool(
+        &self,
+        py: Python<'_>,
+        endpoint_id: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<String>> {
+        let id = name_from_py(endpoint_id, "endpoint_id")?;
+        let id = &*id;
+        let pool = self.run(py, true, |r| r.endpoint_pool(id))?;
+        Ok(pool.iter().map(|n| n.to_string()).collect())
+    }
+
+    /// The salt of endpoint `endpoint_id`'s blocks — the `cache_salt` a gateway sends upstream
+    /// (vLLM, SGLang) so engine events land on the same hashes — or None if not isolated.
+    fn endpoint_salt(
+        &self,
+        py: Python<'_>,
+        endpoint_id: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<String>> {
+        let id = name_from_py(endpoint_id, "endpoint_id")?;
+        let id = &*id;
+        Ok(self.run(py, true, |r| r.endpoint(id).map(|e| e.salt.clone()))?)
+    }
+
+    /// Endpoint ids, sorted.
+    #[getter]
+    fn endpoints(&self, py: Python<'_>) -> Vec<String> {
+        let mut ids: Vec<String> =
+            self.run(py, true, |r| r.endpoints().map(|e| e.id.to_string()).collect());
+        ids.sort();
+        ids
+    }
+
+    /// Worker `worker`'s index stream is stale since `now`: its overlap credit decays by half
+    /// every `stale_half_life` seconds until `mark_fresh`.
+    #[pyo3(signature = (worker, now = None))]
+    fn mark_stale(
+        &self,
+        py: Python<'_>,
+        worker: &Bound<'_, PyAny>,
+        now: Option<f64>,
+    ) -> PyResult<()> {
+        let name = name_from_py(worker, "worker")?;
+        let (name, now) = (&*name, self.now(now));
+        Ok(self.run(py, true, |r| r.mark_stale(name, now))?)
+    }
+
+    /// Worker `worker`'s index stream is trusted again (freshness 1).
+    fn mark_fresh(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<()> {
+        let name = name_from_py(worker, "worker")?;
+        let name = &*name;
+        Ok(self.run(py, true, |r| r.mark_fresh(name))?)
+    }
+
+    /// Sets worker `worker`'s freshness to `value` in [0, 1] until the next mark.
+    fn set_freshness(&self, py: Python<'_>, worker: &Bound<'_, PyAny>, value: f64) -> PyResult<()> {
+        let name = name_from_py(worker, "worker")?;
+        let name = &*name;
+        Ok(self.run(py, true, |r| r.set_freshness(name, value))?)
+    }
+
+    /// Worker `worker`'s freshness (overlap credit factor) at `now`.
+    #[pyo3(signature = (worker, now = None))]
+    fn freshness(
+        &self,
+        py: Python<'_>,
+        worker: &Bound<'_, PyAny>,
+        now: Option<f64>,
+    ) -> PyResult<f64> {
+        let name = name_from_py(worker, "worker")?;
+        let (name, now) = (&*name, self.now(now));
+        Ok(self.run(py, true, |r| r.freshness(name, now))?)
+    }
+
+    /// The router's `PrefixIndex` (shares the router's state: in approx mode its model — read
+    /// it only; in events mode the index engine events feed).
+    #[getter]
+    fn index(&self, py: Python<'_>) -> Py<PyPrefixIndex> {
+        self.index.clone_ref(py)
+    }
+
+    /// Events mode: the `KvEventApplier` feeding `index` (and its tier indexes) with the router's
+    /// block size and hash profile; None in approx mode.
+    #[getter]
+    fn event_applier(&self, py: Python<'_>) -> Option<Py<PyKvEventApplier>> {
+        self.applier.as_ref().map(|a| a.clone_ref(py))
+    }
+
+    /// Worker names, in the order they were added.
+    #[getter]
+    fn workers(&self, py: Python<'_>) -> Vec<String> {
+        self.run(py, true, |r| {
+            r.workers().iter().map(|w| w.name.to_string()).collect()
+        })
+    }
+
+    /// The policy's name.
+    #[getter]
+    fn policy(&self, py: Python<'_>) -> &'static str {
+        self.run(py, true, |r| r.config().policy.name())
+    }
+
+    /// Tokens per block.
+    #[getter]
+    fn block_size(&self, py: Python<'_>) -> usize {
+        self.run(py, true, |r| r.config().block_size)
+    }
+
+    /// The block hash profile.
+    #[getter]
+    fn hash_profile(&self, py: Python<'_>) -> &'static str {
+        self.run(py, true, |r| r.config().profile.name())
+    }
+
+    /// "approx" or "events".
+    #[getter]
+    fn mode(&self, py: Python<'_>) -> &'static str {
+        self.run(py, true, |r| r.config().mode.name())
+    }
+
+    /// Raises ValueError if the approx model's index and caches disagree (for tests).
+    fn _check_model(&self, py: Python<'_>) -> PyResult<()> {
+        self.run(py, false, |r| r.check_model())
+            .map_err(PyValueError::new_err)
+    }
+
+    fn __len__(&self, py: Python<'_>) -> usize {
+        self.run(py, true, |r| r.workers().len())
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        self.run(py, true, |r| {
+            format!(
+                "Router(workers={}, policy={:?}, index={:?}, block_size={}, hash_profile={:?})",
+                r.workers().len(),
+                r.config().policy.name(),
+                r.config().mode.name(),
+                r.config().block_size,
+                r.config().profile.name()
+            )
+        })
+    }
+}
+
+/// A routing decision: `worker`, `cached_blocks` / `cached_tokens` (expected cached prefix on
+/// it), `prompt_blocks` / `prompt_tokens`, `scores` (per worker, the value the policy compared:
+/// the `kv_aware` cost, a load, …), `policy`, `reason`, `endpoint`, `id`, `stage`. Pass it to
+/// the router's `begin`, `prefilled`, `finish` and `observe`.
+#[pyclass(frozen, module = "kvroute._core", name = "Decision")]
+pub struct PyDecision {
+    inner: Decision,
+}
+
+#[pymethods]
+impl PyDecision {
+    /// The chosen worker.
+    #[getter]
+    fn worker(&self) -> &str {
+        &self.inner.worker
+    }
+
+    /// Leading prompt blocks the worker is expected to hold.
+    #[getter]
+    fn cached_blocks(&self) -> usize {
+        self.inner.cached_blocks
+    }
+
+    /// `cached_blocks * block_size`.
+    #[getter]
+    fn cached_tokens(&self) -> usize {
+        self.inner.cached_tokens()
+    }
+
+    /// Full blocks of the prompt.
+    #[getter]
+    fn prompt_blocks(&self) -> usize {
+        self.inner.prompt_blocks
+    }
+
+    /// The prompt's tokens (blocks × block size when block hashes were given).
+    #[getter]
+    fn prompt_tokens(&self) -> usize {
+        self.inner.prompt_tokens
+    }
+
+    /// `{worker: value}`: what the policy compared (built on access).
+    #[getter]
+    fn scores<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (name, value) in self.inner.scores() {
+            d.set_item(&**name, value)?;
+        }
+        Ok(d)
+    }
+
+    /// The policy that chose.
+    #[getter]
+    fn policy(&self) -> &'static str {
+        self.inner.policy.name()
+    }
+
+    /// Why: "prefix" / "load" (kv_aware), "hash" / "hash_bounded", or the policy's name.
+    #[getter]
+    fn reason(&self) -> &'static str {
+        self.inner.reason.name()
+    }
+
+    /// The endpoint routed for, or None.
+    #[getter]
+    fn endpoint(&self) -> Option<&str> {
+        self.inner.endpoint.as_deref()
+    }
+
+    /// Unique per router (1, 2, …).
+    #[getter]
+    fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    /// "routed", "active" or "finished".
+    #[getter]
+    fn stage(&self) -> &'static str {
+        match self.inner.stage() {
+            Stage::Routed => "routed",
+            Stage::Active => "active",
+            Stage::Finished => "finished",
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Decision(id={}, worker={:?}, cached_tokens={}, prompt_tokens={}, policy={:?}, \
+             reason={:?})",
+            self.inner.id,
+            &*self.inner.worker,
+            self.inner.cached_tokens(),
+            self.inner.prompt_tokens,
+            self.inner.policy.name(),
+            self.inner.reason.name()
+        )
+    }
+}
