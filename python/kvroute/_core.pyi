@@ -367,7 +367,7 @@ class Decision:
     def policy(self) -> str: ...
     @property
     def reason(self) -> str:
-        """"prefix" / "load" (kv_aware), "hash" / "hash_bounded", or the policy's name."""
+        """Why: prefix / load (kv_aware), hash / hash_bounded, or the policy name."""
 
     @property
     def endpoint(self) -> str | None: ...
@@ -431,9 +431,7 @@ class Router:
     def finish(self, decision: Decision, *, now: float | None = None) -> None:
         """The request ended: taken off its worker's load."""
 
-    def observe(
-        self, decision: Decision, cached_tokens: int, *, now: float | None = None
-    ) -> None:
+    def observe(self, decision: Decision, cached_tokens: int, *, now: float | None = None) -> None:
         """Feed back the engine's reported cached tokens (corrects the approx model)."""
 
     def add_worker(self, name: str, weight: float = 1.0) -> None: ...
