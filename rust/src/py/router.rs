@@ -207,9 +207,8 @@ impl PyRouter {
         };
         let block_size = usize::try_from(count(block_size, "block_size", 16)?)
             .map_err(|_| PyValueError::new_err("block_size is too large"))?;
-        let capacity_blocks =
-            usize::try_from(count(capacity_blocks, "capacity_blocks", 32_768)?)
-                .unwrap_or(usize::MAX);
+        let capacity_blocks = usize::try_from(count(capacity_blocks, "capacity_blocks", 32_768)?)
+            .unwrap_or(usize::MAX);
         let mut config = Config {
             policy: policy.parse::<Policy>()?,
             block_size,
@@ -439,11 +438,7 @@ impl PyRouter {
     }
 
     /// Worker `name`'s load: `{"active", "prefill_blocks", "decode_blocks", "weight"}`.
-    fn load<'py>(
-        &self,
-        py: Python<'py>,
-        name: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyDict>> {
+    fn load<'py>(&self, py: Python<'py>, name: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
         let name = name_from_py(name, "name")?;
         let name = &*name;
         let (active, prefill, decode, weight) = self.run(py, true, |r| {
@@ -475,8 +470,8 @@ impl PyRouter {
         isolate: bool,
     ) -> PyResult<()> {
         let id = name_from_py(endpoint_id, "endpoint_id")?;
-        let pool_size = usize::try_from(u64_from_int(pool_size, "pool_size", None)?)
-            .unwrap_or(usize::MAX);
+        let pool_size =
+            usize::try_from(u64_from_int(pool_size, "pool_size", None)?).unwrap_or(usize::MAX);
         let reserved = match reserved_blocks.filter(|o| !o.is_none()) {
             None => None,
             Some(o) => Some(
@@ -524,8 +519,9 @@ impl PyRouter {
     /// Endpoint ids, sorted.
     #[getter]
     fn endpoints(&self, py: Python<'_>) -> Vec<String> {
-        let mut ids: Vec<String> =
-            self.run(py, true, |r| r.endpoints().map(|e| e.id.to_string()).collect());
+        let mut ids: Vec<String> = self.run(py, true, |r| {
+            r.endpoints().map(|e| e.id.to_string()).collect()
+        });
         ids.sort();
         ids
     }
