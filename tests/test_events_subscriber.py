@@ -457,3 +457,13 @@ def test_a_router_that_owns_its_applier():
     sub = KvEventSubscriber(router, {"w": "tcp://127.0.0.1:1"})
     assert sub.applier is router.event_applier
     assert sub.index is router.index
+
+
+def test_the_real_router_in_events_mode_and_approx_mode_refused():
+    from kvroute import Router
+
+    router = Router(["w"], index="events")
+    sub = KvEventSubscriber(router, {"w": "tcp://127.0.0.1:1"})
+    assert sub.applier is router.event_applier
+    with pytest.raises(ValueError, match="index='events'"):
+        KvEventSubscriber(Router(["w"]), {"w": "tcp://127.0.0.1:1"})

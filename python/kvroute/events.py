@@ -175,6 +175,13 @@ class KvEventSubscriber:
         own = getattr(target, "event_applier", None)  # a router that owns its applier (tiers)
         if isinstance(own, KvEventApplier):
             return own
+        if getattr(target, "mode", None) == "approx":
+            # An approx-mode router's index is its own prediction, kept equal to its cache model:
+            # engine events written into it would silently corrupt both.
+            raise ValueError(
+                "this router predicts its index (index='approx'); create it with "
+                "index='events' to feed it engine KV events"
+            )
         if isinstance(target, PrefixIndex):
             index = target
         elif isinstance(getattr(target, "index", None), PrefixIndex):
