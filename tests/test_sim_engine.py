@@ -1,0 +1,322 @@
+"""The fleet engine against hand-computed timings and a naive reference simulation.
+
+The reference (:func:`reference_run`) re-implements the engine's documented model in the most
+literal way: a scan for the next event instead of a heap, the pinned set recomputed from the
+running requests instead of reference counts, and ``tests/cache_model.CacheModel`` (a
+transcription of the BlockCache semantics) instead of ``kvroute.BlockCache``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from cache_model import CacheModel
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvroute import PrefixIndex
+from kvroute.sim.engine import Fleet, FleetModel, Policy, run, worker_names
+from sim_helpers import make_workload
+
+
+class Fixed(Policy):
+    """Sends request i to ``assign[i]``; records what the exact index said at each arrival."""
+
+    name = "fixed"
+
+    def __init__(self, assign, exact=True):
+        self.assign = list(assign)
+        self.exact_index = PrefixIndex() if exact else None
+        self.seen: list[dict[str, int]] = []
+        self.hooks: list[tuple[str, int, int, float]] = []
+
+    def route(self, request, chain, now):
+        if self.exact_index is not None:
+            self.seen.append(self.exact_index.match(chain) if chain.shape[0] else {})
+        return self.assign[request]
+
+    def prefill_started(self, request, worker, cached_blocks, now):
+        self.hooks.append(("start", request, worker, now))
+
+    def first_token(self, request, worker, now):
+        self.hooks.append(("first", request, worker, now))
+
+    def finished(self, request, worker, cached_tokens, now):
+        self.hooks.append(("finish", request, worker, now))
+
+
+# ---------------------------------------------------------------------------------------------
+def test_single_worker_fifo_by_hand():
+    # rate 100 tokens/s, overhead 0.5 s, 0.1 s per output token, 4-token blocks.
+    model = FleetModel(
+        workers=1,
+        capacity_blocks=100,
+        prefill_rate=100.0,
+        prefill_overhead=0.5,
+        decode_time_per_token=0.1,
+    )
+    rows = [
+        (0.0, [1, 2, 3], 12, 5),  # 12 tokens: 0.5 + 0.12 = 0.62 s
+        (0.1, [1, 2, 3, 4], 15, 1),  # queues until 0.62; 3 blocks cached -> 3 tokens: 0.53 s
+        (0.2, [9], 2, 3),  # queues until 1.15; nothing cached: 0.52 s
+        (5.0, [1, 2, 3, 4], 16, 2),  # idle worker; 4 blocks = 16 tokens cached: 1 token computed
+    ]
+    w = make_workload(rows)
+    r = run(w, Fixed([0, 0, 0, 0]), model)
+    assert r["cached_tokens"].tolist() == [0, 12, 0, 16]
+    assert r["prefill_start"] == pytest.approx([0.0, 0.62, 1.15, 5.0])
+    assert r["first_token"] == pytest.approx([0.62, 1.15, 1.67, 5.51])
+    # finish = first token + (output - 1) * 0.1
+    assert r["finish"] == pytest.approx([1.02, 1.15, 1.87, 5.61])
+    assert r["worker"].tolist() == [0, 0, 0, 0]
+    assert (r["first_token"] - r["arrival"]) == pytest.approx([0.62, 1.05, 1.47, 0.51])
+
+
+def test_cached_prefix_is_decided_at_admission_not_at_routing():
+    # Request 1 arrives while request 0 (same prefix) is still prefilling: at routing nothing is
+    # cached, but at its admission request 0's blocks are in.
+    model = FleetModel(workers=1, capacity_blocks=50, prefill_rate=10.0, prefill_overhead=0.0)
+    w = make_workload([(0.0, [1, 2], 8, 1), (0.1, [1, 2, 3], 12, 1)])
+    p = Fixed([0, 0])
+    r = run(w, p, model)
+    assert p.seen == [{}, {}]  # the exact index had nothing at either arrival
+    assert r["cached_tokens"].tolist() == [0, 8]
+    assert r["prefill_start"][1] == pytest.approx(0.8)
+
+
+def test_memory_gates_admission():
+    # Capacity 4 blocks. Request 0 holds 3 blocks while decoding until t = 0.4 + 10 = 10.4;
+    # request 1 needs 2 new blocks: 3 + 2 > 4, so it waits for request 0 to finish.
+    model = FleetModel(
+        workers=1,
+        capacity_blocks=4,
+        prefill_rate=10.0,
+        prefill_overhead=0.0,
+        decode_time_per_token=1.0,
+    )
+    w = make_workload([(0.0, [1, 2, 3], 4, 11), (1.0, [5, 6], 8, 1)])
+    r = run(w, Fixed([0, 0]), model)
+    assert r["first_token"][0] == pytest.approx(0.4)
+    assert r["finish"][0] == pytest.approx(10.4)
+    assert r["prefill_start"][1] == pytest.approx(10.4)
+    # A request alone larger than the cache still runs, caching what fits.
+    w = make_workload([(0.0, list(range(1, 8)), 28, 1), (5.0, list(range(1, 8)), 28, 1)])
+    r = run(w, Fixed([0, 0]), model)
+    assert r["cached_tokens"].tolist() == [0, 16]
+
+
+def test_hooks_order_and_partitions():
+    model = FleetModel(workers=2, capacity_blocks=8, prefill_rate=10.0, prefill_overhead=0.0)
+
+    class Partitioned(Fixed):
+        def bind(self, fleet):
+            super().bind(fleet)
+            self.reserved = {1: {"t": 3}}
+            self.partitions = ["t", None, "t"]
+
+    w = make_workload([(0.0, [1, 2], 8, 2), (0.0, [3], 4, 2), (0.0, [4], 4, 2)])
+    p = Partitioned([1, 1, 0])
+    r = run(w, p, model)
+    assert r["worker"].tolist() == [1, 1, 0]
+    for i in range(3):
+        events = [h[0] for h in p.hooks if h[1] == i]
+        assert events == ["start", "first", "finish"]
+
+
+# ---------------------------------------------------------------------------------------------
+def reference_run(workload, assign, model):
+    """The engine's model, transcribed naively (see the module docs)."""
+    n = len(workload)
+    cap = model.capacity(workload.block_size)
+    num_workers = model.workers
+    caches = [CacheModel(cap) for _ in range(num_workers)]
+    chains = [workload.block_hashes(i).tolist() for i in range(n)]
+    queue = [[] for _ in range(num_workers)]
+    prefill = [None] * num_workers  # (request, end time)
+    running = [[] for _ in range(num_workers)]  # admitted, unfinished requests
+    finish_at = {}  # request -> finish time, once its prefill is done
+    stored = {}
+    matched = {}
+    out = {
+        "cached": [0] * n,
+        "start": [math.nan] * n,
+        "first": [math.nan] * n,
+        "finish": [math.nan] * n,
+    }
+    index_seen = []
+    block = workload.block_size
+
+    def pinned_set(w):
+        s = set()
+        for i in running[w]:
+            s.update(chains[i][: matched[i]] if i not in stored else chains[i][: stored[i]])
+        return s
+
+    def admit(w, now):
+        while prefill[w] is None and queue[w]:
+            i = queue[w][0]
+            pins = pinned_set(w)
+            if running[w] and len(pins | set(chains[i])) > cap:
+                return
+            queue[w].pop(0)
+            m = caches[w].match(chains[i])
+            if m:
+                caches[w].pin(chains[i][:m], None, 0.0)
+            matched[i] = m
+            c = min(m * block, int(workload.input_tokens[i]))
+            out["cached"][i] = c
+            out["start"][i] = now
+            running[w].append(i)
+            dur = model.prefill_overhead + max(int(workload.input_tokens[i]) - c, 1) / (
+                model.prefill_rate
+            )
+            prefill[w] = (i, now + dur)
+
+    nxt = 0
+    while True:
+        cands = []
+        for w in range(num_workers):
+            if prefill[w] is not None:
+                cands.append((prefill[w][1], 0, w))
+        for i, t in finish_at.items():
+            cands.append((t, 1, i))
+        t_arr = float(workload.arrival[nxt]) if nxt < n else math.inf
+        if cands and min(cands)[0] <= t_arr:
+            t, kind, x = min(cands)
+            if kind == 0:
+                i, _ = prefill[x]
+                prefill[x] = None
+                if chains[i]:
+                    s, _ev = caches[x].insert(chains[i], None, None, 0.0)
+                    if s > matched[i]:
+                        caches[x].pin(chains[i][matched[i] : s], None, 0.0)
+                    stored[i] = s
+                else:
+                    stored[i] = 0
+                out["first"][i] = t
+                finish_at[i] = t + max(int(workload.output_tokens[i]) - 1, 0) * (
+                    model.decode_time_per_token
+                )
+                admit(x, t)
+            else:
+                del finish_at[x]
+                w = assign[x]
+                if stored[x]:
+                    caches[w].unpin(chains[x][: stored[x]], 0.0)
+                running[w].remove(x)
+                out["finish"][x] = t
+                admit(w, t)
+            continue
+        if nxt >= n:
+            break
+        i = nxt
+        nxt += 1
+        w = assign[i]
+        index_seen.append(
+            {
+                name: caches[k].match(chains[i], refresh=False)
+                for k, name in enumerate(worker_names(num_workers))
+                if chains[i] and caches[k].match(chains[i], refresh=False)
+            }
+        )
+        queue[w].append(i)
+        admit(w, t_arr)
+    return out, index_seen
+
+
+request_rows = st.lists(
+    st.tuples(
+        st.floats(0.0, 20.0, allow_nan=False),
+        st.lists(st.integers(0, 2), min_size=0, max_size=6),
+        st.integers(0, 3),  # tokens missing from the last block
+        st.integers(1, 30),
+        st.integers(0, 3),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    rows=request_rows,
+    workers=st.integers(1, 3),
+    capacity=st.integers(1, 12),
+    rate=st.sampled_from([8.0, 20.0, 100.0]),
+)
+def test_engine_matches_reference(rows, workers, capacity, rate):
+    model = FleetModel(
+        workers=workers,
+        capacity_blocks=capacity,
+        prefill_rate=rate,
+        prefill_overhead=0.05,
+        decode_time_per_token=0.1,
+    )
+    # A request's ids form a path in a small tree (alphabet 0..2): prefixes are shared often.
+    spec = [(t, ids, max(1, len(ids) * 4 - short), out) for t, ids, short, out, _ in rows]
+    w = make_workload(spec)
+    order = np.argsort([r[0] for r in rows], kind="stable")
+    assign = [rows[k][4] % workers for k in order.tolist()]
+    policy = Fixed(assign)
+    r = run(w, policy, model)
+    ref, seen = reference_run(w, assign, model)
+    assert r["cached_tokens"].tolist() == ref["cached"]
+    np.testing.assert_allclose(r["prefill_start"], ref["start"], rtol=0, atol=1e-9)
+    np.testing.assert_allclose(r["first_token"], ref["first"], rtol=0, atol=1e-9)
+    np.testing.assert_allclose(r["finish"], ref["finish"], rtol=0, atol=1e-9)
+    # The exact index the engine fed equals the caches' contents at every arrival.
+    assert policy.seen == seen
+    # Invariants: TTFT covers the own prefill, per worker prefills do not overlap and follow
+    # routing order.
+    own = model.prefill_overhead + np.maximum(r["prompt_tokens"] - r["cached_tokens"], 1) / rate
+    assert np.all(r["first_token"] - r["arrival"] >= own - 1e-9)
+    for k in range(workers):
+        mine = np.flatnonzero(r["worker"] == k)
+        starts, ends = r["prefill_start"][mine], r["first_token"][mine]
+        assert np.all(np.diff(starts) >= 0)
+        assert np.all(starts[1:] >= ends[:-1] - 1e-9)
+
+
+def test_fleet_view_for_policies():
+    model = FleetModel(workers=2, capacity_blocks=10, prefill_rate=10.0, prefill_overhead=0.0)
+    snapshots = []
+
+    class Watch(Fixed):
+        def route(self, request, chain, now):
+            f: Fleet = self.fleet
+            snapshots.append((list(f.waiting), list(f.running), [len(p) for p in f.pinned]))
+            return super().route(request, chain, now)
+
+    # Request 0 prefills 0..0.8 then decodes to 0.8 + 9 × 1.0; requests 1 and 2 arrive while
+    # it prefills (1 waits at worker 0), and 2 goes to worker 1.
+    w = make_workload([(0.0, [1, 2], 8, 10), (0.1, [1, 3], 8, 1), (0.2, [4], 4, 1)])
+    model = FleetModel(
+        workers=2,
+        capacity_blocks=10,
+        prefill_rate=10.0,
+        prefill_overhead=0.0,
+        decode_time_per_token=1.0,
+    )
+    run(w, Watch([0, 0, 1]), model)
+    assert snapshots[0] == ([0, 0], [0, 0], [0, 0])
+    assert snapshots[1] == ([0, 0], [1, 0], [0, 0])  # request 0 prefilling: running, no pins yet
+    assert snapshots[2] == ([1, 0], [1, 0], [0, 0])
+
+
+def test_bad_policy_choice_raises():
+    w = make_workload([(0.0, [1], 4, 1)])
+    with pytest.raises(ValueError, match="chose worker 5"):
+        run(w, Fixed([5]), FleetModel(workers=2))
+
+
+def test_model_validation():
+    with pytest.raises(ValueError):
+        FleetModel(workers=0)
+    with pytest.raises(ValueError):
+        FleetModel(prefill_rate=0)
+    with pytest.raises(ValueError):
+        FleetModel(decode_time_per_token=-1)
+    assert FleetModel().capacity(512) == 864
+    assert FleetModel().capacity(16) == 27648
+    assert FleetModel(capacity_blocks=7).capacity(512) == 7
