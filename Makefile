@@ -14,7 +14,7 @@ ABI3    = $(shell $(BIN)/python -c 'import sys; print("abi3-py310" if sys.versio
 .PHONY: demo test test-rust test-python bench lint fmt build wheels clean
 
 demo: build
-	$(RUN) kvroute sticky
+	$(RUN) kvroute simulate
 
 test: test-rust test-python
 

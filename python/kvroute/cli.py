@@ -95,6 +95,61 @@ def _sticky(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    """Run every policy on one workload and print (and optionally write) the report."""
+    from .sim.engine import FleetModel
+    from .sim.policies import DEFAULT_POLICIES, parse_policies
+    from .sim.report import print_report, write_json, write_plot
+    from .sim.simulate import SCENARIO_WORKERS, EndpointOptions, load_workload, simulate
+    from .sim.traces import write_mooncake
+
+    try:
+        policies = parse_policies(args.policies) if args.policies else list(DEFAULT_POLICIES)
+        workload = load_workload(
+            args.scenario,
+            trace=args.trace,
+            seed=args.seed,
+            duration=args.duration,
+            block_size=args.block_size,
+        )
+        if args.requests is not None:
+            workload = workload.head(args.requests)
+        if args.time_scale != 1.0:
+            workload = workload.time_scaled(args.time_scale)
+        workers = args.workers
+        if workers is None:
+            workers = SCENARIO_WORKERS["trace" if args.trace else args.scenario]
+        model = FleetModel(
+            workers=workers,
+            capacity_blocks=args.capacity_blocks,
+            prefill_rate=args.prefill_rate,
+            prefill_overhead=args.prefill_overhead,
+            decode_time_per_token=args.decode_time,
+        )
+        endpoint = EndpointOptions(pool_size=args.pool_size, reserved_blocks=args.reserved_blocks)
+    except (ValueError, TypeError, OSError) as e:
+        print(f"kvroute simulate: {e}", file=sys.stderr)
+        return 2
+    if args.export_trace:
+        write_mooncake(workload, args.export_trace)
+        print(f"wrote {len(workload):,} requests to {args.export_trace}", file=sys.stderr)
+    report, _ = simulate(
+        workload,
+        model=model,
+        policies=policies,
+        index=args.index,
+        seed=args.seed,
+        endpoint=endpoint,
+        progress=not args.quiet,
+    )
+    print_report(report)
+    if args.json:
+        write_json(report, args.json)
+    if args.plot:
+        write_plot(report, args.plot)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvroute", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -103,6 +158,90 @@ def build_parser() -> argparse.ArgumentParser:
     sticky.add_argument("--endpoints", type=int, default=20_000)
     sticky.add_argument("--show", type=int, default=5, help="endpoint placements to print")
     sticky.set_defaults(func=_sticky)
+
+    from .sim.engine import (
+        DEFAULT_DECODE_TIME_PER_TOKEN,
+        DEFAULT_KV_TOKENS,
+        DEFAULT_PREFILL_OVERHEAD,
+        DEFAULT_PREFILL_RATE,
+    )
+    from .sim.policies import DEFAULT_POLICIES, KVROUTE_POLICIES, PEER_POLICIES
+
+    sim = sub.add_parser(
+        "simulate",
+        help="compare routing policies on a simulated fleet (default: the endpoint scenario)",
+        description=(
+            "Replay a workload on a simulated fleet (one Llama-3-8B per A100-80GB by default) "
+            "under each routing policy, with the infinite-cache and pooled-LRU oracles."
+        ),
+    )
+    src = sim.add_mutually_exclusive_group()
+    src.add_argument(
+        "--scenario",
+        choices=["endpoint", "mooncake", "rag", "agent"],
+        default="endpoint",
+        help="bundled workload (default: endpoint; mooncake = the FAST'25 conversation trace)",
+    )
+    src.add_argument("--trace", help="Mooncake JSONL or kv-cache-tester JSON file/directory")
+    sim.add_argument(
+        "--workers", type=int, help="fleet size (default: 16 for mooncake, 8 otherwise)"
+    )
+    sim.add_argument(
+        "--capacity-blocks",
+        type=int,
+        help=f"KV blocks per worker (default: {DEFAULT_KV_TOKENS:,} tokens / block size)",
+    )
+    sim.add_argument(
+        "--prefill-rate",
+        type=float,
+        default=DEFAULT_PREFILL_RATE,
+        help="prefill tokens/s per worker (default %(default)s)",
+    )
+    sim.add_argument(
+        "--prefill-overhead",
+        type=float,
+        default=DEFAULT_PREFILL_OVERHEAD,
+        help="fixed seconds per prefill (default %(default)s)",
+    )
+    sim.add_argument(
+        "--decode-time",
+        type=float,
+        default=DEFAULT_DECODE_TIME_PER_TOKEN,
+        help="seconds per output token (default %(default)s)",
+    )
+    sim.add_argument(
+        "--policies",
+        help=(
+            f"comma-separated, from {', '.join(KVROUTE_POLICIES + PEER_POLICIES)} "
+            f"(default: {','.join(DEFAULT_POLICIES)})"
+        ),
+    )
+    sim.add_argument(
+        "--index",
+        choices=["exact", "approx"],
+        default="exact",
+        help="kvroute's view of the caches: exact (KV events) or approx (own model)",
+    )
+    sim.add_argument("--seed", type=int, default=0, help="seed of workloads and policies")
+    sim.add_argument("--duration", type=float, help="seconds of synthetic traffic (default 300)")
+    sim.add_argument("--block-size", type=int, help="block size of a synthetic scenario")
+    sim.add_argument("--requests", type=int, help="replay only the first N requests")
+    sim.add_argument(
+        "--time-scale", type=float, default=1.0, help="multiply arrival times (0.5 = 2x load)"
+    )
+    sim.add_argument("--pool-size", type=int, default=2, help="dedicated endpoint's workers")
+    sim.add_argument(
+        "--reserved-blocks",
+        type=int,
+        help="endpoint's reserved blocks per pool worker (default: 2x its system prompt)",
+    )
+    sim.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    sim.add_argument("--plot", metavar="FILE.png", help="plot hit rate and TTFT (matplotlib)")
+    sim.add_argument(
+        "--export-trace", metavar="FILE", help="also write the workload as Mooncake JSONL"
+    )
+    sim.add_argument("--quiet", action="store_true", help="no progress bar")
+    sim.set_defaults(func=_simulate)
     return parser
 
 

@@ -1,7 +1,13 @@
-"""Fleet simulator pieces: workloads, trace loaders, synthetic scenarios, oracles and reports.
+"""The fleet simulator behind ``kvroute simulate``: workloads, the engine, policies, reports.
 
-``kvroute simulate`` (issue 6) replays a :class:`Workload` against a fleet model and reports per
-policy. This package holds what does not depend on the engine:
+``kvroute simulate`` replays a :class:`Workload` against a fleet model and reports per policy:
+
+- :mod:`.engine` — :func:`run` (discrete-event fleet model) and :class:`FleetModel` (defaults:
+  Llama-3-8B per A100-80GB); :class:`Policy`, the interface a routing policy implements;
+- :mod:`.policies` — kvroute's :class:`kvroute.Router` policies and the dedicated-endpoint setup,
+  by name (:func:`make_policy`);
+- :mod:`.peers` — emulations of SGLang ``cache_aware``, Dynamo's KV router and llm-d's scheduler;
+- :mod:`.simulate` — :func:`simulate`: every policy on the same arrivals, oracles, tenant view;
 
 - :mod:`.workloads` — :class:`Request` / :class:`Workload` (prefix-chained ``uint64`` block hashes
   in one buffer), :func:`chain_block_ids`;
@@ -17,7 +23,10 @@ request), and builds a :class:`Report` from :func:`summarize` per policy plus th
 
 from __future__ import annotations
 
+from .engine import FleetModel, Policy, run
 from .oracles import LRUBlockCache, OracleResult, infinite_cache, make_block_cache, pooled_lru
+from .peers import DynamoKv, LlmdScheduler, SGLangCacheAware
+from .policies import DEFAULT_POLICIES, EndpointSetup, RouterPolicy, make_policy
 from .report import (
     RESULT_DTYPE,
     PolicyMetrics,
@@ -33,6 +42,7 @@ from .report import (
     write_json,
     write_plot,
 )
+from .simulate import EndpointOptions, load_workload, simulate
 from .synthetic import SCENARIOS, agent_scenario, endpoint_scenario, rag_scenario
 from .traces import (
     bundled_mooncake_path,
@@ -40,19 +50,29 @@ from .traces import (
     load_mooncake,
     load_trace,
     mooncake_conversation,
+    write_mooncake,
 )
 from .workloads import Request, Workload, WorkloadBuilder, chain_block_ids
 
 __all__ = [
+    "DEFAULT_POLICIES",
     "RESULT_DTYPE",
     "SCENARIOS",
+    "DynamoKv",
+    "EndpointOptions",
+    "EndpointSetup",
+    "FleetModel",
     "LRUBlockCache",
+    "LlmdScheduler",
     "OracleResult",
+    "Policy",
     "PolicyMetrics",
     "Progress",
     "Report",
     "Request",
     "RequestResult",
+    "RouterPolicy",
+    "SGLangCacheAware",
     "Workload",
     "WorkloadBuilder",
     "agent_scenario",
@@ -64,15 +84,20 @@ __all__ = [
     "load_kv_cache_tester",
     "load_mooncake",
     "load_trace",
+    "load_workload",
     "make_block_cache",
+    "make_policy",
     "mooncake_conversation",
     "pooled_lru",
     "print_report",
     "rag_scenario",
     "render_table",
     "results_from_records",
+    "run",
+    "simulate",
     "summarize",
     "tenant_view",
     "write_json",
+    "write_mooncake",
     "write_plot",
 ]

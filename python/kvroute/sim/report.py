@@ -334,7 +334,7 @@ def print_report(report: Report, file: IO[str] | None = None, *, use_rich: bool 
             table.add_row(*r)
         console.print(table)
     for note in report.notes:
-        console.print(note)
+        console.print(note, markup=False, highlight=False)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ __all__ = [
     "load_mooncake",
     "load_trace",
     "mooncake_conversation",
+    "write_mooncake",
 ]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -417,3 +418,29 @@ def mooncake_conversation() -> Workload:
         "kvcache-ai/Mooncake@3b5a5941, Apache-2.0), 512-token blocks"
     )
     return w
+
+
+def write_mooncake(workload: Workload, path: PathLike) -> None:
+    """Write ``workload`` as a Mooncake-format JSONL trace (``.gz`` compresses).
+
+    Block hashes become dense ids in order of first appearance (as in the released traces), so
+    :func:`load_mooncake` with ``block_size=workload.block_size`` gives back the same requests
+    with the same sharing structure: equal ids exactly where the hashes were equal. Timestamps are
+    written in ms (rounded to µs). Tenants and sessions are not part of the format and are lost.
+    """
+    _, first, inverse = np.unique(workload.hashes, return_index=True, return_inverse=True)
+    rank = np.empty(first.shape[0], dtype=np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(first.shape[0])
+    ids = rank[inverse.reshape(-1)].tolist()
+    off = workload.offsets.tolist()
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "wt", encoding="utf-8") as f:
+        for i in range(len(workload)):
+            row = {
+                "timestamp": round(float(workload.arrival[i]) * 1000.0, 3),
+                "input_length": int(workload.input_tokens[i]),
+                "output_length": int(workload.output_tokens[i]),
+                "hash_ids": ids[off[i] : off[i + 1]],
+            }
+            f.write(json.dumps(row, separators=(",", ":")) + "\n")

@@ -1,0 +1,225 @@
+"""The policies ``kvroute simulate`` compares, by name, and the dedicated-endpoint setup.
+
+kvroute's own policies are a :class:`kvroute.Router` driven exactly as a gateway would drive it:
+``route(block_hashes=..., key=session, endpoint=...)`` at arrival, ``begin`` right after,
+``observe(decision, cached_tokens)`` with the engine-reported cached tokens and ``finish`` when the
+response ends. With ``index="exact"`` the router is built with ``index="events"`` and the engine
+applies every cache store/remove to ``router.index`` (what the KV-event subscriber does); with
+``index="approx"`` the router models each worker's cache itself from its own decisions.
+
+The peers (:mod:`.peers`) run in their own default modes whatever ``index`` says: Dynamo exact
+(KV events on by default), SGLang and llm-d approximate (they have no other mode by default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Callable
+
+import numpy as np
+
+from .engine import Fleet, Policy
+from .peers import DynamoKv, LlmdScheduler, SGLangCacheAware
+
+try:  # TEMPORARY until the Router lands on main
+    from kvroute import Router
+except ImportError:  # pragma: no cover
+    from kvroute._router_shim import Router  # type: ignore[no-redef]
+
+__all__ = [
+    "DEFAULT_POLICIES",
+    "KVROUTE_POLICIES",
+    "PEER_POLICIES",
+    "EndpointSetup",
+    "RouterPolicy",
+    "make_policy",
+]
+
+KVROUTE_POLICIES = ("random", "round_robin", "least_loaded", "power_of_two", "hash", "kv_aware")
+PEER_POLICIES = ("sglang_cache_aware", "dynamo", "llmd")
+#: What ``kvroute simulate`` runs when ``--policies`` is not given.
+DEFAULT_POLICIES = (
+    "random",
+    "round_robin",
+    "least_loaded",
+    "hash",
+    "kv_aware",
+    "sglang_cache_aware",
+    "dynamo",
+    "llmd",
+)
+INDEX_MODES = ("exact", "approx")
+
+
+def _router(
+    names: list[str], policy: str, *, block_size: int, index: str, seed: int, capacity: int
+) -> Any:
+    if index not in INDEX_MODES:
+        raise ValueError(f"index must be one of {INDEX_MODES}, got {index!r}")
+    return Router(
+        names,
+        policy=policy,
+        block_size=block_size,
+        index="events" if index == "exact" else "approx",
+        seed=seed,
+        capacity_blocks=capacity,
+    )
+
+
+class RouterPolicy(Policy):
+    """A :class:`kvroute.Router` with one of its policies, as a simulator policy.
+
+    ``key``: the request's session id (when the workload has sessions) is passed as the
+    consistent-hash key, as a gateway doing sticky sessions would; else the router's default key.
+    """
+
+    def __init__(self, policy: str, *, index: str = "exact", seed: int = 0) -> None:
+        if policy not in KVROUTE_POLICIES:
+            raise ValueError(f"unknown kvroute policy {policy!r}; one of {KVROUTE_POLICIES}")
+        self.name = policy
+        self.index_mode = index
+        self.seed = seed
+        self.router: Any = None
+
+    def bind(self, fleet: Fleet) -> None:
+        super().bind(fleet)
+        self.router = _router(
+            fleet.names,
+            self.name,
+            block_size=fleet.block_size,
+            index=self.index_mode,
+            seed=self.seed,
+            capacity=fleet.capacity,
+        )
+        if self.index_mode == "exact":
+            self.exact_index = self.router.index
+        self.position = {name: k for k, name in enumerate(fleet.names)}
+        self.sessions = fleet.workload.session
+        self.decisions: dict[int, Any] = {}
+
+    def route(self, request: int, chain: np.ndarray, now: float) -> int:
+        d = self.router.route(block_hashes=chain, key=self.sessions[request], now=now)
+        self.router.begin(d)
+        self.decisions[request] = d
+        return self.position[d.worker]
+
+    def first_token(self, request: int, worker: int, now: float) -> None:
+        self.router.prefilled(self.decisions[request])
+
+    def finished(self, request: int, worker: int, cached_tokens: int, now: float) -> None:
+        d = self.decisions.pop(request)
+        self.router.observe(d, cached_tokens, now=now)
+        self.router.finish(d, now=now)
+
+
+class EndpointSetup(Policy):
+    """The tenant on a dedicated endpoint, everyone else on the public pool.
+
+    Two routers over the same fleet: the public one (``random``, seeded) takes every request
+    without a tenant, exactly like the ``random`` baseline; the dedicated one (``policy``,
+    default ``kv_aware``) has ``add_endpoint(tenant, pool_size=..., reserved_blocks=...)`` and
+    takes the tenant's requests with ``endpoint=tenant``, inside the endpoint's pool. The engine
+    gives each pool worker's cache a partition of ``reserved_blocks`` for the tenant
+    (``reserved``), into which the tenant's blocks go (``partitions``).
+    """
+
+    name = "endpoint"
+
+    def __init__(
+        self,
+        tenant: str,
+        *,
+        pool_size: int,
+        reserved_blocks: int,
+        policy: str = "kv_aware",
+        index: str = "exact",
+        seed: int = 0,
+    ) -> None:
+        self.tenant = tenant
+        self.pool_size = int(pool_size)
+        self.reserved_blocks = int(reserved_blocks)
+        self.policy = policy
+        self.index_mode = index
+        self.seed = seed
+
+    def bind(self, fleet: Fleet) -> None:
+        super().bind(fleet)
+        kw = {"block_size": fleet.block_size, "seed": self.seed, "capacity": fleet.capacity}
+        self.public = _router(fleet.names, "random", index="approx", **kw)
+        self.dedicated = _router(fleet.names, self.policy, index=self.index_mode, **kw)
+        self.dedicated.add_endpoint(
+            self.tenant, pool_size=self.pool_size, reserved_blocks=self.reserved_blocks
+        )
+        if self.index_mode == "exact":
+            self.exact_index = self.dedicated.index
+        self.position = {name: k for k, name in enumerate(fleet.names)}
+        self.reserved = {self.position[w]: {self.tenant: self.reserved_blocks} for w in self.pool()}
+        self.tenants = fleet.workload.tenant
+        self.partitions = [self.tenant if t == self.tenant else None for t in self.tenants]
+        self.decisions: dict[int, tuple[Any, Any]] = {}
+
+    def pool(self) -> list[str]:
+        """The endpoint's workers (after :meth:`bind`)."""
+        return list(self.dedicated.endpoint_pool(self.tenant))
+
+    def first_token(self, request: int, worker: int, now: float) -> None:
+        router, d = self.decisions[request]
+        router.prefilled(d)
+
+    def route(self, request: int, chain: np.ndarray, now: float) -> int:
+        if self.tenants[request] == self.tenant:
+            router = self.dedicated
+            d = router.route(block_hashes=chain, endpoint=self.tenant, now=now)
+        else:
+            router = self.public
+            d = router.route(block_hashes=chain, now=now)
+        router.begin(d)
+        self.decisions[request] = (router, d)
+        return self.position[d.worker]
+
+    def finished(self, request: int, worker: int, cached_tokens: int, now: float) -> None:
+        router, d = self.decisions.pop(request)
+        router.observe(d, cached_tokens, now=now)
+        router.finish(d, now=now)
+
+
+_PEERS: dict[str, Callable[..., Policy]] = {
+    "sglang_cache_aware": lambda seed, options: SGLangCacheAware(**options),
+    "dynamo": lambda seed, options: DynamoKv(seed=seed, **options),
+    "llmd": lambda seed, options: LlmdScheduler(seed=seed, **options),
+}
+
+
+def make_policy(
+    name: str, *, index: str = "exact", seed: int = 0, options: dict[str, Any] | None = None
+) -> Policy:
+    """A fresh policy by name (one object per run). ``options`` go to a peer's constructor."""
+    if name in KVROUTE_POLICIES:
+        if options:
+            raise ValueError(f"policy {name!r} takes no options, got {sorted(options)}")
+        return RouterPolicy(name, index=index, seed=seed)
+    if name in _PEERS:
+        return _PEERS[name](seed, dict(options or {}))
+    raise ValueError(
+        f"unknown policy {name!r}; choose from {', '.join(KVROUTE_POLICIES + PEER_POLICIES)}"
+    )
+
+
+def parse_policies(text: str | Sequence[str]) -> list[str]:
+    """``"a,b"`` or a list of names -> validated, de-duplicated names in order."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    names: list[str] = []
+    for item in items:
+        item = item.strip()
+        if not item:
+            continue
+        if item not in KVROUTE_POLICIES and item not in PEER_POLICIES:
+            raise ValueError(
+                f"unknown policy {item!r}; choose from "
+                f"{', '.join(KVROUTE_POLICIES + PEER_POLICIES)}"
+            )
+        if item not in names:
+            names.append(item)
+    if not names:
+        raise ValueError("no policy given")
+    return names
