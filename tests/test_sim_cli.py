@@ -98,7 +98,7 @@ def test_trace_file_round_trip(tmp_path):
     assert np.array_equal(back.num_blocks, w.num_blocks)
     same = np.equal.outer(w.hashes, w.hashes)
     assert np.array_equal(same, np.equal.outer(back.hashes, back.hashes))
-    policies = "random,round_robin,least_loaded,sglang_cache_aware,dynamo,llmd"
+    policies = "random,round_robin,sglang_cache_aware,dynamo,llmd"
     direct = simulate(
         tmp_path,
         "--scenario",

@@ -165,13 +165,17 @@ class Policy:
     ``exact_index`` receives every cache store/remove of every worker (see the module docs).
     ``fleet`` is set by :meth:`bind` before the first request; after it, ``reserved`` (``{worker:
     {partition: blocks}}``) and ``partitions`` (one partition name or None per request) say how
-    the workers' caches are partitioned and where each request's blocks go. A policy object serves
-    one run."""
+    the workers' caches are partitioned and where each request's blocks go, and ``chains`` (a
+    ``(hashes, offsets)`` pair like the workload's), when set, replaces the block hashes the
+    engine caches and reports to the exact index — e.g. salted per endpoint, as an engine given a
+    ``cache_salt`` hashes them — while ``route`` is still handed the request's chain from the
+    workload (a router salts endpoint requests itself). A policy object serves one run."""
 
     name: str = "policy"
     exact_index: PrefixIndex | None = None
     reserved: dict[int, dict[str, int]] | None = None
     partitions: Sequence[str | None] | None = None
+    chains: tuple[np.ndarray, np.ndarray] | None = None
     fleet: Fleet
 
     def bind(self, fleet: Fleet) -> None:
@@ -198,32 +202,20 @@ def run(
     policy: Policy,
     model: FleetModel,
     *,
-    chains: tuple[np.ndarray, np.ndarray] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> np.ndarray:
     """Replay ``workload`` through ``policy`` on ``model``; one result record per request.
 
     The caches are partitioned as the bound policy's ``reserved`` says, and request ``i`` inserts
-    into ``partitions[i]`` on a worker that has that partition (else into the shared pool).
-    ``chains = (hashes, offsets)`` replaces the workload's block hashes as the
-    engine's own (e.g. salted per endpoint, as an engine given a ``cache_salt`` would hash them):
-    caches and the exact index hold those, while the policy is handed the request's chain from
-    the workload (a router salts endpoint requests itself). ``progress(k)`` is called with the
-    number of requests routed so far, every 256 arrivals and at the end.
+    into ``partitions[i]`` on a worker that has that partition (else into the shared pool), and
+    the engine's block hashes are the policy's ``chains`` when it sets them. ``progress(k)`` is
+    called with the number of requests routed so far, every 256 arrivals and at the end.
     """
     n = len(workload)
     num_workers = model.workers
     block_size = workload.block_size
     cap = model.capacity(block_size)
     names = worker_names(num_workers)
-
-    if chains is None:
-        hashes, offsets = workload.hashes, workload.offsets
-    else:
-        hashes, offsets = chains
-        if len(offsets) != n + 1:
-            raise ValueError(f"chains: offsets needs {n + 1} entries, got {len(offsets)}")
-    off = offsets.tolist()
     req_hashes, req_off = workload.hashes, workload.offsets.tolist()
     arrival = workload.arrival.tolist()
     input_tokens = workload.input_tokens.tolist()
@@ -244,6 +236,13 @@ def run(
     has_partition = [set(reserved.get(w, {})) for w in range(num_workers)]
     if partitions is not None and len(partitions) != n:
         raise ValueError(f"partitions needs one entry per request ({n}), got {len(partitions)}")
+    if policy.chains is None:
+        hashes, offsets = workload.hashes, workload.offsets
+    else:
+        hashes, offsets = policy.chains
+        if len(offsets) != n + 1:
+            raise ValueError(f"chains: offsets needs {n + 1} entries, got {len(offsets)}")
+    off = offsets.tolist()
     index = policy.exact_index
     waiting, running, pinned = fleet.waiting, fleet.running, fleet.pinned
 

@@ -18,13 +18,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+from kvroute import BlockHasher, Router, hash_key
+
 from .engine import Fleet, Policy
 from .peers import DynamoKv, LlmdScheduler, SGLangCacheAware
-
-try:  # TEMPORARY until the Router lands on main
-    from kvroute import Router
-except ImportError:  # pragma: no cover
-    from kvroute._router_shim import Router  # type: ignore[no-redef]
 
 __all__ = [
     "DEFAULT_POLICIES",
@@ -52,7 +49,14 @@ INDEX_MODES = ("exact", "approx")
 
 
 def _router(
-    names: list[str], policy: str, *, block_size: int, index: str, seed: int, capacity: int
+    names: list[str],
+    policy: str,
+    *,
+    block_size: int,
+    index: str,
+    seed: int,
+    capacity: int,
+    options: dict[str, Any] | None = None,
 ) -> Any:
     if index not in INDEX_MODES:
         raise ValueError(f"index must be one of {INDEX_MODES}, got {index!r}")
@@ -63,6 +67,7 @@ def _router(
         index="events" if index == "exact" else "approx",
         seed=seed,
         capacity_blocks=capacity,
+        **(options or {}),
     )
 
 
@@ -71,14 +76,24 @@ class RouterPolicy(Policy):
 
     ``key``: the request's session id (when the workload has sessions) is passed as the
     consistent-hash key, as a gateway doing sticky sessions would; else the router's default key.
+    ``options`` go to the Router's constructor (e.g. ``queue_weight``, ``ttl``); the block size,
+    seed and (approx mode) the modelled capacity are the simulation's.
     """
 
-    def __init__(self, policy: str, *, index: str = "exact", seed: int = 0) -> None:
+    def __init__(
+        self,
+        policy: str,
+        *,
+        index: str = "exact",
+        seed: int = 0,
+        options: dict[str, Any] | None = None,
+    ) -> None:
         if policy not in KVROUTE_POLICIES:
             raise ValueError(f"unknown kvroute policy {policy!r}; one of {KVROUTE_POLICIES}")
         self.name = policy
         self.index_mode = index
         self.seed = seed
+        self.options = dict(options or {})
         self.router: Any = None
 
     def bind(self, fleet: Fleet) -> None:
@@ -90,6 +105,7 @@ class RouterPolicy(Policy):
             index=self.index_mode,
             seed=self.seed,
             capacity=fleet.capacity,
+            options=self.options,
         )
         if self.index_mode == "exact":
             self.exact_index = self.router.index
@@ -112,6 +128,22 @@ class RouterPolicy(Policy):
         self.router.finish(d, now=now)
 
 
+def salted_hashes(block_hashes: np.ndarray, salt: str) -> np.ndarray:
+    """The hashes a Router's isolated endpoint with ``salt`` gives block hashes passed to it
+    directly: per block, XXH3-64 of the hash's 8 little-endian bytes seeded with
+    ``XXH3-64(salt)`` (``kvroute.hash_key``) — the Router's documented salting, which is what the
+    engine then caches when the gateway forwards the endpoint's ``cache_salt``. Computed with the
+    ``native`` BlockHasher, whose block hash is XXH3-64 of the block's little-endian u32 tokens
+    seeded by the parent: one two-token block per hash, seeded with the salt's hash."""
+    seed = hash_key(salt)
+    hasher = BlockHasher(2)
+    words = np.ascontiguousarray(block_hashes, dtype="<u8").view("<u4")
+    out = np.empty(len(block_hashes), dtype=np.uint64)
+    for k in range(out.shape[0]):
+        out[k] = hasher.hash(words[2 * k : 2 * k + 2], parent=seed)[0]
+    return out
+
+
 class EndpointSetup(Policy):
     """The tenant on a dedicated endpoint, everyone else on the public pool.
 
@@ -120,7 +152,10 @@ class EndpointSetup(Policy):
     default ``kv_aware``) has ``add_endpoint(tenant, pool_size=..., reserved_blocks=...)`` and
     takes the tenant's requests with ``endpoint=tenant``, inside the endpoint's pool. The engine
     gives each pool worker's cache a partition of ``reserved_blocks`` for the tenant
-    (``reserved``), into which the tenant's blocks go (``partitions``).
+    (``reserved``), into which the tenant's blocks go (``partitions``). The endpoint is isolated
+    (salted, the Router's default): the engine caches the tenant's blocks under the salted hashes
+    (``chains``), as an engine given the endpoint's ``cache_salt`` does, so that in exact mode
+    the index the dedicated router reads holds what it matches.
     """
 
     name = "endpoint"
@@ -156,6 +191,14 @@ class EndpointSetup(Policy):
         self.reserved = {self.position[w]: {self.tenant: self.reserved_blocks} for w in self.pool()}
         self.tenants = fleet.workload.tenant
         self.partitions = [self.tenant if t == self.tenant else None for t in self.tenants]
+        salt = self.dedicated.endpoint_salt(self.tenant)
+        if salt is not None:
+            wl = fleet.workload
+            hashes = wl.hashes.copy()
+            for i in np.flatnonzero(wl.tenant_mask(self.tenant)).tolist():
+                a, b = int(wl.offsets[i]), int(wl.offsets[i + 1])
+                hashes[a:b] = salted_hashes(wl.hashes[a:b], salt)
+            self.chains = (hashes, wl.offsets)
         self.decisions: dict[int, tuple[Any, Any]] = {}
 
     def pool(self) -> list[str]:
@@ -193,11 +236,10 @@ _PEERS: dict[str, Callable[..., Policy]] = {
 def make_policy(
     name: str, *, index: str = "exact", seed: int = 0, options: dict[str, Any] | None = None
 ) -> Policy:
-    """A fresh policy by name (one object per run). ``options`` go to a peer's constructor."""
+    """A fresh policy by name (one object per run). ``options`` go to the Router's constructor
+    (kvroute's policies) or to the peer emulation's."""
     if name in KVROUTE_POLICIES:
-        if options:
-            raise ValueError(f"policy {name!r} takes no options, got {sorted(options)}")
-        return RouterPolicy(name, index=index, seed=seed)
+        return RouterPolicy(name, index=index, seed=seed, options=options)
     if name in _PEERS:
         return _PEERS[name](seed, dict(options or {}))
     raise ValueError(

@@ -102,10 +102,11 @@ def simulate(
     seed: int = 0,
     endpoint: EndpointOptions | None = None,
     progress: bool = True,
-    peer_options: dict[str, dict[str, Any]] | None = None,
+    policy_options: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[Report, dict[str, np.ndarray]]:
     """Run ``policies`` (names, see :mod:`.policies`) and the oracles; returns the report and the
-    raw result records per run (policy names, plus ``"endpoint"`` for the tenant setup)."""
+    raw result records per run (policy names, plus ``"endpoint"`` for the tenant setup).
+    ``policy_options[name]`` is passed to :func:`~.policies.make_policy` as ``options``."""
     n = len(workload)
     cap = model.capacity(workload.block_size)
     tenant = workload.meta.get("tenant")
@@ -132,7 +133,7 @@ def simulate(
         done += n
         bar.update(done)
         for name in runs:
-            options = (peer_options or {}).get(name)
+            options = (policy_options or {}).get(name)
             policy = make_policy(name, index=index, seed=seed, options=options)
             results[name] = run(workload, policy, model, progress=tick)
             done += n
