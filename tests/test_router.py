@@ -162,7 +162,7 @@ def test_hash_policy_walks_rendezvous_with_bounded_loads():
     assert r2.route(t, now=0.0).worker == order[0]
 
 
-def kv_cost(r, d_tokens, weights, queue_w=1.0, decode_w=0.1, fresh=None):
+def kv_cost(r, d_tokens, weights, queue_w=0.5, decode_w=0.05, fresh=None):
     hashes = kvroute.BlockHasher(r.block_size).hash(d_tokens)
     overlap = r.index.match(hashes)
     out = {}
@@ -198,7 +198,9 @@ def test_kv_aware_cost_matches_reference_in_events_mode():
 
 
 def test_kv_aware_trades_affinity_against_queued_work():
-    r = kvroute.Router(["a", "b"], index="events", block_size=BS, decode_weight=0.0)
+    r = kvroute.Router(
+        ["a", "b"], index="events", block_size=BS, queue_weight=1.0, decode_weight=0.0
+    )
     t = toks(2, 40)  # 10 blocks
     r.index.store("a", kvroute.BlockHasher(BS).hash(t))
     first = r.route(t, now=0.0)
@@ -210,6 +212,21 @@ def test_kv_aware_trades_affinity_against_queued_work():
     assert r.route(t, now=0.0).worker == "b"
     r.prefilled(busy)
     assert r.route(t, now=0.0).worker == "a"
+
+
+def test_kv_aware_default_weights():
+    # Defaults: queue_weight 0.5, decode_weight 0.05 (see CostWeights in rust/src/router).
+    r = kvroute.Router(["a", "b"], index="events", block_size=BS)
+    t = toks(2, 40)  # 10 blocks, all cached on a
+    r.index.store("a", kvroute.BlockHasher(BS).hash(t))
+    busy = r.route(toks(3, 44), exclude=["b"], now=0.0)  # 11 blocks queued on a
+    r.begin(busy)
+    want, _ = kv_cost(r, t, {"a": 1.0, "b": 1.0})
+    # a: 0 + 0.5 x 11 + 0.05 x 11 = 6.05; b: 10 + 0 = 10.
+    assert want == pytest.approx({"a": 6.05, "b": 10.0})
+    d = r.route(t, now=0.0)
+    assert d.scores == pytest.approx(want)
+    assert d.worker == "a"
 
 
 # ---- approx mode ------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ impl OwnedKey {
 /// Which worker gets a request, why, and how much of the prompt is expected cached there.
 ///
 /// `Router(workers, *, policy="kv_aware", block_size=16, hash_profile="native", index="approx",
-/// capacity_blocks=32768, ttl=None, queue_weight=1.0, decode_weight=0.1, load_bound=1.25, seed=0,
+/// capacity_blocks=32768, ttl=None, queue_weight=0.5, decode_weight=0.05, load_bound=1.25, seed=0,
 /// stale_half_life=5.0, tier_weights=None, salt=None, hash_seed=None, event_mode="rehash")`;
 /// `workers` is a list of names or a `{name: weight}` dict (weight = relative capacity).
 ///
@@ -173,11 +173,11 @@ impl PyRouter {
     #[new]
     #[pyo3(signature = (
         workers, *, policy = "kv_aware", block_size = None, hash_profile = "native",
-        index = "approx", capacity_blocks = None, ttl = None, queue_weight = 1.0,
-        decode_weight = 0.1, load_bound = 1.25, seed = None, stale_half_life = 5.0,
+        index = "approx", capacity_blocks = None, ttl = None, queue_weight = 0.5,
+        decode_weight = 0.05, load_bound = 1.25, seed = None, stale_half_life = 5.0,
         tier_weights = None, salt = None, hash_seed = None, event_mode = "rehash"
     ), text_signature = "(workers, *, policy='kv_aware', block_size=16, hash_profile='native', \
-        index='approx', capacity_blocks=32768, ttl=None, queue_weight=1.0, decode_weight=0.1, \
+        index='approx', capacity_blocks=32768, ttl=None, queue_weight=0.5, decode_weight=0.05, \
         load_bound=1.25, seed=0, stale_half_life=5.0, tier_weights=None, salt=None, \
         hash_seed=None, event_mode='rehash')")]
     #[allow(clippy::too_many_arguments)]
