@@ -45,7 +45,7 @@ def test_endpoint_scenario_json_schema(tmp_path, capsys):
         assert set(m) == set(doc["policies"]["random"])
     out = capsys.readouterr().out
     assert "Two-call demo" in out
-    assert "call 1: 0 of" in out
+    assert "call 1: 0/" in out
 
 
 def test_mooncake_and_synthetic_scenarios(tmp_path):

@@ -190,6 +190,7 @@ class EndpointSetup(Policy):
         self.position = {name: k for k, name in enumerate(fleet.names)}
         self.reserved = {self.position[w]: {self.tenant: self.reserved_blocks} for w in self.pool()}
         self.tenants = fleet.workload.tenant
+        self.predicted: dict[int, int] = {}  # tenant request -> cached tokens the router expected
         self.partitions = [self.tenant if t == self.tenant else None for t in self.tenants]
         salt = self.dedicated.endpoint_salt(self.tenant)
         if salt is not None:
@@ -213,6 +214,7 @@ class EndpointSetup(Policy):
         if self.tenants[request] == self.tenant:
             router = self.dedicated
             d = router.route(block_hashes=chain, endpoint=self.tenant, now=now)
+            self.predicted[request] = d.cached_tokens
         else:
             router = self.public
             d = router.route(block_hashes=chain, now=now)

@@ -33,7 +33,7 @@ from .policies import DEFAULT_POLICIES, EndpointSetup, make_policy
 from .report import Progress, Report, summarize
 from .synthetic import SCENARIOS
 from .traces import load_trace, mooncake_conversation
-from .workloads import Workload
+from .workloads import Workload, WorkloadBuilder
 
 __all__ = ["SCENARIO_WORKERS", "EndpointOptions", "load_workload", "simulate"]
 
@@ -159,7 +159,7 @@ def simulate(
             "random": summarize(results["random"], num_workers=model.workers, mask=mask),
             "endpoint": summarize(results["endpoint"], num_workers=model.workers, mask=mask),
         }
-        report.notes.extend(_endpoint_notes(workload, setup, results, mask))
+        report.notes.extend(_endpoint_notes(workload, setup, results, mask, model))
     return report, results
 
 
@@ -200,32 +200,70 @@ def _model_notes(workload: Workload, model: FleetModel, index: str) -> list[str]
     ]
 
 
-def _endpoint_notes(workload, setup: EndpointSetup, results, mask) -> list[str]:
-    tenant_ids = np.flatnonzero(mask)[:2]
-    system = workload.meta.get("tenant_system_tokens")
+def _endpoint_notes(workload: Workload, setup: EndpointSetup, results, mask, model) -> list[str]:
     pool = ", ".join(setup.pool())
     lines = [
         f"Dedicated endpoint {setup.tenant!r}: pool [{pool}], {setup.reserved_blocks} reserved "
         f"blocks per pool worker, routed by {setup.policy} inside the pool; the public traffic "
         "is routed at random in both setups.",
     ]
-    if len(tenant_ids) == 2:
-        lines.append("Two-call demo (the tenant's first two requests):")
-        for label, key in (("dedicated endpoint", "endpoint"), ("public pool, random", "random")):
-            r = results[key]
-            calls = []
-            for k, i in enumerate(tenant_ids.tolist(), start=1):
-                calls.append(
-                    f"call {k}: {int(r['cached_tokens'][i]):,} of "
-                    f"{int(r['prompt_tokens'][i]):,} tokens cached, TTFT "
-                    f"{(r['first_token'][i] - r['arrival'][i]) * 1000:,.0f} ms"
-                )
-            lines.append(f"  {label}: " + "; ".join(calls))
-        if system:
-            full = (int(system) // workload.block_size) * workload.block_size
-            lines.append(
-                f"  (the {int(system):,}-token system prompt fills {full:,} tokens of whole "
-                f"{workload.block_size}-token blocks; the block it ends in also holds the "
-                "question, so it cannot be shared)"
-            )
+    for key, label in (("random", "public pool, random"), ("endpoint", "dedicated endpoint")):
+        r = results[key][mask]
+        queue = np.median(r["prefill_start"] - r["arrival"]) * 1000
+        prefill = np.median(r["first_token"] - r["prefill_start"]) * 1000
+        lines.append(
+            f"Tenant, {label}: median queueing {queue:,.0f} ms, median own prefill "
+            f"{prefill:,.0f} ms."
+        )
+    first_two = np.flatnonzero(mask)[:2].tolist()
+    if len(first_two) < 2:
+        return lines
+    # The demo on an idle fleet: only the tenant's first two requests, at their own times.
+    b = WorkloadBuilder(workload.block_size)
+    for i in first_two:
+        b.add(
+            float(workload.arrival[i]),
+            workload.block_hashes(i),
+            int(workload.input_tokens[i]),
+            int(workload.output_tokens[i]),
+            tenant=setup.tenant,
+        )
+    pair = b.build(name="two calls", meta=dict(workload.meta))
+    idle = EndpointSetup(
+        setup.tenant,
+        pool_size=setup.pool_size,
+        reserved_blocks=setup.reserved_blocks,
+        policy=setup.policy,
+        index=setup.index_mode,
+        seed=setup.seed,
+    )
+    alone = run(pair, idle, model)
+    lines.append("Two-call demo: the tenant's first two requests, through the dedicated endpoint.")
+    lines.append("  on an idle fleet:    " + _calls(alone, [0, 1], idle.predicted))
+    lines.append(
+        "  in the run above:    " + _calls(results["endpoint"], first_two, setup.predicted)
+    )
+    lines.append("  public pool, random: " + _calls(results["random"], first_two, None))
+    system = workload.meta.get("tenant_system_tokens")
+    if system:
+        full = (int(system) // workload.block_size) * workload.block_size
+        lines.append(
+            f"  (the {int(system):,}-token system prompt fills {full:,} tokens of whole "
+            f"{workload.block_size}-token blocks; the block it ends in also holds the question, "
+            "so it is the request's own)"
+        )
     return lines
+
+
+def _calls(r: np.ndarray, ids: list[int], predicted: dict[int, int] | None) -> str:
+    out = []
+    for k, i in enumerate(ids, start=1):
+        queue = (r["prefill_start"][i] - r["arrival"][i]) * 1000
+        prefill = (r["first_token"][i] - r["prefill_start"][i]) * 1000
+        expect = f" (router expected {predicted[i]:,})" if predicted else ""
+        out.append(
+            f"call {k}: {int(r['cached_tokens'][i]):,}/{int(r['prompt_tokens'][i]):,} tokens "
+            f"cached{expect}, TTFT {queue + prefill:,.0f} ms = {queue:,.0f} queued + "
+            f"{prefill:,.0f} prefill"
+        )
+    return "; ".join(out)

@@ -1,0 +1,140 @@
+"""kvroute's Router inside the simulator: load accounting, exact index, endpoint setup, salting."""
+
+from __future__ import annotations
+
+import kvroute
+import numpy as np
+import pytest
+from kvroute.sim import FleetModel, endpoint_scenario, run, simulate
+from kvroute.sim.policies import (
+    EndpointSetup,
+    RouterPolicy,
+    make_policy,
+    parse_policies,
+    salted_hashes,
+)
+from sim_helpers import make_workload
+
+
+def small_trace(n=300, seed=3):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for k in range(n):
+        family = int(rng.integers(8))
+        ids = [1000 + family, *rng.integers(0, 3, size=int(rng.integers(0, 6))).tolist()]
+        rows.append((k * 0.03, ids, len(ids) * 4 - 1, int(rng.integers(1, 30))))
+    return make_workload(rows)
+
+
+@pytest.mark.parametrize("index", ["exact", "approx"])
+@pytest.mark.parametrize("policy", ["random", "round_robin", "least_loaded", "hash", "kv_aware"])
+def test_router_load_returns_to_zero(policy, index):
+    w = small_trace()
+    p = RouterPolicy(policy, index=index, seed=1)
+    r = run(w, p, FleetModel(workers=3, capacity_blocks=15, prefill_rate=300.0))
+    assert np.all(np.isfinite(r["finish"]))
+    for name in p.router.workers:
+        load = p.router.load(name)
+        assert (load["active"], load["prefill_blocks"], load["decode_blocks"]) == (0, 0, 0)
+    assert p.decisions == {}
+
+
+def test_exact_index_mirrors_engine_caches():
+    # In exact mode the router's prediction is what the engine finds cached when nothing
+    # changes between routing and admission: no queueing (instant prefill) and no waiting for
+    # memory (no decode, so no blocks stay pinned) — while the small caches keep evicting.
+    w = small_trace(200)
+    model = FleetModel(
+        workers=3,
+        capacity_blocks=12,
+        prefill_rate=1e9,
+        prefill_overhead=0.0,
+        decode_time_per_token=0.0,
+    )
+    p = RouterPolicy("kv_aware", seed=1)
+    predicted = {}
+    route = p.route
+
+    def spy(request, chain, now):
+        k = route(request, chain, now)
+        predicted[request] = p.decisions[request].cached_blocks
+        return k
+
+    p.route = spy
+    r = run(w, p, model)
+    got = np.minimum(np.array([predicted[i] for i in range(len(w))]) * 4, w.input_tokens)
+    assert r["cached_tokens"].tolist() == got.tolist()
+
+
+def test_salted_hashes_agree_with_the_router():
+    r = kvroute.Router(["a", "b", "c"], index="events", block_size=4)
+    r.add_endpoint("ep", pool_size=2)
+    raw = np.array([1, 2**63 + 5, 2**64 - 1, 77], dtype=np.uint64)
+    salted = salted_hashes(raw, r.endpoint_salt("ep"))
+    assert not np.any(salted == raw)
+    member = r.endpoint_pool("ep")[1]
+    r.index.store(member, salted)
+    d = r.route(block_hashes=raw, endpoint="ep", now=0.0)
+    assert (d.worker, d.cached_blocks) == (member, 4)
+    # Unsalted requests do not see the endpoint's blocks.
+    assert r.route(block_hashes=raw, now=0.0).cached_blocks == 0
+
+
+@pytest.mark.parametrize("index", ["exact", "approx"])
+def test_endpoint_setup_pool_partition_and_hits(index):
+    w = endpoint_scenario(duration=60, seed=2)
+    tenant = w.meta["tenant"]
+    setup = EndpointSetup(tenant, pool_size=2, reserved_blocks=130, index=index, seed=2)
+    r = run(w, setup, FleetModel(workers=6))
+    mask = w.tenant_mask(tenant)
+    pool = setup.pool()
+    assert len(pool) == 2
+    workers = {setup.fleet.names[k] for k in r["worker"][mask].tolist()}
+    assert workers <= set(pool)
+    assert setup.reserved == {setup.position[n]: {tenant: 130} for n in pool}
+    # Every tenant request after the first one on each pool worker finds the system prompt.
+    system = (w.meta["tenant_system_tokens"] // w.block_size) * w.block_size
+    cached = r["cached_tokens"][mask]
+    assert cached[0] == 0
+    assert np.sum(cached < system) <= len(pool)
+    if index == "exact":
+        hashes, offsets = setup.chains
+        first = int(np.flatnonzero(mask)[0])
+        a, b = offsets[first], offsets[first + 1]
+        assert not np.any(hashes[a:b] == w.hashes[a:b])  # the engine saw salted blocks
+        other = int(np.flatnonzero(~mask)[0])
+        a, b = offsets[other], offsets[other + 1]
+        assert np.array_equal(hashes[a:b], w.hashes[a:b])
+
+
+def test_simulate_report_and_two_call_demo():
+    w = endpoint_scenario(duration=40, seed=4)
+    report, results = simulate(
+        w, model=FleetModel(workers=4), policies=["kv_aware", "dynamo"], progress=False
+    )
+    assert list(report.policies) == ["kv_aware", "dynamo"]
+    assert set(results) == {"kv_aware", "dynamo", "random", "endpoint"}
+    assert set(report.tenant) == {"random", "endpoint"}
+    demo = [line for line in report.notes if line.startswith("  on an idle fleet")]
+    assert len(demo) == 1
+    assert "call 1: 0/" in demo[0] and "(router expected 0)" in demo[0]
+    assert "call 2: 3,968/" in demo[0] and "(router expected 3,968)" in demo[0]
+    # Oracles: the pooled LRU never beats the infinite cache.
+    assert report.oracles["pooled_lru"].hit_rate <= report.oracles["infinite"].hit_rate
+
+
+def test_policy_names():
+    assert parse_policies("kv_aware, dynamo,kv_aware") == ["kv_aware", "dynamo"]
+    with pytest.raises(ValueError, match="unknown policy 'x'"):
+        parse_policies("x")
+    with pytest.raises(ValueError, match="no policy"):
+        parse_policies(" , ")
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("nope")
+    p = make_policy("kv_aware", options={"queue_weight": 2.0})
+    p.bind(
+        kvroute.sim.engine.Fleet(
+            workload=small_trace(5), names=["w0", "w1"], capacity=10, waiting=[0, 0]
+        )
+    )
+    assert p.router.policy == "kv_aware"
