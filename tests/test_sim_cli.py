@@ -148,6 +148,7 @@ def test_plot(tmp_path):
         (["--workers", "0"], "workers must be >= 1"),
         (["--trace", "/nonexistent/trace.jsonl"], "trace.jsonl"),
         (["--prefill-rate", "0"], "prefill_rate"),
+        (["--trace", "tests/data/traces/trace_0002.json", "--block-size", "16"], "Mooncake"),
     ],
 )
 def test_bad_arguments(args, message, capsys):

@@ -54,13 +54,15 @@ def load_workload(
     detected). ``duration`` and ``block_size`` apply to the synthetic scenarios (and
     ``block_size`` to Mooncake-format files)."""
     if trace is not None:
-        options: dict[str, Any] = {}
-        if block_size is not None:
-            options["block_size"] = block_size
-        try:
-            return load_trace(trace, **options)
-        except TypeError:  # kv-cache-tester files carry their own block size
+        if block_size is None:
             return load_trace(trace)
+        try:
+            return load_trace(trace, block_size=block_size)
+        except TypeError:  # the kv-cache-tester loader takes no block size
+            raise ValueError(
+                f"{trace}: a block size applies to Mooncake-format traces only "
+                "(kv-cache-tester files carry their own)"
+            ) from None
     if scenario == "mooncake":
         return mooncake_conversation()
     if scenario not in SCENARIOS:
@@ -118,11 +120,8 @@ def simulate(
     endpoint = endpoint or EndpointOptions()
     setup: EndpointSetup | None = None
 
-    with Progress(
-        total, f"simulating {workload.name}", use_rich=None if progress else False
-    ) as bar:
-        if not progress:
-            bar.file = _Null()
+    quiet = {} if progress else {"file": _Null(), "use_rich": False}
+    with Progress(total, f"simulating {workload.name}", **quiet) as bar:
         done = 0
 
         def tick(k: int) -> None:
@@ -152,7 +151,7 @@ def simulate(
 
     metrics = {name: summarize(results[name], num_workers=model.workers) for name in policies}
     report = Report(policies=metrics, oracles=oracles, title=_title(workload, model, index))
-    report.notes.extend(_model_notes(workload, model, index))
+    report.notes.extend(_model_notes(workload, model))
     if tenant is not None and setup is not None:
         mask = workload.tenant_mask(tenant)
         report.tenant = {
@@ -164,6 +163,8 @@ def simulate(
 
 
 class _Null:
+    """A sink for the progress bar of a quiet run."""
+
     def write(self, s: str) -> int:
         return len(s)
 
@@ -183,7 +184,7 @@ def _title(workload: Workload, model: FleetModel, index: str) -> str:
     )
 
 
-def _model_notes(workload: Workload, model: FleetModel, index: str) -> list[str]:
+def _model_notes(workload: Workload, model: FleetModel) -> list[str]:
     s = workload.summary()
     load = s["prompt_tokens_per_s"] / (model.workers * model.prefill_rate)
     rate = f"{model.prefill_rate:,.0f} tokens/s"
@@ -197,6 +198,8 @@ def _model_notes(workload: Workload, model: FleetModel, index: str) -> list[str]
         f"Model: prefill {rate} + {overhead} (FIFO per worker), decode {decode} (continuous "
         f"batch), KV {blocks} blocks per worker; hit rate = cached ÷ prompt tokens; imbalance = "
         "max ÷ mean prefill tokens computed per worker.",
+        "Peers (docs/peers.md) run in their default modes: dynamo with exact KV events, "
+        "sglang_cache_aware and llmd with their approximate prefix trees.",
     ]
 
 
