@@ -34,7 +34,9 @@ Model (each worker is one GPU serving one model; see :class:`FleetModel` for the
 - **Decode** runs in a continuous batch, unbounded: the first output token is the end of the
   prefill (**TTFT = queueing + own prefill**), each further token takes ``decode_time_per_token``
   regardless of the batch, and the request finishes after ``output_tokens − 1`` of them. Then its
-  blocks are unpinned (they stay cached, evictable) and the worker may admit a waiting head.
+  blocks are unpinned (they stay cached, evictable) and the worker may admit a waiting head. The
+  KV of generated tokens is not counted against the memory (prompts dominate it here: the
+  Mooncake trace averages 12,035 prompt and 343 output tokens).
 - **Exact state for the router.** When the policy has an ``exact_index`` (a
   :class:`kvroute.PrefixIndex`, e.g. ``Router(index="events").index``), every insertion and
   eviction is applied to it at once, as store/remove — what a KV-event subscriber would do with
