@@ -184,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     src.add_argument("--trace", help="Mooncake JSONL or kv-cache-tester JSON file/directory")
     sim.add_argument(
-        "--workers", type=int, help="fleet size (default: 16 for mooncake, 8 otherwise)"
+        "--workers",
+        type=int,
+        help="fleet size (default: 16 for endpoint and mooncake, 8 otherwise)",
     )
     sim.add_argument(
         "--capacity-blocks",
@@ -223,7 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="kvroute's view of the caches: exact (KV events) or approx (own model)",
     )
     sim.add_argument("--seed", type=int, default=0, help="seed of workloads and policies")
-    sim.add_argument("--duration", type=float, help="seconds of synthetic traffic (default 300)")
+    sim.add_argument(
+        "--duration",
+        type=float,
+        help="seconds of synthetic traffic (default: 600 for endpoint, 300 for rag and agent)",
+    )
     sim.add_argument("--block-size", type=int, help="block size of a synthetic scenario")
     sim.add_argument("--requests", type=int, help="replay only the first N requests")
     sim.add_argument(

@@ -39,7 +39,7 @@ __all__ = ["SCENARIO_WORKERS", "EndpointOptions", "load_workload", "simulate"]
 
 #: Default fleet size per scenario: the synthetic scenarios are sized for 8 workers; the Mooncake
 #: conversation trace (41k prompt tokens/s) is the issue's 16-worker benchmark.
-SCENARIO_WORKERS = {"endpoint": 8, "rag": 8, "agent": 8, "mooncake": 16, "trace": 8}
+SCENARIO_WORKERS = {"endpoint": 16, "rag": 8, "agent": 8, "mooncake": 16, "trace": 8}
 
 
 def load_workload(

@@ -129,11 +129,11 @@ def _check_positive(**kw: float) -> None:
 def endpoint_scenario(
     *,
     seed: int = 0,
-    duration: float = 300.0,
+    duration: float = 600.0,
     block_size: int = 64,
     tenant: str = "ep-tenant",
     tenant_system_tokens: int = 4000,
-    tenant_rate: float = 0.2,
+    tenant_rate: float = 0.1,
     tenant_question_tokens: tuple[int, int] = (20, 200),
     noise_rate: float = 10.0,
     noise_tenants: int = 1000,
@@ -145,17 +145,19 @@ def endpoint_scenario(
     """One tenant endpoint with a long system prompt among noisy neighbours.
 
     - The tenant (``tenant``; its requests carry it as ``Request.tenant``) sends Poisson
-      arrivals at ``tenant_rate`` req/s (default 0.2: a question every 5 s), the first at 0.5 s.
+      arrivals at ``tenant_rate`` req/s (default 0.1: a question every 10 s), the first at 0.5 s.
       Each prompt = its ``tenant_system_tokens`` (default 4000) system prompt + its own question
       of uniform ``tenant_question_tokens`` (20..200) tokens.
     - Other tenants (``Request.tenant is None``: the public pool) send Poisson arrivals at
       ``noise_rate`` req/s (default 10). Each picks one of ``noise_tenants`` (1000) tenants with
       Zipf(``noise_zipf`` = 1.1) popularity; prompt = that tenant's system prompt
       (lognormal(``noise_system_mean`` = 4000, 0.6), 256..32k, fixed per tenant) + unique user
-      content (lognormal(``noise_user_mean`` = 3000, 0.8), 16..32k). Defaults load about 70k
-      prompt tokens/s, mostly never seen before: enough to keep 8 workers prefilling ~9k tokens/s
-      each busy and to turn an LRU of a few hundred thousand tokens per worker over in a minute or
-      two.
+      content (lognormal(``noise_user_mean`` = 3000, 0.8), 16..32k). Defaults offer about 65k
+      prompt tokens/s, mostly never seen before: ~45% of the prefill capacity of the simulator's
+      default fleet for this scenario (16 workers x ~9k tokens/s; an operating point that keeps a
+      TTFT SLO), enough to turn an LRU of a few hundred thousand tokens per worker over in about
+      two minutes, i.e. faster than the tenant comes back to a given worker under random routing
+      (every 16 / 0.1 = 160 s).
     - Output lengths are lognormal(``output_mean`` = 200, 0.8), 1..4096, for everyone.
 
     ``meta`` records ``tenant`` and ``tenant_system_tokens`` for the report (the two-call demo:
