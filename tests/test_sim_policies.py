@@ -11,7 +11,6 @@ from kvroute.sim.policies import (
     RouterPolicy,
     make_policy,
     parse_policies,
-    salted_hashes,
 )
 from sim_helpers import make_workload
 
@@ -67,10 +66,16 @@ def test_exact_index_mirrors_engine_caches():
 
 
 def test_salted_hashes_agree_with_the_router():
+    xxhash = pytest.importorskip("xxhash")
     r = kvroute.Router(["a", "b", "c"], index="events", block_size=4)
     r.add_endpoint("ep", pool_size=2)
     raw = np.array([1, 2**63 + 5, 2**64 - 1, 77], dtype=np.uint64)
-    salted = salted_hashes(raw, r.endpoint_salt("ep"))
+    salted = r.salt_block_hashes("ep", raw)
+    # The documented salting: XXH3-64 of the hash's 8 little-endian bytes, seeded by the salt's
+    # hash_key (an independent reference: the xxhash package).
+    seed = kvroute.hash_key(r.endpoint_salt("ep"))
+    expected = [xxhash.xxh3_64_intdigest(int(h).to_bytes(8, "little"), seed=seed) for h in raw]
+    assert salted.tolist() == expected
     assert not np.any(salted == raw)
     member = r.endpoint_pool("ep")[1]
     r.index.store(member, salted)

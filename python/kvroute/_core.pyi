@@ -457,6 +457,11 @@ class Router:
     def endpoint_salt(self, endpoint_id: str) -> str | None:
         """The ``cache_salt`` to send upstream for this endpoint (None if not isolated)."""
 
+    def salt_block_hashes(
+        self, endpoint_id: str, block_hashes: BlockHashes
+    ) -> npt.NDArray[np.uint64]:
+        """The hashes ``route(block_hashes=..., endpoint=endpoint_id)`` matches (a new array)."""
+
     @property
     def endpoints(self) -> list[str]: ...
     def mark_stale(self, worker: str, now: float | None = None) -> None:

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvroute import BlockHasher, Router, hash_key
+from kvroute import Router
 
 from .engine import Fleet, Policy
 from .peers import DynamoKv, LlmdScheduler, SGLangCacheAware
@@ -128,22 +128,6 @@ class RouterPolicy(Policy):
         self.router.finish(d, now=now)
 
 
-def salted_hashes(block_hashes: np.ndarray, salt: str) -> np.ndarray:
-    """The hashes a Router's isolated endpoint with ``salt`` gives block hashes passed to it
-    directly: per block, XXH3-64 of the hash's 8 little-endian bytes seeded with
-    ``XXH3-64(salt)`` (``kvroute.hash_key``) — the Router's documented salting, which is what the
-    engine then caches when the gateway forwards the endpoint's ``cache_salt``. Computed with the
-    ``native`` BlockHasher, whose block hash is XXH3-64 of the block's little-endian u32 tokens
-    seeded by the parent: one two-token block per hash, seeded with the salt's hash."""
-    seed = hash_key(salt)
-    hasher = BlockHasher(2)
-    words = np.ascontiguousarray(block_hashes, dtype="<u8").view("<u4")
-    out = np.empty(len(block_hashes), dtype=np.uint64)
-    for k in range(out.shape[0]):
-        out[k] = hasher.hash(words[2 * k : 2 * k + 2], parent=seed)[0]
-    return out
-
-
 class EndpointSetup(Policy):
     """The tenant on a dedicated endpoint, everyone else on the public pool.
 
@@ -192,13 +176,12 @@ class EndpointSetup(Policy):
         self.tenants = fleet.workload.tenant
         self.predicted: dict[int, int] = {}  # tenant request -> cached tokens the router expected
         self.partitions = [self.tenant if t == self.tenant else None for t in self.tenants]
-        salt = self.dedicated.endpoint_salt(self.tenant)
-        if salt is not None:
+        if self.dedicated.endpoint_salt(self.tenant) is not None:
             wl = fleet.workload
             hashes = wl.hashes.copy()
             for i in np.flatnonzero(wl.tenant_mask(self.tenant)).tolist():
                 a, b = int(wl.offsets[i]), int(wl.offsets[i + 1])
-                hashes[a:b] = salted_hashes(wl.hashes[a:b], salt)
+                hashes[a:b] = self.dedicated.salt_block_hashes(self.tenant, wl.hashes[a:b])
             self.chains = (hashes, wl.offsets)
         self.decisions: dict[int, tuple[Any, Any]] = {}
 

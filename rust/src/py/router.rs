@@ -15,7 +15,7 @@ use pyo3::types::{PyDict, PyString};
 
 use super::blocks::{tokens_from_py, typed, Tokens};
 use super::convert::{
-    describe, name_from_py, type_name, u64_from_int, u64_slice, with_key, Negative,
+    describe, name_from_py, type_name, u64_array, u64_from_int, u64_slice, with_key, Negative,
 };
 use super::events::PyKvEventApplier;
 use super::index::PyPrefixIndex;
@@ -514,6 +514,25 @@ impl PyRouter {
         let id = name_from_py(endpoint_id, "endpoint_id")?;
         let id = &*id;
         Ok(self.run(py, true, |r| r.endpoint(id).map(|e| e.salt.clone()))?)
+    }
+
+    /// The hashes `route(block_hashes=..., endpoint=endpoint_id)` matches for `block_hashes`:
+    /// salted by the endpoint when it is isolated, unchanged otherwise (a new uint64 array).
+    /// What a simulator or test feeds an exact index with for the endpoint's blocks.
+    fn salt_block_hashes<'py>(
+        &self,
+        py: Python<'py>,
+        endpoint_id: &Bound<'py, PyAny>,
+        block_hashes: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, numpy::PyArray1<u64>>> {
+        let id = name_from_py(endpoint_id, "endpoint_id")?;
+        let id = &*id;
+        let mut hashes = u64_slice(block_hashes, "block_hashes", Negative::Reinterpret)?
+            .as_slice()
+            .to_vec();
+        let light = hashes.len() < DETACH_MIN_TOKENS;
+        self.run(py, light, |r| r.salt_block_hashes(Some(id), &mut hashes))?;
+        Ok(u64_array(py, hashes))
     }
 
     /// Endpoint ids, sorted.
