@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(CURDIR)/$(VENV)/bin
 STAMP  := $(VENV)/.deps-stamp
-EXTRAS ?= test,dev,sim,events
+EXTRAS ?= test,dev,sim,events,gateway
 RUN    := VIRTUAL_ENV=$(CURDIR)/$(VENV) PATH="$(BIN):$$PATH"
 # The stable-ABI level of the extension: abi3-py310 on Python >= 3.10, where PyO3 can use the
 # fast (vectorcall) calling convention — about 70 ns less per call — and abi3-py39 on 3.9.
@@ -24,7 +24,7 @@ test-rust:
 test-python: build
 	$(RUN) python -m pytest -q tests
 
-bench: EXTRAS = test,dev,sim,events,bench
+bench: EXTRAS = test,dev,sim,events,gateway,bench
 bench: build
 	$(RUN) python -m pytest -q benches --benchmark-columns=min,median,mean,ops,rounds --benchmark-sort=name
 

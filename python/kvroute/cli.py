@@ -150,6 +150,27 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    """Run the OpenAI-compatible gateway (needs the `gateway` extra)."""
+    try:
+        from .gateway import load_config, serve
+    except ImportError as e:
+        print(
+            f"kvroute serve needs the gateway extra (pip install 'kvroute[gateway]'): {e}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        config = load_config(args.config)
+    except (OSError, ValueError) as e:
+        print(f"kvroute serve: bad config {args.config}: {e}", file=sys.stderr)
+        return 2
+    serve(
+        config, host=args.host, port=args.port, access_log=args.access_log, log_level=args.log_level
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvroute", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -248,6 +269,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
     sim.set_defaults(func=_simulate)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible gateway (TOML config)")
+    serve.add_argument("--config", required=True, help="the gateway's TOML file")
+    serve.add_argument("--host", default=None, help="overrides gateway.host")
+    serve.add_argument("--port", type=int, default=None, help="overrides gateway.port")
+    serve.add_argument("--access-log", action="store_true", help="log every request")
+    serve.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    serve.set_defaults(func=_serve)
     return parser
 
 

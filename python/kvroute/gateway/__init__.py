@@ -1,0 +1,43 @@
+"""``kvroute serve``: an OpenAI-compatible gateway that routes with ``kvroute.Router``.
+
+``POST /v1/chat/completions`` and ``/v1/completions`` (streamed or not), ``GET /v1/models``,
+``/health`` and ``/metrics`` (Prometheus), in front of a fleet of vLLM / SGLang / other
+OpenAI-compatible servers named in a TOML file (``kvroute.gateway.config``). Requests for an
+endpoint (``model: "ep-..."``) stay inside its sticky worker pool, behind its own API keys, with
+its blocks (and, on vLLM/SGLang, the engine's cache) salted apart from every other tenant; the
+upstream's reported ``cached_tokens`` feed back into the router. What the gateway guarantees —
+failover, exactly-once load accounting, cancellation, limits — is stated in
+``kvroute.gateway.app``; the routing-token rendering in ``kvroute.gateway.prompt``.
+
+Needs the ``gateway`` extra (``pip install 'kvroute[gateway]'``: starlette, uvicorn, httpx, and
+tomli before Python 3.11); an HF ``tokenizers`` file is optional.
+"""
+
+from __future__ import annotations
+
+from .app import Gateway
+from .config import GatewayConfig, load_config, parse_config
+
+__all__ = ["Gateway", "GatewayConfig", "load_config", "parse_config", "serve"]
+
+
+def serve(
+    config: GatewayConfig,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    access_log: bool = False,
+    log_level: str = "info",
+) -> None:
+    """Runs the gateway under uvicorn until interrupted (one process, one event loop)."""
+    import uvicorn
+
+    gateway = Gateway(config)
+    uvicorn.run(
+        gateway.app,
+        host=host if host is not None else config.server.host,
+        port=port if port is not None else config.server.port,
+        access_log=access_log,
+        log_level=log_level,
+        lifespan="on",
+    )

@@ -1,0 +1,48 @@
+"""The one place the gateway meets ``kvroute.Router``: building it from the config, and the few
+calls whose spelling might differ between Router versions.
+
+Everything else in the gateway uses the Router's public API directly: ``route(tokens=...,
+endpoint=...)`` → Decision (``worker``, ``cached_tokens``, ``policy``, ``reason``),
+``begin``/``finish``/``observe`` and ``set_healthy``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config import GatewayConfig
+
+__all__ = ["NoWorker", "build_router", "decision_reason", "endpoint_salt"]
+
+try:
+    from kvroute import Router
+except ImportError:  # TEMPORARY until issue #5 lands
+    from ._router_standin import Router  # type: ignore[assignment]
+
+#: What ``Router.route`` raises when no healthy worker can take the request.
+NoWorker: tuple[type[BaseException], ...] = (RuntimeError,)
+
+
+def build_router(config: GatewayConfig) -> Any:
+    """A Router over the configured workers (weights), with every endpoint's pool added."""
+    r = config.router
+    router = Router(
+        {w.name: w.weight for w in config.workers},
+        policy=r.policy,
+        block_size=r.block_size,
+        hash_profile=r.hash_profile,
+        index=r.index,
+        **dict(r.options),
+    )
+    for ep in config.endpoints:
+        router.add_endpoint(ep.id, pool_size=ep.pool_size, reserved_blocks=ep.reserved_blocks)
+    return router
+
+
+def endpoint_salt(router: Any, endpoint_id: str) -> str:
+    """The salt of ``endpoint_id``'s blocks in the router: the ``cache_salt`` sent upstream."""
+    return str(router.endpoint_salt(endpoint_id))
+
+
+def decision_reason(decision: Any) -> str:
+    return str(getattr(decision, "reason", "") or "none")

@@ -1,0 +1,165 @@
+"""Fixtures' machinery for the gateway tests: a fleet of test upstreams, a gateway over it (both
+under uvicorn on 127.0.0.1, ephemeral ports) and the official OpenAI client pointed at it."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import httpx
+import openai
+from gateway_upstream import ServerThread, Upstream
+from kvroute.gateway import Gateway, parse_config
+
+LONG_SYSTEM = "You are the support assistant of ACME Rockets. Policy handbook follows. " + " ".join(
+    f"Rule {i}: rockets of model R{i} must be fuelled with mixture M{i % 7}." for i in range(120)
+)
+
+
+class Fleet:
+    """``n`` upstreams named up-0 … up-(n-1), each in its own uvicorn thread."""
+
+    def __init__(self, n: int, **upstream: Any) -> None:
+        self.upstreams = [Upstream(f"up-{i}", **upstream) for i in range(n)]
+        self.servers: list[ServerThread | None] = [ServerThread(u.app) for u in self.upstreams]
+        self.ports = [s.port for s in self.servers if s is not None]
+
+    def __getitem__(self, name: str) -> Upstream:
+        return self.upstreams[int(name.rsplit("-", 1)[1])]
+
+    def stop(self, name: str) -> None:
+        i = int(name.rsplit("-", 1)[1])
+        server = self.servers[i]
+        if server is not None:
+            server.stop()
+            self.servers[i] = None
+
+    def start(self, name: str) -> None:
+        """(Re)starts an upstream on its port with a fresh engine state (empty cache)."""
+        i = int(name.rsplit("-", 1)[1])
+        self.stop(name)
+        self.upstreams[i].reset()
+        self.servers[i] = ServerThread(self.upstreams[i].app, port=self.ports[i])
+
+    def close(self) -> None:
+        for u in self.upstreams:
+            self.stop(u.name)
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every upstream's records, in arrival order."""
+        return sorted((r for u in self.upstreams for r in u.records), key=lambda r: r["seq"])
+
+
+def config_dict(fleet: Fleet, **sections: Any) -> dict[str, Any]:
+    """A gateway config over ``fleet``; keyword sections override/extend the defaults."""
+    gateway = {
+        "models": ["base-model"],
+        "connect_timeout": 1.0,
+        "read_timeout": 10.0,
+        "health_interval": 0.05,
+        "eject_seconds": 0.2,
+    }
+    gateway.update(sections.pop("gateway", {}))
+    data: dict[str, Any] = {
+        "gateway": gateway,
+        "router": {"policy": "kv_aware", "block_size": 16},
+        "workers": [
+            {"name": u.name, "url": f"http://127.0.0.1:{p}", "kind": "vllm"}
+            for u, p in zip(fleet.upstreams, fleet.ports)
+        ],
+        "endpoints": [
+            {
+                "id": "ep-acme",
+                "model": "acme-model",
+                "pool_size": 1,
+                "api_keys": ["sk-acme"],
+                "reserved_blocks": 256,
+            },
+            {"id": "ep-globex", "model": "globex-model", "pool_size": 2, "api_keys": ["sk-globex"]},
+        ],
+    }
+    data.update(sections)
+    return data
+
+
+class GatewayServer:
+    """A ``Gateway`` served by uvicorn in a thread."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.gateway = Gateway(parse_config(config))
+        self.server = ServerThread(self.gateway.app)
+        self.url = self.server.url
+
+    def client(self, key: str | None = "sk-acme", **kw: Any) -> openai.OpenAI:
+        """An OpenAI client with ``key`` as its bearer token (None: a key no endpoint accepts)."""
+        return openai.OpenAI(
+            base_url=self.url + "/v1", api_key=key or "unused", max_retries=0, timeout=20, **kw
+        )
+
+    def get(self, path: str, **kw: Any) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=10, trust_env=False, **kw)
+
+    def metrics(self) -> str:
+        return self.get("/metrics").text
+
+    def wait_healthy(self, worker: str, healthy: bool = True, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.get("/health").json()["workers"][worker] is healthy:
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"{worker} did not become {'healthy' if healthy else 'ejected'}")
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(v)
+
+
+def toml_text(config: dict[str, Any]) -> str:
+    """A TOML document for a config dict (tables and arrays of tables one level deep)."""
+    lines = []
+    for key, value in config.items():
+        if isinstance(value, dict):
+            lines.append(f"[{key}]")
+            lines += [f"{k} = {_toml_value(v)}" for k, v in value.items()]
+        elif isinstance(value, list) and value and all(isinstance(x, dict) for x in value):
+            for item in value:
+                lines.append(f"[[{key}]]")
+                lines += [f"{k} = {_toml_value(v)}" for k, v in item.items()]
+        else:
+            lines.insert(0, f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def wait_for(predicate: Any, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def chat(client: openai.OpenAI, model: str, question: str, system: str = LONG_SYSTEM, **kw: Any):
+    """One chat call; returns (parsed completion, response headers)."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=model,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        **kw,
+    )
+    return raw.parse(), raw.headers

@@ -1,0 +1,346 @@
+"""Test doubles for the gateway: small OpenAI-compatible upstreams and a uvicorn thread runner.
+
+``Upstream`` serves ``/v1/chat/completions``, ``/v1/completions`` (streamed and not),
+``/v1/models`` and ``/health`` like vLLM, and models vLLM's prefix cache with a
+``kvroute.BlockCache`` over 16-token blocks of the gateway's documented byte-level routing tokens
+(re-implemented here from the documentation in ``kvroute.gateway.prompt``, independently of the
+gateway's code): a prompt's full blocks are matched (``cached_tokens`` = matched blocks × 16,
+at most the blocks before the prompt's last token, which vLLM always recomputes), then inserted.
+``cache_salt`` starts a separate chain (``BlockHasher(salt=...)``), as in vLLM.
+
+Each upstream records every request it receives (the ``x-request-id`` header, path, salt, model,
+whether it streamed) and which streams ended early (the client went away), and can be told to
+fail with a status, to stall before answering, or to stream slowly. The reply's content is
+``"<upstream name> <request id>"`` so a caller can check it got its own answer.
+
+Run as a script it serves N upstreams in one process and prints their ports as JSON
+(``python tests/gateway_upstream.py 4``), with ``/_test/records`` for the load test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import socket
+import struct
+import sys
+import threading
+import time
+from typing import Any
+
+import uvicorn
+from kvroute import BlockCache, BlockHasher
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+BLOCK = 16
+_ARRIVALS = itertools.count()  # orders records across the upstreams of one process
+
+
+def _j(x: Any) -> str:
+    return json.dumps(x, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def reference_render(messages: list[Any], tools: Any = None) -> str:
+    """The gateway's documented chat rendering, written from its documentation."""
+    text = ""
+    if isinstance(tools, list) and len(tools) > 0:
+        text += "<|tools|>\n" + _j(tools) + "\n"
+    for m in messages:
+        if not isinstance(m, dict):
+            text += _j(m)
+            continue
+        c = m.get("content")
+        if c is None:
+            body = ""
+        elif isinstance(c, str):
+            body = c
+        elif isinstance(c, list):
+            body = "".join(
+                p["text"]
+                if isinstance(p, dict)
+                and p.get("type") == "text"
+                and isinstance(p.get("text"), str)
+                else _j(p)
+                for p in c
+            )
+        else:
+            body = _j(c)
+        rest = {k: v for k, v in m.items() if k != "role" and k != "content"}
+        role = m.get("role")
+        text += f"<|{role if isinstance(role, str) else _j(role)}|>\n{body}"
+        text += (_j(rest) if rest else "") + "\n"
+    return text
+
+
+def reference_tokens(text: str) -> list[int]:
+    """The documented byte-level fallback: 4 UTF-8 bytes per little-endian u32, zero-padded."""
+    data = text.encode("utf-8")
+    data += b"\0" * (-len(data) % 4)
+    return list(struct.unpack(f"<{len(data) // 4}I", data))
+
+
+def expected_cached(prefix_text: str) -> int:
+    """Tokens a second request sharing ``prefix_text`` (and more) finds cached: its full blocks."""
+    return len(reference_tokens(prefix_text)) // BLOCK * BLOCK
+
+
+class Upstream:
+    """One OpenAI-compatible test server (see the module docs)."""
+
+    def __init__(self, name: str, *, capacity: int = 1 << 16, delay: float = 0.0) -> None:
+        self.name = name
+        self.capacity = capacity
+        self.delay = delay
+        self.lock = threading.Lock()
+        self.reset()
+        self.app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/health", self._health, methods=["GET"]),
+                Route("/_test/records", self._records, methods=["GET"]),
+            ]
+        )
+
+    def reset(self) -> None:
+        """A fresh engine: empty cache, no records, no failure modes."""
+        with self.lock:
+            self.cache = BlockCache(self.capacity)
+            self.records: list[dict[str, Any]] = []
+            self.streams_ended_early: list[str] = []
+            self.streams_completed: list[str] = []
+            self.abandoned: list[str] = []  # callers that went away while we stalled
+            self.fail_status: int | None = None
+            self.fail_times = 0  # < 0: always
+            self.stall = 0.0
+            self.chunks = 3
+            self.chunk_delay = 0.0
+            self.health_status = 200
+            self.gate_after_first = False  # hold a stream after its first content chunk …
+            self.gate = threading.Event()  # … until this is set
+
+    def fail(self, status: int, times: int = -1) -> None:
+        with self.lock:
+            self.fail_status, self.fail_times = status, times
+
+    @property
+    def ids(self) -> list[str]:
+        with self.lock:
+            return [r["id"] for r in self.records]
+
+    # ---- handlers ----------------------------------------------------------------------------
+
+    async def _health(self, request: Request) -> Response:
+        return Response(status_code=self.health_status)
+
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    async def _records(self, request: Request) -> Response:
+        with self.lock:
+            return JSONResponse({"records": self.records, "ended_early": self.streams_ended_early})
+
+    async def _chat(self, request: Request) -> Response:
+        body = await request.json()
+        text = reference_render(body["messages"], body.get("tools"))
+        return await self._answer(request, body, text, chat=True)
+
+    async def _completions(self, request: Request) -> Response:
+        body = await request.json()
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, list):  # token ids
+            tokens = prompt[0] if prompt and isinstance(prompt[0], list) else prompt
+            return await self._answer(request, body, None, chat=False, tokens=tokens)
+        return await self._answer(request, body, prompt, chat=False)
+
+    def _failing(self) -> int | None:
+        with self.lock:
+            if self.fail_status is None or self.fail_times == 0:
+                return None
+            if self.fail_times > 0:
+                self.fail_times -= 1
+            return self.fail_status
+
+    async def _answer(
+        self,
+        request: Request,
+        body: dict[str, Any],
+        text: str | None,
+        *,
+        chat: bool,
+        tokens: list[int] | None = None,
+    ) -> Response:
+        rid = request.headers.get("x-request-id", "")
+        salt = body.get("cache_salt")
+        stream = body.get("stream") is True
+        record = {
+            "seq": next(_ARRIVALS),
+            "id": rid,
+            "path": request.url.path,
+            "model": body.get("model"),
+            "cache_salt": salt,
+            "stream": stream,
+            "stream_options": body.get("stream_options"),
+            "authorization": request.headers.get("authorization"),
+        }
+        with self.lock:
+            self.records.append(record)
+        status = self._failing()
+        if self.stall:
+            deadline = time.monotonic() + self.stall
+            while time.monotonic() < deadline:
+                if await request.is_disconnected():
+                    with self.lock:
+                        self.abandoned.append(rid)
+                    return Response(status_code=499)
+                await asyncio.sleep(0.01)
+        if status is not None:
+            return JSONResponse(
+                {"error": {"message": f"{self.name} failing", "type": "server_error"}},
+                status_code=status,
+            )
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if tokens is None:
+            tokens = reference_tokens(text or "")
+        hashes = BlockHasher(BLOCK, salt=salt).hash(tokens)
+        with self.lock:
+            matched = self.cache.match(hashes)
+            self.cache.insert(hashes)
+        cached = min(matched, max(len(tokens) - 1, 0) // BLOCK) * BLOCK
+        record["cached_tokens"] = cached
+        usage = {
+            "prompt_tokens": len(tokens),
+            "completion_tokens": self.chunks,
+            "total_tokens": len(tokens) + self.chunks,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+        content = f"{self.name} {rid}"
+        kind = "chat.completion" if chat else "text_completion"
+        if not stream:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": "stop", "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": content}
+            else:
+                choice["text"] = content
+            return JSONResponse(
+                {
+                    "id": f"cmpl-{rid}",
+                    "object": kind,
+                    "created": int(time.time()),
+                    "model": body.get("model"),
+                    "choices": [choice],
+                    "usage": usage,
+                }
+            )
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(
+            self._stream(rid, body.get("model"), content, usage, include_usage, chat),
+            media_type="text/event-stream",
+        )
+
+    async def _stream(
+        self,
+        rid: str,
+        model: Any,
+        content: str,
+        usage: dict[str, Any],
+        include_usage: bool,
+        chat: bool,
+    ):
+        done = False
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(choices: list[Any], **more: Any) -> bytes:
+            chunk = {"id": f"cmpl-{rid}", "object": kind, "created": 0, "model": model}
+            chunk["choices"] = choices
+            chunk.update(more)
+            return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+        def piece(text: str, finish: str | None = None) -> dict[str, Any]:
+            if chat:
+                return {"index": 0, "delta": {"content": text}, "finish_reason": finish}
+            return {"index": 0, "text": text, "finish_reason": finish}
+
+        try:
+            if chat:
+                yield event([{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}])
+            for i in range(self.chunks):
+                if i and self.chunk_delay:
+                    await asyncio.sleep(self.chunk_delay)
+                yield event([piece(content if i == 0 else ".")])
+                if i == 0 and self.gate_after_first:
+                    deadline = time.monotonic() + 20
+                    while not self.gate.is_set() and time.monotonic() < deadline:
+                        await asyncio.sleep(0.005)
+            yield event([piece("", "stop")])
+            if include_usage:
+                yield event([], usage=usage)
+            yield b"data: [DONE]\n\n"
+            done = True
+        finally:
+            with self.lock:
+                (self.streams_completed if done else self.streams_ended_early).append(rid)
+
+
+class ServerThread:
+    """Serves an ASGI app with uvicorn on 127.0.0.1 in a daemon thread (ephemeral port unless
+    given: a restart may reuse the port)."""
+
+    def __init__(self, app: Any, port: int = 0) -> None:
+        self.app = app
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            access_log=False,
+            lifespan="auto",
+            timeout_graceful_shutdown=1,
+            timeout_keep_alive=60,
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
+        )
+        self.thread.start()
+        self._sock = sock
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self._sock.close()
+
+
+def main(argv: list[str]) -> int:
+    """Serves ``argv[0]`` upstreams (named up-0, up-1, …) until stdin closes."""
+    count = int(argv[0]) if argv else 2
+    delay = float(argv[1]) if len(argv) > 1 else 0.0
+    servers = [ServerThread(Upstream(f"up-{i}", delay=delay).app) for i in range(count)]
+    print(json.dumps([s.port for s in servers]), flush=True)
+    sys.stdin.read()
+    for s in servers:
+        s.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,570 @@
+"""The gateway end to end: test upstreams (each a prefix cache modelled with kvroute.BlockCache)
+and the gateway under uvicorn on 127.0.0.1, called with the official OpenAI client.
+
+Expected cached-token counts come from the upstreams' own model (``gateway_upstream``), which
+re-implements the documented byte-level rendering independently of the gateway's code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+prometheus_parser = pytest.importorskip("prometheus_client.parser")
+
+from gateway_fleet import (  # noqa: E402
+    LONG_SYSTEM,
+    Fleet,
+    GatewayServer,
+    chat,
+    config_dict,
+    wait_for,
+)
+from gateway_upstream import expected_cached, reference_render  # noqa: E402
+
+
+@pytest.fixture
+def fleet():
+    f = Fleet(4)
+    yield f
+    f.close()
+
+
+@pytest.fixture
+def gw(fleet):
+    g = GatewayServer(config_dict(fleet))
+    yield g
+    g.stop()
+
+
+def shared_prefix_cached(a: list[dict], b: list[dict]) -> int:
+    """Tokens the second of two chats finds cached: full blocks of their common rendered prefix."""
+    x, y = reference_render(a).encode(), reference_render(b).encode()
+    n = 0
+    while n < min(len(x), len(y)) and x[n] == y[n]:
+        n += 1
+    return expected_cached(x[:n].decode("utf-8", errors="ignore"))
+
+
+def fleet_owner(fleet, record) -> str:
+    return next(u.name for u in fleet.upstreams if any(r is record for r in u.records))
+
+
+def messages(question: str, system: str = LONG_SYSTEM) -> list[dict]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def metric_samples(text: str) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for family in prometheus_parser.text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+# ---- the classic experiment ----------------------------------------------------------------
+
+
+def test_two_calls_same_system_prompt(fleet, gw):
+    client = gw.client("sk-acme")
+    first, h1 = chat(client, "ep-acme", "Which fuel for R3?")
+    second, h2 = chat(client, "ep-acme", "And for model R17, please?")
+
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    expected = shared_prefix_cached(
+        messages("Which fuel for R3?"), messages("And for model R17, please?")
+    )
+    system_only = expected_cached(reference_render([{"role": "system", "content": LONG_SYSTEM}]))
+    assert cached == expected >= system_only > 1500  # the whole system prompt, block-aligned
+    # Both calls went to the endpoint's one pool worker, which is what the router predicted.
+    assert h1["x-kvroute-worker"] == h2["x-kvroute-worker"]
+    assert int(h1["x-kvroute-cached-tokens"]) == 0
+    assert int(h2["x-kvroute-cached-tokens"]) == cached
+    worker = h2["x-kvroute-worker"]
+    assert second.choices[0].message.content == f"{worker} {h2['x-request-id']}"
+    # Upstream saw the real model name, the endpoint's salt, and not the caller's key.
+    recs = fleet[worker].records
+    assert [r["model"] for r in recs] == ["acme-model", "acme-model"]
+    salt = gw.gateway.router.endpoint_salt("ep-acme")
+    assert [r["cache_salt"] for r in recs] == [salt, salt]
+    assert all(r["authorization"] is None for r in recs)
+
+
+def test_two_calls_streamed_with_and_without_usage(fleet, gw):
+    client = gw.client("sk-globex")
+    msgs = messages("Streaming please.")
+    stream = client.chat.completions.create(model="ep-globex", messages=msgs, stream=True)
+    chunks = list(stream)
+    assert all(c.usage is None for c in chunks)  # the usage chunk the gateway asked for is gone
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    worker = text.split()[0]
+    stream = client.chat.completions.create(
+        model="ep-globex",
+        messages=messages("Streaming again."),
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert len(usage) == 1
+    expected = shared_prefix_cached(msgs, messages("Streaming again."))
+    assert usage[0].prompt_tokens_details.cached_tokens == expected > 1500
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.split()[0] == worker
+    # Upstream was asked for usage both times; the gateway observed both reports.
+    recs = fleet[worker].records
+    assert [r["stream_options"] for r in recs] == [{"include_usage": True}] * 2
+    m = metric_samples(gw.metrics())
+    assert m[("kvroute_gateway_cached_tokens_reported_total", (("worker", worker),))] == expected
+    assert m[("kvroute_gateway_cached_tokens_predicted_total", (("worker", worker),))] == expected
+
+
+def test_completions_text_and_token_ids(fleet, gw):
+    client = gw.client("sk-acme")
+    prompt = LONG_SYSTEM + " Question one."
+    a = client.completions.with_raw_response.create(model="ep-acme", prompt=prompt)
+    b = client.completions.with_raw_response.create(model="ep-acme", prompt=LONG_SYSTEM + " Two?")
+    assert a.parse().usage.prompt_tokens_details.cached_tokens == 0
+    assert a.headers["x-kvroute-worker"] == b.headers["x-kvroute-worker"]
+    expected = expected_cached(LONG_SYSTEM + " ")
+    assert b.parse().usage.prompt_tokens_details.cached_tokens == expected
+    # Token ids route as they are; a repeated id prefix is found cached.
+    ids = list(range(1000, 1400))
+    c = client.completions.create(model="ep-acme", prompt=[*ids, 1, 2, 3])
+    d = client.completions.with_raw_response.create(model="ep-acme", prompt=[*ids, 4, 5])
+    assert c.usage.prompt_tokens_details.cached_tokens == 0
+    assert d.parse().usage.prompt_tokens_details.cached_tokens == 400 // 16 * 16
+    assert int(d.headers["x-kvroute-cached-tokens"]) == 400
+
+
+def test_direct_model_is_open_and_unsalted(fleet, gw):
+    client = gw.client(None)
+    _, headers = chat(client, "base-model", "hello", extra_body={"cache_salt": "mine"})
+    rec = fleet[headers["x-kvroute-worker"]].records[-1]
+    assert rec["model"] == "base-model"
+    assert rec["cache_salt"] is None  # a caller's salt is never forwarded
+    models = {m.id for m in client.models.list()}
+    assert models == {"base-model"}
+    models = {m.id for m in gw.client("sk-acme").models.list()}
+    assert models == {"base-model", "ep-acme"}
+
+
+def test_endpoints_are_isolated(fleet, gw):
+    """Two tenants with the same prompt never share cached blocks (router or engine)."""
+    acme, globex = gw.client("sk-acme"), gw.client("sk-globex")
+    chat(acme, "ep-acme", "same question")
+    _, h = chat(globex, "ep-globex", "same question")
+    assert int(h["x-kvroute-cached-tokens"]) == 0
+    chat(globex, "ep-globex", "same question")
+    recs = [r for r in fleet.records() if r["model"] in ("acme-model", "globex-model")]
+    assert recs[1]["cached_tokens"] == 0  # even if it landed on acme's worker
+    assert recs[2]["cached_tokens"] > 1500
+
+
+# ---- stickiness and failover -----------------------------------------------------------------
+
+
+def test_endpoint_sticks_across_restarts_of_other_upstreams(fleet, gw):
+    client = gw.client("sk-acme")
+    _, h = chat(client, "ep-acme", "q0")
+    home = h["x-kvroute-worker"]
+    full = None
+    for i, other in enumerate(u.name for u in fleet.upstreams if u.name != home):
+        fleet.stop(other)
+        # Traffic of the open model finds the dead upstream and fails over.
+        for j in range(6):
+            done, hh = chat(gw.client(None), "base-model", f"noise {i} {j}", system=f"s{j}")
+            assert hh["x-kvroute-worker"] != other
+        done, h = chat(client, "ep-acme", f"q{i + 1}")
+        assert h["x-kvroute-worker"] == home
+        cached = done.usage.prompt_tokens_details.cached_tokens
+        full = cached if full is None else full
+        assert cached == full > 1500
+        fleet.start(other)
+        gw.wait_healthy(other)
+        done, h = chat(client, "ep-acme", f"q{i + 1} again")
+        assert h["x-kvroute-worker"] == home
+        assert done.usage.prompt_tokens_details.cached_tokens == full
+    # A new gateway over the same fleet puts the endpoint on the same worker: its cache is warm.
+    gw.stop()
+    again = GatewayServer(config_dict(fleet))
+    try:
+        done, h = chat(again.client("sk-acme"), "ep-acme", "after the gateway restarted")
+        assert h["x-kvroute-worker"] == home
+        assert done.usage.prompt_tokens_details.cached_tokens == full
+    finally:
+        again.stop()
+
+
+def test_failover_when_upstream_is_down(fleet, gw):
+    client = gw.client("sk-acme")
+    _, h = chat(client, "ep-acme", "warm up")
+    home = h["x-kvroute-worker"]
+    fleet.stop(home)
+    done, h = chat(client, "ep-acme", "is anyone there?")
+    assert h["x-kvroute-worker"] != home and h["x-kvroute-attempts"] == "2"
+    assert done.choices[0].message.content.startswith(h["x-kvroute-worker"])
+    assert gw.get("/health").json()["workers"][home] is False
+    m = metric_samples(gw.metrics())
+    assert (
+        m[("kvroute_gateway_upstream_errors_total", (("kind", "connect"), ("worker", home)))] == 1
+    )
+    assert m[("kvroute_gateway_worker_healthy", (("worker", home),))] == 0
+    assert m[("kvroute_gateway_retries_total", ())] == 1
+    # It comes back (empty cache): readmitted after its health check, and the endpoint returns.
+    fleet.start(home)
+    gw.wait_healthy(home)
+    _, h = chat(client, "ep-acme", "back home")
+    assert h["x-kvroute-worker"] == home
+
+
+def test_failover_on_5xx_before_first_byte(fleet, gw):
+    client = gw.client("sk-acme")
+    _, h = chat(client, "ep-acme", "warm up")
+    home = h["x-kvroute-worker"]
+    fleet[home].fail(503, times=1)
+    done, h = chat(client, "ep-acme", "retry me", extra_headers={"x-request-id": "rid-5xx"})
+    assert done.choices[0].message.content == f"{h['x-kvroute-worker']} rid-5xx"
+    assert h["x-kvroute-worker"] != home
+    owners = [fleet_owner(fleet, r) for r in fleet.records() if r["id"] == "rid-5xx"]
+    assert owners == [home, h["x-kvroute-worker"]]  # tried once on each, in that order
+    # Streaming requests fail over the same way (the 5xx came before any byte).
+    gw.wait_healthy(home)
+    fleet[home].fail(500, times=1)
+    stream = client.chat.completions.create(
+        model="ep-acme", messages=messages("stream retry"), stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert not text.startswith(home)
+
+
+def test_all_upstreams_failing_gives_the_last_error(fleet):
+    gw = GatewayServer(config_dict(fleet, gateway={"max_attempts": 3}))
+    try:
+        for u in fleet.upstreams:
+            u.fail(502)
+        with pytest.raises(openai.APIStatusError) as e:
+            chat(gw.client(None), "base-model", "x", extra_headers={"x-request-id": "rid-all"})
+        assert e.value.status_code == 502
+        assert sum(r["id"] == "rid-all" for r in fleet.records()) == 3  # bounded attempts
+        gw.wait_healthy("up-0", False)
+        for u in fleet.upstreams:  # every one is ejected by now or was never tried
+            u.fail(502, times=0)
+        for u in fleet.upstreams:
+            gw.wait_healthy(u.name)
+    finally:
+        gw.stop()
+
+
+def test_client_errors_are_not_retried(fleet, gw):
+    client = gw.client(None)
+    for u in fleet.upstreams:
+        u.fail(400)
+    with pytest.raises(openai.BadRequestError):
+        chat(client, "base-model", "bad", extra_headers={"x-request-id": "rid-400"})
+    assert sum(r["id"] == "rid-400" for r in fleet.records()) == 1
+    assert all(gw.get("/health").json()["workers"].values())
+
+
+def test_all_ejected_answers_503(fleet):
+    gw = GatewayServer(config_dict(fleet, gateway={"eject_seconds": 30.0, "max_attempts": 4}))
+    try:
+        for u in fleet.upstreams:
+            fleet.stop(u.name)
+        with pytest.raises(openai.APIStatusError) as e:
+            chat(gw.client(None), "base-model", "anyone?")
+        assert e.value.status_code == 502  # four connect failures
+        with pytest.raises(openai.APIStatusError) as e:
+            chat(gw.client(None), "base-model", "anyone?")
+        assert e.value.status_code == 503  # nobody left to route to
+        assert gw.get("/health").status_code == 503
+    finally:
+        gw.stop()
+
+
+def test_read_timeout_is_not_retried(fleet):
+    gw = GatewayServer(config_dict(fleet, gateway={"read_timeout": 0.3}))
+    try:
+        for u in fleet.upstreams:
+            u.stall = 3.0
+        with pytest.raises(openai.APIStatusError) as e:
+            chat(gw.client(None), "base-model", "slow", extra_headers={"x-request-id": "rid-t"})
+        assert e.value.status_code == 504
+        assert sum(r["id"] == "rid-t" for r in fleet.records()) == 1
+    finally:
+        for u in fleet.upstreams:
+            u.stall = 0.0
+        gw.stop()
+
+
+# ---- auth and limits -------------------------------------------------------------------------
+
+
+def test_auth(fleet, gw):
+    with pytest.raises(openai.AuthenticationError) as e:
+        chat(gw.client(None), "ep-acme", "no key", extra_headers={"Authorization": openai.omit})
+    assert e.value.status_code == 401
+    for wrong in ("sk-wrong", "sk-globex", "sk-acmE", "sk-acme-longer"):
+        with pytest.raises(openai.PermissionDeniedError) as e:
+            chat(gw.client(wrong), "ep-acme", "wrong key")
+        assert e.value.status_code == 403
+    with pytest.raises(openai.NotFoundError):
+        chat(gw.client("sk-acme"), "ep-nope", "unknown")
+    r = httpx.post(
+        gw.url + "/v1/chat/completions",
+        json={"model": "ep-acme", "messages": []},
+        headers={"authorization": "Basic sk-acme"},
+        trust_env=False,
+    )
+    assert r.status_code == 401
+    assert not fleet.records()  # nothing reached an upstream
+    done, _ = chat(gw.client("sk-acme"), "ep-acme", "right key")
+    assert done.choices
+
+
+def test_hashed_keys_in_config(fleet):
+    import hashlib
+
+    cfg = config_dict(fleet)
+    cfg["endpoints"][0] = {
+        "id": "ep-acme",
+        "model": "acme-model",
+        "api_key_sha256": [hashlib.sha256(b"sk-hashed").hexdigest()],
+    }
+    gw = GatewayServer(cfg)
+    try:
+        chat(gw.client("sk-hashed"), "ep-acme", "hi")
+        with pytest.raises(openai.PermissionDeniedError):
+            chat(gw.client("sk-acme"), "ep-acme", "hi")
+    finally:
+        gw.stop()
+
+
+def test_body_limit(fleet):
+    gw = GatewayServer(config_dict(fleet, gateway={"max_body_bytes": 4096}))
+    try:
+        with pytest.raises(openai.APIStatusError) as e:
+            chat(gw.client(None), "base-model", "x" * 5000)
+        assert e.value.status_code == 413
+        body = json.dumps({"model": "base-model", "prompt": "y" * 5000}).encode()
+
+        def chunked():  # no Content-Length: the limit is enforced while reading
+            for i in range(0, len(body), 1000):
+                yield body[i : i + 1000]
+
+        r = httpx.post(gw.url + "/v1/completions", content=chunked(), trust_env=False)
+        assert r.status_code == 413 and "content-length" not in r.request.headers
+        assert r.json()["error"]["code"] == "request_too_large"
+        assert not fleet.records()
+        done, _ = chat(gw.client(None), "base-model", "x" * 100, system="short")
+        assert done.choices
+    finally:
+        gw.stop()
+
+
+def test_bad_requests(fleet, gw):
+    post = lambda body: httpx.post(  # noqa: E731
+        gw.url + "/v1/chat/completions",
+        content=body,
+        trust_env=False,
+        headers={"content-type": "application/json"},
+    )
+    assert post(b"{not json").status_code == 400
+    assert post(b"[1, 2]").status_code == 400
+    assert post(json.dumps({"model": "base-model", "messages": "hi"}).encode()).status_code == 400
+    r = httpx.post(
+        gw.url + "/v1/completions", json={"model": "base-model", "prompt": 5}, trust_env=False
+    )
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert not fleet.records()
+
+
+# ---- streaming -------------------------------------------------------------------------------
+
+
+def test_stream_passes_events_through_as_they_come(fleet, gw):
+    """The upstream holds its stream after the first content chunk until the client has seen
+    that chunk: a buffering gateway would never deliver it (and the test would time out)."""
+    for u in fleet.upstreams:
+        u.chunks = 4
+        u.gate_after_first = True
+    client = gw.client("sk-acme")
+    stream = client.chat.completions.create(
+        model="ep-acme",
+        messages=messages("gated"),
+        stream=True,
+        extra_headers={"x-request-id": "rid-gated"},
+    )
+    pieces = []
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+            if len(pieces) == 1:
+                worker = pieces[0].split()[0]
+                assert not fleet[worker].gate.is_set()  # upstream is still holding the rest
+                assert "rid-gated" not in fleet[worker].streams_completed
+                fleet[worker].gate.set()
+    assert pieces == [f"{worker} rid-gated", ".", ".", "."]
+    wait_for(lambda: "rid-gated" in fleet[worker].streams_completed, "stream completion")
+
+
+def test_client_disconnect_cancels_streaming_upstream(fleet, gw):
+    for u in fleet.upstreams:
+        u.chunks = 500
+        u.chunk_delay = 0.02
+    with httpx.stream(
+        "POST",
+        gw.url + "/v1/chat/completions",
+        trust_env=False,
+        timeout=10,
+        headers={"authorization": "Bearer sk-acme", "x-request-id": "rid-gone"},
+        json={"model": "ep-acme", "messages": messages("long"), "stream": True},
+    ) as r:
+        worker = r.headers["x-kvroute-worker"]
+        next(r.iter_raw())
+    wait_for(lambda: "rid-gone" in fleet[worker].streams_ended_early, "upstream cancellation")
+    released = f'kvroute_gateway_in_flight{{worker="{worker}"}} 0'
+    wait_for(lambda: released in gw.metrics(), "load released")
+    assert 'status="499"' in gw.metrics()
+
+
+def test_client_disconnect_cancels_waiting_upstream(fleet, gw):
+    for u in fleet.upstreams:
+        u.stall = 30.0
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            gw.url + "/v1/chat/completions",
+            trust_env=False,
+            timeout=httpx.Timeout(10, read=0.5),
+            headers={"authorization": "Bearer sk-acme", "x-request-id": "rid-wait"},
+            json={"model": "ep-acme", "messages": messages("slow")},
+        )
+    wait_for(
+        lambda: any("rid-wait" in u.abandoned for u in fleet.upstreams),
+        "upstream saw the disconnect",
+    )
+    wait_for(lambda: 'status="499"' in gw.metrics(), "499 counted")
+    m = metric_samples(gw.metrics())
+    assert all(v == 0 for (n, _), v in m.items() if n == "kvroute_gateway_in_flight")
+
+
+# ---- metrics -----------------------------------------------------------------------------------
+
+
+def test_metrics(fleet, gw):
+    client = gw.client("sk-acme")
+    for q in ("a", "b", "c"):
+        chat(client, "ep-acme", q)
+    list(client.chat.completions.create(model="ep-acme", messages=messages("d"), stream=True))
+    with pytest.raises(openai.PermissionDeniedError):
+        chat(gw.client("nope"), "ep-acme", "x")
+    text = gw.metrics()
+    m = metric_samples(text)  # prometheus_client's parser accepts the exposition
+    chat_route = ("route", "/v1/chat/completions")
+    assert (
+        m[("kvroute_gateway_requests_total", (("model", "ep-acme"), chat_route, ("status", "200")))]
+        == 4
+    )
+    assert (
+        m[("kvroute_gateway_requests_total", (("model", "ep-acme"), chat_route, ("status", "403")))]
+        == 1
+    )
+    assert m[("kvroute_gateway_request_duration_seconds_count", (chat_route,))] == 5
+    assert m[("kvroute_gateway_request_duration_seconds_bucket", (("le", "+Inf"), chat_route))] == 5
+    decisions = {k: v for k, v in m.items() if k[0] == "kvroute_gateway_routing_decisions_total"}
+    assert sum(decisions.values()) == 4
+    labels = dict(next(iter(decisions))[1])
+    assert labels["policy"] == "kv_aware" and labels["worker"].startswith("up-")
+    recs = [r for r in fleet.records() if r["model"] == "acme-model"]
+    reported = sum(r["cached_tokens"] for r in recs)
+    assert reported > 0
+    got = sum(v for (n, _), v in m.items() if n == "kvroute_gateway_cached_tokens_reported_total")
+    assert got == reported
+    predicted = sum(
+        v for (n, _), v in m.items() if n == "kvroute_gateway_cached_tokens_predicted_total"
+    )
+    assert predicted == reported
+    assert all(v == 0 for (n, _), v in m.items() if n == "kvroute_gateway_in_flight")
+    assert "# TYPE kvroute_gateway_request_duration_seconds histogram" in text
+
+
+def test_health_and_models_endpoints(fleet, gw):
+    h = gw.get("/health")
+    assert h.status_code == 200
+    assert h.json() == {"status": "ok", "workers": {u.name: True for u in fleet.upstreams}}
+    models = gw.get("/v1/models", headers={"authorization": "Bearer sk-globex"}).json()
+    assert {m["id"] for m in models["data"]} == {"base-model", "ep-globex"}
+
+
+def test_worker_api_key_sent_upstream(fleet):
+    cfg = config_dict(fleet)
+    for w in cfg["workers"]:
+        w["api_key"] = "upstream-secret"
+    gw = GatewayServer(cfg)
+    try:
+        _, h = chat(gw.client("sk-acme"), "ep-acme", "hi")
+        assert fleet[h["x-kvroute-worker"]].records[-1]["authorization"] == "Bearer upstream-secret"
+    finally:
+        gw.stop()
+
+
+def test_openai_kind_gets_no_cache_salt(fleet):
+    cfg = config_dict(fleet)
+    for w in cfg["workers"]:
+        w["kind"] = "openai"
+    gw = GatewayServer(cfg)
+    try:
+        _, h = chat(gw.client("sk-acme"), "ep-acme", "hi")
+        assert fleet[h["x-kvroute-worker"]].records[-1]["cache_salt"] is None
+    finally:
+        gw.stop()
+
+
+@pytest.mark.skipif(os.name != "posix", reason="subprocess signals")
+def test_cli_serve(fleet, tmp_path):
+    """`kvroute serve --config FILE` in a subprocess answers the OpenAI client."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from gateway_fleet import toml_text
+
+    cfg = tmp_path / "gw.toml"
+    cfg.write_text(toml_text(config_dict(fleet)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(cfg), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-acme", max_retries=0, timeout=10
+        )
+
+        def up():
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", trust_env=False).is_success
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, "kvroute serve", timeout=30)
+        first, _ = chat(client, "ep-acme", "one")
+        second, _ = chat(client, "ep-acme", "two")
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert second.usage.prompt_tokens_details.cached_tokens > 1500
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0, out.decode()
