@@ -40,4 +40,5 @@ def serve(
         access_log=access_log,
         log_level=log_level,
         lifespan="on",
+        timeout_keep_alive=config.server.keep_alive_timeout,
     )

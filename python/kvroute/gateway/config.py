@@ -20,6 +20,9 @@ Example (every key shown; only ``[[workers]]`` is required)::
     read_timeout = 300.0             # seconds between two bytes of an upstream response
     write_timeout = 30.0
     pool_timeout = 5.0               # waiting for a free upstream connection
+    upstream_keepalive = 4.0         # idle upstream connections closed after (below the
+                                     # upstream's own keep-alive: uvicorn's default is 5 s)
+    keep_alive_timeout = 75.0        # idle client connections closed after
     health_path = "/health"          # probed on ejected workers until it answers 200
     health_interval = 1.0
     eject_seconds = 2.0              # minimum time a failed worker stays out
@@ -164,6 +167,8 @@ class ServerConfig:
     read_timeout: float = 300.0
     write_timeout: float = 30.0
     pool_timeout: float = 5.0
+    upstream_keepalive: float = 4.0
+    keep_alive_timeout: float = 75.0
     health_path: str = "/health"
     health_interval: float = 1.0
     eject_seconds: float = 2.0
@@ -327,6 +332,8 @@ def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
         read_timeout=g.positive("read_timeout", float, 300.0),
         write_timeout=g.positive("write_timeout", float, 30.0),
         pool_timeout=g.positive("pool_timeout", float, 5.0),
+        upstream_keepalive=g.positive("upstream_keepalive", float, 4.0),
+        keep_alive_timeout=g.positive("keep_alive_timeout", float, 75.0),
         health_path=g.get("health_path", str, "/health"),
         health_interval=g.positive("health_interval", float, 1.0),
         eject_seconds=g.positive("eject_seconds", float, 2.0, zero=True),
