@@ -253,12 +253,19 @@ def test_all_upstreams_failing_gives_the_last_error(fleet):
         with pytest.raises(openai.APIStatusError) as e:
             chat(gw.client(None), "base-model", "x", extra_headers={"x-request-id": "rid-all"})
         assert e.value.status_code == 502
-        assert sum(r["id"] == "rid-all" for r in fleet.records()) == 3  # bounded attempts
-        gw.wait_healthy("up-0", False)
-        for u in fleet.upstreams:  # every one is ejected by now or was never tried
-            u.fail(502, times=0)
+        tried = [fleet_owner(fleet, r) for r in fleet.records() if r["id"] == "rid-all"]
+        assert len(tried) == len(set(tried)) == 3  # bounded attempts, each on another worker
+        assert all(gw.get("/health").json()["workers"].values())  # one failure ejects nobody
+        # A worker failing every request is ejected after eject_after (3) failures in a row.
+        for i in range(3):
+            with pytest.raises(openai.APIStatusError):
+                chat(gw.client(None), "base-model", f"again {i}")
+        ejected = [w for w, ok in gw.get("/health").json()["workers"].items() if not ok]
+        assert ejected
         for u in fleet.upstreams:
-            gw.wait_healthy(u.name)
+            u.fail(502, times=0)
+        for w in ejected:
+            gw.wait_healthy(w)  # readmitted by its health check
     finally:
         gw.stop()
 

@@ -47,13 +47,15 @@ class Router:
         self._healthy = dict.fromkeys(weights, True)
         self._load = dict.fromkeys(weights, 0)
         self._endpoints: dict[str, int] = {}
+        self._salts: dict[str, str] = {}
         self._hashers = {None: BlockHasher(block_size, profile=hash_profile)}
         self._ids = itertools.count(1)
         self._active: set[int] = set()
         self._lock = threading.Lock()
 
-    def add_endpoint(self, endpoint_id, *, pool_size, reserved_blocks=None):
+    def add_endpoint(self, endpoint_id, *, pool_size, reserved_blocks=None, salt=None):
         self._endpoints[endpoint_id] = pool_size
+        self._salts[endpoint_id] = salt or endpoint_id
         self._hashers[endpoint_id] = BlockHasher(
             self.block_size, profile=self.hash_profile, salt=self.endpoint_salt(endpoint_id)
         )
@@ -61,7 +63,7 @@ class Router:
     def endpoint_salt(self, endpoint_id):
         if endpoint_id not in self._endpoints:
             raise KeyError(endpoint_id)
-        return f"kvroute-endpoint:{endpoint_id}"
+        return self._salts[endpoint_id]
 
     def endpoint_pool(self, endpoint_id):
         healthy = [w for w in self._weights if self._healthy[w]]
@@ -72,7 +74,7 @@ class Router:
     def set_healthy(self, name, ok):
         self._healthy[name] = bool(ok)
 
-    def route(self, tokens=None, *, block_hashes=None, key=None, endpoint=None):
+    def route(self, tokens=None, *, block_hashes=None, key=None, endpoint=None, exclude=None):
         hashes = self._hashers[endpoint].hash(tokens)
         with self._lock:
             cands = (
@@ -80,8 +82,9 @@ class Router:
                 if endpoint
                 else [w for w in self._weights if self._healthy[w]]
             )
+            cands = [w for w in cands if w not in (exclude or ())]
             if not cands:
-                raise RuntimeError("no healthy worker")
+                raise ValueError("no healthy worker")
             m = self.index.match(hashes)
             best = min(cands, key=lambda w: (len(hashes) - m.get(w, 0) + self._load[w], w))
             cb = m.get(best, 0)
@@ -106,6 +109,9 @@ class Router:
         with self._lock:
             self._active.remove(d.id)
             self._load[d.worker] -= 1
+
+    def prefilled(self, d):
+        pass
 
     def observe(self, d, cached_tokens):
         pass

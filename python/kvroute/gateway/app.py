@@ -17,20 +17,25 @@ Request path (``POST /v1/chat/completions``, ``POST /v1/completions``):
    per endpoint exactly as the router's block hashes are (and, in events mode, the engine's KV
    events carry the same salt). A ``cache_salt`` sent by the caller is never forwarded: it would
    let one tenant name another's cache partition and probe it by timing.
-5. ``router.begin(d)`` when the upstream request starts; ``router.finish(d)`` exactly once when
-   the response or stream has ended, failed, or the client went away. When the upstream reports
+5. ``router.begin(d)`` when the upstream request starts; ``router.prefilled(d)`` when a stream's
+   first bytes arrive (the prompt is prefilled); ``router.finish(d)`` exactly once when the
+   response or stream has ended, failed, or the client went away. When the upstream reports
    ``usage.prompt_tokens_details.cached_tokens`` (the final usage chunk of a stream; the gateway
    asks for it with ``stream_options.include_usage`` and strips that chunk again when the caller
    did not ask for it), ``router.observe(d, cached)`` is called first, in routing tokens.
 
 Failover: a connection failure (refused, connect or pool timeout), a connection reset before any
-response byte, or a 5xx status is retried on the router's next choice — the failed worker is
-ejected (``router.set_healthy(worker, False)``), so the router's own preference order (and an
-endpoint pool's replacement member) decides where the retry goes — up to ``max_attempts``
-attempts. An ejected worker is readmitted when, at least ``eject_seconds`` later, its
-``health_path`` answers 200 (probed every ``health_interval``). Read timeouts are not retried
-(the upstream may still be computing): they answer 504. 4xx answers pass through untouched. After
-the first byte nothing is retried: a stream that breaks is ended.
+response byte, or a 5xx status is retried on the router's next choice among the workers not yet
+tried for this request (``route(..., exclude=tried)``), up to ``max_attempts`` attempts; when an
+endpoint's pool has no untried member left, the members that failed are ejected so that the pool's
+next workers in rendezvous order step in. A worker is ejected (``router.set_healthy(worker,
+False)``) at once when it cannot be reached, and after ``eject_after`` failed requests in a row
+otherwise; it is readmitted when, at least ``eject_seconds`` later, its ``health_path`` answers
+200 (probed every ``health_interval``). Read timeouts are not retried (the upstream may still be
+computing): they answer 504. 4xx answers pass through untouched. After the first response byte
+nothing is retried: a stream that breaks is ended. A reset before any response byte is retried
+although the upstream may have read the request (a keep-alive connection it closed at that
+moment, typically): completions have no side effects, so at worst it computed twice.
 
 Streams are passed through as the upstream's SSE events arrive (each complete event is forwarded
 at once; only the usage chunk the gateway itself asked for is removed). A client that disconnects
@@ -222,6 +227,7 @@ class Flight:
         "connections",
         "decision",
         "gateway",
+        "prefill_done",
         "routing_prompt",
         "shard",
         "worker",
@@ -233,10 +239,17 @@ class Flight:
         self.worker = decision.worker
         self.routing_prompt = routing_prompt
         self.closed = False
+        self.prefill_done = False
         self.connections = gateway.connections[self.worker]
         self.shard = self.connections.acquire()
         gateway.router.begin(decision)
         gateway.in_flight[self.worker] = gateway.in_flight.get(self.worker, 0) + 1
+
+    def prefilled(self) -> None:
+        """The upstream produced its first output: the prompt's prefill is done."""
+        if not self.prefill_done and not self.closed:
+            self.prefill_done = True
+            self.gateway.router.prefilled(self.decision)
 
     def close(self, usage: Any = None) -> None:
         """Reports the upstream's usage (if it has cached tokens) and finishes; idempotent."""
@@ -313,6 +326,7 @@ class Gateway:
         self.connections: dict[str, Connections] = {}
         self.in_flight: dict[str, int] = dict.fromkeys(self.workers, 0)
         self.ejected: dict[str, float] = {}  # worker -> monotonic time of ejection
+        self.failures: dict[str, int] = {}  # worker -> failed requests in a row
         self.subscriber: Any = None
         self._health_task: asyncio.Task[None] | None = None
         self._init_metrics()
@@ -645,16 +659,14 @@ class Gateway:
         salted_body, plain_body, strip_usage = self._upstream_body(target, payload, stream)
         failure: HTTPError | None = None
         failed_response: tuple[int, bytes, str] | None = None
-        attempts = self.server.max_attempts
-        for attempt in range(1, attempts + 1):
-            try:
-                d = self.router.route(tokens=tokens, endpoint=target.endpoint)
-            except NoWorker as e:
-                if failed_response is not None or failure is not None:
-                    break
-                failure = HTTPError(
-                    503, f"no upstream worker available: {e}", "service_unavailable", "no_worker"
-                )
+        tried: list[str] = []
+        for attempt in range(1, self.server.max_attempts + 1):
+            d = self._route(tokens, target.endpoint, tried)
+            if d is None:
+                if failure is None and failed_response is None:
+                    failure = HTTPError(
+                        503, "no upstream worker available", "service_unavailable", "no_worker"
+                    )
                 break
             if attempt > 1:
                 self.m_retries.inc()
@@ -679,13 +691,15 @@ class Gateway:
                 resp = await flight.send(req)
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as e:
                 flight.close()
-                self._upstream_failed(worker, "connect", e)
+                tried.append(worker)
+                self._upstream_failed(worker, "connect", e, down=True)
                 failure = HTTPError(
                     502, f"upstream {worker} unreachable", "upstream_error", "upstream_unreachable"
                 )
                 continue
             except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
                 flight.close()
+                tried.append(worker)
                 self._upstream_failed(worker, "reset", e)
                 failure = HTTPError(
                     502,
@@ -713,6 +727,7 @@ class Gateway:
                 finally:
                     await resp.aclose()
                     flight.close()
+                tried.append(worker)
                 self._upstream_failed(worker, "status_5xx", None)
                 failed_response = (
                     resp.status_code,
@@ -721,6 +736,7 @@ class Gateway:
                 )
                 failure = None
                 continue
+            self.failures.pop(worker, None)
             for name in _FORWARDED_RESPONSE_HEADERS:
                 value = resp.headers.get(name)
                 if value is not None:
@@ -785,10 +801,40 @@ class Gateway:
 
     # ---- health ----------------------------------------------------------------------------
 
-    def _upstream_failed(self, worker: str, kind: str, error: BaseException | None) -> None:
+    def _route(self, tokens: np.ndarray, endpoint: str | None, tried: list[str]) -> Any:
+        """The router's choice among the workers not yet tried for this request, or None.
+
+        When an endpoint's pool has no untried member left, the members that failed this request
+        are ejected, so the pool's next workers in rendezvous order step in (the pool returns to
+        its members when they are readmitted).
+        """
+        try:
+            return self.router.route(tokens=tokens, endpoint=endpoint, exclude=tried or None)
+        except NoWorker:
+            fresh = [w for w in dict.fromkeys(tried) if w not in self.ejected]
+            if endpoint is None or not fresh:
+                return None
+        for worker in fresh:
+            self._eject(worker)
+        try:
+            return self.router.route(tokens=tokens, endpoint=endpoint, exclude=tried)
+        except NoWorker:
+            return None
+
+    def _upstream_failed(
+        self, worker: str, kind: str, error: BaseException | None, *, down: bool = False
+    ) -> None:
+        """Counts a failure; ejects the worker when it is down (cannot be reached) or has failed
+        ``eject_after`` requests in a row."""
         self.m_errors.inc(worker, kind)
-        log.warning("upstream %s failed (%s): %r; ejecting it", worker, kind, error)
+        count = self.failures[worker] = self.failures.get(worker, 0) + 1
+        log.warning("upstream %s failed (%s, %d in a row): %r", worker, kind, count, error)
+        if down or count >= self.server.eject_after:
+            self._eject(worker)
+
+    def _eject(self, worker: str) -> None:
         if worker not in self.ejected:
+            log.warning("ejecting upstream %s", worker)
             self.ejected[worker] = time.monotonic()
             self.router.set_healthy(worker, False)
 
@@ -803,6 +849,7 @@ class Gateway:
                 for worker, ok in zip(due, results):
                     if ok and worker in self.ejected:
                         del self.ejected[worker]
+                        self.failures.pop(worker, None)
                         self.router.set_healthy(worker, True)
                         log.info("upstream %s is healthy again", worker)
 
@@ -882,6 +929,8 @@ class ProxyStream(Response):
         first = True
         try:
             async for chunk in self.upstream.aiter_raw():
+                if first:
+                    self.flight.prefilled()
                 buf += chunk
                 out = []
                 start = 0

@@ -26,6 +26,7 @@ Example (every key shown; only ``[[workers]]`` is required)::
     health_path = "/health"          # probed on ejected workers until it answers 200
     health_interval = 1.0
     eject_seconds = 2.0              # minimum time a failed worker stays out
+    eject_after = 3                  # failed requests in a row (5xx, reset) that eject a worker
 
     [router]                         # kvroute.Router(...)
     policy = "kv_aware"
@@ -59,6 +60,8 @@ Example (every key shown; only ``[[workers]]`` is required)::
     reserved_blocks = 4096
     api_keys = ["sk-acme"]
     api_key_sha256 = ["9f86d0…"]     # hex digests, instead of or beside api_keys
+    salt = "…"                       # the endpoint's block-hash salt (default: its id); a
+                                     # secret salt keeps engines' caches unguessable too
     cache_salt = true                # send the endpoint's salt upstream to vllm/sglang workers
 """
 
@@ -125,6 +128,7 @@ class EndpointConfig:
     pool_size: int = 1
     reserved_blocks: int | None = None
     key_digests: tuple[bytes, ...] = ()
+    salt: str | None = None
     cache_salt: bool = True
 
     @property
@@ -172,6 +176,7 @@ class ServerConfig:
     health_path: str = "/health"
     health_interval: float = 1.0
     eject_seconds: float = 2.0
+    eject_after: int = 3
 
 
 @dataclass(frozen=True)
@@ -241,9 +246,15 @@ class _Table:
 
 
 def _names(kinds: tuple[type, ...]) -> str:
-    return " or ".join(
-        {int: "an integer", float: "a number", str: "a string"}.get(k, k.__name__) for k in kinds
-    )
+    words = {
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        bool: "true or false",
+        dict: "a table",
+        list: "an array",
+    }
+    return " or ".join(words.get(k, k.__name__) for k in kinds)
 
 
 def _digests(t: _Table) -> tuple[bytes, ...]:
@@ -298,6 +309,7 @@ def _endpoint(data: Any, i: int) -> EndpointConfig:
         pool_size=t.positive("pool_size", int, 1),
         reserved_blocks=t.positive("reserved_blocks", int, None, zero=True),
         key_digests=_digests(t),
+        salt=t.get("salt", str, None) or None,
         cache_salt=t.get("cache_salt", bool, True),
     )
     if not ep.id or not ep.model:
@@ -337,6 +349,7 @@ def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
         health_path=g.get("health_path", str, "/health"),
         health_interval=g.positive("health_interval", float, 1.0),
         eject_seconds=g.positive("eject_seconds", float, 2.0, zero=True),
+        eject_after=g.positive("eject_after", int, 3),
     )
     g.done()
     if not 0 <= server.port < 65536:

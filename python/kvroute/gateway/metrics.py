@@ -150,7 +150,7 @@ class Histogram(_Metric):
             running = 0.0
             for bound, count in zip((*self.bounds, float("inf")), row):
                 running += count
-                le = 'le="' + _number(bound) + '"'
+                le = 'le="' + ("+Inf" if bound == float("inf") else repr(float(bound))) + '"'
                 lines.append(
                     f"{self.name}_bucket{_labels(self.label_names, key, le)} {_number(running)}"
                 )

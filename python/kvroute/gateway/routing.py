@@ -19,8 +19,9 @@ try:
 except ImportError:  # TEMPORARY until issue #5 lands
     from ._router_standin import Router  # type: ignore[assignment]
 
-#: What ``Router.route`` raises when no healthy worker can take the request.
-NoWorker: tuple[type[BaseException], ...] = (RuntimeError,)
+#: What ``Router.route`` raises when no candidate is left (none healthy, in the endpoint's pool
+#: and not excluded). The gateway's arguments are otherwise always valid.
+NoWorker: tuple[type[BaseException], ...] = (ValueError,)
 
 
 def build_router(config: GatewayConfig) -> Any:
@@ -35,13 +36,16 @@ def build_router(config: GatewayConfig) -> Any:
         **dict(r.options),
     )
     for ep in config.endpoints:
-        router.add_endpoint(ep.id, pool_size=ep.pool_size, reserved_blocks=ep.reserved_blocks)
+        router.add_endpoint(
+            ep.id, pool_size=ep.pool_size, reserved_blocks=ep.reserved_blocks, salt=ep.salt
+        )
     return router
 
 
-def endpoint_salt(router: Any, endpoint_id: str) -> str:
+def endpoint_salt(router: Any, endpoint_id: str) -> str | None:
     """The salt of ``endpoint_id``'s blocks in the router: the ``cache_salt`` sent upstream."""
-    return str(router.endpoint_salt(endpoint_id))
+    salt = router.endpoint_salt(endpoint_id)
+    return None if salt is None else str(salt)
 
 
 def decision_reason(decision: Any) -> str:
