@@ -20,8 +20,8 @@ LONG_SYSTEM = "You are the support assistant of ACME Rockets. Policy handbook fo
 class Fleet:
     """``n`` upstreams named up-0 … up-(n-1), each in its own uvicorn thread."""
 
-    def __init__(self, n: int, **upstream: Any) -> None:
-        self.upstreams = [Upstream(f"up-{i}", **upstream) for i in range(n)]
+    def __init__(self, n: int, factory: Any = Upstream, **upstream: Any) -> None:
+        self.upstreams = [factory(f"up-{i}", **upstream) for i in range(n)]
         self.servers: list[ServerThread | None] = [ServerThread(u.app) for u in self.upstreams]
         self.ports = [s.port for s in self.servers if s is not None]
 

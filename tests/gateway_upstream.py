@@ -133,6 +133,17 @@ class Upstream:
         with self.lock:
             return [r["id"] for r in self.records]
 
+    def on_cache_change(
+        self,
+        hashes: Any,
+        matched: int,
+        stored: int,
+        evicted: Any,
+        tokens: list[int],
+        salt: str | None,
+    ) -> None:
+        """Called (under the lock) after a prompt's blocks were matched and inserted."""
+
     # ---- handlers ----------------------------------------------------------------------------
 
     async def _health(self, request: Request) -> Response:
@@ -213,7 +224,8 @@ class Upstream:
         hashes = BlockHasher(BLOCK, salt=salt).hash(tokens)
         with self.lock:
             matched = self.cache.match(hashes)
-            self.cache.insert(hashes)
+            stored, evicted = self.cache.insert(hashes)
+            self.on_cache_change(hashes, matched, stored, evicted, tokens, salt)
         cached = min(matched, max(len(tokens) - 1, 0) // BLOCK) * BLOCK
         record["cached_tokens"] = cached
         usage = {

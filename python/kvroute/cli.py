@@ -153,7 +153,7 @@ def _simulate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     """Run the OpenAI-compatible gateway (needs the `gateway` extra)."""
     try:
-        from .gateway import load_config, serve
+        from .gateway import Gateway, load_config, serve
     except ImportError as e:
         print(
             f"kvroute serve needs the gateway extra (pip install 'kvroute[gateway]'): {e}",
@@ -161,12 +161,16 @@ def _serve(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        config = load_config(args.config)
-    except (OSError, ValueError) as e:
+        gateway = Gateway(load_config(args.config))  # builds the router: validates everything
+    except (OSError, ValueError, TypeError, KeyError) as e:
         print(f"kvroute serve: bad config {args.config}: {e}", file=sys.stderr)
         return 2
     serve(
-        config, host=args.host, port=args.port, access_log=args.access_log, log_level=args.log_level
+        gateway,
+        host=args.host,
+        port=args.port,
+        access_log=args.access_log,
+        log_level=args.log_level,
     )
     return 0
 

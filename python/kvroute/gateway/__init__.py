@@ -22,7 +22,7 @@ __all__ = ["Gateway", "GatewayConfig", "load_config", "parse_config", "serve"]
 
 
 def serve(
-    config: GatewayConfig,
+    config: GatewayConfig | Gateway,
     *,
     host: str | None = None,
     port: int | None = None,
@@ -32,13 +32,14 @@ def serve(
     """Runs the gateway under uvicorn until interrupted (one process, one event loop)."""
     import uvicorn
 
-    gateway = Gateway(config)
+    gateway = config if isinstance(config, Gateway) else Gateway(config)
+    server = gateway.config.server
     uvicorn.run(
         gateway.app,
-        host=host if host is not None else config.server.host,
-        port=port if port is not None else config.server.port,
+        host=host if host is not None else server.host,
+        port=port if port is not None else server.port,
         access_log=access_log,
         log_level=log_level,
         lifespan="on",
-        timeout_keep_alive=config.server.keep_alive_timeout,
+        timeout_keep_alive=server.keep_alive_timeout,
     )

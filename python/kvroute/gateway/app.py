@@ -82,7 +82,7 @@ from .prompt import (
     render_chat,
     to_routing_tokens,
 )
-from .routing import NoWorker, build_router, decision_reason, endpoint_salt
+from .routing import NoWorker, build_router
 
 __all__ = ["Gateway"]
 
@@ -321,7 +321,7 @@ class Gateway:
         for model in config.server.models:
             self.targets[model] = Target(model, model, None, config.server.key_digests, False)
         self.salts = {
-            ep.id: endpoint_salt(self.router, ep.id) for ep in config.endpoints if ep.cache_salt
+            ep.id: self.router.endpoint_salt(ep.id) for ep in config.endpoints if ep.cache_salt
         }
         self.connections: dict[str, Connections] = {}
         self.in_flight: dict[str, int] = dict.fromkeys(self.workers, 0)
@@ -671,7 +671,7 @@ class Gateway:
             if attempt > 1:
                 self.m_retries.inc()
             worker = d.worker
-            self.m_decisions.inc(str(d.policy), decision_reason(d), worker)
+            self.m_decisions.inc(d.policy, d.reason, worker)
             wcfg = self.workers[worker]
             headers = [("content-type", "application/json"), ("x-request-id", rid)]
             if self.server.routing_headers:

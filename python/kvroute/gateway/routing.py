@@ -1,31 +1,30 @@
-"""The one place the gateway meets ``kvroute.Router``: building it from the config, and the few
-calls whose spelling might differ between Router versions.
+"""The one place the gateway builds ``kvroute.Router`` from its configuration.
 
-Everything else in the gateway uses the Router's public API directly: ``route(tokens=...,
-endpoint=...)`` → Decision (``worker``, ``cached_tokens``, ``policy``, ``reason``),
-``begin``/``finish``/``observe`` and ``set_healthy``.
+The rest of the gateway calls the Router's public API directly: ``route(tokens=...,
+endpoint=..., exclude=...)`` → ``Decision`` (``worker``, ``cached_tokens``, ``policy``,
+``reason``), ``begin`` / ``prefilled`` / ``finish`` / ``observe``, ``set_healthy`` and
+``endpoint_salt``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from kvroute import Router
 
 from .config import GatewayConfig
 
-__all__ = ["NoWorker", "build_router", "decision_reason", "endpoint_salt"]
-
-try:
-    from kvroute import Router
-except ImportError:  # TEMPORARY until issue #5 lands
-    from ._router_standin import Router  # type: ignore[assignment]
+__all__ = ["NoWorker", "build_router"]
 
 #: What ``Router.route`` raises when no candidate is left (none healthy, in the endpoint's pool
-#: and not excluded). The gateway's arguments are otherwise always valid.
-NoWorker: tuple[type[BaseException], ...] = (ValueError,)
+#: and not excluded); the gateway's arguments are otherwise always valid.
+NoWorker = ValueError
 
 
-def build_router(config: GatewayConfig) -> Any:
-    """A Router over the configured workers (weights), with every endpoint's pool added."""
+def build_router(config: GatewayConfig) -> Router:
+    """A Router over the configured workers (weights) with every endpoint added.
+
+    ``[router] options`` are passed as further keyword arguments (``capacity_blocks``, ``ttl``,
+    ``queue_weight``, ``seed`` …); an unknown one raises ``TypeError``.
+    """
     r = config.router
     router = Router(
         {w.name: w.weight for w in config.workers},
@@ -40,13 +39,3 @@ def build_router(config: GatewayConfig) -> Any:
             ep.id, pool_size=ep.pool_size, reserved_blocks=ep.reserved_blocks, salt=ep.salt
         )
     return router
-
-
-def endpoint_salt(router: Any, endpoint_id: str) -> str | None:
-    """The salt of ``endpoint_id``'s blocks in the router: the ``cache_salt`` sent upstream."""
-    salt = router.endpoint_salt(endpoint_id)
-    return None if salt is None else str(salt)
-
-
-def decision_reason(decision: Any) -> str:
-    return str(getattr(decision, "reason", "") or "none")

@@ -1,0 +1,121 @@
+"""The gateway in events mode: upstreams publish KV events over ZMQ (SGLang's BlockStored /
+BlockRemoved with ``cache_salt``), the gateway's KvEventSubscriber feeds the router's index, and
+routing follows what the engines really hold — including prompts that never went through the
+gateway, and endpoint prompts salted by the ``cache_salt`` the gateway sent upstream."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+
+pytest.importorskip("starlette")
+zmq = pytest.importorskip("zmq")
+openai = pytest.importorskip("openai")
+
+import events_payloads as P  # noqa: E402
+from gateway_fleet import Fleet, GatewayServer, chat, config_dict, wait_for  # noqa: E402
+from gateway_upstream import BLOCK, Upstream  # noqa: E402
+
+
+class PublishingUpstream(Upstream):
+    """An upstream that publishes its cache changes like SGLang (engine hashes = its own
+    ``BlockHasher`` values as signed int64, token ids of the stored blocks, the salt)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.events_endpoint = f"tcp://127.0.0.1:{port}"
+        self.seq = itertools.count()
+        self.zlock = threading.Lock()
+
+    def wait_subscribed(self) -> None:
+        self.pub.setsockopt(zmq.RCVTIMEO, 10_000)
+        self.pub.recv()  # the subscriber's subscription message
+
+    def on_cache_change(self, hashes, matched, stored, evicted, tokens, salt) -> None:
+        events = []
+        if len(evicted):
+            events.append(P.sglang_removed([_signed(h) for h in evicted]))
+        if stored > matched:
+            new = [_signed(h) for h in hashes[matched:stored]]
+            parent = _signed(hashes[matched - 1]) if matched else None
+            events.append(
+                P.sglang_stored(
+                    new, parent, tokens[matched * BLOCK : stored * BLOCK], BLOCK, cache_salt=salt
+                )
+            )
+        if events:
+            with self.zlock:
+                seq = next(self.seq).to_bytes(8, "big")
+                self.pub.send_multipart([b"", seq, P.batch(events)])
+
+    def close(self) -> None:
+        self.pub.close(0)
+        self.ctx.term()
+
+
+def indexed(router, worker: str) -> int:
+    """Blocks the router's index holds for ``worker`` (0 before its first event)."""
+    return router.index.num_blocks(worker) if worker in router.index.workers else 0
+
+
+def _signed(h) -> int:
+    h = int(h)
+    return h - (1 << 64) if h >= 1 << 63 else h
+
+
+@pytest.fixture
+def fleet():
+    f = Fleet(3, factory=PublishingUpstream)
+    yield f
+    f.close()
+    for u in f.upstreams:
+        u.close()
+
+
+@pytest.fixture
+def gw(fleet):
+    cfg = config_dict(fleet, router={"policy": "kv_aware", "index": "events"})
+    for w, u in zip(cfg["workers"], fleet.upstreams):
+        w["kv_events"] = u.events_endpoint
+    g = GatewayServer(cfg)
+    for u in fleet.upstreams:
+        u.wait_subscribed()
+    yield g
+    g.stop()
+
+
+def test_routes_to_where_the_engine_reports_the_prefix(fleet, gw):
+    router = gw.gateway.router
+    # A prompt sent straight to up-2, bypassing the gateway: only its KV events tell.
+    direct = openai.OpenAI(base_url=f"http://127.0.0.1:{fleet.ports[2]}/v1", api_key="x")
+    chat(direct, "base-model", "asked directly")
+    wait_for(lambda: indexed(router, "up-2") > 0, "up-2's KV events")
+    done, h = chat(gw.client(None), "base-model", "asked through the gateway")
+    assert h["x-kvroute-worker"] == "up-2"
+    cached = done.usage.prompt_tokens_details.cached_tokens
+    assert cached > 1500 and int(h["x-kvroute-cached-tokens"]) == cached
+
+
+def test_endpoint_salt_reaches_the_engine_and_back(fleet, gw):
+    router = gw.gateway.router
+    client = gw.client("sk-globex")
+    _, h1 = chat(client, "ep-globex", "first")
+    worker = h1["x-kvroute-worker"]
+    salt = router.endpoint_salt("ep-globex")
+    assert fleet[worker].records[-1]["cache_salt"] == salt
+    wait_for(lambda: indexed(router, worker) > 0, "KV events of the salted prompt")
+    done, h2 = chat(client, "ep-globex", "second")
+    assert h2["x-kvroute-worker"] == worker
+    cached = done.usage.prompt_tokens_details.cached_tokens
+    assert cached > 1500 and int(h2["x-kvroute-cached-tokens"]) == cached
+    # The same prompt without the endpoint is not matched by the salted blocks.
+    _, h3 = chat(gw.client(None), "base-model", "second")
+    assert int(h3["x-kvroute-cached-tokens"]) == 0
+    subscriber = gw.gateway.subscriber
+    assert subscriber is not None and subscriber.stats()[worker]["malformed"] == 0
