@@ -575,3 +575,36 @@ def test_cli_serve(fleet, tmp_path):
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=20)
     assert proc.returncode == 0, out.decode()
+
+
+def test_hf_tokenizer_routing(fleet, tmp_path):
+    """With [tokenizer] path, routing tokens come from a local HF tokenizer file; the engine's
+    reported cached tokens are converted to routing tokens by the prompts' length ratio."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    words = sorted(set(LONG_SYSTEM.replace(".", " ").split()))
+    tok = tokenizers.Tokenizer(
+        models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}, "[UNK]")
+    )
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    gw = GatewayServer(config_dict(fleet, tokenizer={"path": str(path)}))
+    try:
+        client = gw.client("sk-globex")
+        q1, q2 = "Rule of rockets", "Policy handbook"  # words the tokenizer knows
+        _, h1 = chat(client, "ep-globex", q1)
+        done, h2 = chat(client, "ep-globex", q2)
+        assert h1["x-kvroute-worker"] == h2["x-kvroute-worker"]
+        ids1, ids2 = (tok.encode(reference_render(messages(q))).ids for q in (q1, q2))
+        common = next(i for i, (a, b) in enumerate(zip(ids1, ids2)) if a != b)
+        routing_prompt = len(ids2)
+        assert int(h2["x-kvroute-cached-tokens"]) == common // 16 * 16 > 0
+        reported = done.usage.prompt_tokens_details.cached_tokens
+        m = metric_samples(gw.metrics())
+        worker = (("worker", h2["x-kvroute-worker"]),)
+        converted = m[("kvroute_gateway_cached_tokens_reported_total", worker)]
+        assert converted == round(reported * routing_prompt / done.usage.prompt_tokens)
+    finally:
+        gw.stop()

@@ -24,18 +24,19 @@ Request path (``POST /v1/chat/completions``, ``POST /v1/completions``):
    asks for it with ``stream_options.include_usage`` and strips that chunk again when the caller
    did not ask for it), ``router.observe(d, cached)`` is called first, in routing tokens.
 
-Failover: a connection failure (refused, connect or pool timeout), a connection reset before any
-response byte, or a 5xx status is retried on the router's next choice among the workers not yet
-tried for this request (``route(..., exclude=tried)``), up to ``max_attempts`` attempts; when an
-endpoint's pool has no untried member left, the members that failed are ejected so that the pool's
-next workers in rendezvous order step in. A worker is ejected (``router.set_healthy(worker,
-False)``) at once when it cannot be reached, and after ``eject_after`` failed requests in a row
-otherwise; it is readmitted when, at least ``eject_seconds`` later, its ``health_path`` answers
-200 (probed every ``health_interval``). Read timeouts are not retried (the upstream may still be
-computing): they answer 504. 4xx answers pass through untouched. After the first response byte
-nothing is retried: a stream that breaks is ended. A reset before any response byte is retried
-although the upstream may have read the request (a keep-alive connection it closed at that
-moment, typically): completions have no side effects, so at worst it computed twice.
+Failover: a connection failure (refused, connect timeout, or no free pooled connection to the
+worker within ``pool_timeout``), a connection reset before any response byte, or a 5xx status is
+retried on the router's next choice among the workers not yet tried for this request
+(``route(..., exclude=tried)``), up to ``max_attempts`` attempts; when an endpoint's pool has no
+untried member left, the members that failed are ejected so that the pool's next workers in
+rendezvous order step in. A worker is ejected (``router.set_healthy(worker, False)``) at once when
+it cannot be reached, and after ``eject_after`` failed requests in a row otherwise; it is
+readmitted when, at least ``eject_seconds`` later, its ``health_path`` answers 200 (probed every
+``health_interval``). Read timeouts are not retried (the upstream may still be computing): they
+answer 504. 4xx answers pass through untouched. After the first response byte nothing is retried:
+a stream that breaks is ended. A reset before any response byte is retried although the upstream
+may have read the request (a keep-alive connection it closed at that moment, typically):
+completions have no side effects, so at worst it computed twice.
 
 Streams are passed through as the upstream's SSE events arrive (each complete event is forwarded
 at once; only the usage chunk the gateway itself asked for is removed). A client that disconnects
@@ -70,6 +71,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
+
+from kvroute import Router
 
 from .config import GatewayConfig, WorkerConfig, key_digest
 from .metrics import Counter, Gauge, Histogram, Registry
@@ -306,7 +309,11 @@ class Gateway:
     """
 
     def __init__(
-        self, config: GatewayConfig, *, router: Any = None, tokenizer: Tokenizer | None = None
+        self,
+        config: GatewayConfig,
+        *,
+        router: Router | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         self.config = config
         self.server = config.server
@@ -689,12 +696,20 @@ class Gateway:
             )
             try:
                 resp = await flight.send(req)
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as e:
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 flight.close()
                 tried.append(worker)
                 self._upstream_failed(worker, "connect", e, down=True)
                 failure = HTTPError(
                     502, f"upstream {worker} unreachable", "upstream_error", "upstream_unreachable"
+                )
+                continue
+            except httpx.PoolTimeout:  # every connection to it stayed busy: try another worker
+                flight.close()
+                tried.append(worker)
+                self.m_errors.inc(worker, "pool_timeout")
+                failure = HTTPError(
+                    503, f"upstream {worker} has no free connection", "upstream_error", "busy"
                 )
                 continue
             except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:

@@ -14,8 +14,8 @@ Series (``kvroute_gateway_`` prefix):
 - ``cached_tokens_predicted_total{worker}`` / ``cached_tokens_reported_total{worker}`` /
   ``prompt_tokens_total{worker}`` — in routing tokens, counted together when an upstream reports
   ``cached_tokens`` (so predicted/reported is the router's accuracy on reported requests).
-- ``upstream_errors_total{worker,kind}`` — kind ``connect``, ``reset``, ``status_5xx``,
-  ``timeout``, ``broken_stream``, ``protocol``.
+- ``upstream_errors_total{worker,kind}`` — kind ``connect``, ``pool_timeout``, ``reset``,
+  ``status_5xx``, ``timeout``, ``broken_stream``, ``protocol``.
 - ``retries_total`` — upstream attempts after the first.
 - ``in_flight{worker}`` — upstream requests begun and not finished.
 - ``worker_healthy{worker}`` — 1 when the router may choose the worker.
