@@ -40,6 +40,7 @@ CLIENTS = 64
 UPSTREAMS = 4
 ENDPOINTS = 8
 WARMUP = 64
+UNLOADED = 200
 
 
 def _free_port() -> int:
@@ -105,7 +106,9 @@ async def _call(client, model: str, spec: dict) -> tuple[str, str | None]:
     return raw.parse().choices[0].message.content, raw.headers.get("x-kvroute-worker")
 
 
-async def _run(specs: list[dict], clients: dict[int, object], model_of) -> dict:
+async def _run(
+    specs: list[dict], clients: dict[int, object], model_of, concurrency: int = CLIENTS
+) -> dict:
     queue: asyncio.Queue = asyncio.Queue()
     for s in specs:
         queue.put_nowait(s)
@@ -128,7 +131,7 @@ async def _run(specs: list[dict], clients: dict[int, object], model_of) -> dict:
             latencies.append(time.perf_counter() - t0)
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(CLIENTS)))
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
     return {
         "latencies": latencies,
         "answers": answers,
@@ -226,6 +229,10 @@ def test_load_no_request_lost_or_duplicated(servers):
         warm = _workload("warm")[:WARMUP]
         await _run(warm, direct_clients, lambda s: "m")
         await _run(warm, gw_clients, lambda s: f"ep-{s['ep']}")
+        # Unloaded: one client, one request at a time.
+        alone = _workload("alone")[:UNLOADED]
+        direct1 = await _run(alone, direct_clients, lambda s: "m", concurrency=1)
+        via1 = await _run(alone, gw_clients, lambda s: f"ep-{s['ep']}", concurrency=1)
         direct = await _run(_workload("direct"), direct_clients, lambda s: "m")
         cpu0 = _cpu_seconds(servers["gateway_pid"])
         via = await _run(_workload("gw"), gw_clients, lambda s: f"ep-{s['ep']}")
@@ -233,9 +240,9 @@ def test_load_no_request_lost_or_duplicated(servers):
         via["cpu"] = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
         for c in (*direct_clients.values(), *gw_clients.values()):
             await c.close()
-        return direct, via
+        return direct, via, direct1, via1
 
-    direct, via = asyncio.run(main())
+    direct, via, direct1, via1 = asyncio.run(main())
     assert not direct["failures"]
     assert not via["failures"], via["failures"][:5]
 
@@ -263,14 +270,20 @@ def test_load_no_request_lost_or_duplicated(servers):
         if line.startswith("kvroute_gateway_in_flight{")
     )
 
-    d, g = direct["latencies"], via["latencies"]
-    rows = [(name, _pct(d, q) * 1e3, _pct(g, q) * 1e3) for name, q in (("p50", 0.5), ("p99", 0.99))]
-    print(
-        f"\nload: {REQUESTS} requests, {CLIENTS} concurrent clients, {UPSTREAMS} upstreams; "
-        f"direct {REQUESTS / direct['seconds']:.0f} req/s, via gateway "
-        f"{REQUESTS / via['seconds']:.0f} req/s"
-    )
-    for name, a, b in rows:
-        print(f"  {name}: direct {a:7.2f} ms  via gateway {b:7.2f} ms  overhead {b - a:7.2f} ms")
+    assert not direct1["failures"] and not via1["failures"]
+
+    def table(title: str, a: dict, b: dict, n: int) -> None:
+        rates = f"direct {n / a['seconds']:.0f} req/s, via gateway {n / b['seconds']:.0f} req/s"
+        print(f"{title}; {rates}")
+        for name, q in (("p50", 0.5), ("p99", 0.99)):
+            x, y = _pct(a["latencies"], q) * 1e3, _pct(b["latencies"], q) * 1e3
+            print(
+                f"  {name}: direct {x:7.2f} ms  via gateway {y:7.2f} ms  overhead {y - x:7.2f} ms"
+            )
+
+    print()
+    title = f"load: {REQUESTS} requests, {CLIENTS} concurrent clients, {UPSTREAMS} upstreams"
+    table(title, direct, via, REQUESTS)
     if via["cpu"] is not None:
         print(f"  gateway CPU: {via['cpu'] / REQUESTS * 1e3:.2f} ms per request")
+    table(f"unloaded: {UNLOADED} requests, one at a time", direct1, via1, UNLOADED)

@@ -9,6 +9,16 @@ upstream's reported ``cached_tokens`` feed back into the router. What the gatewa
 failover, exactly-once load accounting, cancellation, limits — is stated in
 ``kvroute.gateway.app``; the routing-token rendering in ``kvroute.gateway.prompt``.
 
+Upstream engines: vLLM reports ``cached_tokens`` with ``--enable-prompt-tokens-details``, SGLang
+with ``--enable-cache-report``; without them the router runs on its own model uncorrected. For
+``index = "events"``, give each worker the ZMQ endpoints its engine publishes KV events on (vLLM:
+``--kv-events-config`` with ``enable_kv_cache_events``, ``publisher = "zmq"``, ``endpoint`` and
+``replay_endpoint``) as ``kv_events`` / ``kv_replay``.
+
+One gateway process holds one router. In approx mode the router's model of every worker's cache
+lives in that process, so several gateway processes behind a load balancer each learn only their
+own traffic; in events mode they all follow the engines' own reports and agree.
+
 Needs the ``gateway`` extra (``pip install 'kvroute[gateway]'``: starlette, uvicorn, httpx, and
 tomli before Python 3.11); an HF ``tokenizers`` file is optional.
 """
