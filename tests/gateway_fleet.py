@@ -111,6 +111,11 @@ class GatewayServer:
             time.sleep(0.02)
         raise AssertionError(f"{worker} did not become {'healthy' if healthy else 'ejected'}")
 
+    def active(self) -> dict[str, float]:
+        """The router's count of begun-but-unfinished requests per worker."""
+        router = self.gateway.router
+        return {w: router.load(w)["active"] for w in router.workers}
+
     def stop(self) -> None:
         self.server.stop()
 

@@ -223,6 +223,7 @@ def test_failover_when_upstream_is_down(fleet, gw):
     gw.wait_healthy(home)
     _, h = chat(client, "ep-acme", "back home")
     assert h["x-kvroute-worker"] == home
+    assert set(gw.active().values()) == {0}  # failed attempts were finished too
 
 
 def test_failover_on_5xx_before_first_byte(fleet, gw):
@@ -441,6 +442,7 @@ def test_client_disconnect_cancels_streaming_upstream(fleet, gw):
     released = f'kvroute_gateway_in_flight{{worker="{worker}"}} 0'
     wait_for(lambda: released in gw.metrics(), "load released")
     assert 'status="499"' in gw.metrics()
+    assert set(gw.active().values()) == {0}  # the router's load accounting agrees
 
 
 def test_client_disconnect_cancels_waiting_upstream(fleet, gw):
@@ -461,6 +463,7 @@ def test_client_disconnect_cancels_waiting_upstream(fleet, gw):
     wait_for(lambda: 'status="499"' in gw.metrics(), "499 counted")
     m = metric_samples(gw.metrics())
     assert all(v == 0 for (n, _), v in m.items() if n == "kvroute_gateway_in_flight")
+    assert set(gw.active().values()) == {0}
 
 
 # ---- metrics -----------------------------------------------------------------------------------

@@ -294,6 +294,17 @@ def _cached_tokens(usage: Any) -> int | None:
     return None
 
 
+async def _release(resp: httpx.Response, flight: Flight, usage: Any = None) -> None:
+    """Closes an upstream response (its connection goes back to the pool, or is dropped if the
+    body was not read to the end) and ends the flight — even if closing fails or is cancelled."""
+    try:
+        await resp.aclose()
+    except (httpx.HTTPError, OSError) as e:
+        log.debug("closing the response of %s: %r", flight.worker, e)
+    finally:
+        flight.close(usage)
+
+
 async def _wait_disconnect(receive: Receive) -> None:
     while True:
         message = await receive()
@@ -740,8 +751,7 @@ class Gateway:
                 except httpx.HTTPError:
                     data = b""
                 finally:
-                    await resp.aclose()
-                    flight.close()
+                    await _release(resp, flight)
                 tried.append(worker)
                 self._upstream_failed(worker, "status_5xx", None)
                 failed_response = (
@@ -808,8 +818,7 @@ class Gateway:
             self._done(route, model, 502, started)
             return err.response(headers)
         finally:
-            await resp.aclose()
-            flight.close(usage)
+            await _release(resp, flight, usage)
         self.m_first_byte.observe(time.perf_counter() - started, route)
         self._done(route, model, resp.status_code, started)
         return Response(data, status_code=resp.status_code, headers=headers)
@@ -934,9 +943,10 @@ class ProxyStream(Response):
             if pump is not None:
                 with contextlib.suppress(BaseException):
                     await pump
-            await self.upstream.aclose()
-            self.flight.close(self.usage)
-            g._done(self.route, self.model, status, self.started)
+            try:
+                await _release(self.upstream, self.flight, self.usage)
+            finally:
+                g._done(self.route, self.model, status, self.started)
 
     async def _pump(self, send: Send) -> BaseException | None:
         """Forwards complete SSE events; returns the error that broke the stream, if any."""
