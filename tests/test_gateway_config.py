@@ -322,3 +322,21 @@ def test_metrics_exposition_parses_and_counts():
     assert samples[("t_latency_seconds_sum", (("route", "/x"),))] == pytest.approx(sum(values))
     assert samples[("t_up", (("worker", 'b"\\\n'),))] == 0
     assert g.kind == "gauge"
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (minimal(gateway={"port": "x"}), "gateway.port must be an integer"),
+        (minimal(router={"options": {"colour": 1}}), "colour"),  # the Router refuses it
+        (minimal(router={"policy": "fastest"}), "fastest"),
+    ],
+)
+def test_serve_refuses_a_bad_config(tmp_path, capsys, data, message):
+    from kvroute.cli import main
+
+    path = tmp_path / "bad.toml"
+    path.write_text(toml_text(data))
+    assert main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"bad config {path}" in err and message in err
