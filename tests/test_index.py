@@ -196,12 +196,30 @@ class IndexMachine(RuleBasedStateMachine):
         blocks = [seq[at % len(seq)]] if seq else []
         if at % 5 == 0:
             blocks.append(self.new_blocks(1)[0])  # unknown blocks are ignored
+        self.apply_remove(worker, blocks, at % 3)
+
+    @rule(
+        worker=st.sampled_from(NAMES),
+        pick=st.integers(0, 10**6),
+        n=st.integers(1, 60),
+        other=st.integers(0, 10**6),
+    )
+    def remove_tail(self, worker, pick, n, other):
+        """One batch as vLLM evicts: a sequence's last blocks, last first (one event per block),
+        then a block of another sequence."""
+        blocks = self.sequences[pick % len(self.sequences)][-n:][::-1]
+        seq = self.sequences[other % len(self.sequences)]
+        if seq:
+            blocks.append(seq[other % len(seq)])
+        self.apply_remove(worker, blocks, other % 3)
+
+    def apply_remove(self, worker, blocks, form):
         if worker not in self.ref.held:
             with pytest.raises(KeyError):
                 self.idx.remove(worker, blocks)
             return
         want = self.ref.remove(worker, blocks)
-        got = self.idx.remove(worker, as_input(blocks, at % 3))
+        got = self.idx.remove(worker, as_input(blocks, form))
         if not self.budgeted:
             assert got == want
 

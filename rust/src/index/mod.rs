@@ -170,12 +170,39 @@ impl Workers {
     }
 }
 
+/// Buffers the mutations reuse from call to call, so that once they have grown a store or a
+/// removal allocates nothing (counted in [`PrefixIndex::memory_bytes`], released by compaction).
+#[derive(Default)]
+struct Scratch {
+    /// `remove`: `(node, offset, block)` of each listed block the worker holds.
+    cuts: Vec<(u32, usize, u64)>,
+    /// `store`: nodes whose worker set grew; `drop_below`: the nodes visited.
+    nodes: Vec<u32>,
+    /// `drop_below`: its start nodes, then its traversal stack.
+    stack: Vec<u32>,
+    /// `drop_below`: the parents of its start nodes.
+    parents: Vec<u32>,
+}
+
+impl Scratch {
+    fn heap_bytes(&self) -> usize {
+        fn bytes<T>(v: &Vec<T>) -> usize {
+            match v.capacity() {
+                0 => 0,
+                n => n * std::mem::size_of::<T>() + ALLOC_OVERHEAD,
+            }
+        }
+        bytes(&self.cuts) + bytes(&self.nodes) + bytes(&self.stack) + bytes(&self.parents)
+    }
+}
+
 /// The prefix index (see the module docs for its semantics and invariants).
 pub struct PrefixIndex {
     tree: Tree,
     workers: Workers,
     max_bytes: Option<usize>,
     clock: AtomicU64,
+    scratch: Scratch,
 }
 
 impl Default for PrefixIndex {
@@ -185,6 +212,7 @@ impl Default for PrefixIndex {
             workers: Workers::default(),
             max_bytes: None,
             clock: AtomicU64::new(1),
+            scratch: Scratch::default(),
         }
     }
 }
@@ -319,7 +347,10 @@ impl PrefixIndex {
 
     /// Heap bytes of the whole structure (see the module docs).
     pub fn memory_bytes(&self) -> usize {
-        std::mem::size_of::<Self>() + self.tree.memory_bytes() + self.workers.heap_bytes()
+        std::mem::size_of::<Self>()
+            + self.tree.memory_bytes()
+            + self.workers.heap_bytes()
+            + self.scratch.heap_bytes()
     }
 
     fn next_tick(&self) -> u64 {
@@ -407,6 +438,24 @@ impl PrefixIndex {
         }
         let new = hashes.get(i..).unwrap_or_default();
         let tick = self.next_tick();
+        let conflict = |h: u64| {
+            value_err!("block {h:#018x} is already stored after a different parent, or repeated")
+        };
+
+        // The chain continues past the end of a leaf only this worker holds (a conversation's
+        // next turn): the new blocks extend that run in place (canonical form is kept: the
+        // leaf's worker set and links do not change). It can fail only as phase 2 can.
+        if !new.is_empty() && node != ROOT {
+            let n = self.tree.node(node);
+            if consumed == n.hashes.len() && n.num_children == 0 && n.workers.is_only(w) {
+                if let Err(h) = self.tree.extend_run(node, new) {
+                    return conflict(h);
+                }
+                self.workers.add_blocks(w, new.len());
+                self.tree.touch_path(node, tick);
+                return Ok(());
+            }
+        }
 
         // Phase 2: the new blocks go into a fresh node (the only step that can still fail, on a
         // block stored elsewhere or repeated; it undoes itself).
@@ -417,9 +466,7 @@ impl PrefixIndex {
             let x = self.tree.alloc(new.to_vec(), WorkerSet::single(w), tick);
             if let Err(h) = self.tree.insert_entries(x) {
                 self.tree.delete_leaf(x);
-                return value_err!(
-                    "block {h:#018x} is already stored after a different parent, or repeated"
-                );
+                return conflict(h);
             }
             self.tree.set_start(h0, x);
             Some(x)
@@ -435,7 +482,8 @@ impl PrefixIndex {
         }
         // The worker now holds the whole path to `node`: add it where missing (a suffix of the
         // path, since its blocks are prefix-closed).
-        let mut touched = Vec::new();
+        let mut touched = std::mem::take(&mut self.scratch.nodes);
+        touched.clear();
         let mut y = node;
         while y != ROOT && !self.tree.node(y).workers.contains(w) {
             self.tree.add_worker(y, w);
@@ -453,9 +501,11 @@ impl PrefixIndex {
             None => node,
         };
         self.tree.touch_path(end, tick);
-        for t in touched {
+        for &t in &touched {
             self.tree.normalize(t);
         }
+        touched.clear();
+        self.scratch.nodes = touched;
         Ok(())
     }
 
@@ -468,6 +518,9 @@ impl PrefixIndex {
     }
 
     /// [`Self::remove`] by worker id.
+    ///
+    /// The result does not depend on the order of `hashes`; a batch (e.g. one block per evicted
+    /// block, tail first, as vLLM reports evictions) costs one cut per tree node it touches.
     pub fn remove_id(&mut self, w: WorkerId, hashes: &[u64]) -> Result<u64> {
         self.remove_impl(w, hashes, None)
     }
@@ -488,26 +541,83 @@ impl PrefixIndex {
         &mut self,
         w: WorkerId,
         hashes: &[u64],
-        mut collect: Option<&mut Vec<u64>>,
+        collect: Option<&mut Vec<u64>>,
     ) -> Result<u64> {
         self.check_id(w)?;
-        let mut dropped = 0;
-        for &h in hashes {
-            let Some((node, off)) = self.tree.find(h) else {
-                continue;
-            };
-            if !self.tree.node(node).workers.contains(w) {
-                continue;
-            }
-            let start = if off > 0 {
-                self.tree.split(node, off).1
-            } else {
-                node
-            };
-            dropped += self.drop_below(w, &[start], collect.as_deref_mut());
-        }
+        let dropped = match hashes {
+            [] => 0,
+            &[h] => self.cut(w, h, collect),
+            _ => self.cut_many(w, hashes, collect),
+        };
         self.enforce_budget();
         Ok(dropped)
+    }
+
+    /// Drops worker `w`'s blocks `hashes` and the blocks after them, with one cut per node: the
+    /// listed blocks `w` holds are grouped by node and only the first of each node is cut
+    /// (dropping a block drops the rest of its run anyway). With `collect`, appends the dropped
+    /// blocks, each after its descendants (a later cut never drops a descendant of an earlier
+    /// one's blocks: those are gone already).
+    fn cut_many(&mut self, w: WorkerId, hashes: &[u64], mut collect: Option<&mut Vec<u64>>) -> u64 {
+        let mut cuts = std::mem::take(&mut self.scratch.cuts);
+        cuts.clear();
+        for &h in hashes {
+            if let Some((node, off)) = self.tree.find(h) {
+                if self.tree.node(node).workers.contains(w) {
+                    cuts.push((node, off, h));
+                }
+            }
+        }
+        cuts.sort_unstable();
+        cuts.dedup_by_key(|c| c.0);
+        // A cut can delete, split or merge other nodes of the list, so each block is looked up
+        // again; one another cut already dropped is a no-op.
+        let dropped = cuts
+            .iter()
+            .map(|&(_, _, h)| self.cut(w, h, collect.as_deref_mut()))
+            .sum();
+        cuts.clear();
+        self.scratch.cuts = cuts;
+        dropped
+    }
+
+    /// Drops worker `w`'s block `h` and every block after it that `w` holds; returns the pairs
+    /// dropped (0 when `w` does not hold `h`). With `collect`, appends the dropped blocks, each
+    /// after its descendants.
+    fn cut(&mut self, w: WorkerId, h: u64, mut collect: Option<&mut Vec<u64>>) -> u64 {
+        let Some((node, off)) = self.tree.find(h) else {
+            return 0;
+        };
+        let n = self.tree.node(node);
+        if !n.workers.contains(w) {
+            return 0;
+        }
+        if off > 0 && n.workers.is_only(w) {
+            // `w` alone holds this run, so also everything below it: cut the run in place and
+            // delete the subtrees under it. Canonical form is kept (the node stays, with the
+            // same worker set and parent, now a leaf).
+            let len = n.hashes.len();
+            let mut dropped = 0;
+            if n.num_children > 0 {
+                self.scratch.stack.clear();
+                self.scratch.stack.extend(self.tree.children(node));
+                dropped = self.drop_below(w, collect.as_deref_mut());
+            }
+            if let Some(out) = collect {
+                out.extend(self.tree.node(node).hashes.iter().skip(off).rev());
+            }
+            self.tree.truncate(node, off);
+            self.workers.sub_blocks(w, len - off);
+            return dropped + (len - off) as u64;
+        }
+        let start = if off > 0 {
+            self.tree.split(node, off).1
+        } else {
+            node
+        };
+        self.scratch.stack.clear();
+        self.scratch.stack.push(start);
+        self.drop_below(w, collect)
     }
 
     /// Worker `name` dropped all its blocks (it stays registered).
@@ -518,12 +628,15 @@ impl PrefixIndex {
     /// [`Self::clear`] by worker id.
     pub fn clear_id(&mut self, w: WorkerId) -> Result<u64> {
         self.check_id(w)?;
-        let tops: Vec<u32> = self
-            .tree
-            .children(ROOT)
-            .filter(|&c| self.tree.node(c).workers.contains(w))
-            .collect();
-        let dropped = self.drop_below(w, &tops, None);
+        let mut tops = std::mem::take(&mut self.scratch.stack);
+        tops.clear();
+        tops.extend(
+            self.tree
+                .children(ROOT)
+                .filter(|&c| self.tree.node(c).workers.contains(w)),
+        );
+        self.scratch.stack = tops;
+        let dropped = self.drop_below(w, None);
         self.enforce_budget();
         Ok(dropped)
     }
@@ -540,12 +653,16 @@ impl PrefixIndex {
         Ok(dropped)
     }
 
-    /// Removes worker `w` from the subtrees at `starts` (nodes holding `w`), deletes nodes left
-    /// without workers and restores canonical form. Returns the pairs dropped.
-    /// With `collect`, appends the dropped blocks, each after all of its descendants.
-    fn drop_below(&mut self, w: WorkerId, starts: &[u32], collect: Option<&mut Vec<u64>>) -> u64 {
-        let mut visited = Vec::new();
-        let mut stack = starts.to_vec();
+    /// Removes worker `w` from the subtrees at the nodes in `scratch.stack` (nodes holding `w`),
+    /// deletes nodes left without workers and restores canonical form. Returns the pairs
+    /// dropped. With `collect`, appends the dropped blocks, each after all of its descendants.
+    fn drop_below(&mut self, w: WorkerId, collect: Option<&mut Vec<u64>>) -> u64 {
+        let mut visited = std::mem::take(&mut self.scratch.nodes);
+        let mut stack = std::mem::take(&mut self.scratch.stack);
+        let mut parents = std::mem::take(&mut self.scratch.parents);
+        visited.clear();
+        parents.clear();
+        parents.extend(stack.iter().map(|&s| self.tree.node(s).parent));
         while let Some(x) = stack.pop() {
             visited.push(x);
             stack.extend(
@@ -567,16 +684,20 @@ impl PrefixIndex {
             dropped += self.tree.node(x).hashes.len() as u64;
         }
         self.workers.sub_blocks(w, dropped as usize);
-        let parents: Vec<u32> = starts.iter().map(|&s| self.tree.node(s).parent).collect();
         // Children come after their parent in `visited`; delete empty nodes bottom-up.
         for &x in visited.iter().rev() {
             if self.tree.node(x).workers.is_empty() {
                 self.tree.delete_leaf(x);
             }
         }
-        for x in parents.into_iter().chain(visited) {
+        for &x in parents.iter().chain(&visited) {
             self.tree.normalize(x);
         }
+        visited.clear();
+        parents.clear();
+        self.scratch.nodes = visited;
+        self.scratch.stack = stack;
+        self.scratch.parents = parents;
         dropped
     }
 
@@ -710,6 +831,7 @@ impl PrefixIndex {
     fn compact(&mut self) {
         self.tree = self.tree.rebuilt();
         self.workers.shrink();
+        self.scratch = Scratch::default();
     }
 
     /// Checks the structure's invariants and the per-worker block counts (for tests).
@@ -806,6 +928,47 @@ mod tests {
         assert_eq!(ix.remove("a", &[3]).unwrap(), 0);
         ix.store("a", &[3], Some(2)).unwrap();
         assert_eq!(m(&ix, &[1, 2, 3, 4]), pairs(&[("a", 3), ("b", 4)]));
+        ix.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn batched_removal_cuts_once_per_node() {
+        let mut ix = PrefixIndex::new(None).unwrap();
+        let chain: Vec<u64> = (1..=10).collect();
+        ix.store("a", &chain, None).unwrap();
+        ix.store("b", &chain[..6], None).unwrap();
+        ix.store("a", &[20, 21], Some(4)).unwrap();
+        assert_eq!(ix.num_nodes(), 4);
+        // vLLM order: a's tail 10, 9, 8, 7 one block each, then a block of the branch, an
+        // unknown block and a repeat.
+        assert_eq!(ix.remove("a", &[10, 9, 8, 7, 21, 99, 9]).unwrap(), 5);
+        assert_eq!(ix.num_blocks("a").unwrap(), 7);
+        assert_eq!(m(&ix, &[1, 2, 3, 4, 5, 6, 7]), pairs(&[("a", 6), ("b", 6)]));
+        assert_eq!(m(&ix, &[1, 2, 3, 4, 20, 21]), pairs(&[("a", 5), ("b", 4)]));
+        ix.check_invariants().unwrap();
+        // Shared run: b drops its tail block by block; a keeps it; the runs merge back.
+        assert_eq!(ix.remove("b", &[6, 5]).unwrap(), 2);
+        assert_eq!(m(&ix, &[1, 2, 3, 4, 5, 6]), pairs(&[("a", 6), ("b", 4)]));
+        ix.check_invariants().unwrap();
+        // A block and its ancestor in one batch, descendant first.
+        assert_eq!(ix.remove("a", &[20, 3]).unwrap(), 5);
+        assert_eq!(m(&ix, &[1, 2, 3]), pairs(&[("a", 2), ("b", 3)]));
+        ix.check_invariants().unwrap();
+        // Continuing a chain the worker alone holds extends its leaf in place; a conflicting
+        // continuation changes nothing.
+        ix.store("a", &[30, 31], Some(2)).unwrap();
+        let before = ix.dump();
+        assert!(matches!(
+            ix.store("a", &[32, 3], Some(31)),
+            Err(Error::Value(_))
+        ));
+        assert!(matches!(
+            ix.store("a", &[32, 33, 32], Some(31)),
+            Err(Error::Value(_))
+        ));
+        assert_eq!(ix.dump(), before);
+        ix.store("a", &[32], Some(31)).unwrap();
+        assert_eq!(m(&ix, &[1, 2, 30, 31, 32]), pairs(&[("a", 5), ("b", 2)]));
         ix.check_invariants().unwrap();
     }
 
@@ -1036,13 +1199,43 @@ mod tests {
                     chains.push(chain);
                 }
                 5 | 6 => {
-                    let pick = rng.below(chains.len().max(1) as u64) as usize;
-                    if let Some(c) = chains.get(pick).filter(|c| !c.is_empty()) {
-                        let b = c[rng.below(c.len() as u64) as usize];
-                        let want = model.remove(&w, &[b]);
-                        if let Ok(got) = ix.remove(&w, &[b]) {
-                            if budget.is_none() {
-                                assert_eq!(got, want, "step {step}");
+                    // One block; or a batch: a chain's tail, last block first (as vLLM reports
+                    // evictions, one event per block), and blocks of other chains.
+                    let mut blocks = Vec::new();
+                    for part in 0..=rng.below(3) {
+                        let pick = rng.below(chains.len().max(1) as u64) as usize;
+                        if let Some(c) = chains.get(pick).filter(|c| !c.is_empty()) {
+                            let at = rng.below(c.len() as u64) as usize;
+                            if part == 0 && rng.below(2) == 0 {
+                                blocks.extend(c[at..].iter().rev());
+                            } else {
+                                blocks.push(c[at]);
+                            }
+                        }
+                    }
+                    if !blocks.is_empty() {
+                        let before = model.clone();
+                        let want = model.remove(&w, &blocks);
+                        let mut listed = Vec::new();
+                        let id = ix.worker_id(&w);
+                        let got = id.map(|id| ix.remove_id_into(id, &blocks, &mut listed));
+                        if let (Some(Ok(got)), None) = (got, budget) {
+                            assert_eq!(got, want, "step {step}: remove {blocks:?}");
+                            // The listed blocks are exactly the dropped ones, each after all
+                            // of its descendants.
+                            let held = |m: &Model| m.held.get(&w).cloned().unwrap_or_default();
+                            let gone: HashSet<u64> =
+                                held(&before).difference(&held(&model)).copied().collect();
+                            assert_eq!(listed.len() as u64, got, "step {step}");
+                            assert_eq!(listed.iter().copied().collect::<HashSet<_>>(), gone);
+                            for (i, &b) in listed.iter().enumerate() {
+                                let mut up = before.parent.get(&b).copied().flatten();
+                                while let Some(a) = up {
+                                    if let Some(j) = listed.iter().position(|&x| x == a) {
+                                        assert!(j > i, "step {step}: {a} listed before {b}");
+                                    }
+                                    up = before.parent.get(&a).copied().flatten();
+                                }
                             }
                         }
                     }

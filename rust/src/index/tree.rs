@@ -280,26 +280,81 @@ impl Tree {
     /// Adds table entries for every block of node `id`'s run. If a block is already stored
     /// (elsewhere, or twice in this run), removes the entries it added and returns that hash.
     pub fn insert_entries(&mut self, id: u32) -> Result<(), u64> {
-        let base = self.node(id).base;
-        let len = self.node(id).hashes.len();
-        for j in 0..len {
-            let h = self.node(id).hashes[j];
-            let nodes = &self.nodes;
-            match self.table.entry(
-                mix(h),
-                |&e| key_at(nodes, e) == h,
-                |&e| mix(key_at(nodes, e)),
-            ) {
-                Entry::Occupied(_) => {
-                    self.remove_entries(id, 0..j);
-                    return Err(h);
-                }
-                Entry::Vacant(v) => {
-                    v.insert(pack(id, base.wrapping_add(j as u32)));
+        self.insert_entries_from(id, 0)
+    }
+
+    /// Adds table entries for the blocks of node `id`'s run from offset `start` on; on a block
+    /// already stored, removes the entries it added and returns that hash.
+    fn insert_entries_from(&mut self, id: u32, start: usize) -> Result<(), u64> {
+        let conflict = {
+            let Tree { nodes, table, .. } = self;
+            let (base, run) = nodes.get(id as usize).map_or((0, &[][..]), |n| {
+                (n.base, n.hashes.get(start..).unwrap_or_default())
+            });
+            let mut conflict = None;
+            for (j, &h) in (start..).zip(run) {
+                match table.entry(
+                    mix(h),
+                    |&e| key_at(nodes, e) == h,
+                    |&e| mix(key_at(nodes, e)),
+                ) {
+                    Entry::Occupied(_) => {
+                        conflict = Some((j, h));
+                        break;
+                    }
+                    Entry::Vacant(v) => {
+                        v.insert(pack(id, base.wrapping_add(j as u32)));
+                    }
                 }
             }
+            conflict
+        };
+        match conflict {
+            Some((j, h)) => {
+                self.remove_entries(id, start..j);
+                Err(h)
+            }
+            None => Ok(()),
         }
-        Ok(())
+    }
+
+    /// Appends `new` to the run of node `id` and adds their table entries. On a block already
+    /// stored (elsewhere, or twice), undoes both and returns that hash. The run grows by at least
+    /// an eighth of its length, so repeated appends cost amortised O(1) copies per block with
+    /// little slack.
+    pub fn extend_run(&mut self, id: u32, new: &[u64]) -> Result<(), u64> {
+        let old = self.node(id).hashes.len();
+        let capacity = self.node(id).hashes.capacity();
+        self.edit(id, |n| {
+            if n.hashes.capacity() - old < new.len() {
+                n.hashes.reserve_exact(new.len().max(old / 8));
+            }
+            n.hashes.extend_from_slice(new);
+        });
+        let out = self.insert_entries_from(id, old);
+        if out.is_err() {
+            self.edit(id, |n| {
+                n.hashes.truncate(old);
+                n.hashes.shrink_to(capacity);
+            });
+        }
+        out
+    }
+
+    /// Cuts the run of live node `id` to its first `len` blocks (0 < len), removing the table
+    /// entries of the rest. The allocation shrinks only when at most half of it stays in use.
+    pub fn truncate(&mut self, id: u32, len: usize) {
+        let old = self.node(id).hashes.len();
+        if len == 0 || len >= old {
+            return;
+        }
+        self.remove_entries(id, len..old);
+        self.edit(id, |n| {
+            n.hashes.truncate(len);
+            if len * 2 <= n.hashes.capacity() {
+                n.hashes.shrink_to_fit();
+            }
+        });
     }
 
     /// Removes the table entries of blocks `range` of node `id`'s run.

@@ -90,6 +90,21 @@ impl WorkerSet {
         }
     }
 
+    /// True when the set is exactly `{id}`.
+    pub fn is_only(&self, id: u32) -> bool {
+        match self {
+            WorkerSet::Inline(w) => id < 64 && *w == 1 << id,
+            // Canonical form: a spilled set holds some id >= 64, so it has one element only
+            // if that element is `id` and every other word is zero.
+            WorkerSet::Spilled(b) => {
+                let word = id as usize / 64;
+                b.iter()
+                    .enumerate()
+                    .all(|(i, &x)| x == if i == word { 1 << (id % 64) } else { 0 })
+            }
+        }
+    }
+
     pub fn is_empty(&self) -> bool {
         matches!(self, WorkerSet::Inline(0))
     }
