@@ -119,6 +119,49 @@ def test_sglang_signed_hashes_and_digests():
     assert event["block_hashes"] == [PLAIN["block_hashes_external_u64"][0]]
 
 
+# Token ids in runs of one msgpack width each (fixint, uint8, uint16, uint32, uint64, negative),
+# as vocabularies of different sizes make them: the decoder reads eight uint16 ids at a time.
+_RUNS = [
+    (0, 127),
+    (128, 255),
+    (256, 65_535),
+    (65_536, 2**32 - 1),
+    (2**32, 2**64 - 1),
+    (-(2**63), -1),
+]
+_token_runs = st.lists(
+    st.sampled_from(_RUNS).flatmap(lambda r: st.lists(st.integers(*r), min_size=1, max_size=20)),
+    max_size=6,
+).map(lambda runs: [t for run in runs for t in run])
+
+
+@settings(max_examples=300, deadline=None)
+@given(_token_runs, st.integers(0, 40))
+def test_token_ids_of_every_width_decode_exactly(tokens, cut):
+    blob = P.batch([P.map16(P.stored_fields([1], None, tokens, max(len(tokens), 1)))])
+    (event,) = decode_kv_events(blob)[1]
+    fit = all(0 <= t < 2**32 for t in tokens)
+    assert event["tokens_fit_u32"] == fit
+    assert event["token_ids"] == [t if 0 <= t < 2**32 else 0 for t in tokens]
+    # Cut anywhere inside the token array: refused. A reserved marker in it: refused, unless it
+    # lands inside a multi-byte id (then only that id's value changes).
+    start = blob.index(b"token_ids") + len(b"token_ids")
+    size = len(msgpack.packb(tokens))
+    for at in range(start + 1, start + size):
+        with pytest.raises(ValueError):
+            decode_kv_events(blob[:at])
+    if tokens:
+        body = sum(len(msgpack.packb(t)) for t in tokens)  # after the array header
+        bad = bytearray(blob)
+        bad[start + size - 1 - cut % body] = 0xC1
+        try:
+            (ev,) = decode_kv_events(bytes(bad))[1]
+        except ValueError as e:
+            assert "not an integer" in str(e)
+        else:
+            assert len(ev["token_ids"]) == len(tokens)
+
+
 @pytest.mark.parametrize(
     "blob, what",
     [
@@ -438,6 +481,32 @@ class EventModel(RuleBasedStateMachine):
             if v in self.held:
                 dead = self.held[v]
                 self.held = {h: p for h, p in self.held.items() if p[: len(dead)] != dead}
+
+    @precondition(lambda self: self.paths)
+    @rule(data=st.data(), then_store=st.booleans())
+    def evict_block_by_block(self, data, then_store):
+        """vLLM's eviction: one BlockRemoved per block, a chain's tail last block first (the
+        applier gathers them into one index call), maybe followed by a store in the same batch."""
+        h = data.draw(st.sampled_from(sorted(self.paths)))
+        path = self.paths[h]
+        chain = [engine_hash(path[: (i + 1) * BS]) for i in range(len(path) // BS)]
+        victims = chain[data.draw(st.integers(0, len(chain) - 1)) :][::-1]
+        events = [P.map16(P.removed_fields([v])) for v in victims]
+        for v in victims:
+            if v in self.held:
+                dead = self.held[v]
+                self.held = {k: p for k, p in self.held.items() if p[: len(dead)] != dead}
+        if then_store:
+            known = sorted(self.paths)
+            parent = data.draw(st.sampled_from([None, *known]))
+            tokens = data.draw(st.lists(st.integers(0, VOCAB), min_size=BS, max_size=BS))
+            prefix = () if parent is None else self.paths[parent]
+            stored = engine_hash(prefix + tuple(tokens))
+            self.paths[stored] = prefix + tuple(tokens)
+            events.append(P.map16(P.stored_fields([stored], parent, tokens, BS)))
+            if parent is None or parent in self.held:
+                self.held[stored] = prefix + tuple(tokens)
+        self.send(events)
 
     @rule()
     def clear(self):

@@ -213,6 +213,9 @@ pub struct Applier {
 struct Scratch {
     own: Vec<u64>,
     ends: Vec<[u8; 32]>,
+    /// Engine hashes of consecutive `BlockRemoved` events, not yet applied.
+    pending: Vec<u64>,
+    /// The index blocks they translate to.
     removed: Vec<u64>,
 }
 
@@ -672,48 +675,54 @@ impl Ctx<'_> {
         if self.pending_tier.is_some_and(|t| t != tier) {
             self.flush_removals();
         }
-        let Some(state) = self.state.tiers.get_mut(tier) else {
-            return;
-        };
-        let removed = &mut self.scratch.removed;
-        match self.config.mode {
-            Mode::Direct => removed.extend_from_slice(ev.block_hashes),
-            Mode::Rehash => {
-                for h in ev.block_hashes {
-                    if let Some(last) = state.links.remove(h) {
-                        let first = match state.firsts.is_empty() {
-                            true => None,
-                            false => state.firsts.remove(h),
-                        };
-                        removed.push(first.unwrap_or(last));
-                    }
-                    if !state.digests.is_empty() {
-                        state.digests.remove(h);
-                    }
-                }
-            }
-        }
-        if !removed.is_empty() {
+        if self.state.tiers.len() > tier && !ev.block_hashes.is_empty() {
+            self.scratch.pending.extend_from_slice(ev.block_hashes);
             self.pending_tier = Some(tier);
         }
     }
 
-    /// Applies the removals gathered from consecutive `BlockRemoved` events of one tier in one
-    /// index call (vLLM sends one event per evicted block). Called before any other event, when
-    /// the tier changes, and at the end of the batch, so the order of operations is unchanged.
+    /// Applies the removals gathered from consecutive `BlockRemoved` events of one tier (vLLM
+    /// sends one event per evicted block): their engine hashes are translated in one pass over
+    /// the maps (independent lookups the processor overlaps) and removed in one index call.
+    /// Called before any other event, when the tier changes, and at the end of the batch, so
+    /// the order of operations is unchanged.
     fn flush_removals(&mut self) {
         let Some(tier) = self.pending_tier.take() else {
             return;
         };
-        let removed = &mut self.scratch.removed;
+        let Scratch {
+            pending, removed, ..
+        } = &mut *self.scratch;
+        if let Some(state) = self.state.tiers.get_mut(tier) {
+            match self.config.mode {
+                Mode::Direct => std::mem::swap(pending, removed),
+                Mode::Rehash => {
+                    for h in pending.iter() {
+                        if let Some(last) = state.links.remove(h) {
+                            let first = match state.firsts.is_empty() {
+                                true => None,
+                                false => state.firsts.remove(h),
+                            };
+                            removed.push(first.unwrap_or(last));
+                        }
+                        if !state.digests.is_empty() {
+                            state.digests.remove(h);
+                        }
+                    }
+                }
+            }
+        }
         if let (Some(state), Some((_, index))) =
             (self.state.tiers.get(tier), self.indexes.get(tier))
         {
-            let mut index = index.write();
-            if let Some(id) = valid_id(&index, state) {
-                let _ = index.remove_id(id, removed);
+            if !removed.is_empty() {
+                let mut index = index.write();
+                if let Some(id) = valid_id(&index, state) {
+                    let _ = index.remove_id(id, removed);
+                }
             }
         }
+        pending.clear();
         removed.clear();
     }
 

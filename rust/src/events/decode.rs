@@ -7,6 +7,10 @@
 //! - **No allocation per block or per event.** Hashes and token ids land in buffers owned by the
 //!   reusable [`Batch`]; strings are spans of the payload (checked UTF-8), resolved to `&str` by
 //!   [`Batch::events`].
+//! - **Same answer on every path.** The encodings engines send on every event (fixstr keys and
+//!   tags, ASCII strings, nil, fixints, arrays of `uint64` hashes, runs of `uint16` token ids)
+//!   are read on short fast paths; anything else is read by the general path from the same
+//!   position, which accepts and refuses exactly what it would have without the fast paths.
 //! - **Never panics, bounded work.** Every length is checked against the bytes left before it is
 //!   used (a claimed length can never make the decoder reserve more than the payload's size);
 //!   nested values are skipped iteratively, without recursion.
@@ -25,7 +29,6 @@
 //! - an event whose tag is not one of the three known types is kept as [`EventKind::Unknown`]
 //!   (its fields skipped), so a newer engine's extra event types do not invalidate a batch.
 
-use rmp::decode::{read_marker, Bytes, RmpRead};
 use rmp::Marker;
 
 use crate::error::{Error, Result};
@@ -338,8 +341,21 @@ fn decode_batch(r: &mut Reader<'_>, batch: &mut Batch) -> Result<()> {
     r.check_items(events)?;
     batch.events.reserve(events as usize);
     for _ in 0..events {
-        let event = decode_event(r, batch)?;
-        batch.events.push(event);
+        // Decoded in place: an event is never copied.
+        let Batch {
+            events,
+            hashes,
+            tokens,
+            ..
+        } = &mut *batch;
+        events.push(RawEvent {
+            hashes: (hashes.len() as u32, hashes.len() as u32),
+            tokens: (tokens.len() as u32, tokens.len() as u32),
+            ..RawEvent::default()
+        });
+        if let Some(e) = events.last_mut() {
+            decode_event(r, &mut Out { hashes, tokens }, e)?;
+        }
     }
     if n >= 3 {
         batch.dp_rank = r.opt_int("data_parallel_rank")?;
@@ -353,18 +369,20 @@ fn decode_batch(r: &mut Reader<'_>, batch: &mut Batch) -> Result<()> {
     Ok(())
 }
 
-fn decode_event(r: &mut Reader<'_>, batch: &mut Batch) -> Result<RawEvent> {
+/// The batch's hash and token buffers, which events append to.
+struct Out<'b> {
+    hashes: &'b mut Vec<u64>,
+    tokens: &'b mut Vec<u32>,
+}
+
+/// Decodes one event into `e` (whose buffer ranges start at the buffers' ends).
+fn decode_event(r: &mut Reader<'_>, out: &mut Out<'_>, e: &mut RawEvent) -> Result<()> {
     let at = r.pos();
     let m = r.marker()?;
-    let mut e = RawEvent {
-        hashes: (batch.hashes.len() as u32, batch.hashes.len() as u32),
-        tokens: (batch.tokens.len() as u32, batch.tokens.len() as u32),
-        ..RawEvent::default()
-    };
     let fields = if let Some(pairs) = r.map_len(m) {
-        decode_map_event(r, batch, pairs, &mut e)?
+        decode_map_event(r, out, pairs, e)?
     } else if let Ok(items) = r.array_len(m) {
-        decode_array_event(r, batch, items, &mut e)?
+        decode_array_event(r, out, items, e)?
     } else {
         return Err(Error::Value(format!(
             "malformed KV event payload at byte {at}: an event must be a map or an array"
@@ -395,7 +413,7 @@ fn decode_event(r: &mut Reader<'_>, batch: &mut Batch) -> Result<RawEvent> {
         }
         Some(EventKind::Cleared | EventKind::Unknown) => {}
     }
-    Ok(e)
+    Ok(())
 }
 
 fn kind_of(tag: &[u8]) -> EventKind {
@@ -409,7 +427,7 @@ fn kind_of(tag: &[u8]) -> EventKind {
 
 fn decode_map_event(
     r: &mut Reader<'_>,
-    batch: &mut Batch,
+    out: &mut Out<'_>,
     pairs: u32,
     e: &mut RawEvent,
 ) -> Result<u32> {
@@ -417,25 +435,17 @@ fn decode_map_event(
     let mut fields = 0;
     for _ in 0..pairs {
         let key_at = r.pos();
-        let m = r.marker()?;
-        let Some(key) = r.str_span_checked(m, key_at, false)? else {
-            return Err(r.error_at(key_at, "an event map key is not a string"));
+        let key = match r.fixstr() {
+            Some(key) => key,
+            None => {
+                let m = r.marker()?;
+                match r.str_span_checked(m, key_at, false)? {
+                    Some(key) => key,
+                    None => return Err(r.error_at(key_at, "an event map key is not a string")),
+                }
+            }
         };
-        let bit = match key.get(r.payload) {
-            b"type" => field::TYPE,
-            b"block_hashes" => field::HASHES,
-            b"parent_block_hash" => field::PARENT,
-            b"token_ids" => field::TOKENS,
-            b"block_size" => field::BLOCK_SIZE,
-            b"lora_id" => field::LORA_ID,
-            b"medium" => field::MEDIUM,
-            b"lora_name" => field::LORA_NAME,
-            b"cache_salt" => field::CACHE_SALT,
-            b"extra_keys" => field::EXTRA_KEYS,
-            b"group_idx" => field::GROUP_IDX,
-            b"lookahead_token_ids" => field::LOOKAHEAD,
-            _ => 0,
-        };
+        let bit = field_of(r.payload, key);
         if bit == 0 {
             r.skip_value()?;
             continue;
@@ -450,9 +460,241 @@ fn decode_map_event(
             ));
         }
         fields |= bit;
-        read_field(r, batch, bit, e)?;
+        if !read_field_fast(r, out, bit, e) {
+            read_field(r, out, bit, e)?;
+        }
     }
     Ok(fields)
+}
+
+/// [`read_field`] for the encodings engines send on every event — nil, fixstr tags and strings
+/// in ASCII, positive fixints, arrays of `uint64` hashes — with no error path: returns false,
+/// having read nothing, for anything else, and [`read_field`] takes over at the same position.
+#[inline(always)]
+fn read_field_fast(r: &mut Reader<'_>, out: &mut Out<'_>, bit: u32, e: &mut RawEvent) -> bool {
+    let rest = r.rest();
+    let Some(&m) = rest.first() else {
+        return false;
+    };
+    let ascii_fixstr = || -> Option<Span> {
+        let len = usize::from(m & 0x1f);
+        let bytes = rest.get(1..=len)?;
+        (m & 0xe0 == 0xa0 && bytes.is_ascii()).then_some(Span {
+            start: (r.pos + 1) as u32,
+            len: len as u32,
+        })
+    };
+    let opt_str = |slot: &mut Option<Span>| -> Option<usize> {
+        if m == 0xc0 {
+            *slot = None;
+            return Some(1);
+        }
+        let span = ascii_fixstr()?;
+        *slot = Some(span);
+        Some(1 + span.len as usize)
+    };
+    let used = match bit {
+        field::TYPE => ascii_fixstr().and_then(|tag| {
+            let kind = kind_of(tag.get(r.payload));
+            (kind != EventKind::Unknown).then(|| {
+                e.tag = tag;
+                e.kind = Some(kind);
+                1 + tag.len as usize
+            })
+        }),
+        field::HASHES => {
+            let n = usize::from(m & 0x0f);
+            let items = rest.get(1..1 + 9 * n).unwrap_or_default();
+            let all_u64 = m & 0xf0 == 0x90
+                && items.len() == 9 * n
+                && items.chunks_exact(9).all(|c| c.first() == Some(&0xcf));
+            all_u64.then(|| {
+                let start = out.hashes.len();
+                out.hashes.extend(items.chunks_exact(9).map(|c| {
+                    c.get(1..9)
+                        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+                        .map_or(0, u64::from_be_bytes)
+                }));
+                e.hashes = (start as u32, out.hashes.len() as u32);
+                1 + 9 * n
+            })
+        }
+        field::PARENT => match (m, rest.get(1..9).map(<[u8; 8]>::try_from)) {
+            (0xc0, _) => {
+                e.parent = None;
+                Some(1)
+            }
+            (0xcf, Some(Ok(b))) => {
+                e.parent = Some(u64::from_be_bytes(b));
+                Some(9)
+            }
+            _ => None,
+        },
+        field::BLOCK_SIZE => (m < 0x80).then(|| {
+            e.block_size = Some(u64::from(m));
+            1
+        }),
+        field::LORA_ID => match m {
+            0xc0 => {
+                e.lora_id = None;
+                Some(1)
+            }
+            0x00..=0x7f => {
+                e.lora_id = Some(i64::from(m));
+                Some(1)
+            }
+            _ => None,
+        },
+        field::GROUP_IDX => match m {
+            0xc0 => {
+                e.group_idx = 0;
+                Some(1)
+            }
+            0x00..=0x7f => {
+                e.group_idx = i64::from(m);
+                Some(1)
+            }
+            _ => None,
+        },
+        field::MEDIUM => opt_str(&mut e.medium),
+        field::LORA_NAME => opt_str(&mut e.lora_name),
+        field::CACHE_SALT => opt_str(&mut e.cache_salt),
+        _ => None,
+    };
+    match used {
+        Some(n) => {
+            r.pos += n;
+            true
+        }
+        None => false,
+    }
+}
+
+/// The event map keys the decoder reads, with their field bits.
+const KEYS: [(&[u8], u32); 12] = [
+    (b"type", field::TYPE),
+    (b"block_hashes", field::HASHES),
+    (b"parent_block_hash", field::PARENT),
+    (b"token_ids", field::TOKENS),
+    (b"block_size", field::BLOCK_SIZE),
+    (b"lora_id", field::LORA_ID),
+    (b"medium", field::MEDIUM),
+    (b"lora_name", field::LORA_NAME),
+    (b"cache_salt", field::CACHE_SALT),
+    (b"extra_keys", field::EXTRA_KEYS),
+    (b"group_idx", field::GROUP_IDX),
+    (b"lookahead_token_ids", field::LOOKAHEAD),
+];
+
+/// Slot of a key in [`KEY_TABLE`]: distinct for the twelve [`KEYS`] (length and first byte).
+const fn key_slot(len: usize, first: u8) -> usize {
+    (len + 9 * first as usize) & 31
+}
+
+/// Bytes `skip..skip + 8` of `key` as a little-endian word (zero past the key's end).
+const fn key_word(key: &[u8], skip: usize) -> u64 {
+    let mut rest = key;
+    let mut i = 0;
+    let mut word = 0;
+    while let [b, tail @ ..] = rest {
+        if i >= skip && i < skip + 8 {
+            word |= (*b as u64) << (8 * (i - skip));
+        }
+        i += 1;
+        rest = tail;
+    }
+    word
+}
+
+/// The entry of [`KEY_TABLE`] at `slot`: the key of [`KEYS`] that [`key_slot`] puts there,
+/// zero-padded to 24 bytes as three little-endian words, and its field bit (0 for none; the
+/// test `map_keys_are_recognised_exactly` fails if two keys share a slot).
+const fn key_entry(slot: usize) -> ([u64; 3], u32) {
+    let mut rest: &[(&[u8], u32)] = &KEYS;
+    while let [(key, bit), tail @ ..] = rest {
+        if let [first, ..] = key {
+            if key_slot(key.len(), *first) == slot {
+                return (
+                    [key_word(key, 0), key_word(key, 8), key_word(key, 16)],
+                    *bit,
+                );
+            }
+        }
+        rest = tail;
+    }
+    ([0; 3], 0)
+}
+
+/// [`KEYS`] by [`key_slot`] (see [`key_entry`]).
+const KEY_TABLE: [([u64; 3], u32); 32] = [
+    key_entry(0),
+    key_entry(1),
+    key_entry(2),
+    key_entry(3),
+    key_entry(4),
+    key_entry(5),
+    key_entry(6),
+    key_entry(7),
+    key_entry(8),
+    key_entry(9),
+    key_entry(10),
+    key_entry(11),
+    key_entry(12),
+    key_entry(13),
+    key_entry(14),
+    key_entry(15),
+    key_entry(16),
+    key_entry(17),
+    key_entry(18),
+    key_entry(19),
+    key_entry(20),
+    key_entry(21),
+    key_entry(22),
+    key_entry(23),
+    key_entry(24),
+    key_entry(25),
+    key_entry(26),
+    key_entry(27),
+    key_entry(28),
+    key_entry(29),
+    key_entry(30),
+    key_entry(31),
+];
+
+/// The field bit of map key `key` (a span of `payload`), 0 for a key the decoder skips. Keys
+/// are told apart without branching on their bytes (one table slot, one masked comparison of
+/// 24 bytes), since the keys of consecutive events alternate in ways branch predictors miss.
+#[inline]
+fn field_of(payload: &[u8], key: Span) -> u32 {
+    let len = key.len as usize;
+    let start = key.start as usize;
+    if let (Some(window), Some(&first)) = (
+        payload.get(start..).and_then(|b| b.first_chunk::<24>()),
+        payload.get(start),
+    ) {
+        if len <= 24 {
+            let (words, bit) = KEY_TABLE
+                .get(key_slot(len, first))
+                .copied()
+                .unwrap_or_default();
+            let mut diff = 0u64;
+            for (i, (chunk, want)) in window.chunks_exact(8).zip(words).enumerate() {
+                let got = chunk.try_into().map_or(0, u64::from_le_bytes);
+                // The bytes of this word that belong to the key.
+                let keep = match len.saturating_sub(8 * i) {
+                    0 => 0,
+                    n @ 1..8 => (1u64 << (8 * n)) - 1,
+                    _ => u64::MAX,
+                };
+                diff |= (got & keep) ^ want;
+            }
+            return if diff == 0 { bit } else { 0 };
+        }
+    }
+    let key = key.get(payload);
+    KEYS.iter()
+        .find(|(name, _)| *name == key)
+        .map_or(0, |&(_, bit)| bit)
 }
 
 /// Positions of the legacy tagged-array fields (vLLM ≤ 0.23), after the tag.
@@ -471,7 +713,7 @@ const REMOVED_POSITIONS: [u32; 3] = [field::HASHES, field::MEDIUM, field::GROUP_
 
 fn decode_array_event(
     r: &mut Reader<'_>,
-    batch: &mut Batch,
+    out: &mut Out<'_>,
     items: u32,
     e: &mut RawEvent,
 ) -> Result<u32> {
@@ -481,7 +723,7 @@ fn decode_array_event(
     if items == 0 {
         return Err(r.error("an event array is empty (no tag)"));
     }
-    read_field(r, batch, field::TYPE, e)?;
+    read_field(r, out, field::TYPE, e)?;
     let positions: &[u32] = match e.kind {
         Some(EventKind::Stored) => {
             if items < 5 {
@@ -504,7 +746,9 @@ fn decode_array_event(
         match positions.get(i as usize - 1) {
             Some(&bit) => {
                 fields |= bit;
-                read_field(r, batch, bit, e)?;
+                if !read_field_fast(r, out, bit, e) {
+                    read_field(r, out, bit, e)?;
+                }
             }
             None => r.skip_value()?,
         }
@@ -512,13 +756,19 @@ fn decode_array_event(
     Ok(fields)
 }
 
-fn read_field(r: &mut Reader<'_>, batch: &mut Batch, bit: u32, e: &mut RawEvent) -> Result<()> {
+fn read_field(r: &mut Reader<'_>, out: &mut Out<'_>, bit: u32, e: &mut RawEvent) -> Result<()> {
     match bit {
         field::TYPE => {
             let at = r.pos();
-            let m = r.marker()?;
-            let Some(tag) = r.str_span_checked(m, at, false)? else {
-                return Err(r.error_at(at, "the event type tag is not a string"));
+            let tag = match r.fixstr() {
+                Some(tag) => tag,
+                None => {
+                    let m = r.marker()?;
+                    match r.str_span_checked(m, at, false)? {
+                        Some(tag) => tag,
+                        None => return Err(r.error_at(at, "the event type tag is not a string")),
+                    }
+                }
             };
             let kind = kind_of(tag.get(r.payload));
             if kind == EventKind::Unknown && std::str::from_utf8(tag.get(r.payload)).is_err() {
@@ -533,13 +783,13 @@ fn read_field(r: &mut Reader<'_>, batch: &mut Batch, bit: u32, e: &mut RawEvent)
                 .array_len(m)
                 .map_err(|_| r.error("block_hashes is not an array"))?;
             r.check_items(n)?;
-            let start = batch.hashes.len();
-            batch.hashes.reserve(n as usize);
+            let start = out.hashes.len();
+            out.hashes.reserve(n as usize);
             for _ in 0..n {
                 let h = r.block_hash("block_hashes")?;
-                batch.hashes.push(h);
+                out.hashes.push(h);
             }
-            e.hashes = (start as u32, batch.hashes.len() as u32);
+            e.hashes = (start as u32, out.hashes.len() as u32);
         }
         field::PARENT => {
             let m = r.peek()?;
@@ -556,9 +806,9 @@ fn read_field(r: &mut Reader<'_>, batch: &mut Batch, bit: u32, e: &mut RawEvent)
                 .array_len(m)
                 .map_err(|_| r.error("token_ids is not an array"))?;
             r.check_items(n)?;
-            let start = batch.tokens.len();
-            let wide = r.token_ids(n, &mut batch.tokens)?;
-            e.tokens = (start as u32, batch.tokens.len() as u32);
+            let start = out.tokens.len();
+            let wide = r.token_ids(n, out.tokens)?;
+            e.tokens = (start as u32, out.tokens.len() as u32);
             e.wide_tokens = wide;
         }
         field::BLOCK_SIZE => match r.int("block_size")? {
@@ -615,70 +865,98 @@ enum Int {
     Neg(i64),
 }
 
-/// A cursor over the payload built on `rmp`'s low-level reader (markers and fixed-width data).
+/// A cursor over the payload (`pos <= payload.len()` always); `rmp` classifies the markers.
+/// Reads check their bounds and fail with [`Error::Value`]; the error paths are out of line, so
+/// the success paths stay small enough to inline.
 struct Reader<'a> {
     payload: &'a [u8],
-    rd: Bytes<'a>,
-    base: usize,
+    pos: usize,
 }
 
 impl<'a> Reader<'a> {
     fn new(payload: &'a [u8]) -> Self {
-        Reader {
-            payload,
-            rd: Bytes::new(payload),
-            base: 0,
-        }
+        Reader { payload, pos: 0 }
     }
 
+    #[inline]
     fn pos(&self) -> usize {
-        self.base + self.rd.position() as usize
+        self.pos
     }
 
+    /// The bytes not read yet.
+    #[inline]
+    fn rest(&self) -> &'a [u8] {
+        self.payload.get(self.pos..).unwrap_or_default()
+    }
+
+    #[inline]
     fn remaining(&self) -> usize {
-        self.rd.remaining_slice().len()
+        self.payload.len().saturating_sub(self.pos)
     }
 
+    #[cold]
+    #[inline(never)]
     fn error_at(&self, at: usize, what: &str) -> Error {
         Error::Value(format!("malformed KV event payload at byte {at}: {what}"))
     }
 
+    #[cold]
+    #[inline(never)]
     fn error(&self, what: &str) -> Error {
         self.error_at(self.pos(), what)
     }
 
+    #[cold]
+    #[inline(never)]
     fn truncated(&self) -> Error {
         self.error("the payload ends in the middle of a value")
     }
 
+    #[inline]
     fn peek(&self) -> Result<u8> {
-        self.rd
-            .remaining_slice()
-            .first()
-            .copied()
-            .ok_or_else(|| self.truncated())
-    }
-
-    fn marker(&mut self) -> Result<Marker> {
-        read_marker(&mut self.rd).map_err(|_| self.truncated())
-    }
-
-    fn data<const N: usize>(&mut self) -> Result<[u8; N]> {
-        let mut buf = [0u8; N];
-        match self.rd.read_exact_buf(&mut buf) {
-            Ok(()) => Ok(buf),
-            Err(_) => Err(self.truncated()),
+        match self.rest().first() {
+            Some(&b) => Ok(b),
+            None => Err(self.truncated()),
         }
     }
 
+    #[inline]
+    fn marker(&mut self) -> Result<Marker> {
+        let b = self.peek()?;
+        self.pos += 1;
+        Ok(Marker::from_u8(b))
+    }
+
+    #[inline]
+    fn data<const N: usize>(&mut self) -> Result<[u8; N]> {
+        match self.rest().first_chunk::<N>() {
+            Some(&buf) => {
+                self.pos += N;
+                Ok(buf)
+            }
+            None => Err(self.truncated()),
+        }
+    }
+
+    #[inline]
     fn skip(&mut self, n: usize) -> Result<()> {
-        let rest = self.rd.remaining_slice();
-        let Some(tail) = rest.get(n..) else {
+        if n > self.remaining() {
             return Err(self.truncated());
-        };
-        self.base = self.pos() + n;
-        self.rd = Bytes::new(tail);
+        }
+        self.pos += n;
         Ok(())
+    }
+
+    /// The next `n` bytes, read.
+    #[inline]
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        match self.rest().get(..n) {
+            Some(bytes) => {
+                self.pos += n;
+                Ok(bytes)
+            }
+            None => Err(self.truncated()),
+        }
     }
 
     /// Refuses a claimed element count larger than the bytes left (each element takes ≥ 1 byte),
@@ -720,6 +998,27 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// The span of a complete fixstr (up to 31 bytes, as map keys and tags come) at the cursor,
+    /// read, without a UTF-8 check; `None` (nothing read) for anything else.
+    #[inline]
+    fn fixstr(&mut self) -> Option<Span> {
+        let rest = self.rest();
+        let &m = rest.first()?;
+        if m & 0xe0 != 0xa0 {
+            return None;
+        }
+        let len = usize::from(m & 0x1f);
+        if len >= rest.len() {
+            return None;
+        }
+        let start = self.pos + 1;
+        self.pos = start + len;
+        Some(Span {
+            start: start as u32,
+            len: len as u32,
+        })
+    }
+
     /// For a string marker, the (UTF-8 checked) span of its bytes; `None` for a non-string.
     fn str_span(&mut self, m: Marker, at: usize) -> Result<Option<Span>> {
         self.str_span_checked(m, at, true)
@@ -736,15 +1035,10 @@ impl<'a> Reader<'a> {
             _ => return Ok(None),
         };
         let start = self.pos();
-        let bytes = self
-            .rd
-            .remaining_slice()
-            .get(..len as usize)
-            .ok_or_else(|| self.truncated())?;
-        if validate && std::str::from_utf8(bytes).is_err() {
+        let bytes = self.take(len as usize)?;
+        if validate && !bytes.is_ascii() && std::str::from_utf8(bytes).is_err() {
             return Err(self.error_at(at, "a string is not valid UTF-8"));
         }
-        self.skip(len as usize)?;
         Ok(Some(Span {
             start: start as u32,
             len,
@@ -762,6 +1056,7 @@ impl<'a> Reader<'a> {
         }
     }
 
+    #[inline]
     fn int_from(&mut self, m: Marker) -> Result<Option<Int>> {
         Ok(Some(match m {
             Marker::FixPos(v) => Int::Pos(u64::from(v)),
@@ -815,85 +1110,80 @@ impl<'a> Reader<'a> {
         }
     }
 
-    /// Appends `n` token ids to `out` (the hot loop: a direct scan of the integer encodings);
-    /// returns true when some id is negative or beyond `u32` (stored as 0). `n` was checked
-    /// against the bytes left.
+    /// Appends `n` token ids to `out` (the hot loop: a direct scan of the integer encodings,
+    /// eight `uint16` ids at a time when they come that way, as vocabularies below 65,536 make
+    /// them); returns true when some id is negative or beyond `u32` (stored as 0). On `Err`,
+    /// `out` and the cursor are unchanged.
     fn token_ids(&mut self, n: u32, out: &mut Vec<u32>) -> Result<bool> {
-        let bytes = self.rd.remaining_slice();
+        const LANES: usize = 8;
+        let bytes = self.rest();
         let start = out.len();
         out.resize(start + n as usize, 0);
-        let slots = out.get_mut(start..).unwrap_or_default();
+        let mut todo = out.get_mut(start..).unwrap_or_default();
         let mut at = 0usize;
         let mut wide = false;
-        let mut done = 0usize;
-        for slot in slots.iter_mut() {
-            done += 1;
-            match bytes.get(at..at + 3) {
-                Some(&[m @ 0x00..=0x7f, _, _]) => {
-                    *slot = u32::from(m);
-                    at += 1;
-                    continue;
-                }
-                Some(&[0xcd, a, b]) => {
-                    *slot = u32::from(u16::from_be_bytes([a, b]));
-                    at += 3;
-                    continue;
-                }
-                _ => {}
-            }
-            let Some(&m) = bytes.get(at) else {
-                done -= 1;
+        let mut failed = None;
+        'scan: while !todo.is_empty() {
+            let rest = std::mem::take(&mut todo);
+            let Some((dst, tail)) = rest.split_at_mut_checked(rest.len().min(LANES)) else {
                 break;
             };
-            let (value, len): (u64, usize) = match m {
-                0x00..=0x7f => (u64::from(m), 1),
-                0xcc => match bytes.get(at + 1) {
-                    Some(&b) => (u64::from(b), 2),
-                    None => (0, usize::MAX / 2),
-                },
-                0xcd => match bytes.get(at + 1..at + 3) {
-                    Some(&[a, b]) => (u64::from(u16::from_be_bytes([a, b])), 3),
-                    _ => (0, usize::MAX / 2),
-                },
-                0xce => match bytes.get(at + 1..at + 5) {
-                    Some(&[a, b, c, d]) => (u64::from(u32::from_be_bytes([a, b, c, d])), 5),
-                    _ => (0, usize::MAX / 2),
-                },
-                0xcf => match bytes.get(at + 1..at + 9).map(<[u8; 8]>::try_from) {
-                    Some(Ok(b)) => (u64::from_be_bytes(b), 9),
-                    _ => (0, usize::MAX / 2),
-                },
-                0xd0 => (u64::MAX, 2),
-                0xd1 => (u64::MAX, 3),
-                0xd2 => (u64::MAX, 5),
-                0xd3 => (u64::MAX, 9),
-                0xe0..=0xff => (u64::MAX, 1),
-                _ => {
-                    let pos = self.pos() + at;
-                    out.truncate(start);
-                    return Err(
-                        self.error_at(pos, "token_ids holds a value that is not an integer")
-                    );
+            todo = tail;
+            let src = bytes
+                .get(at..)
+                .and_then(|b| b.first_chunk::<{ 3 * LANES }>());
+            if let (Ok(dst), Some(src)) = (<&mut [u32; LANES]>::try_from(&mut *dst), src) {
+                if src.chunks_exact(3).all(|c| c.first() == Some(&0xcd)) {
+                    for (slot, c) in dst.iter_mut().zip(src.chunks_exact(3)) {
+                        if let &[_, a, b] = c {
+                            *slot = u32::from(u16::from_be_bytes([a, b]));
+                        }
+                    }
+                    at += 3 * LANES;
+                    continue;
                 }
-            };
-            at = at.saturating_add(len);
-            if at > bytes.len() {
-                break; // truncated inside the value
             }
-            match u32::try_from(value) {
-                Ok(t) => *slot = t,
-                Err(_) => wide = true,
+            for slot in dst.iter_mut() {
+                match token_at(bytes, at) {
+                    Ok((value, len)) => {
+                        at += len;
+                        match u32::try_from(value) {
+                            Ok(t) => *slot = t,
+                            Err(_) => wide = true,
+                        }
+                    }
+                    Err(e) => {
+                        failed = Some(e);
+                        break 'scan;
+                    }
+                }
             }
         }
-        if done != n as usize || at > bytes.len() || self.skip(at).is_err() {
-            out.truncate(start);
-            return Err(self.truncated());
+        let failed = failed.or_else(|| self.skip(at).err().map(|_| TokenError::Truncated));
+        match failed {
+            None => Ok(wide),
+            Some(e) => {
+                out.truncate(start);
+                Err(match e {
+                    TokenError::Truncated => self.truncated(),
+                    TokenError::NotAnInteger(offset) => self.error_at(
+                        self.pos() + offset,
+                        "token_ids holds a value that is not an integer",
+                    ),
+                })
+            }
         }
-        Ok(wide)
     }
 
     /// A block hash: an int (negative ones as their two's-complement bits) or a digest (`bin`).
+    #[inline]
     fn block_hash(&mut self, what: &str) -> Result<u64> {
+        if let Some((&0xcf, rest)) = self.rest().split_first() {
+            if let Some(&value) = rest.first_chunk::<8>() {
+                self.pos += 9;
+                return Ok(u64::from_be_bytes(value));
+            }
+        }
         let at = self.pos();
         let m = self.marker()?;
         if let Some(int) = self.int_from(m)? {
@@ -914,14 +1204,8 @@ impl<'a> Reader<'a> {
                 &format!("{what} holds a {len}-byte digest (1 to 64 bytes accepted)"),
             ));
         }
-        let bytes = self
-            .rd
-            .remaining_slice()
-            .get(..len as usize)
-            .ok_or_else(|| self.truncated())?;
-        let value = bytes.iter().fold(0u64, |v, &b| (v << 8) | u64::from(b));
-        self.skip(len as usize)?;
-        Ok(value)
+        let bytes = self.take(len as usize)?;
+        Ok(bytes.iter().fold(0u64, |v, &b| (v << 8) | u64::from(b)))
     }
 
     /// Skips one complete value (any nesting), iteratively.
@@ -983,10 +1267,95 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// Why a token id could not be read.
+#[derive(Clone, Copy, Debug)]
+enum TokenError {
+    /// The payload ends inside it.
+    Truncated,
+    /// The value at this offset (from the first id) is not an integer.
+    NotAnInteger(usize),
+}
+
+/// The token id encoded at `bytes[at..]` and its encoded length. Negative ids and signed
+/// encodings give `u64::MAX` (not a `u32`).
+#[inline]
+fn token_at(bytes: &[u8], at: usize) -> std::result::Result<(u64, usize), TokenError> {
+    let rest = bytes.get(at..).unwrap_or_default();
+    let Some(&m) = rest.first() else {
+        return Err(TokenError::Truncated);
+    };
+    let fixed = |n: usize| -> std::result::Result<u64, TokenError> {
+        match rest.get(1..=n) {
+            Some(b) => Ok(b.iter().fold(0u64, |v, &x| (v << 8) | u64::from(x))),
+            None => Err(TokenError::Truncated),
+        }
+    };
+    Ok(match m {
+        0x00..=0x7f => (u64::from(m), 1),
+        0xcc => (fixed(1)?, 2),
+        0xcd => (fixed(2)?, 3),
+        0xce => (fixed(4)?, 5),
+        0xcf => (fixed(8)?, 9),
+        0xd0..=0xd3 => {
+            let len = 1usize << (m - 0xd0);
+            fixed(len)?;
+            (u64::MAX, 1 + len)
+        }
+        0xe0..=0xff => (u64::MAX, 1),
+        _ => return Err(TokenError::NotAnInteger(at)),
+    })
+}
+
 fn signed(v: i64) -> Int {
     if v < 0 {
         Int::Neg(v)
     } else {
         Int::Pos(v as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `field_of` against a plain comparison with [`KEYS`], for every key, its one-byte edits,
+    /// truncations and extensions, read both far from the payload's end (the table) and at its
+    /// end (the fallback).
+    #[test]
+    fn map_keys_are_recognised_exactly() {
+        let plain = |key: &[u8]| {
+            KEYS.iter()
+                .find(|(name, _)| *name == key)
+                .map_or(0, |&(_, bit)| bit)
+        };
+        let mut candidates: Vec<Vec<u8>> = vec![Vec::new(), b"ts".to_vec(), vec![0; 24]];
+        for (key, _) in KEYS {
+            candidates.push(key.to_vec());
+            for i in 0..key.len() {
+                for b in [0u8, b'a', b'_', key[i] ^ 0x20, 0xff] {
+                    let mut edit = key.to_vec();
+                    edit[i] = b;
+                    candidates.push(edit);
+                }
+            }
+            candidates.push(key[..key.len() - 1].to_vec());
+            for tail in [0u8, b's', b'_'] {
+                let mut longer = key.to_vec();
+                longer.push(tail);
+                candidates.push(longer);
+            }
+        }
+        for key in candidates {
+            let span = Span {
+                start: 1,
+                len: key.len() as u32,
+            };
+            let mut at_end = vec![0xa0];
+            at_end.extend_from_slice(&key);
+            let mut far = at_end.clone();
+            far.extend_from_slice(&[0x61; 32]);
+            assert_eq!(field_of(&far, span), plain(&key), "{key:?}");
+            assert_eq!(field_of(&at_end, span), plain(&key), "{key:?}");
+        }
     }
 }

@@ -65,7 +65,8 @@
 //! of the router's size; +16 bytes when engine blocks span several router blocks, +40 bytes for
 //! the digest profiles. Decoding reuses the applier's buffers; nothing is allocated per block
 //! except map growth. Consecutive `BlockRemoved` events (vLLM sends one per evicted block) are
-//! applied to the index in one call.
+//! gathered, translated in one pass over the per-worker map and applied to the index in one call
+//! (which cuts each tree node once).
 
 mod apply;
 pub mod decode;
