@@ -38,6 +38,15 @@
 //! table (for parents and removals) maps a block hash to its node and offset in 8 bytes per entry
 //! (it stores no key: the key is read from the run).
 //!
+//! # Cost
+//! A store or removal does one block-table operation per block it adds or drops and touches only
+//! the nodes it changes; nothing is allocated per block (a new run is one allocation, and the
+//! traversal buffers are kept in the index between calls, counted in
+//! [`PrefixIndex::memory_bytes`]). A chain that continues a leaf only its worker holds (a
+//! conversation's next turn) is appended to that run in place. A removal batch — vLLM reports an
+//! eviction as one event per block, tail first — is grouped by node and each node is cut once;
+//! a run only the removing worker holds is truncated in place.
+//!
 //! # Memory budget
 //! With `max_bytes`, [`PrefixIndex::memory_bytes`] (an account of every heap allocation of the
 //! structure, with a per-allocation allowance for the allocator) never exceeds the budget after
