@@ -16,7 +16,9 @@
 
 use xxhash_rust::xxh64::xxh64;
 
-use super::{preference_len, ConsistentHash, Key, NodeId, NodeSet, SeenNodes};
+use super::{
+    cycle_from, extend_distinct, preference_len, ConsistentHash, Key, NodeId, NodeSet, SeenNodes,
+};
 use crate::error::Result;
 
 /// Envoy's default table size (prime).
@@ -100,7 +102,6 @@ impl Maglev {
             })
             .collect();
         let max_weight = fillers.iter().map(|f| f.weight).fold(0.0, f64::max);
-        let mut counts = vec![0u64; nodes.len()];
         let mut filled = 0u64;
         let mut iteration = 1u64;
         while filled < m && !fillers.is_empty() {
@@ -123,18 +124,11 @@ impl Maglev {
                     *slot = f.id;
                 }
                 f.position = (f.position + f.skip) % m;
-                if let Some(c) = counts.get_mut(f.id as usize) {
-                    *c += 1;
-                }
                 filled += 1;
             }
             iteration += 1;
         }
-        let slotless = nodes
-            .ids_by_name()
-            .into_iter()
-            .filter(|&id| counts.get(id as usize).copied().unwrap_or(0) == 0)
-            .collect();
+        let slotless = nodes.unowned_by_name(&table);
         Self {
             nodes,
             table_size,
@@ -162,60 +156,28 @@ impl ConsistentHash for Maglev {
         Ok(self.slot(key.prehashed64()))
     }
 
-    fn get_many_into<'k, I>(&self, keys: I, out: &mut Vec<NodeId>) -> Result<()>
-    where
-        I: IntoIterator<Item = Key<'k>>,
-    {
-        self.require_nodes()?;
-        out.clear();
-        out.extend(keys.into_iter().map(|k| self.slot(k.prehashed64())));
-        Ok(())
-    }
-
     fn preference_into(&self, key: Key<'_>, n: usize, out: &mut Vec<NodeId>) -> Result<()> {
         let n = preference_len(n, self.len())?;
         out.clear();
         let mut seen = SeenNodes::new(self.len());
         let hash = key.prehashed64();
         let attempts = 16 * self.len() as u64 + 64;
-        for a in 0..attempts {
-            if out.len() == n {
-                return Ok(());
-            }
-            let probe = if a == 0 {
-                hash
-            } else {
-                hash ^ a.wrapping_neg()
-            };
-            let id = self.slot(probe);
-            if seen.insert(id) {
-                out.push(id);
-            }
-        }
+        // Attempt `a` probes `hash ^ (2^64 - a)`; attempt 0 is the key's own slot.
+        let retries = (0..attempts).map(|a| self.slot(hash ^ a.wrapping_neg()));
+        extend_distinct(out, n, &mut seen, retries);
         let start = (hash % self.table_size) as usize;
-        let (before, after) = self.table.split_at(start.min(self.table.len()));
-        for &id in after.iter().chain(before).chain(&self.slotless) {
-            if out.len() == n {
-                break;
-            }
-            if seen.insert(id) {
-                out.push(id);
-            }
-        }
+        let sweep = cycle_from(&self.table, start).chain(self.slotless.iter().copied());
+        extend_distinct(out, n, &mut seen, sweep);
         Ok(())
     }
 
     fn add(&mut self, name: &str, weight: f64) -> Result<()> {
-        let mut nodes = self.nodes.clone();
-        nodes.push(name, weight)?;
-        *self = Self::build(nodes, self.table_size);
+        *self = Self::build(self.nodes.with_node(name, weight)?, self.table_size);
         Ok(())
     }
 
     fn remove(&mut self, name: &str) -> Result<()> {
-        let mut nodes = self.nodes.clone();
-        nodes.remove(name)?;
-        *self = Self::build(nodes, self.table_size);
+        *self = Self::build(self.nodes.without_node(name)?, self.table_size);
         Ok(())
     }
 }

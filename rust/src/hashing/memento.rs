@@ -120,16 +120,6 @@ impl ConsistentHash for JumpHash {
         Ok(self.locate(key.prehashed64()))
     }
 
-    fn get_many_into<'k, I>(&self, keys: I, out: &mut Vec<NodeId>) -> Result<()>
-    where
-        I: IntoIterator<Item = Key<'k>>,
-    {
-        self.require_nodes()?;
-        out.clear();
-        out.extend(keys.into_iter().map(|k| self.locate(k.prehashed64())));
-        Ok(())
-    }
-
     fn preference_into(&self, key: Key<'_>, n: usize, out: &mut Vec<NodeId>) -> Result<()> {
         let n = preference_len(n, self.len())?;
         let k = key.prehashed64();
@@ -161,7 +151,6 @@ impl ConsistentHash for JumpHash {
 
     fn add(&mut self, name: &str, weight: f64) -> Result<()> {
         check_unweighted(name, weight)?;
-        self.nodes.check_new(name, weight)?;
         let id = self.nodes.push(name, weight)?;
         let bucket = if self.removed == 0 {
             self.node_at.push(id);

@@ -157,6 +157,29 @@ pub(crate) fn preference_len(n: usize, len: usize) -> Result<usize> {
     Ok(n.min(len))
 }
 
+/// Appends the ids of `candidates` not in `seen` to `out`, in order, until `out` holds `n`.
+pub(crate) fn extend_distinct(
+    out: &mut Vec<NodeId>,
+    n: usize,
+    seen: &mut SeenNodes,
+    candidates: impl IntoIterator<Item = NodeId>,
+) {
+    for id in candidates {
+        if out.len() >= n {
+            break;
+        }
+        if seen.insert(id) {
+            out.push(id);
+        }
+    }
+}
+
+/// `ids` read cyclically, starting at position `start` (clamped to the end).
+pub(crate) fn cycle_from(ids: &[NodeId], start: usize) -> impl Iterator<Item = NodeId> + '_ {
+    let (before, after) = ids.split_at(start.min(ids.len()));
+    after.iter().chain(before).copied()
+}
+
 /// A set of node ids seen so far, for building preference lists without duplicates.
 pub(crate) struct SeenNodes {
     bits: Vec<u64>,
@@ -203,6 +226,17 @@ mod tests {
         assert_eq!(preference_len(2, 3).unwrap(), 2);
         assert!(preference_len(0, 3).is_err());
         assert!(preference_len(1, 0).is_err());
+    }
+
+    #[test]
+    fn distinct_candidates_stop_at_n() {
+        let mut seen = SeenNodes::new(8);
+        let mut out = vec![5];
+        seen.insert(5);
+        extend_distinct(&mut out, 3, &mut seen, cycle_from(&[4, 5, 6, 7], 1));
+        assert_eq!(out, vec![5, 6, 7]);
+        extend_distinct(&mut out, 4, &mut seen, cycle_from(&[4, 5], 9));
+        assert_eq!(out, vec![5, 6, 7, 4]);
     }
 
     #[test]

@@ -131,6 +131,35 @@ impl NodeSet {
         ids
     }
 
+    /// A copy with node `name` appended (see [`NodeSet::push`]); `self` is unchanged on error.
+    pub fn with_node(&self, name: &str, weight: f64) -> Result<Self> {
+        let mut set = self.clone();
+        set.push(name, weight)?;
+        Ok(set)
+    }
+
+    /// A copy without node `name` (see [`NodeSet::remove`]); `self` is unchanged on error.
+    pub fn without_node(&self, name: &str) -> Result<Self> {
+        let mut set = self.clone();
+        set.remove(name)?;
+        Ok(set)
+    }
+
+    /// The ids, in name order, of the nodes that appear nowhere in `owners` (a lookup table's
+    /// entries), so that preference lists can still reach them.
+    pub fn unowned_by_name(&self, owners: &[NodeId]) -> Vec<NodeId> {
+        let mut owns = vec![false; self.len()];
+        for &id in owners {
+            if let Some(slot) = owns.get_mut(id as usize) {
+                *slot = true;
+            }
+        }
+        self.ids_by_name()
+            .into_iter()
+            .filter(|&id| !owns.get(id as usize).copied().unwrap_or(true))
+            .collect()
+    }
+
     /// For each node id, its position in [`NodeSet::ids_by_name`].
     pub fn name_ranks(&self) -> Vec<u32> {
         let mut ranks = vec![0u32; self.len()];
@@ -157,6 +186,7 @@ mod tests {
         assert_eq!(set.id("a"), Some(0));
         assert_eq!(set.id("c"), Some(1));
         assert_eq!(set.weights(), &[2.0, 1.0]);
+        assert_eq!(set.unowned_by_name(&[1, 1]), vec![0]);
     }
 
     #[test]
@@ -167,6 +197,7 @@ mod tests {
             assert!(matches!(set.push("b", w), Err(Error::Value(_))));
         }
         assert!(matches!(set.remove("zz"), Err(Error::Key(_))));
+        assert!(set.with_node("a", 1.0).is_err() && set.without_node("zz").is_err());
         assert_eq!(set.len(), 1);
     }
 }

@@ -112,16 +112,6 @@ impl ConsistentHash for Rendezvous {
         Ok(self.best(key.hash64()))
     }
 
-    fn get_many_into<'k, I>(&self, keys: I, out: &mut Vec<NodeId>) -> Result<()>
-    where
-        I: IntoIterator<Item = Key<'k>>,
-    {
-        self.require_nodes()?;
-        out.clear();
-        out.extend(keys.into_iter().map(|k| self.best(k.hash64())));
-        Ok(())
-    }
-
     fn preference_into(&self, key: Key<'_>, n: usize, out: &mut Vec<NodeId>) -> Result<()> {
         let n = preference_len(n, self.len())?;
         let k = key.hash64();
@@ -139,16 +129,12 @@ impl ConsistentHash for Rendezvous {
     }
 
     fn add(&mut self, name: &str, weight: f64) -> Result<()> {
-        let mut nodes = self.nodes.clone();
-        nodes.push(name, weight)?;
-        *self = Self::build(nodes);
+        *self = Self::build(self.nodes.with_node(name, weight)?);
         Ok(())
     }
 
     fn remove(&mut self, name: &str) -> Result<()> {
-        let mut nodes = self.nodes.clone();
-        nodes.remove(name)?;
-        *self = Self::build(nodes);
+        *self = Self::build(self.nodes.without_node(name)?);
         Ok(())
     }
 }

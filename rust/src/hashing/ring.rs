@@ -24,7 +24,9 @@ use std::cell::Cell;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::ketama::{ketama_hash, ketama_hash_many, ketama_points};
-use super::{preference_len, ConsistentHash, Key, NodeId, NodeSet, SeenNodes};
+use super::{
+    cycle_from, extend_distinct, preference_len, ConsistentHash, Key, NodeId, NodeSet, SeenNodes,
+};
 use crate::error::Result;
 
 /// Points per unit of weight by default: libketama's 40 digests x 4 points.
@@ -210,17 +212,7 @@ impl HashRing {
             points.push(u64::MAX);
             owners.push(first);
         }
-        let mut owns = vec![false; nodes.len()];
-        for &o in &owners {
-            if let Some(slot) = owns.get_mut(o as usize) {
-                *slot = true;
-            }
-        }
-        let pointless = nodes
-            .ids_by_name()
-            .into_iter()
-            .filter(|&id| !owns.get(id as usize).copied().unwrap_or(true))
-            .collect();
+        let pointless = nodes.unowned_by_name(&owners);
         let (table, shift) = table;
         Ok(Self {
             nodes,
@@ -391,29 +383,18 @@ impl ConsistentHash for HashRing {
         let mut seen = SeenNodes::new(self.len());
         let start = self.position(self.key_hash(key));
         let owners = self.owners.get(..self.num_points()).unwrap_or_default();
-        let (before, after) = owners.split_at(start.min(owners.len()));
-        for &o in after.iter().chain(before).chain(&self.pointless) {
-            if out.len() == n {
-                break;
-            }
-            if seen.insert(o) {
-                out.push(o);
-            }
-        }
+        let walk = cycle_from(owners, start).chain(self.pointless.iter().copied());
+        extend_distinct(out, n, &mut seen, walk);
         Ok(())
     }
 
     fn add(&mut self, name: &str, weight: f64) -> Result<()> {
-        let mut nodes = self.nodes.clone();
-        nodes.push(name, weight)?;
-        *self = Self::build(nodes, self.vnodes, self.hash)?;
+        *self = Self::build(self.nodes.with_node(name, weight)?, self.vnodes, self.hash)?;
         Ok(())
     }
 
     fn remove(&mut self, name: &str) -> Result<()> {
-        let mut nodes = self.nodes.clone();
-        nodes.remove(name)?;
-        *self = Self::build(nodes, self.vnodes, self.hash)?;
+        *self = Self::build(self.nodes.without_node(name)?, self.vnodes, self.hash)?;
         Ok(())
     }
 }
