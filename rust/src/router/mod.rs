@@ -202,6 +202,7 @@ struct Scratch {
     loads: Vec<u64>,
     shares: Vec<f64>,
     tier_overlap: Vec<(u32, f64)>,
+    tier_hits: Vec<(u32, u32, f64)>,
 }
 
 impl Router {
@@ -354,10 +355,7 @@ impl Router {
 
     /// Marks worker `name` healthy or not (unhealthy workers are never chosen).
     pub fn set_healthy(&mut self, name: &str, healthy: bool) -> Result<()> {
-        let slot = self.workers.require(name)?;
-        if let Some(w) = self.workers.get_mut(slot) {
-            w.healthy = healthy;
-        }
+        self.workers.named_mut(name)?.healthy = healthy;
         self.refresh_pools();
         Ok(())
     }
@@ -379,11 +377,8 @@ impl Router {
 
     /// Worker `name`'s freshness at `now`.
     pub fn freshness(&self, name: &str, now: f64) -> Result<f64> {
-        let slot = self.workers.require(name)?;
-        Ok(self
-            .workers
-            .get(slot)
-            .map_or(1.0, |w| w.freshness_at(now, self.config.stale_half_life)))
+        let half_life = self.config.stale_half_life;
+        Ok(self.workers.named(name)?.freshness_at(now, half_life))
     }
 
     fn membership_changed(&mut self) {
@@ -704,11 +699,7 @@ impl Router {
         };
         let mut hashes = Vec::new();
         if let Some(model) = self.model.as_mut() {
-            let partition = endpoint_id.as_deref().filter(|e| {
-                self.endpoints
-                    .get(*e)
-                    .is_some_and(|ep| ep.reserved_blocks.is_some())
-            });
+            let partition = reserved_partition(&self.endpoints, endpoint_id.as_ref());
             if let Err(e) = model.record(worker, &mut index, &req.hashes, partition, now) {
                 self.rng = saved_rng;
                 for (w, rr) in self.workers.iter_mut().zip(saved_rr) {
@@ -860,11 +851,7 @@ impl Router {
 
     /// The cache partition a decision's blocks go to (its endpoint's, when reserved).
     fn partition_of(&self, d: &Decision) -> Option<Arc<str>> {
-        d.endpoint.clone().filter(|e| {
-            self.endpoints
-                .get(e)
-                .is_some_and(|ep| ep.reserved_blocks.is_some())
-        })
+        reserved_partition(&self.endpoints, d.endpoint.as_ref()).map(Arc::from)
     }
 
     /// Checks the approx model's invariant (index = caches) for tests; `Err` describes a mismatch.
@@ -886,6 +873,20 @@ impl Router {
         }
         Ok(())
     }
+}
+
+/// The cache partition of `endpoint`'s blocks: its id, when it reserves blocks.
+fn reserved_partition<'a>(
+    endpoints: &HashMap<Arc<str>, Endpoint>,
+    endpoint: Option<&'a Arc<str>>,
+) -> Option<&'a str> {
+    endpoint
+        .filter(|e| {
+            endpoints
+                .get(*e)
+                .is_some_and(|ep| ep.reserved_blocks.is_some())
+        })
+        .map(|e| &**e)
 }
 
 /// Our slot for index worker `id`, through a cache validated by the index's own name pointer.
@@ -924,8 +925,9 @@ fn add_tier_credit(
     if tiers.is_empty() || query.is_empty() {
         return;
     }
-    // Per slot: (overlap, weight) of every tier holding part of the prefix, GPU first.
-    let mut per_slot: Vec<Vec<(u32, f64)>> = vec![Vec::new(); workers.len()];
+    // (slot, overlap, weight) of every tier holding part of the prefix on a worker.
+    let hits = &mut scratch.tier_hits;
+    hits.clear();
     for (name, index) in tiers.iter() {
         let weight = weights
             .iter()
@@ -935,28 +937,32 @@ fn add_tier_credit(
         index.match_into(query, &mut scratch.matches);
         for &(id, blocks) in &scratch.matches {
             if let Some(slot) = index.worker_name(id).and_then(|n| workers.slot(n)) {
-                if let Some(v) = per_slot.get_mut(slot as usize) {
-                    v.push((blocks, weight));
-                }
+                hits.push((slot, blocks, weight));
             }
         }
     }
-    for (slot, tiers) in per_slot.iter_mut().enumerate() {
-        if tiers.is_empty() {
+    hits.sort_unstable_by_key(|h| h.0);
+    for worker_hits in hits.chunk_by(|a, b| a.0 == b.0) {
+        let Some(&(slot, _, _)) = worker_hits.first() else {
             continue;
-        }
-        let gpu = scratch.overlap.get(slot).copied().unwrap_or(0);
-        tiers.push((gpu, 1.0));
-        if let Some(c) = scratch.credit.get_mut(slot) {
-            *c = tiered_credit(tiers, &mut scratch.tier_overlap);
+        };
+        let gpu = scratch.overlap.get(slot as usize).copied().unwrap_or(0);
+        let per_tier = &mut scratch.tier_overlap;
+        per_tier.clear();
+        per_tier.extend(
+            worker_hits
+                .iter()
+                .map(|&(_, blocks, weight)| (blocks, weight)),
+        );
+        per_tier.push((gpu, 1.0));
+        if let Some(c) = scratch.credit.get_mut(slot as usize) {
+            *c = tiered_credit(per_tier);
         }
     }
 }
 
-/// `Σ_{i < max o_t} max{ w_t : o_t > i }` for `(o_t, w_t)` pairs.
-fn tiered_credit(tiers: &[(u32, f64)], sorted: &mut Vec<(u32, f64)>) -> f64 {
-    sorted.clear();
-    sorted.extend_from_slice(tiers);
+/// `Σ_{i < max o_t} max{ w_t : o_t > i }` for `(o_t, w_t)` pairs (reordered in place).
+fn tiered_credit(sorted: &mut [(u32, f64)]) -> f64 {
     // Descending overlap: walking down, the best weight among tiers reaching past each block.
     sorted.sort_unstable_by_key(|t| std::cmp::Reverse(t.0));
     let mut credit = 0.0;

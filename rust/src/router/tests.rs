@@ -102,11 +102,10 @@ fn observe_drops_what_the_engine_lacked() {
 
 #[test]
 fn tiered_credit_counts_each_block_at_its_best_tier() {
-    let mut scratch = Vec::new();
-    assert_eq!(tiered_credit(&[(4, 1.0)], &mut scratch), 4.0);
+    assert_eq!(tiered_credit(&mut [(4, 1.0)]), 4.0);
     // GPU 2, CPU 6 (0.5), disk 10 (0.25): 2 + 4 × 0.5 + 4 × 0.25.
-    let got = tiered_credit(&[(6, 0.5), (10, 0.25), (2, 1.0)], &mut scratch);
+    let got = tiered_credit(&mut [(6, 0.5), (10, 0.25), (2, 1.0)]);
     assert!((got - 5.0).abs() < 1e-12);
     // A slower tier that holds less adds nothing.
-    assert_eq!(tiered_credit(&[(1, 0.5), (3, 1.0)], &mut scratch), 3.0);
+    assert_eq!(tiered_credit(&mut [(1, 0.5), (3, 1.0)]), 3.0);
 }

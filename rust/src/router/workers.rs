@@ -130,8 +130,19 @@ impl WorkerTable {
 
     /// The slot of worker `name`, or a `KeyError` naming it.
     pub fn require(&self, name: &str) -> Result<u32> {
-        self.slot(name)
-            .ok_or_else(|| Error::Key(format!("unknown worker {name:?}")))
+        self.slot(name).ok_or_else(|| unknown(name))
+    }
+
+    /// Worker `name`, or a `KeyError` naming it.
+    pub fn named(&self, name: &str) -> Result<&Worker> {
+        let slot = self.require(name)?;
+        self.get(slot).ok_or_else(|| unknown(name))
+    }
+
+    /// Worker `name`, mutably, or a `KeyError` naming it.
+    pub(super) fn named_mut(&mut self, name: &str) -> Result<&mut Worker> {
+        let slot = self.require(name)?;
+        self.get_mut(slot).ok_or_else(|| unknown(name))
     }
 
     /// The slot of the worker with `uid` (`hint` is tried first).
@@ -197,21 +208,16 @@ impl WorkerTable {
     /// A worker already stale keeps its original time.
     pub fn mark_stale(&mut self, name: &str, now: f64) -> Result<()> {
         check_finite(now, "now")?;
-        let slot = self.require(name)?;
-        if let Some(w) = self.get_mut(slot) {
-            if !matches!(w.freshness, Freshness::StaleSince(_)) {
-                w.freshness = Freshness::StaleSince(now);
-            }
+        let w = self.named_mut(name)?;
+        if !matches!(w.freshness, Freshness::StaleSince(_)) {
+            w.freshness = Freshness::StaleSince(now);
         }
         Ok(())
     }
 
     /// Marks `name`'s index stream trusted again (freshness 1).
     pub fn mark_fresh(&mut self, name: &str) -> Result<()> {
-        let slot = self.require(name)?;
-        if let Some(w) = self.get_mut(slot) {
-            w.freshness = Freshness::Fresh;
-        }
+        self.named_mut(name)?.freshness = Freshness::Fresh;
         Ok(())
     }
 
@@ -220,12 +226,13 @@ impl WorkerTable {
         if !(0.0..=1.0).contains(&value) {
             return crate::value_err!("freshness must be in [0, 1], got {value}");
         }
-        let slot = self.require(name)?;
-        if let Some(w) = self.get_mut(slot) {
-            w.freshness = Freshness::Fixed(value);
-        }
+        self.named_mut(name)?.freshness = Freshness::Fixed(value);
         Ok(())
     }
+}
+
+fn unknown(name: &str) -> Error {
+    Error::Key(format!("unknown worker {name:?}"))
 }
 
 /// `Ok` when `value` is finite; otherwise a `ValueError` naming `what`.
