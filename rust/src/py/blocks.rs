@@ -10,8 +10,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyByteArray, PyBytes, PyInt, PyString, PyTuple};
 
 use super::convert::{
-    block_hash_from_py, describe, int_array, name_from_py, type_name, u64_from_int, u64_slice,
-    IntArray, Negative,
+    block_hash_from_py, describe, int_array, name_from_py, optional, optional_name, type_error,
+    u64_from_int, u64_slice, usize_from_int, IntArray, Negative,
 };
 use crate::blocks::{BlockHasher, ChainState, MmItem, Options, Profile};
 
@@ -47,7 +47,7 @@ pub(super) fn tokens_from_py<'py>(obj: &Bound<'py, PyAny>) -> PyResult<IntArray<
 /// `parent=`: `None` (start of a sequence), an int (a native block hash; a negative int64 is read
 /// as its two's-complement bits), or a 32-byte digest (`bytes`, `bytearray` or a uint8 array).
 fn parent_from_py(obj: Option<&Bound<'_, PyAny>>) -> PyResult<ChainState> {
-    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+    let Some(obj) = obj else {
         return Ok(ChainState::Root);
     };
     let digest = if let Ok(b) = obj.cast::<PyBytes>() {
@@ -70,25 +70,24 @@ fn parent_from_py(obj: Option<&Bound<'_, PyAny>>) -> PyResult<ChainState> {
     }
     match block_hash_from_py(obj, "parent") {
         Ok(v) => Ok(ChainState::Native(v)),
-        Err(e) if e.is_instance_of::<PyTypeError>(obj.py()) => Err(PyTypeError::new_err(format!(
-            "parent must be None, an int (native) or a 32-byte digest (vllm, sglang), got {} {}",
-            type_name(obj),
-            describe(obj)
-        ))),
+        Err(e) if e.is_instance_of::<PyTypeError>(obj.py()) => Err(type_error(
+            obj,
+            "parent must be None, an int (native) or a 32-byte digest (vllm, sglang)",
+        )),
         Err(e) => Err(e),
     }
 }
 
 /// `mm=`: a sequence of `(identifier: str, offset: int, length: int)`.
 fn mm_from_py(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<MmItem>> {
-    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+    let Some(obj) = obj else {
         return Ok(Vec::new());
     };
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
-        return Err(PyTypeError::new_err(format!(
-            "mm must be a sequence of (identifier, offset, length) tuples, got {}",
-            type_name(obj)
-        )));
+        return Err(type_error(
+            obj,
+            "mm must be a sequence of (identifier, offset, length) tuples",
+        ));
     }
     let mut items = Vec::new();
     for (i, item) in obj.try_iter()?.enumerate() {
@@ -123,13 +122,6 @@ fn mm_from_py(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<MmItem>> {
         });
     }
     Ok(items)
-}
-
-fn optional_str(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<String>> {
-    match obj.filter(|o| !o.is_none()) {
-        None => Ok(None),
-        Some(o) => Ok(Some(name_from_py(o, what)?.into_owned())),
-    }
 }
 
 fn state_to_py(py: Python<'_>, state: &ChainState) -> PyResult<Py<PyAny>> {
@@ -223,23 +215,16 @@ impl PyBlockHasher {
         lora_path: Option<&Bound<'_, PyAny>>,
         seed: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let block_size = match block_size {
-            None => 16,
-            Some(b) => {
-                let v = u64_from_int(b, "block_size", None)?;
-                usize::try_from(v)
-                    .map_err(|_| PyValueError::new_err(format!("block_size = {v} is too large")))?
-            }
-        };
-        let profile: Profile = match optional_str(profile, "profile")? {
+        let block_size = optional(block_size, |b| usize_from_int(b, "block_size"))?.unwrap_or(16);
+        let profile: Profile = match optional_name(profile, "profile")? {
             None => Profile::Native,
             Some(p) => p.parse()?,
         };
         let options = Options {
-            salt: optional_str(salt, "salt")?,
-            lora_name: optional_str(lora_name, "lora_name")?,
-            lora_path: optional_str(lora_path, "lora_path")?,
-            seed: optional_str(seed, "seed")?,
+            salt: optional_name(salt, "salt")?,
+            lora_name: optional_name(lora_name, "lora_name")?,
+            lora_path: optional_name(lora_path, "lora_path")?,
+            seed: optional_name(seed, "seed")?,
         };
         Ok(PyBlockHasher {
             inner: BlockHasher::new(block_size, profile, options)?,

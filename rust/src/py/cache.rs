@@ -6,17 +6,17 @@
 //! GIL and take the lock inside `py.detach`.
 
 use std::collections::HashMap;
-use std::time::Instant;
 
 use parking_lot::Mutex;
-use pyo3::exceptions::{PyKeyError, PyTypeError};
+use pyo3::exceptions::PyKeyError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt};
 
 use super::convert::{
-    block_hash_from_py, describe, name_from_py, type_name, u64_array, u64_from_int, u64_slice,
-    Negative, U64Slice,
+    block_hash_from_py, name_from_py, optional, type_error, u64_array, u64_slice, usize_from_int,
+    MonotonicClock, Negative, U64Slice,
 };
+use super::with_mutex;
 use crate::cache::{BlockCache, PartitionId};
 
 /// Largest call that may run without releasing the GIL.
@@ -54,29 +54,18 @@ fn hash_array<'py>(obj: &Bound<'py, PyAny>) -> PyResult<U64Slice<'py>> {
 pub struct PyBlockCache {
     core: Mutex<BlockCache>,
     partitions: HashMap<String, PartitionId>,
-    /// `time.monotonic()` at construction, paired with `started`: the default `now`.
-    clock_zero: f64,
-    started: Instant,
+    clock: MonotonicClock,
 }
 
 impl PyBlockCache {
-    /// `now` as given, or the current `time.monotonic()` value.
-    fn now(&self, now: Option<f64>) -> f64 {
-        now.unwrap_or_else(|| self.clock_zero + self.started.elapsed().as_secs_f64())
-    }
-
-    /// Runs `f` on the core: inline for small calls when the lock is free, else GIL released.
-    fn run<R, F>(&self, py: Python<'_>, blocks: usize, f: F) -> R
-    where
-        R: Send,
-        F: FnOnce(&mut BlockCache) -> R + Send,
-    {
-        if blocks <= INLINE_BLOCKS {
-            if let Some(mut core) = self.core.try_lock() {
-                return f(&mut core);
-            }
-        }
-        py.detach(|| f(&mut self.core.lock()))
+    /// Runs `f` on the core (a call on `blocks` blocks; see the module docs).
+    fn run<R: Send>(
+        &self,
+        py: Python<'_>,
+        blocks: usize,
+        f: impl FnOnce(&mut BlockCache) -> R + Send,
+    ) -> R {
+        with_mutex(py, &self.core, blocks <= INLINE_BLOCKS, f)
     }
 
     fn partition_id(&self, partition: Option<&Bound<'_, PyAny>>) -> PyResult<PartitionId> {
@@ -100,22 +89,15 @@ impl PyBlockCache {
         capacity: &Bound<'_, PyAny>,
         reserved: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let capacity =
-            usize::try_from(u64_from_int(capacity, "capacity", None)?).unwrap_or(usize::MAX);
+        let capacity = usize_from_int(capacity, "capacity")?;
         let mut shares: Vec<(String, usize)> = Vec::new();
         if let Some(obj) = reserved {
             let dict = obj.cast::<PyDict>().map_err(|_| {
-                PyTypeError::new_err(format!(
-                    "reserved must be a dict of partition name to blocks, got {} {}",
-                    type_name(obj),
-                    describe(obj)
-                ))
+                type_error(obj, "reserved must be a dict of partition name to blocks")
             })?;
             for (name, blocks) in dict.iter() {
                 let name = name_from_py(&name, "partition name")?.into_owned();
-                let what = format!("reserved[{name:?}]");
-                let blocks =
-                    usize::try_from(u64_from_int(&blocks, &what, None)?).unwrap_or(usize::MAX);
+                let blocks = usize_from_int(&blocks, &format!("reserved[{name:?}]"))?;
                 shares.push((name, blocks));
             }
         }
@@ -124,16 +106,10 @@ impl PyBlockCache {
             .iter()
             .map(|(name, _)| Ok((name.clone(), core.partition(name)?)))
             .collect::<crate::Result<HashMap<_, _>>>()?;
-        let clock_zero: f64 = py
-            .import("time")?
-            .getattr("monotonic")?
-            .call0()?
-            .extract()?;
         Ok(PyBlockCache {
             core: Mutex::new(core),
             partitions,
-            clock_zero,
-            started: Instant::now(),
+            clock: MonotonicClock::new(py)?,
         })
     }
 
@@ -153,10 +129,8 @@ impl PyBlockCache {
     ) -> PyResult<(usize, Bound<'py, numpy::PyArray1<u64>>)> {
         let hashes = hash_array(block_hashes)?;
         let part = self.partition_id(partition)?;
-        let parent = parent
-            .map(|p| block_hash_from_py(p, "parent"))
-            .transpose()?;
-        let now = self.now(now);
+        let parent = optional(parent, |p| block_hash_from_py(p, "parent"))?;
+        let now = self.clock.now(now);
         let slice = hashes.as_slice();
         let mut evicted = Vec::new();
         let stored = self.run(py, slice.len(), |c| {
@@ -193,7 +167,7 @@ impl PyBlockCache {
         now: Option<f64>,
     ) -> PyResult<()> {
         let hashes = hash_array(block_hashes)?;
-        let now = self.now(now);
+        let now = self.clock.now(now);
         let slice = hashes.as_slice();
         self.run(py, slice.len(), |c| match ttl {
             Some(ttl) => c.lease(slice, ttl, now),
@@ -212,7 +186,7 @@ impl PyBlockCache {
         now: Option<f64>,
     ) -> PyResult<()> {
         let hashes = hash_array(block_hashes)?;
-        let now = self.now(now);
+        let now = self.clock.now(now);
         let slice = hashes.as_slice();
         self.run(py, slice.len(), |c| c.unpin(slice, now))?;
         Ok(())
@@ -221,7 +195,7 @@ impl PyBlockCache {
     /// Releases the leases that ended at or before `now`; returns how many.
     #[pyo3(signature = (*, now=None))]
     fn expire(&self, py: Python<'_>, now: Option<f64>) -> PyResult<usize> {
-        let now = self.now(now);
+        let now = self.clock.now(now);
         // Releasing many leases is long work: always release the GIL.
         Ok(self.run(py, usize::MAX, |c| c.expire(now))?)
     }

@@ -2,23 +2,28 @@
 //!
 //! Guarantees: every conversion either succeeds or raises `TypeError`/`ValueError` naming the bad
 //! value; NumPy arrays of the exact dtype and C-contiguous layout are borrowed, never copied.
-
-// Helpers shared by bindings that land one issue at a time.
-#![allow(dead_code)]
+//! Optional arguments arrive as `Option<&Bound<PyAny>>`, where PyO3 already maps an explicit
+//! `None` to `None`.
 
 use std::borrow::Cow;
+use std::fmt::Display;
 use std::os::raw::c_char;
+use std::sync::Arc;
+use std::time::Instant;
 
 use numpy::npyffi::objects::_PyArray_GET_ITEM_DATA;
 use numpy::{
     Element, PyArray1, PyArrayDescr, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1,
     PyUntypedArray, PyUntypedArrayMethods,
 };
+use parking_lot::Mutex;
 use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::type_object::PyTypeCheck;
-use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{
+    PyBool, PyByteArray, PyBytes, PyInt, PyList, PyMapping, PyMemoryView, PyString, PyTuple,
+};
 
 use crate::error::Error;
 use crate::hashing::Key;
@@ -78,6 +83,23 @@ pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
         .unwrap_or_else(|_| "?".to_owned())
 }
 
+/// The `TypeError` for `obj` where `expected` was wanted: "{expected}, got {type} {repr}".
+pub fn type_error(obj: &Bound<'_, PyAny>, expected: impl Display) -> PyErr {
+    PyTypeError::new_err(format!(
+        "{expected}, got {} {}",
+        type_name(obj),
+        describe(obj)
+    ))
+}
+
+/// `f(obj)` for an optional argument that was given; `None` when it was omitted or `None`.
+pub fn optional<'py, T>(
+    obj: Option<&Bound<'py, PyAny>>,
+    f: impl FnOnce(&Bound<'py, PyAny>) -> PyResult<T>,
+) -> PyResult<Option<T>> {
+    obj.map(f).transpose()
+}
+
 /// An unsigned 64-bit integer from a Python `int` (`bool` is refused), naming `what` (and the
 /// position `at`, for an element of a sequence) on error.
 pub fn u64_from_int(obj: &Bound<'_, PyAny>, what: &str, at: Option<usize>) -> PyResult<u64> {
@@ -86,12 +108,7 @@ pub fn u64_from_int(obj: &Bound<'_, PyAny>, what: &str, at: Option<usize>) -> Py
         None => what.to_owned(),
     };
     if obj.is_instance_of::<PyBool>() || !obj.is_instance_of::<PyInt>() {
-        return Err(PyTypeError::new_err(format!(
-            "{} must be an int, got {} {}",
-            name(),
-            type_name(obj),
-            describe(obj)
-        )));
+        return Err(type_error(obj, format_args!("{} must be an int", name())));
     }
     obj.extract::<u64>().map_err(|_| {
         let why = if obj.lt(0).unwrap_or(false) {
@@ -101,6 +118,12 @@ pub fn u64_from_int(obj: &Bound<'_, PyAny>, what: &str, at: Option<usize>) -> Py
         };
         PyValueError::new_err(format!("{} = {} {why}", name(), describe(obj)))
     })
+}
+
+/// A count or size from a Python `int` in `0..2**64` (see [`u64_from_int`]), saturating at
+/// `usize::MAX` (the core refuses what it cannot hold).
+pub fn usize_from_int(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
+    Ok(usize::try_from(u64_from_int(obj, what, None)?).unwrap_or(usize::MAX))
 }
 
 /// Calls `f` with the routing key held in `obj`: `str` (UTF-8 bytes), `bytes`, or `int` in 0..2^64.
@@ -118,11 +141,7 @@ pub fn with_key<R>(obj: &Bound<'_, PyAny>, f: impl FnOnce(Key<'_>) -> R) -> PyRe
     if obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>() {
         return Ok(f(Key::Int(u64_from_int(obj, "key", None)?)));
     }
-    Err(PyTypeError::new_err(format!(
-        "key must be str, bytes or int, got {} {}",
-        type_name(obj),
-        describe(obj)
-    )))
+    Err(type_error(obj, "key must be str, bytes or int"))
 }
 
 /// A batch of keys copied out of Python objects into contiguous memory, so the work on them can
@@ -135,15 +154,8 @@ pub struct KeyBatch {
 }
 
 impl KeyBatch {
-    /// Copies every key of an iterable of `str`/`bytes`/`int` objects.
-    pub fn from_iterable(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let mut batch = KeyBatch::default();
-        batch.refill(obj)?;
-        Ok(batch)
-    }
-
-    /// Replaces the batch's keys with those of `obj` (as [`KeyBatch::from_iterable`]), reusing
-    /// its buffers. On error the batch holds an unspecified prefix of the keys.
+    /// Replaces the batch's keys with those of `obj`, an iterable of `str`/`bytes`/`int` objects,
+    /// reusing its buffers. On error the batch holds an unspecified prefix of the keys.
     pub fn refill(&mut self, obj: &Bound<'_, PyAny>) -> PyResult<()> {
         self.clear();
         if let Some((n, get_item)) = list_or_tuple(obj) {
@@ -196,11 +208,6 @@ impl KeyBatch {
     /// Number of keys.
     pub fn len(&self) -> usize {
         self.spans.len()
-    }
-
-    /// True when the batch holds no key.
-    pub fn is_empty(&self) -> bool {
-        self.spans.is_empty()
     }
 
     /// The keys, in order.
@@ -366,16 +373,16 @@ pub fn u64_slice<'py>(
         )));
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
-        return Err(PyTypeError::new_err(format!(
-            "{what} must be a sequence of ints, got {}",
-            type_name(obj)
-        )));
+        return Err(type_error(
+            obj,
+            format_args!("{what} must be a sequence of ints"),
+        ));
     }
     let iter = obj.try_iter().map_err(|_| {
-        PyTypeError::new_err(format!(
-            "{what} must be a sequence of ints or a NumPy integer array, got {}",
-            type_name(obj)
-        ))
+        type_error(
+            obj,
+            format_args!("{what} must be a sequence of ints or a NumPy integer array"),
+        )
     })?;
     let item_u64 = |item: &Bound<'_, PyAny>, i: usize| -> PyResult<u64> {
         match negative {
@@ -500,11 +507,158 @@ pub fn u64_array(py: Python<'_>, values: Vec<u64>) -> Bound<'_, PyArray1<u64>> {
 pub fn name_from_py<'a>(obj: &'a Bound<'_, PyAny>, what: &str) -> PyResult<Cow<'a, str>> {
     match obj.cast::<PyString>() {
         Ok(s) => Ok(s.to_cow()?),
-        Err(_) => Err(PyTypeError::new_err(format!(
-            "{what} must be a str, got {} {}",
-            type_name(obj),
-            describe(obj)
-        ))),
+        Err(_) => Err(type_error(obj, format_args!("{what} must be a str"))),
+    }
+}
+
+/// An optional `str` argument as an owned name.
+pub fn optional_name(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<String>> {
+    optional(obj, |o| Ok(name_from_py(o, what)?.into_owned()))
+}
+
+/// The names of an iterable of `str` (a bare `str`, itself iterable, is refused). `what` names
+/// the collection in errors, `item` each element.
+pub fn names_from_py(obj: &Bound<'_, PyAny>, what: &str, item: &str) -> PyResult<Vec<String>> {
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(type_error(
+            obj,
+            format_args!("{what} must be a list of str"),
+        ));
+    }
+    let items = obj
+        .try_iter()
+        .map_err(|_| type_error(obj, format_args!("{what} must be a list of str")))?;
+    items
+        .map(|name| Ok(name_from_py(&name?, item)?.into_owned()))
+        .collect()
+}
+
+/// A weight: an `int` (exactly representable, |w| <= 2^53) or a `float`, for the `item` called
+/// `name`. Whether it is in range (finite and positive, ...) is checked by the core.
+pub fn weight_from_py(obj: &Bound<'_, PyAny>, item: &str, name: &str) -> PyResult<f64> {
+    const EXACT: i64 = 1 << 53;
+    if obj.is_instance_of::<PyBool>() {
+        return Err(PyTypeError::new_err(format!(
+            "weight of {item} {name:?} must be a number, got bool"
+        )));
+    }
+    if obj.is_instance_of::<PyInt>() {
+        return match obj.extract::<i64>() {
+            Ok(w) if (-EXACT..=EXACT).contains(&w) => Ok(w as f64),
+            _ => Err(PyValueError::new_err(format!(
+                "weight of {item} {name:?} is too large: {}",
+                describe(obj)
+            ))),
+        };
+    }
+    obj.extract::<f64>().map_err(|_| {
+        type_error(
+            obj,
+            format_args!("weight of {item} {name:?} must be a number"),
+        )
+    })
+}
+
+/// `(name, weight)` pairs from a `{name: weight}` mapping or a list of names (weight 1). `what`
+/// names the argument in errors, `item` an element ("node", "worker").
+pub fn weighted_names(
+    obj: &Bound<'_, PyAny>,
+    what: &str,
+    item: &str,
+) -> PyResult<Vec<(String, f64)>> {
+    let Ok(map) = obj.cast::<PyMapping>() else {
+        let expected = format!("{what} must be a list of str or a {{{item}: weight}} mapping");
+        if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+            return Err(type_error(obj, expected));
+        }
+        let items = obj.try_iter().map_err(|_| type_error(obj, &expected))?;
+        return items
+            .map(|name| Ok((name_from_py(&name?, item)?.into_owned(), 1.0)))
+            .collect();
+    };
+    let mut pairs = Vec::with_capacity(map.len().unwrap_or(0));
+    for entry in map.items()?.iter() {
+        let (name, weight): (Bound<'_, PyAny>, Bound<'_, PyAny>) = entry.extract()?;
+        let name = name_from_py(&name, item)?.into_owned();
+        let weight = weight_from_py(&weight, item, &name)?;
+        pairs.push((name, weight));
+    }
+    Ok(pairs)
+}
+
+/// Calls `f` with the bytes of `obj`: borrowed from `bytes`, copied from a `bytearray` or a
+/// contiguous `memoryview`. `what` names the argument in errors.
+pub fn with_bytes<R>(
+    obj: &Bound<'_, PyAny>,
+    what: &str,
+    f: impl FnOnce(&[u8]) -> R,
+) -> PyResult<R> {
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        return Ok(f(b.as_bytes()));
+    }
+    if let Ok(b) = obj.cast::<PyByteArray>() {
+        return Ok(f(&b.to_vec()));
+    }
+    if obj.is_instance_of::<PyMemoryView>() {
+        let bytes: Vec<u8> = obj.call_method0("tobytes")?.extract()?;
+        return Ok(f(&bytes));
+    }
+    Err(type_error(
+        obj,
+        format_args!("{what} must be bytes, bytearray or memoryview"),
+    ))
+}
+
+/// Python `str` objects for names the core holds as `Arc<str>` by a dense id (nodes, workers),
+/// created once per id and reused while the id keeps its name (checked by identity of the
+/// `Arc`, which the cache keeps alive). Only touched with the GIL held; Python code never runs
+/// while its lock is held.
+#[derive(Default)]
+pub struct NameCache(Mutex<Vec<Option<CachedName>>>);
+
+/// A name as the core holds it, and the Python `str` made from it.
+type CachedName = (Arc<str>, Py<PyString>);
+
+impl NameCache {
+    /// The `str` of the name `name` that id `id` has.
+    pub fn get<'py>(&self, py: Python<'py>, id: u32, name: &Arc<str>) -> Bound<'py, PyString> {
+        let mut slots = self.0.lock();
+        let at = id as usize;
+        if slots.len() <= at {
+            slots.resize_with(at + 1, || None);
+        }
+        match slots.get_mut(at) {
+            Some(Some((cached, s))) if Arc::ptr_eq(cached, name) => s.bind(py).clone(),
+            Some(slot) => {
+                let s = PyString::new(py, name);
+                *slot = Some((Arc::clone(name), s.clone().unbind()));
+                s
+            }
+            None => PyString::new(py, name),
+        }
+    }
+}
+
+/// The default `now` of calls that take one: `time.monotonic()` read once, then advanced by a
+/// Rust clock, so that no call reaches into Python for the time.
+pub struct MonotonicClock {
+    zero: f64,
+    started: Instant,
+}
+
+impl MonotonicClock {
+    /// A clock reading `time.monotonic()` now.
+    pub fn new(py: Python<'_>) -> PyResult<Self> {
+        let zero: f64 = py.import("time")?.call_method0("monotonic")?.extract()?;
+        Ok(MonotonicClock {
+            zero,
+            started: Instant::now(),
+        })
+    }
+
+    /// `given`, or the current `time.monotonic()` value.
+    pub fn now(&self, given: Option<f64>) -> f64 {
+        given.unwrap_or_else(|| self.zero + self.started.elapsed().as_secs_f64())
     }
 }
 
@@ -525,9 +679,5 @@ pub fn block_hash_from_py(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
             )));
         }
     }
-    Err(PyTypeError::new_err(format!(
-        "{what} must be an int, got {} {}",
-        type_name(obj),
-        describe(obj)
-    )))
+    Err(type_error(obj, format_args!("{what} must be an int")))
 }

@@ -2,14 +2,16 @@
 //!
 //! The applier's state sits behind a `parking_lot::Mutex`; `apply` copies nothing from a `bytes`
 //! payload, releases the GIL, then takes the applier lock (and, per event, the index lock).
+//! Reads of the applier's state take its lock with the GIL held only when it is free.
 
 use parking_lot::Mutex;
-use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::PyKeyError;
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyMemoryView};
+use pyo3::types::{PyBytes, PyDict, PyList};
 
-use super::convert::{describe, name_from_py, type_name};
+use super::convert::{name_from_py, with_bytes};
 use super::index::PyPrefixIndex;
+use super::with_mutex;
 use crate::blocks::Profile;
 use crate::events::{Applier, Batch, Config, Decoder, EventKind, Mode, WorkerCounters};
 
@@ -17,26 +19,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyKvEventApplier>()?;
     m.add_function(wrap_pyfunction!(decode_kv_events, m)?)?;
     Ok(())
-}
-
-/// Calls `f` with the payload's bytes: borrowed from `bytes`, copied from `bytearray` or a
-/// contiguous `memoryview`.
-fn with_payload<R>(obj: &Bound<'_, PyAny>, f: impl FnOnce(&[u8]) -> R) -> PyResult<R> {
-    if let Ok(b) = obj.cast::<PyBytes>() {
-        return Ok(f(b.as_bytes()));
-    }
-    if let Ok(b) = obj.cast::<PyByteArray>() {
-        return Ok(f(&b.to_vec()));
-    }
-    if obj.is_instance_of::<PyMemoryView>() {
-        let bytes: Vec<u8> = obj.call_method0("tobytes")?.extract()?;
-        return Ok(f(&bytes));
-    }
-    Err(PyTypeError::new_err(format!(
-        "payload must be bytes, bytearray or memoryview, got {} {}",
-        type_name(obj),
-        describe(obj)
-    )))
 }
 
 fn counters_dict<'py>(py: Python<'py>, c: &WorkerCounters) -> PyResult<Bound<'py, PyDict>> {
@@ -105,6 +87,17 @@ impl PyKvEventApplier {
             index,
         }
     }
+
+    /// Runs `f` on the applier: with the GIL held when `short` and the lock is free, else with
+    /// the GIL released.
+    fn run<R: Send>(
+        &self,
+        py: Python<'_>,
+        short: bool,
+        f: impl FnOnce(&mut Applier) -> R + Send,
+    ) -> R {
+        with_mutex(py, &self.core, short, f)
+    }
 }
 
 #[pymethods]
@@ -127,10 +120,7 @@ impl PyKvEventApplier {
             group_idx,
         };
         let core = Applier::new(index.get().shared().clone(), config)?;
-        Ok(PyKvEventApplier {
-            core: Mutex::new(core),
-            index: index.unbind(),
-        })
+        Ok(PyKvEventApplier::from_core(core, index.unbind()))
     }
 
     /// Decodes `payload` (one msgpack event batch from `worker`) and applies it; returns the
@@ -143,8 +133,8 @@ impl PyKvEventApplier {
     ) -> PyResult<usize> {
         let name = name_from_py(worker, "worker")?;
         let name = &*name;
-        let out = with_payload(payload, |bytes| {
-            py.detach(|| self.core.lock().apply(name, bytes))
+        let out = with_bytes(payload, "payload", |bytes| {
+            self.run(py, false, |a| a.apply(name, bytes))
         })??;
         Ok(out.events)
     }
@@ -154,7 +144,7 @@ impl PyKvEventApplier {
     fn clear(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<()> {
         let name = name_from_py(worker, "worker")?;
         let name = &*name;
-        py.detach(|| self.core.lock().clear_worker(name));
+        self.run(py, false, |a| a.clear_worker(name));
         Ok(())
     }
 
@@ -163,7 +153,7 @@ impl PyKvEventApplier {
     fn remove_worker(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<bool> {
         let name = name_from_py(worker, "worker")?;
         let name = &*name;
-        Ok(py.detach(|| self.core.lock().remove_worker(name)))
+        Ok(self.run(py, false, |a| a.remove_worker(name)))
     }
 
     /// Counters of `worker` (a dict of ints), or of every worker (a dict of such dicts).
@@ -177,22 +167,19 @@ impl PyKvEventApplier {
         match worker {
             Some(w) => {
                 let name = name_from_py(w, "worker")?;
-                let counters = self.core.lock().counters(&name);
-                match counters {
+                let name = &*name;
+                match self.run(py, true, |a| a.counters(name)) {
                     Some(c) => counters_dict(py, &c),
-                    None => Err(pyo3::exceptions::PyKeyError::new_err(format!(
-                        "unknown worker {name:?}"
-                    ))),
+                    None => Err(PyKeyError::new_err(format!("unknown worker {name:?}"))),
                 }
             }
             None => {
-                let all: Vec<(String, WorkerCounters)> = {
-                    let core = self.core.lock();
-                    core.workers()
+                let all: Vec<(String, WorkerCounters)> = self.run(py, true, |a| {
+                    a.workers()
                         .into_iter()
-                        .filter_map(|w| core.counters(w).map(|c| (w.to_owned(), c)))
+                        .filter_map(|w| a.counters(w).map(|c| (w.to_owned(), c)))
                         .collect()
-                };
+                });
                 let out = PyDict::new(py);
                 for (name, c) in all {
                     out.set_item(name, counters_dict(py, &c)?)?;
@@ -204,13 +191,10 @@ impl PyKvEventApplier {
 
     /// Workers that sent at least one payload, sorted.
     #[getter]
-    fn workers(&self) -> Vec<String> {
-        self.core
-            .lock()
-            .workers()
-            .into_iter()
-            .map(str::to_owned)
-            .collect()
+    fn workers(&self, py: Python<'_>) -> Vec<String> {
+        self.run(py, true, |a| {
+            a.workers().into_iter().map(str::to_owned).collect()
+        })
     }
 
     /// The main (GPU) index.
@@ -224,7 +208,7 @@ impl PyKvEventApplier {
         if medium == crate::events::GPU {
             return Ok(Some(self.index.clone_ref(py)));
         }
-        let shared = self.core.lock().tier_index(medium);
+        let shared = self.run(py, true, |a| a.tier_index(medium));
         shared
             .map(|s| Py::new(py, PyPrefixIndex::from_shared(s)))
             .transpose()
@@ -232,49 +216,47 @@ impl PyKvEventApplier {
 
     /// Names of the non-GPU tiers seen so far, in order of appearance.
     #[getter]
-    fn tiers(&self) -> Vec<String> {
-        self.core
-            .lock()
-            .tiers()
-            .iter()
-            .map(|t| t.to_string())
-            .collect()
+    fn tiers(&self, py: Python<'_>) -> Vec<String> {
+        self.run(py, true, |a| {
+            a.tiers().iter().map(|t| t.to_string()).collect()
+        })
     }
 
     /// "rehash" or "direct".
     #[getter]
-    fn mode(&self) -> &'static str {
-        self.core.lock().config().mode.name()
+    fn mode(&self, py: Python<'_>) -> &'static str {
+        self.run(py, true, |a| a.config().mode.name())
     }
 
     /// The router's block size in tokens.
     #[getter]
-    fn block_size(&self) -> usize {
-        self.core.lock().config().block_size
+    fn block_size(&self, py: Python<'_>) -> usize {
+        self.run(py, true, |a| a.config().block_size)
     }
 
     /// The router's hash profile.
     #[getter]
-    fn hash_profile(&self) -> &'static str {
-        self.core.lock().config().profile.name()
+    fn hash_profile(&self, py: Python<'_>) -> &'static str {
+        self.run(py, true, |a| a.config().profile.name())
     }
 
     /// The KV-cache group followed.
     #[getter]
-    fn group_idx(&self) -> i64 {
-        self.core.lock().config().group_idx
+    fn group_idx(&self, py: Python<'_>) -> i64 {
+        self.run(py, true, |a| a.config().group_idx)
     }
 
-    fn __repr__(&self) -> String {
-        let core = self.core.lock();
-        let c = core.config();
-        format!(
-            "KvEventApplier(mode={:?}, block_size={}, hash_profile={:?}, workers={})",
-            c.mode.name(),
-            c.block_size,
-            c.profile.name(),
-            core.workers().len()
-        )
+    fn __repr__(&self, py: Python<'_>) -> String {
+        self.run(py, true, |a| {
+            let c = a.config();
+            format!(
+                "KvEventApplier(mode={:?}, block_size={}, hash_profile={:?}, workers={})",
+                c.mode.name(),
+                c.block_size,
+                c.profile.name(),
+                a.workers().len()
+            )
+        })
     }
 }
 
@@ -286,7 +268,7 @@ fn decode_kv_events<'py>(
     py: Python<'py>,
     payload: &Bound<'py, PyAny>,
 ) -> PyResult<(f64, Bound<'py, PyList>, Option<i64>)> {
-    with_payload(payload, |bytes| {
+    with_bytes(payload, "payload", |bytes| {
         let mut batch = Batch::default();
         Decoder::new().decode(bytes, &mut batch)?;
         let events = PyList::empty(py);

@@ -1,26 +1,28 @@
 //! Bindings for `crate::hashing`: `hash_key`, `jump_hash`, `jump_hash_many` and the hasher
 //! classes `HashRing`, `Maglev`, `Rendezvous` and `JumpHash`, which share one Python face.
 //!
-//! Each class keeps its core hasher behind a `parking_lot::RwLock`. Lookups on one key take the read
-//! lock directly when it is free (they last well under a microsecond) and release the GIL while
-//! waiting otherwise; batches of keys and every mutation run with the GIL released, taking the
-//! lock inside `py.detach`. Results come back as node ids plus the node names they refer to,
-//! captured under the same lock, and are turned into Python `str` objects after the lock is
-//! released, from a per-object cache that creates each node's `str` once.
+//! Each class keeps its core hasher behind a `parking_lot::RwLock`. Lookups on fewer than
+//! [`DETACH_MIN_KEYS`] keys take the read lock with the GIL held when it is free (they last well
+//! under a microsecond); larger batches, lookups that find the lock taken, and every mutation run
+//! with the GIL released, taking the lock inside `py.detach`. Results come back as node ids plus
+//! the node names they refer to, captured under the same lock, and are turned into Python `str`
+//! objects after the lock is released, from a per-object cache that creates each node's `str`
+//! once.
 
 use std::sync::Arc;
 
 use hashbrown::HashMap;
 use numpy::{PyArray1, PyUntypedArray};
 use parking_lot::{Mutex, RwLock};
-use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyMapping, PyString};
+use pyo3::types::{PyBool, PyInt, PyList, PyMapping, PyString};
 
 use super::convert::{
-    describe, name_from_py, type_name, u64_from_int, u64_slice, with_key, KeyBatch, Negative,
+    name_from_py, optional, type_error, u64_from_int, u64_slice, weight_from_py, weighted_names,
+    with_key, KeyBatch, NameCache, Negative,
 };
-use super::fastcall;
+use super::{fastcall, with_read, with_write};
 use crate::hashing::{self, ConsistentHash, Key, NodeId, RingHash, SeenNodes};
 
 /// Batches at least this long are hashed with the GIL released.
@@ -128,11 +130,7 @@ fn jump_hash_many<'py>(
 /// A Python `int` (not `bool`) as `i64`, saturating beyond its range; `TypeError` otherwise.
 fn int_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<i64> {
     if obj.is_instance_of::<PyBool>() || !obj.is_instance_of::<PyInt>() {
-        return Err(PyTypeError::new_err(format!(
-            "{what} must be an int, got {} {}",
-            type_name(obj),
-            describe(obj)
-        )));
+        return Err(type_error(obj, format_args!("{what} must be an int")));
     }
     Ok(obj.extract::<i64>().unwrap_or_else(|_| {
         if obj.lt(0i64).unwrap_or(false) {
@@ -143,175 +141,55 @@ fn int_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<i64> {
     }))
 }
 
-/// A node weight: an `int` (exactly representable, |w| <= 2^53) or a `float`. Whether it is
-/// finite and positive is checked by the core.
-fn weight_from_py(obj: &Bound<'_, PyAny>, node: &str) -> PyResult<f64> {
-    const EXACT: i64 = 1 << 53;
-    if obj.is_instance_of::<PyBool>() {
-        return Err(PyTypeError::new_err(format!(
-            "weight of node {node:?} must be a number, got bool"
-        )));
-    }
-    if obj.is_instance_of::<PyInt>() {
-        return match obj.extract::<i64>() {
-            Ok(w) if (-EXACT..=EXACT).contains(&w) => Ok(w as f64),
-            _ => Err(PyValueError::new_err(format!(
-                "weight of node {node:?} is too large: {}",
-                describe(obj)
-            ))),
-        };
-    }
-    obj.extract::<f64>().map_err(|_| {
-        PyTypeError::new_err(format!(
-            "weight of node {node:?} must be a number, got {} {}",
-            type_name(obj),
-            describe(obj)
-        ))
-    })
-}
-
 /// `(name, weight)` pairs from `nodes` (an iterable of str, or a `{node: weight}` mapping) and an
 /// optional `weights` (a `{node: weight}` mapping or a sequence parallel to `nodes`).
 fn node_pairs(
     nodes: &Bound<'_, PyAny>,
     weights: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Vec<(String, f64)>> {
-    let weights = weights.filter(|w| !w.is_none());
-    if nodes.is_instance_of::<PyString>() || nodes.is_instance_of::<PyBytes>() {
-        return Err(PyTypeError::new_err(format!(
-            "nodes must be a list of str or a {{node: weight}} mapping, got {} {}",
-            type_name(nodes),
-            describe(nodes)
-        )));
+    if weights.is_some() && nodes.cast::<PyMapping>().is_ok() {
+        return Err(PyValueError::new_err(
+            "give weights in the nodes mapping or as weights=, not both",
+        ));
     }
-    let mut pairs: Vec<(String, f64)> = Vec::new();
-    if let Ok(map) = nodes.cast::<PyMapping>() {
-        if weights.is_some() {
-            return Err(PyValueError::new_err(
-                "give weights in the nodes mapping or as weights=, not both",
-            ));
-        }
-        for item in map.items()?.iter() {
-            let (name, weight): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
-            let name = name_from_py(&name, "node")?.into_owned();
-            let weight = weight_from_py(&weight, &name)?;
-            pairs.push((name, weight));
-        }
-        return Ok(pairs);
-    }
-    let items = nodes.try_iter().map_err(|_| {
-        PyTypeError::new_err(format!(
-            "nodes must be a list of str or a {{node: weight}} mapping, got {}",
-            type_name(nodes)
-        ))
-    })?;
-    for item in items {
-        pairs.push((name_from_py(&item?, "node")?.into_owned(), 1.0));
-    }
+    let mut pairs = weighted_names(nodes, "nodes", "node")?;
     let Some(weights) = weights else {
         return Ok(pairs);
     };
     if let Ok(map) = weights.cast::<PyMapping>() {
-        let mut given: Vec<(usize, f64)> = Vec::new();
-        {
-            let at: HashMap<&str, usize> = pairs
-                .iter()
-                .enumerate()
-                .map(|(i, (n, _))| (n.as_str(), i))
-                .collect();
-            for item in map.items()?.iter() {
-                let (name, weight): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
-                let name = name_from_py(&name, "weights key")?;
-                let i = at.get(&*name).copied().ok_or_else(|| {
-                    PyKeyError::new_err(format!("weights name unknown node {name:?}"))
-                })?;
-                given.push((i, weight_from_py(&weight, &name)?));
-            }
-        }
-        for (i, w) in given {
+        let at: HashMap<String, usize> = pairs
+            .iter()
+            .enumerate()
+            .map(|(i, (n, _))| (n.clone(), i))
+            .collect();
+        for item in map.items()?.iter() {
+            let (name, weight): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
+            let name = name_from_py(&name, "weights key")?;
+            let i = at.get(&*name).copied().ok_or_else(|| {
+                PyKeyError::new_err(format!("weights name unknown node {name:?}"))
+            })?;
+            let weight = weight_from_py(&weight, "node", &name)?;
             if let Some(pair) = pairs.get_mut(i) {
-                pair.1 = w;
+                pair.1 = weight;
             }
         }
-    } else {
-        let values: Vec<Bound<'_, PyAny>> = weights
-            .try_iter()
-            .map_err(|_| {
-                PyTypeError::new_err(format!(
-                    "weights must be a sequence or a mapping, got {}",
-                    type_name(weights)
-                ))
-            })?
-            .collect::<PyResult<_>>()?;
-        if values.len() != pairs.len() {
-            return Err(PyValueError::new_err(format!(
-                "{} weights given for {} nodes",
-                values.len(),
-                pairs.len()
-            )));
-        }
-        for (pair, w) in pairs.iter_mut().zip(&values) {
-            pair.1 = weight_from_py(w, &pair.0)?;
-        }
+        return Ok(pairs);
+    }
+    let values: Vec<Bound<'_, PyAny>> = weights
+        .try_iter()
+        .map_err(|_| type_error(weights, "weights must be a sequence or a mapping"))?
+        .collect::<PyResult<_>>()?;
+    if values.len() != pairs.len() {
+        return Err(PyValueError::new_err(format!(
+            "{} weights given for {} nodes",
+            values.len(),
+            pairs.len()
+        )));
+    }
+    for (pair, w) in pairs.iter_mut().zip(&values) {
+        pair.1 = weight_from_py(w, "node", &pair.0)?;
     }
     Ok(pairs)
-}
-
-/// Python `str` objects for node names, created once per node and reused while the node keeps
-/// its id and name (checked by identity of the core's `Arc<str>`, which the cache keeps alive).
-/// Only touched with the GIL held, and never held while Python code can run.
-#[derive(Default)]
-struct NameCache(Mutex<Vec<Option<CachedName>>>);
-
-/// A node's name as the core holds it, and the Python `str` made from it.
-type CachedName = (Arc<str>, Py<PyString>);
-
-impl NameCache {
-    /// The `str` of node `id`, called `name`.
-    fn one<'py>(&self, py: Python<'py>, id: NodeId, name: &Arc<str>) -> Bound<'py, PyString> {
-        let mut slots = self.0.lock();
-        let at = id as usize;
-        if slots.len() <= at {
-            slots.resize_with(at + 1, || None);
-        }
-        match slots.get_mut(at) {
-            Some(Some((cached, s))) if Arc::ptr_eq(cached, name) => s.bind(py).clone(),
-            Some(slot) => {
-                let s = PyString::new(py, name);
-                *slot = Some((Arc::clone(name), s.clone().unbind()));
-                s
-            }
-            None => PyString::new(py, name),
-        }
-    }
-
-    /// A list of the `str` of every id in `ids`; `names` holds the name of each distinct id
-    /// (see [`names_of`]).
-    fn list<'py>(
-        &self,
-        py: Python<'py>,
-        ids: &[NodeId],
-        names: &[(NodeId, Arc<str>)],
-    ) -> PyResult<Bound<'py, PyList>> {
-        let len = names
-            .iter()
-            .map(|(id, _)| *id as usize + 1)
-            .max()
-            .unwrap_or(0);
-        let missing = PyString::intern(py, "");
-        let mut strs: Vec<Bound<'py, PyString>> = vec![missing.clone(); len];
-        for (id, name) in names {
-            if let Some(dest) = strs.get_mut(*id as usize) {
-                *dest = self.one(py, *id, name);
-            }
-        }
-        // Every id of `ids` is in `names` (checked by `names_of`), so `missing` is never used.
-        PyList::new(
-            py,
-            ids.iter()
-                .map(|&id| strs.get(id as usize).unwrap_or(&missing).clone()),
-        )
-    }
 }
 
 /// The distinct ids of `ids` with their names; fails if an id has no node (an internal error).
@@ -362,37 +240,51 @@ impl<H: ConsistentHash + Send + Sync> Shared<H> {
         }
     }
 
-    /// Runs short read-only work: at once when the lock is free, else waiting with the GIL released.
-    fn read<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&H) -> R + Send) -> R {
-        if let Some(guard) = self.core.try_read() {
-            return f(&guard);
-        }
-        py.detach(|| f(&self.core.read()))
-    }
-
-    /// Runs read-only work on `keys` keys, with the GIL released unless the batch is small.
-    fn read_batch<R: Send>(
-        &self,
-        py: Python<'_>,
-        keys: usize,
-        f: impl FnOnce(&H) -> R + Send,
-    ) -> R {
-        if keys < DETACH_MIN_KEYS {
-            return self.read(py, f);
-        }
-        py.detach(|| f(&self.core.read()))
+    /// Runs read-only work on `keys` keys (lookups on one key last well under a microsecond).
+    fn read<R: Send>(&self, py: Python<'_>, keys: usize, f: impl FnOnce(&H) -> R + Send) -> R {
+        with_read(py, &self.core, keys < DETACH_MIN_KEYS, f)
     }
 
     fn write<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut H) -> R + Send) -> R {
-        py.detach(|| f(&mut self.core.write()))
+        with_write(py, &self.core, f)
+    }
+
+    /// A list of the `str` of every id in `ids`; `names` holds the name of each distinct id
+    /// (see [`names_of`]).
+    fn list<'py>(
+        &self,
+        py: Python<'py>,
+        ids: &[NodeId],
+        names: &[(NodeId, Arc<str>)],
+    ) -> PyResult<Bound<'py, PyList>> {
+        let len = names
+            .iter()
+            .map(|(id, _)| *id as usize + 1)
+            .max()
+            .unwrap_or(0);
+        let missing = PyString::intern(py, "");
+        let mut strs: Vec<Bound<'py, PyString>> = vec![missing.clone(); len];
+        for (id, name) in names {
+            if let Some(dest) = strs.get_mut(*id as usize) {
+                *dest = self.names.get(py, *id, name);
+            }
+        }
+        // Every id of `ids` is in `names` (checked by `names_of`), so `missing` is never used.
+        PyList::new(
+            py,
+            ids.iter()
+                .map(|&id| strs.get(id as usize).unwrap_or(&missing).clone()),
+        )
     }
 
     fn get<'py>(&self, py: Python<'py>, key: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
         let found = with_key(key, |k| {
-            self.read(py, |h| h.get(k).map(|id| (id, h.name(id).map(Arc::clone))))
+            self.read(py, 1, |h| {
+                h.get(k).map(|id| (id, h.name(id).map(Arc::clone)))
+            })
         })??;
         match found {
-            (id, Some(name)) => Ok(self.names.one(py, id, &name)),
+            (id, Some(name)) => Ok(self.names.get(py, id, &name)),
             (id, None) => Err(PyRuntimeError::new_err(format!(
                 "internal error: no node {id}"
             ))),
@@ -411,19 +303,19 @@ impl<H: ConsistentHash + Send + Sync> Shared<H> {
         let names = if keys.cast::<PyUntypedArray>().is_ok() {
             let values = u64_slice(keys, "keys", Negative::Reject)?;
             let values = values.as_slice();
-            self.read_batch(py, values.len(), |h| {
+            self.read(py, values.len(), |h| {
                 h.get_many_into(values.iter().map(|&k| Key::Int(k)), ids)?;
                 names_of(h, ids)
             })
         } else {
             batch.refill(keys)?;
             let batch = &*batch;
-            self.read_batch(py, batch.len(), |h| {
+            self.read(py, batch.len(), |h| {
                 h.get_many_into(batch.iter(), ids)?;
                 names_of(h, ids)
             })
         }?;
-        let list = self.names.list(py, ids, &names);
+        let list = self.list(py, ids, &names);
         scratch.trim();
         list
     }
@@ -441,12 +333,12 @@ impl<H: ConsistentHash + Send + Sync> Shared<H> {
         let n = usize::try_from(n).unwrap_or(usize::MAX);
         let mut ids: Vec<NodeId> = Vec::new();
         let names = with_key(key, |k| {
-            self.read(py, |h| {
+            self.read(py, 1, |h| {
                 h.preference_into(k, n, &mut ids)?;
                 names_of(h, &ids)
             })
         })??;
-        self.names.list(py, &ids, &names)
+        self.list(py, &ids, &names)
     }
 
     fn add(
@@ -456,10 +348,7 @@ impl<H: ConsistentHash + Send + Sync> Shared<H> {
         weight: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let name = name_from_py(node, "node")?.into_owned();
-        let weight = match weight.filter(|w| !w.is_none()) {
-            None => 1.0,
-            Some(w) => weight_from_py(w, &name)?,
-        };
+        let weight = optional(weight, |w| weight_from_py(w, "node", &name))?.unwrap_or(1.0);
         Ok(self.write(py, |h| h.add(&name, weight))?)
     }
 
@@ -469,7 +358,7 @@ impl<H: ConsistentHash + Send + Sync> Shared<H> {
     }
 
     fn nodes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let names: Vec<(NodeId, Arc<str>)> = self.read(py, |h| {
+        let names: Vec<(NodeId, Arc<str>)> = self.read(py, 1, |h| {
             h.node_set()
                 .names()
                 .iter()
@@ -478,18 +367,18 @@ impl<H: ConsistentHash + Send + Sync> Shared<H> {
                 .collect()
         });
         let ids: Vec<NodeId> = names.iter().map(|(id, _)| *id).collect();
-        self.names.list(py, &ids, &names)
+        self.list(py, &ids, &names)
     }
 
     fn len(&self, py: Python<'_>) -> usize {
-        self.read(py, |h| h.len())
+        self.read(py, 1, |h| h.len())
     }
 
     fn contains(&self, py: Python<'_>, node: &Bound<'_, PyAny>) -> PyResult<bool> {
         match node.cast::<PyString>() {
             Ok(s) => {
                 let name = s.to_cow()?;
-                Ok(self.read(py, |h| h.contains(&name)))
+                Ok(self.read(py, 1, |h| h.contains(&name)))
             }
             Err(_) => Ok(false),
         }
@@ -602,13 +491,13 @@ hasher_class!(HashRing {
     /// Points per unit of weight.
     #[getter]
     fn vnodes(&self, py: Python<'_>) -> u32 {
-        self.inner.read(py, |h| h.vnodes())
+        self.inner.read(py, 1, |h| h.vnodes())
     }
 
     /// ``"ketama"`` or ``"xxh3"``.
     #[getter]
     fn hash(&self, py: Python<'_>) -> &'static str {
-        match self.inner.read(py, |h| h.hash_kind()) {
+        match self.inner.read(py, 1, |h| h.hash_kind()) {
             RingHash::Ketama => "ketama",
             RingHash::Xxh3 => "xxh3",
         }
@@ -618,13 +507,13 @@ hasher_class!(HashRing {
     /// ketama mode, where they equal ``uhashring``'s ``get_points()``).
     #[getter]
     fn points<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let (points, names) = self.inner.read(py, |h| {
+        let (points, names) = self.inner.read(py, 1, |h| {
             let points: Vec<(u64, NodeId)> = h.points().collect();
             let ids: Vec<NodeId> = points.iter().map(|p| p.1).collect();
             (points, names_of(h, &ids))
         });
         let ids: Vec<NodeId> = points.iter().map(|p| p.1).collect();
-        let owners = self.inner.names.list(py, &ids, &names?)?;
+        let owners = self.inner.list(py, &ids, &names?)?;
         let pairs = points
             .iter()
             .zip(owners.iter())
@@ -634,7 +523,7 @@ hasher_class!(HashRing {
     }
 
     fn __repr__(&self, py: Python<'_>) -> String {
-        let (n, v, k) = self.inner.read(py, |h| (h.len(), h.vnodes(), h.hash_kind()));
+        let (n, v, k) = self.inner.read(py, 1, |h| (h.len(), h.vnodes(), h.hash_kind()));
         let k = if k == RingHash::Ketama { "ketama" } else { "xxh3" };
         format!("HashRing(<{n} nodes>, vnodes={v}, hash={k:?})")
     }
@@ -667,18 +556,18 @@ hasher_class!(Maglev {
     /// The node of every slot: ``table[k % table_size]`` is ``get(k)`` for an int ``k``.
     #[getter]
     fn table<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let (slots, names) = self.inner.read(py, |h| (h.table().to_vec(), names_of(h, h.table())));
-        self.inner.names.list(py, &slots, &names?)
+        let (slots, names) = self.inner.read(py, 1, |h| (h.table().to_vec(), names_of(h, h.table())));
+        self.inner.list(py, &slots, &names?)
     }
 
     /// The number of slots M.
     #[getter]
     fn table_size(&self, py: Python<'_>) -> u64 {
-        self.inner.read(py, |h| h.table_size())
+        self.inner.read(py, 1, |h| h.table_size())
     }
 
     fn __repr__(&self, py: Python<'_>) -> String {
-        let (n, m) = self.inner.read(py, |h| (h.len(), h.table_size()));
+        let (n, m) = self.inner.read(py, 1, |h| (h.len(), h.table_size()));
         format!("Maglev(<{n} nodes>, table_size={m})")
     }
 });

@@ -1,15 +1,21 @@
 //! Bindings for `crate::index` (`kvroute.PrefixIndex`).
+//!
+//! The index sits behind a `parking_lot::RwLock` (shared with the router and the event applier
+//! when they own it). Mutations, `match`, `dump` and `load` run with the GIL released, taking the
+//! lock inside `py.detach`; short reads take the read lock with the GIL held only when it is free.
 
 use std::sync::Arc;
 
-use parking_lot::{Mutex, RwLock};
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use parking_lot::RwLock;
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes, PyDict, PyString};
+use pyo3::types::{PyBytes, PyDict};
 
 use super::convert::{
-    block_hash_from_py, describe, name_from_py, type_name, u64_from_int, u64_slice, Negative,
+    block_hash_from_py, name_from_py, optional, u64_slice, usize_from_int, with_bytes, NameCache,
+    Negative,
 };
+use super::{with_read, with_write};
 use crate::index::{PrefixIndex, SharedPrefixIndex};
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -31,15 +37,11 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// dropped first, and answers stay sound (never claim a block a worker does not hold).
 /// `dump()` / `PrefixIndex.load(data)` copy the state as a versioned, checksummed image.
 /// Safe to share between threads; the GIL is released while it works.
-/// A worker's name in the core and the Python `str` made from it.
-type CachedName = (Arc<str>, Py<PyString>);
-
 #[pyclass(frozen, module = "kvroute._core", name = "PrefixIndex")]
 pub struct PyPrefixIndex {
     core: SharedPrefixIndex,
-    /// Python `str` of each worker name by worker id, reused by `match` (an entry is valid while
-    /// its `Arc<str>` is the one the core holds for that id; ids are reused after removal).
-    names: Mutex<Vec<Option<CachedName>>>,
+    /// Python `str` of each worker name by worker id, reused by `match`.
+    names: NameCache,
 }
 
 impl PyPrefixIndex {
@@ -47,7 +49,7 @@ impl PyPrefixIndex {
     pub(crate) fn from_shared(core: SharedPrefixIndex) -> Self {
         PyPrefixIndex {
             core,
-            names: Mutex::new(Vec::new()),
+            names: NameCache::default(),
         }
     }
 
@@ -55,24 +57,15 @@ impl PyPrefixIndex {
     pub(crate) fn shared(&self) -> &SharedPrefixIndex {
         &self.core
     }
+
+    /// Runs short read-only work on the index (see the module docs).
+    fn read<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&PrefixIndex) -> R + Send) -> R {
+        with_read(py, &self.core, true, f)
+    }
 }
 
 fn budget(max_bytes: Option<&Bound<'_, PyAny>>) -> PyResult<Option<usize>> {
-    match max_bytes {
-        None => Ok(None),
-        Some(obj) if obj.is_none() => Ok(None),
-        Some(obj) => {
-            let v = u64_from_int(obj, "max_bytes", None)?;
-            Ok(Some(usize::try_from(v).unwrap_or(usize::MAX)))
-        }
-    }
-}
-
-fn optional_hash(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<u64>> {
-    match obj {
-        Some(o) if !o.is_none() => block_hash_from_py(o, what).map(Some),
-        _ => Ok(None),
-    }
+    optional(max_bytes, |obj| usize_from_int(obj, "max_bytes"))
 }
 
 #[pymethods]
@@ -95,9 +88,9 @@ impl PyPrefixIndex {
     ) -> PyResult<()> {
         let name = name_from_py(worker, "worker")?;
         let hashes = u64_slice(block_hashes, "block_hashes", Negative::Reinterpret)?;
-        let parent = optional_hash(parent, "parent")?;
+        let parent = optional(parent, |p| block_hash_from_py(p, "parent"))?;
         let (name, slice) = (&*name, hashes.as_slice());
-        py.detach(|| self.core.write().store(name, slice, parent))?;
+        with_write(py, &self.core, |c| c.store(name, slice, parent))?;
         Ok(())
     }
 
@@ -112,21 +105,21 @@ impl PyPrefixIndex {
         let name = name_from_py(worker, "worker")?;
         let hashes = u64_slice(block_hashes, "block_hashes", Negative::Reinterpret)?;
         let (name, slice) = (&*name, hashes.as_slice());
-        Ok(py.detach(|| self.core.write().remove(name, slice))?)
+        Ok(with_write(py, &self.core, |c| c.remove(name, slice))?)
     }
 
     /// Worker `worker` dropped all its blocks (it stays known); returns how many.
     fn clear(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<u64> {
         let name = name_from_py(worker, "worker")?;
         let name = &*name;
-        Ok(py.detach(|| self.core.write().clear(name))?)
+        Ok(with_write(py, &self.core, |c| c.clear(name))?)
     }
 
     /// Forgets worker `worker` and its blocks; returns how many blocks it held.
     fn remove_worker(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<u64> {
         let name = name_from_py(worker, "worker")?;
         let name = &*name;
-        Ok(py.detach(|| self.core.write().remove_worker(name))?)
+        Ok(with_write(py, &self.core, |c| c.remove_worker(name))?)
     }
 
     /// Per worker, how many leading blocks of `block_hashes` it holds (workers with 0 omitted).
@@ -138,8 +131,7 @@ impl PyPrefixIndex {
     ) -> PyResult<Bound<'py, PyDict>> {
         let hashes = u64_slice(block_hashes, "block_hashes", Negative::Reinterpret)?;
         let slice = hashes.as_slice();
-        let found = py.detach(|| {
-            let core = self.core.read();
+        let found = with_read(py, &self.core, false, |core| {
             let mut ids = Vec::new();
             core.match_into(slice, &mut ids);
             ids.into_iter()
@@ -147,76 +139,56 @@ impl PyPrefixIndex {
                 .collect::<Vec<_>>()
         });
         let out = PyDict::new(py);
-        let mut cache = self.names.lock();
         for (id, name, blocks) in found {
-            let slot = id as usize;
-            if cache.len() <= slot {
-                cache.resize_with(slot + 1, || None);
-            }
-            let Some(entry) = cache.get_mut(slot) else {
-                continue;
-            };
-            let key = match entry {
-                Some((cached, obj)) if Arc::ptr_eq(cached, &name) => obj.bind(py).clone(),
-                _ => {
-                    let obj = PyString::intern(py, &name);
-                    *entry = Some((name, obj.clone().unbind()));
-                    obj
-                }
-            };
-            out.set_item(key, blocks)?;
+            out.set_item(self.names.get(py, id, &name), blocks)?;
         }
         Ok(out)
     }
 
     /// Names of the known workers, sorted.
     #[getter]
-    fn workers(&self) -> Vec<String> {
-        self.core
-            .read()
-            .workers()
-            .iter()
-            .map(|n| n.to_string())
-            .collect()
+    fn workers(&self, py: Python<'_>) -> Vec<String> {
+        self.read(py, |c| c.workers().iter().map(|n| n.to_string()).collect())
     }
 
     /// Number of blocks `worker` holds (`KeyError` if unknown).
-    fn num_blocks(&self, worker: &Bound<'_, PyAny>) -> PyResult<u64> {
+    fn num_blocks(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<u64> {
         let name = name_from_py(worker, "worker")?;
-        Ok(self.core.read().num_blocks(&name)?)
+        let name = &*name;
+        Ok(self.read(py, |c| c.num_blocks(name))?)
     }
 
     /// Number of distinct blocks held by at least one worker.
-    fn __len__(&self) -> usize {
-        self.core.read().len()
+    fn __len__(&self, py: Python<'_>) -> usize {
+        self.read(py, |c| c.len())
     }
 
     /// True when some worker holds block `block_hash`.
-    fn __contains__(&self, block_hash: &Bound<'_, PyAny>) -> PyResult<bool> {
+    fn __contains__(&self, py: Python<'_>, block_hash: &Bound<'_, PyAny>) -> PyResult<bool> {
         let h = block_hash_from_py(block_hash, "block_hash")?;
-        Ok(self.core.read().contains(h))
+        Ok(self.read(py, |c| c.contains(h)))
     }
 
     /// Heap bytes of the whole structure (what `max_bytes` bounds).
-    fn memory_bytes(&self) -> usize {
-        self.core.read().memory_bytes()
+    fn memory_bytes(&self, py: Python<'_>) -> usize {
+        self.read(py, |c| c.memory_bytes())
     }
 
     /// The memory budget given at construction, or None.
     #[getter]
-    fn max_bytes(&self) -> Option<usize> {
-        self.core.read().max_bytes()
+    fn max_bytes(&self, py: Python<'_>) -> Option<usize> {
+        self.read(py, |c| c.max_bytes())
     }
 
     /// Number of radix-tree nodes (runs of blocks with the same workers); a function of the
     /// stored state alone, since nodes merge back when a split stops being needed.
-    fn num_nodes(&self) -> usize {
-        self.core.read().num_nodes()
+    fn num_nodes(&self, py: Python<'_>) -> usize {
+        self.read(py, |c| c.num_nodes())
     }
 
     /// The index as a versioned, checksummed binary image.
     fn dump<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        let image = py.detach(|| self.core.read().dump());
+        let image = with_read(py, &self.core, false, |c| c.dump());
         PyBytes::new(py, &image)
     }
 
@@ -229,38 +201,26 @@ impl PyPrefixIndex {
         max_bytes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let max_bytes = budget(max_bytes)?;
-        let core = if let Ok(b) = data.cast::<PyBytes>() {
-            let bytes = b.as_bytes();
-            py.detach(|| PrefixIndex::load(bytes, max_bytes))?
-        } else if let Ok(b) = data.cast::<PyByteArray>() {
-            let bytes = b.to_vec();
-            py.detach(|| PrefixIndex::load(&bytes, max_bytes))?
-        } else {
-            return Err(PyTypeError::new_err(format!(
-                "data must be bytes, got {} {}",
-                type_name(data),
-                describe(data)
-            )));
-        };
+        let core = with_bytes(data, "data", |bytes| {
+            py.detach(|| PrefixIndex::load(bytes, max_bytes))
+        })??;
         Ok(PyPrefixIndex::from_shared(Arc::new(RwLock::new(core))))
     }
 
     /// Raises ValueError if an internal invariant is broken (for tests).
-    fn _check_invariants(&self) -> PyResult<()> {
-        self.core
-            .read()
-            .check_invariants()
-            .map_err(PyValueError::new_err)
+    fn _check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        with_read(py, &self.core, false, |c| c.check_invariants()).map_err(PyValueError::new_err)
     }
 
-    fn __repr__(&self) -> String {
-        let core = self.core.read();
-        format!(
-            "PrefixIndex(workers={}, blocks={}, nodes={}, memory_bytes={})",
-            core.num_workers(),
-            core.len(),
-            core.num_nodes(),
-            core.memory_bytes()
-        )
+    fn __repr__(&self, py: Python<'_>) -> String {
+        self.read(py, |c| {
+            format!(
+                "PrefixIndex(workers={}, blocks={}, nodes={}, memory_bytes={})",
+                c.num_workers(),
+                c.len(),
+                c.num_nodes(),
+                c.memory_bytes()
+            )
+        })
     }
 }

@@ -13,6 +13,7 @@ mod hashing;
 mod index;
 mod router;
 
+use parking_lot::{Mutex, RwLock};
 use pyo3::prelude::*;
 
 #[pymodule]
@@ -25,4 +26,46 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     events::register(m)?;
     router::register(m)?;
     Ok(())
+}
+
+/// Runs `f` on the value behind `lock`. When `inline` (short work) and the lock is free, at once
+/// with the GIL held — releasing and re-taking the GIL would cost more than the work; otherwise
+/// with the GIL released, taking the lock inside `py.detach`. Never waits for the lock while
+/// holding the GIL.
+fn with_mutex<T: Send, R: Send>(
+    py: Python<'_>,
+    lock: &Mutex<T>,
+    inline: bool,
+    f: impl FnOnce(&mut T) -> R + Send,
+) -> R {
+    if inline {
+        if let Some(mut guard) = lock.try_lock() {
+            return f(&mut guard);
+        }
+    }
+    py.detach(|| f(&mut lock.lock()))
+}
+
+/// [`with_mutex`] for read access to an `RwLock`.
+fn with_read<T: Send + Sync, R: Send>(
+    py: Python<'_>,
+    lock: &RwLock<T>,
+    inline: bool,
+    f: impl FnOnce(&T) -> R + Send,
+) -> R {
+    if inline {
+        if let Some(guard) = lock.try_read() {
+            return f(&guard);
+        }
+    }
+    py.detach(|| f(&lock.read()))
+}
+
+/// Runs `f` with write access to `lock`, the GIL released.
+fn with_write<T: Send + Sync, R: Send>(
+    py: Python<'_>,
+    lock: &RwLock<T>,
+    f: impl FnOnce(&mut T) -> R + Send,
+) -> R {
+    py.detach(|| f(&mut lock.write()))
 }

@@ -6,19 +6,19 @@
 //! (or when the lock is busy) that work runs with the GIL released. `d.scores` is built only when
 //! read.
 
-use std::time::Instant;
-
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString};
+use pyo3::types::PyDict;
 
 use super::blocks::{tokens_from_py, typed, Tokens};
 use super::convert::{
-    describe, name_from_py, type_name, u64_array, u64_from_int, u64_slice, with_key, Negative,
+    name_from_py, names_from_py, optional, optional_name, type_error, u64_array, u64_from_int,
+    u64_slice, usize_from_int, weighted_names, with_key, MonotonicClock, Negative,
 };
 use super::events::PyKvEventApplier;
 use super::index::PyPrefixIndex;
+use super::with_mutex;
 use crate::blocks::{ChainState, Options, Profile};
 use crate::events::Mode;
 use crate::hashing::Key;
@@ -81,90 +81,19 @@ pub struct PyRouter {
     core: Mutex<Router>,
     index: Py<PyPrefixIndex>,
     applier: Option<Py<PyKvEventApplier>>,
-    clock_zero: f64,
-    started: Instant,
+    clock: MonotonicClock,
 }
 
 impl PyRouter {
-    /// Routes with the core lock taken here (call with the GIL released).
-    fn core_route<'a>(
-        &self,
-        hashes: Vec<u64>,
-        prompt_tokens: Option<usize>,
-        request: &impl Fn(Vec<u64>, Option<usize>) -> RouteRequest<'a>,
-    ) -> crate::Result<Decision> {
-        self.core.lock().route(request(hashes, prompt_tokens))
-    }
-
-    fn now(&self, now: Option<f64>) -> f64 {
-        now.unwrap_or_else(|| self.clock_zero + self.started.elapsed().as_secs_f64())
-    }
-
-    /// Runs `f` on the core: inline when `light` and the lock is free, else with the GIL
-    /// released.
+    /// Runs `f` on the core: with the GIL held when `light` and the lock is free, else with the
+    /// GIL released.
     fn run<R: Send>(
         &self,
         py: Python<'_>,
         light: bool,
         f: impl FnOnce(&mut Router) -> R + Send,
     ) -> R {
-        if light {
-            if let Some(mut core) = self.core.try_lock() {
-                return f(&mut core);
-            }
-        }
-        py.detach(|| f(&mut self.core.lock()))
-    }
-}
-
-fn workers_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Vec<(String, f64)>> {
-    if let Ok(dict) = obj.cast::<PyDict>() {
-        let mut out = Vec::with_capacity(dict.len());
-        for (name, weight) in dict.iter() {
-            let name = name_from_py(&name, "worker name")?.into_owned();
-            let weight: f64 = weight.extract().map_err(|_| {
-                PyTypeError::new_err(format!(
-                    "weight of worker {name:?} must be a number, got {}",
-                    describe(&weight)
-                ))
-            })?;
-            out.push((name, weight));
-        }
-        return Ok(out);
-    }
-    if obj.is_instance_of::<PyString>() {
-        return Err(PyTypeError::new_err(
-            "workers must be a list of names or a {name: weight} dict, not a str",
-        ));
-    }
-    let iter = obj.try_iter().map_err(|_| {
-        PyTypeError::new_err(format!(
-            "workers must be a list of names or a {{name: weight}} dict, got {}",
-            type_name(obj)
-        ))
-    })?;
-    let mut out = Vec::new();
-    for item in iter {
-        let item = item?;
-        out.push((name_from_py(&item, "worker name")?.into_owned(), 1.0));
-    }
-    Ok(out)
-}
-
-fn optional_string(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<String>> {
-    match obj.filter(|o| !o.is_none()) {
-        None => Ok(None),
-        Some(o) => Ok(Some(name_from_py(o, what)?.into_owned())),
-    }
-}
-
-fn finite(v: f64, what: &str) -> PyResult<f64> {
-    if v.is_finite() {
-        Ok(v)
-    } else {
-        Err(PyValueError::new_err(format!(
-            "{what} must be a finite number, got {v}"
-        )))
+        with_mutex(py, &self.core, light, f)
     }
 }
 
@@ -200,42 +129,34 @@ impl PyRouter {
         hash_seed: Option<&Bound<'_, PyAny>>,
         event_mode: &str,
     ) -> PyResult<Self> {
-        let workers = workers_from_py(workers)?;
-        let count = |obj: Option<&Bound<'_, PyAny>>, what: &str, default: u64| match obj {
-            None => Ok(default),
-            Some(o) => u64_from_int(o, what, None),
-        };
-        let block_size = usize::try_from(count(block_size, "block_size", 16)?)
-            .map_err(|_| PyValueError::new_err("block_size is too large"))?;
-        let capacity_blocks = usize::try_from(count(capacity_blocks, "capacity_blocks", 32_768)?)
-            .unwrap_or(usize::MAX);
+        let workers = weighted_names(workers, "workers", "worker")?;
+        let defaults = Config::default();
         let mut config = Config {
             policy: policy.parse::<Policy>()?,
-            block_size,
+            block_size: optional(block_size, |b| usize_from_int(b, "block_size"))?
+                .unwrap_or(defaults.block_size),
             profile: hash_profile.parse::<Profile>()?,
             hash_options: Options {
-                salt: optional_string(salt, "salt")?,
-                seed: optional_string(hash_seed, "hash_seed")?,
+                salt: optional_name(salt, "salt")?,
+                seed: optional_name(hash_seed, "hash_seed")?,
                 ..Options::default()
             },
             mode: index.parse::<IndexMode>()?,
-            capacity_blocks,
+            capacity_blocks: optional(capacity_blocks, |c| usize_from_int(c, "capacity_blocks"))?
+                .unwrap_or(defaults.capacity_blocks),
             ttl,
             weights: CostWeights {
                 queue: queue_weight,
                 decode: decode_weight,
             },
             bound_c: load_bound,
-            seed: count(seed, "seed", 0)?,
+            seed: optional(seed, |s| u64_from_int(s, "seed", None))?.unwrap_or(defaults.seed),
             stale_half_life,
-            ..Config::default()
+            ..defaults
         };
-        if let Some(obj) = tier_weights.filter(|o| !o.is_none()) {
+        if let Some(obj) = tier_weights {
             let dict = obj.cast::<PyDict>().map_err(|_| {
-                PyTypeError::new_err(format!(
-                    "tier_weights must be a dict of tier name to weight, got {}",
-                    type_name(obj)
-                ))
+                type_error(obj, "tier_weights must be a dict of tier name to weight")
             })?;
             config.tier_weights.clear();
             for (tier, w) in dict.iter() {
@@ -256,14 +177,11 @@ impl PyRouter {
         } else {
             None
         };
-        let time = py.import("time")?;
-        let clock_zero: f64 = time.call_method0("monotonic")?.extract()?;
         Ok(PyRouter {
             core: Mutex::new(core),
             index,
             applier,
-            clock_zero,
-            started: Instant::now(),
+            clock: MonotonicClock::new(py)?,
         })
     }
 
@@ -281,41 +199,24 @@ impl PyRouter {
         exclude: Option<&Bound<'_, PyAny>>,
         now: Option<f64>,
     ) -> PyResult<PyDecision> {
-        let tokens = tokens.filter(|o| !o.is_none());
-        let block_hashes = block_hashes.filter(|o| !o.is_none());
-        let key = match key.filter(|o| !o.is_none()) {
-            None => None,
-            Some(k) => Some(with_key(k, |k| match k {
+        let key = optional(key, |k| {
+            with_key(k, |k| match k {
                 Key::Bytes(b) => OwnedKey::Bytes(b.to_vec()),
                 Key::Int(v) => OwnedKey::Int(v),
-            })?),
-        };
-        let endpoint = optional_string(endpoint, "endpoint")?;
-        let exclude: Vec<String> = match exclude.filter(|o| !o.is_none()) {
-            None => Vec::new(),
-            Some(obj) => {
-                if obj.is_instance_of::<PyString>() {
-                    return Err(PyTypeError::new_err(
-                        "exclude must be a list of worker names, not a str",
-                    ));
-                }
-                let mut names = Vec::new();
-                for item in obj.try_iter()? {
-                    names.push(name_from_py(&item?, "exclude item")?.into_owned());
-                }
-                names
-            }
-        };
-        let now = finite(self.now(now), "now")?;
-        let endpoint = endpoint.as_deref();
+            })
+        })?;
+        let endpoint = optional_name(endpoint, "endpoint")?;
+        let exclude =
+            optional(exclude, |e| names_from_py(e, "exclude", "exclude item"))?.unwrap_or_default();
         let excluded: Vec<&str> = exclude.iter().map(String::as_str).collect();
-        let request = |hashes: Vec<u64>, prompt_tokens: Option<usize>| RouteRequest {
-            hashes,
-            prompt_tokens,
+        let endpoint = endpoint.as_deref();
+        let request = RouteRequest {
+            hashes: Vec::new(),
+            prompt_tokens: None,
             key: key.as_ref().map(OwnedKey::as_key),
             endpoint,
             exclude: &excluded,
-            now,
+            now: self.clock.now(now),
         };
         let decision = match (tokens, block_hashes) {
             (Some(_), Some(_)) | (None, None) => {
@@ -328,30 +229,31 @@ impl PyRouter {
                 let tokens = Tokens::of(&array);
                 let n = tokens.len();
                 let hasher = self.run(py, true, |r| r.hasher_for(endpoint))?;
-                let hash = || -> crate::Result<Vec<u64>> {
+                let hash = || -> crate::Result<RouteRequest<'_>> {
                     let mut hashes = Vec::with_capacity(hasher.num_blocks(n));
-                    typed!(tokens, |s| hasher.hash_into(
-                        s,
-                        &ChainState::Root,
-                        &[],
-                        &mut hashes
-                    ))?;
-                    Ok(hashes)
+                    typed!(tokens, |s| {
+                        hasher.hash_into(s, &ChainState::Root, &[], &mut hashes)
+                    })?;
+                    Ok(RouteRequest {
+                        hashes,
+                        prompt_tokens: Some(n),
+                        ..request
+                    })
                 };
-                if n >= DETACH_MIN_TOKENS {
-                    py.detach(|| self.core_route(hash()?, Some(n), &request))?
+                if n < DETACH_MIN_TOKENS {
+                    let request = hash()?;
+                    self.run(py, true, |r| r.route(request))?
                 } else {
-                    let hashes = hash()?;
-                    self.run(py, true, |r| r.route(request(hashes, Some(n))))?
+                    // Hashing a long prompt is long work too: both run with the GIL released.
+                    py.detach(|| self.core.lock().route(hash()?))?
                 }
             }
             (None, Some(hashes)) => {
                 let hashes = u64_slice(hashes, "block_hashes", Negative::Reinterpret)?;
                 let mut hashes = hashes.as_slice().to_vec();
-                let light = hashes.len() < DETACH_MIN_TOKENS;
-                self.run(py, light, |r| {
+                self.run(py, hashes.len() < DETACH_MIN_TOKENS, |r| {
                     r.salt_block_hashes(endpoint, &mut hashes)?;
-                    r.route(request(hashes, None))
+                    r.route(RouteRequest { hashes, ..request })
                 })?
             }
         };
@@ -381,7 +283,7 @@ impl PyRouter {
         now: Option<f64>,
     ) -> PyResult<()> {
         let d = &decision.get().inner;
-        let now = self.now(now);
+        let now = self.clock.now(now);
         let light = d.prompt_blocks < DETACH_MIN_TOKENS / 16;
         Ok(self.run(py, light, |r| r.finish(d, now))?)
     }
@@ -398,9 +300,8 @@ impl PyRouter {
         now: Option<f64>,
     ) -> PyResult<()> {
         let d = &decision.get().inner;
-        let cached = usize::try_from(u64_from_int(cached_tokens, "cached_tokens", None)?)
-            .unwrap_or(usize::MAX);
-        let now = self.now(now);
+        let cached = usize_from_int(cached_tokens, "cached_tokens")?;
+        let now = self.clock.now(now);
         Ok(self.run(py, false, |r| r.observe(d, cached, now))?)
     }
 
@@ -431,10 +332,7 @@ impl PyRouter {
     fn is_healthy(&self, py: Python<'_>, name: &Bound<'_, PyAny>) -> PyResult<bool> {
         let name = name_from_py(name, "name")?;
         let name = &*name;
-        Ok(self.run(py, true, |r| {
-            let slot = r.workers().require(name)?;
-            Ok::<_, crate::Error>(r.workers().get(slot).is_some_and(|w| w.healthy))
-        })?)
+        Ok(self.run(py, true, |r| r.workers().named(name).map(|w| w.healthy))?)
     }
 
     /// Worker `name`'s load: `{"active", "prefill_blocks", "decode_blocks", "weight"}`.
@@ -442,10 +340,8 @@ impl PyRouter {
         let name = name_from_py(name, "name")?;
         let name = &*name;
         let (active, prefill, decode, weight) = self.run(py, true, |r| {
-            let slot = r.workers().require(name)?;
-            Ok::<_, crate::Error>(r.workers().get(slot).map_or((0, 0, 0, 1.0), |w| {
-                (w.active, w.prefill_blocks, w.decode_blocks, w.weight)
-            }))
+            let w = r.workers().named(name)?;
+            Ok::<_, crate::Error>((w.active, w.prefill_blocks, w.decode_blocks, w.weight))
         })?;
         let d = PyDict::new(py);
         d.set_item("active", active)?;
@@ -470,15 +366,9 @@ impl PyRouter {
         isolate: bool,
     ) -> PyResult<()> {
         let id = name_from_py(endpoint_id, "endpoint_id")?;
-        let pool_size =
-            usize::try_from(u64_from_int(pool_size, "pool_size", None)?).unwrap_or(usize::MAX);
-        let reserved = match reserved_blocks.filter(|o| !o.is_none()) {
-            None => None,
-            Some(o) => Some(
-                usize::try_from(u64_from_int(o, "reserved_blocks", None)?).unwrap_or(usize::MAX),
-            ),
-        };
-        let salt = optional_string(salt, "salt")?;
+        let pool_size = usize_from_int(pool_size, "pool_size")?;
+        let reserved = optional(reserved_blocks, |o| usize_from_int(o, "reserved_blocks"))?;
+        let salt = optional_name(salt, "salt")?;
         let (id, salt) = (&*id, salt.as_deref());
         Ok(self.run(py, false, |r| {
             r.add_endpoint(id, pool_size, reserved, salt, isolate)
@@ -555,7 +445,7 @@ impl PyRouter {
         now: Option<f64>,
     ) -> PyResult<()> {
         let name = name_from_py(worker, "worker")?;
-        let (name, now) = (&*name, self.now(now));
+        let (name, now) = (&*name, self.clock.now(now));
         Ok(self.run(py, true, |r| r.mark_stale(name, now))?)
     }
 
@@ -582,7 +472,7 @@ impl PyRouter {
         now: Option<f64>,
     ) -> PyResult<f64> {
         let name = name_from_py(worker, "worker")?;
-        let (name, now) = (&*name, self.now(now));
+        let (name, now) = (&*name, self.clock.now(now));
         Ok(self.run(py, true, |r| r.freshness(name, now))?)
     }
 
