@@ -367,35 +367,3 @@ def test_threads_share_one_cache():
     assert len(cache) == len(survivors) <= 500
     assert all(h in cache for h in survivors)
     assert cache.usage("t0") + cache.usage() == len(cache)
-
-
-def test_stub_matches_the_extension():
-    import ast
-    import inspect
-    from pathlib import Path
-
-    stub = ast.parse((Path(kvroute.__file__).parent / "_core.pyi").read_text())
-    (cls,) = [n for n in stub.body if isinstance(n, ast.ClassDef) and n.name == "BlockCache"]
-    stubbed = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
-    runtime = {n for n in dir(kvroute.BlockCache) if not n.startswith("_")}
-    assert {n for n in stubbed if not n.startswith("_")} == runtime
-    for name, func in stubbed.items():
-        if name.startswith("_"):
-            continue
-        if any(getattr(d, "id", None) == "property" for d in func.decorator_list):
-            assert not callable(getattr(kvroute.BlockCache, name)), name  # a getter
-            continue
-        params = inspect.signature(getattr(kvroute.BlockCache, name)).parameters.values()
-        args = func.args
-        expected = [(a.arg, "POSITIONAL_ONLY") for a in args.posonlyargs[1:]]
-        expected += [(a.arg, "POSITIONAL_OR_KEYWORD") for a in args.args[1:]]
-        expected += [(a.arg, "KEYWORD_ONLY") for a in args.kwonlyargs]
-        got = [(p.name, p.kind.name) for p in params if p.name != "self"]
-        # PyO3 marks `self` positional-only, which makes a following parameter
-        # positional-or-keyword read the same; compare names and keyword-only-ness.
-        assert [n for n, _ in got] == [n for n, _ in expected], name
-        assert [k == "KEYWORD_ONLY" for _, k in got] == [
-            k == "KEYWORD_ONLY" for _, k in expected
-        ], name
-    init = kvroute.BlockCache.__text_signature__
-    assert init == "(capacity, *, reserved=None)"

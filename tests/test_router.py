@@ -552,34 +552,6 @@ def test_four_threads_route_and_account_exactly():
     r._check_model()
 
 
-def test_stub_matches_the_extension():
-    import ast
-    import inspect
-    from pathlib import Path
-
-    stub = ast.parse((Path(kvroute.__file__).parent / "_core.pyi").read_text())
-    for cls_name in ("Router", "Decision"):
-        (cls,) = [n for n in stub.body if isinstance(n, ast.ClassDef) and n.name == cls_name]
-        stubbed = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
-        runtime_cls = getattr(kvroute, cls_name)
-        runtime = {n for n in dir(runtime_cls) if not n.startswith("_")}
-        assert {n for n in stubbed if not n.startswith("_")} == runtime
-        for name, func in stubbed.items():
-            if name.startswith("_"):
-                continue
-            if any(getattr(d, "id", None) == "property" for d in func.decorator_list):
-                assert not callable(getattr(runtime_cls, name)), name
-                continue
-            params = inspect.signature(getattr(runtime_cls, name)).parameters.values()
-            args = func.args
-            expected = [a.arg for a in args.args[1:]] + [a.arg for a in args.kwonlyargs]
-            kw_only = [False] * (len(args.args) - 1) + [True] * len(args.kwonlyargs)
-            got = [(p.name, p.kind.name == "KEYWORD_ONLY") for p in params if p.name != "self"]
-            assert [n for n, _ in got] == expected, name
-            assert [k for _, k in got] == kw_only, name
-    assert kvroute.Router.__text_signature__.startswith("(workers, *, policy='kv_aware'")
-
-
 # ---- state machine ----------------------------------------------------------------------------
 
 

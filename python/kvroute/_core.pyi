@@ -1,29 +1,47 @@
 """Type stubs for the Rust extension module ``kvroute._core``."""
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal, overload
+from typing import Any, Literal, final, overload, type_check_only
 
 import numpy as np
 import numpy.typing as npt
 
+__all__ = [
+    "BlockCache",
+    "BlockHasher",
+    "Decision",
+    "HashRing",
+    "JumpHash",
+    "KvEventApplier",
+    "Maglev",
+    "PrefixIndex",
+    "Rendezvous",
+    "Router",
+    "__version__",
+    "decode_kv_events",
+    "hash_key",
+    "jump_hash",
+    "jump_hash_many",
+]
+
 __version__: str
 
-Key = str | bytes | int
-U64Array = npt.NDArray[np.uint64] | Sequence[int]
-Nodes = Iterable[str] | Mapping[str, float]
-Weights = Sequence[float] | Mapping[str, float]
-Keys = Iterable[Key] | npt.NDArray[np.integer]
+_Key = str | bytes | int
+_U64Array = npt.NDArray[np.uint64] | Sequence[int]
+_Nodes = Iterable[str] | Mapping[str, float]
+_Weights = Sequence[float] | Mapping[str, float]
+_Keys = Iterable[_Key] | npt.NDArray[np.integer]
 
-def hash_key(key: Key) -> int:
+def hash_key(key: _Key) -> int:
     """XXH3-64 (seed 0) of a str's UTF-8 bytes, bytes as given, or an int's 8 LE bytes."""
 
 def jump_hash(key: int, num_buckets: int) -> int:
     """Lamping–Veach jump consistent hash of the 64-bit ``key`` into ``0..num_buckets``."""
 
-def jump_hash_many(keys: U64Array, num_buckets: int) -> npt.NDArray[np.int64]:
+def jump_hash_many(keys: _U64Array, num_buckets: int) -> npt.NDArray[np.int64]:
     """``jump_hash`` of every key (NumPy uint64 array or sequence of ints), GIL released."""
 
-TokenArray = (
+_TokenArray = (
     npt.NDArray[np.uint32]
     | npt.NDArray[np.int32]
     | npt.NDArray[np.uint64]
@@ -31,10 +49,11 @@ TokenArray = (
     | Sequence[int]
 )
 # A chain state accepted as ``parent``: a native block hash, or a vllm/sglang 32-byte digest.
-Parent = int | bytes | bytearray | npt.NDArray[np.uint8] | None
+_Parent = int | bytes | bytearray | npt.NDArray[np.uint8] | None
 # Multimodal items of a vLLM request: (identifier, offset relative to tokens[0], length).
-MmItems = Sequence[tuple[str, int, int]]
+_MmItems = Sequence[tuple[str, int, int]]
 
+@final
 class BlockHasher:
     """Chained hashes of FULL token blocks, bit-exact with an engine's prefix-cache keys.
 
@@ -43,8 +62,8 @@ class BlockHasher:
     ``sha256_cbor``), ``"sglang"`` (SGLang 0.5.23 page hash; its signed int64 as the same bits).
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         block_size: int = 16,
         *,
         profile: Literal["native", "vllm", "sglang"] = "native",
@@ -52,7 +71,7 @@ class BlockHasher:
         lora_name: str | None = None,
         lora_path: str | None = None,
         seed: str | None = None,
-    ) -> None: ...
+    ) -> BlockHasher: ...
     @property
     def block_size(self) -> int:
         """Tokens per block."""
@@ -79,21 +98,22 @@ class BlockHasher:
         with ``parent=None`` (it is an extra key of the sequence's first block).
         """
     def hash(
-        self, tokens: TokenArray, parent: Parent = None, *, mm: MmItems | None = None
+        self, tokens: _TokenArray, parent: _Parent = None, *, mm: _MmItems | None = None
     ) -> npt.NDArray[np.uint64]:
         """Chained hashes of the full blocks of ``tokens``, continuing from ``parent``."""
     def hash_with_state(
-        self, tokens: TokenArray, parent: Parent = None, *, mm: MmItems | None = None
+        self, tokens: _TokenArray, parent: _Parent = None, *, mm: _MmItems | None = None
     ) -> tuple[npt.NDArray[np.uint64], int | bytes | None]:
         """``(hash(tokens, parent), state)``; pass ``state`` as the next call's ``parent``."""
     def digests(
-        self, tokens: TokenArray, parent: Parent = None, *, mm: MmItems | None = None
+        self, tokens: _TokenArray, parent: _Parent = None, *, mm: _MmItems | None = None
     ) -> npt.NDArray[np.uint8]:
         """``(n_blocks, 32)`` SHA-256 digests of the full blocks (vllm/sglang only)."""
 
-BlockHash = int | np.integer
-BlockHashes = npt.NDArray[np.uint64] | npt.NDArray[np.int64] | Sequence[int]
+_BlockHash = int | np.integer
+_BlockHashes = npt.NDArray[np.uint64] | npt.NDArray[np.int64] | Sequence[int]
 
+@final
 class PrefixIndex:
     """Which worker holds which chained KV blocks (radix tree with path compression).
 
@@ -104,13 +124,13 @@ class PrefixIndex:
     (int64) are taken as their two's-complement bits.
     """
 
-    def __init__(self, *, max_bytes: int | None = None) -> None: ...
+    def __new__(cls, *, max_bytes: int | None = None) -> PrefixIndex: ...
     def store(
-        self, worker: str, block_hashes: BlockHashes, parent: BlockHash | None = None
+        self, worker: str, block_hashes: _BlockHashes, parent: _BlockHash | None = None
     ) -> None:
         """Worker now holds the chain ``block_hashes``, continuing from block ``parent``."""
 
-    def remove(self, worker: str, block_hashes: BlockHashes) -> int:
+    def remove(self, worker: str, block_hashes: _BlockHashes) -> int:
         """Worker dropped these blocks and the blocks after each; returns how many it dropped."""
 
     def clear(self, worker: str) -> int:
@@ -119,7 +139,7 @@ class PrefixIndex:
     def remove_worker(self, worker: str) -> int:
         """Forgets the worker and its blocks; returns how many blocks it held."""
 
-    def match(self, block_hashes: BlockHashes) -> dict[str, int]:
+    def match(self, block_hashes: _BlockHashes) -> dict[str, int]:
         """Per worker, how many leading blocks of the query it holds (0 omitted)."""
 
     @property
@@ -136,7 +156,7 @@ class PrefixIndex:
     def __len__(self) -> int:
         """Distinct blocks held by at least one worker."""
 
-    def __contains__(self, block_hash: BlockHash) -> bool: ...
+    def __contains__(self, block_hash: _BlockHash, /) -> bool: ...
     def memory_bytes(self) -> int:
         """Heap bytes of the whole structure (what ``max_bytes`` bounds)."""
 
@@ -147,79 +167,66 @@ class PrefixIndex:
         """Versioned, checksummed binary image of the index."""
 
     @staticmethod
-    def load(data: bytes | bytearray, *, max_bytes: int | None = None) -> PrefixIndex:
+    def load(data: bytes | bytearray | memoryview, *, max_bytes: int | None = None) -> PrefixIndex:
         """Index rebuilt from ``dump()`` output (``ValueError`` for a bad image)."""
 
     def _check_invariants(self) -> None: ...
 
-class HashRing:
+@type_check_only
+class _ConsistentHasher:
+    """The face every hasher class shares (a typing aid: no such class exists at run time)."""
+
+    def get(self, key: _Key) -> str:
+        """The node ``key`` maps to (ValueError when there is no node)."""
+    def get_many(self, keys: _Keys) -> list[str]:
+        """``[get(k) for k in keys]``, computed in Rust with the GIL released."""
+    def preference(self, key: _Key, n: int) -> list[str]:
+        """``n`` distinct nodes in the hasher's fallback order for ``key``, ``get(key)`` first."""
+    def add(self, node: str, weight: float = 1) -> None: ...
+    def remove(self, node: str) -> None: ...
+    @property
+    def nodes(self) -> list[str]:
+        """Node names, in the order they were added."""
+    def __len__(self) -> int: ...
+    def __contains__(self, node: object, /) -> bool: ...
+
+@final
+class HashRing(_ConsistentHasher):
     """Consistent-hash ring: ``hash="ketama"`` (libketama/uhashring placement) or ``"xxh3"``."""
 
-    def __new__(cls, nodes: Nodes, *, vnodes: int = 160, hash: str = "ketama") -> HashRing: ...
+    def __new__(cls, nodes: _Nodes, *, vnodes: int = 160, hash: str = "ketama") -> HashRing: ...
     @property
     def vnodes(self) -> int: ...
     @property
     def hash(self) -> str: ...
     @property
     def points(self) -> list[tuple[int, str]]: ...
-    def get(self, key: Key) -> str: ...
-    def get_many(self, keys: Keys) -> list[str]: ...
-    def preference(self, key: Key, n: int) -> list[str]: ...
-    def add(self, node: str, weight: float = 1) -> None: ...
-    def remove(self, node: str) -> None: ...
-    @property
-    def nodes(self) -> list[str]: ...
-    def __len__(self) -> int: ...
-    def __contains__(self, node: object) -> bool: ...
 
-class Maglev:
+@final
+class Maglev(_ConsistentHasher):
     """Maglev hashing with Envoy's table construction; ``table_size`` must be prime."""
 
     def __new__(
-        cls, nodes: Nodes, *, weights: Weights | None = None, table_size: int = 65537
+        cls, nodes: _Nodes, *, weights: _Weights | None = None, table_size: int = 65537
     ) -> Maglev: ...
     @property
     def table(self) -> list[str]: ...
     @property
     def table_size(self) -> int: ...
-    def get(self, key: Key) -> str: ...
-    def get_many(self, keys: Keys) -> list[str]: ...
-    def preference(self, key: Key, n: int) -> list[str]: ...
-    def add(self, node: str, weight: float = 1) -> None: ...
-    def remove(self, node: str) -> None: ...
-    @property
-    def nodes(self) -> list[str]: ...
-    def __len__(self) -> int: ...
-    def __contains__(self, node: object) -> bool: ...
 
-class Rendezvous:
+@final
+class Rendezvous(_ConsistentHasher):
     """Weighted highest-random-weight hashing (logarithmic method)."""
 
-    def __new__(cls, nodes: Nodes, *, weights: Weights | None = None) -> Rendezvous: ...
-    def get(self, key: Key) -> str: ...
-    def get_many(self, keys: Keys) -> list[str]: ...
-    def preference(self, key: Key, n: int) -> list[str]: ...
-    def add(self, node: str, weight: float = 1) -> None: ...
-    def remove(self, node: str) -> None: ...
-    @property
-    def nodes(self) -> list[str]: ...
-    def __len__(self) -> int: ...
-    def __contains__(self, node: object) -> bool: ...
+    def __new__(cls, nodes: _Nodes, *, weights: _Weights | None = None) -> Rendezvous: ...
 
-class JumpHash:
+@final
+class JumpHash(_ConsistentHasher):
     """Jump consistent hash over named nodes (MementoHash): any node can be removed."""
 
     def __new__(cls, nodes: Iterable[str]) -> JumpHash: ...
-    def get(self, key: Key) -> str: ...
-    def get_many(self, keys: Keys) -> list[str]: ...
-    def preference(self, key: Key, n: int) -> list[str]: ...
-    def add(self, node: str, weight: float = 1) -> None: ...
-    def remove(self, node: str) -> None: ...
-    @property
-    def nodes(self) -> list[str]: ...
-    def __len__(self) -> int: ...
-    def __contains__(self, node: object) -> bool: ...
 
+@final
 class BlockCache:
     """LRU cache model of a worker's KV memory: leaf-first eviction, pins, leases, partitions.
 
@@ -231,10 +238,10 @@ class BlockCache:
     every call, or on none). Invalid input raises and changes nothing.
     """
 
-    def __init__(self, capacity: int, *, reserved: dict[str, int] | None = None) -> None: ...
+    def __new__(cls, capacity: int, *, reserved: dict[str, int] | None = None) -> BlockCache: ...
     def insert(
         self,
-        block_hashes: U64Array,
+        block_hashes: _U64Array,
         *,
         partition: str | None = None,
         parent: int | None = None,
@@ -242,18 +249,18 @@ class BlockCache:
     ) -> tuple[int, npt.NDArray[np.uint64]]:
         """Insert a chain; returns (leading blocks now cached, evicted hashes in eviction order)."""
 
-    def match(self, block_hashes: U64Array, /) -> int:
+    def match(self, block_hashes: _U64Array, /) -> int:
         """Leading blocks cached; refreshes them."""
 
-    def peek(self, block_hashes: U64Array, /) -> int:
+    def peek(self, block_hashes: _U64Array, /) -> int:
         """Leading blocks cached, without refreshing them."""
 
     def pin(
-        self, block_hashes: U64Array, *, ttl: float | None = None, now: float | None = None
+        self, block_hashes: _U64Array, *, ttl: float | None = None, now: float | None = None
     ) -> None:
         """One reference per listed block, or (with ``ttl``) a lease until ``now + ttl``."""
 
-    def unpin(self, block_hashes: U64Array, *, now: float | None = None) -> None:
+    def unpin(self, block_hashes: _U64Array, *, now: float | None = None) -> None:
         """Remove one reference per listed block; raises and changes nothing if one is unpinned."""
 
     def expire(self, *, now: float | None = None) -> int:
@@ -273,8 +280,9 @@ class BlockCache:
     @property
     def reserved(self) -> dict[str, int]: ...
     def __len__(self) -> int: ...
-    def __contains__(self, block_hash: object) -> bool: ...
+    def __contains__(self, block_hash: object, /) -> bool: ...
 
+@final
 class KvEventApplier:
     """Applies engine KV-event payloads (vLLM / SGLang msgpack), per worker, to a PrefixIndex.
 
@@ -286,8 +294,8 @@ class KvEventApplier:
     events that cannot be placed exactly are skipped and counted (``stats``).
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         index: PrefixIndex,
         *,
         mode: Literal["rehash", "direct"] = "rehash",
@@ -295,7 +303,7 @@ class KvEventApplier:
         hash_profile: Literal["native", "vllm", "sglang"] = "native",
         seed: str | None = None,
         group_idx: int = 0,
-    ) -> None: ...
+    ) -> KvEventApplier: ...
     def apply(self, worker: str, payload: bytes | bytearray | memoryview) -> int:
         """Decodes and applies one batch; returns its number of events (GIL released)."""
 
@@ -339,6 +347,7 @@ def decode_kv_events(
     """``(ts, events, data_parallel_rank)`` of one payload, each event a dict of the fields the
     decoder reads (``ValueError`` for a malformed payload). For inspection and tests."""
 
+@final
 class Decision:
     """A routing decision: the worker, why, and how much of the prompt it is expected to hold.
 
@@ -376,6 +385,7 @@ class Decision:
     @property
     def stage(self) -> Literal["routed", "active", "finished"]: ...
 
+@final
 class Router:
     """Which worker gets a request, why, and how much of the prompt is cached there.
 
@@ -388,8 +398,8 @@ class Router:
     change nothing.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         workers: Iterable[str] | Mapping[str, float],
         *,
         policy: Literal[
@@ -409,13 +419,13 @@ class Router:
         salt: str | None = None,
         hash_seed: str | None = None,
         event_mode: Literal["rehash", "direct"] = "rehash",
-    ) -> None: ...
+    ) -> Router: ...
     def route(
         self,
-        tokens: TokenArray | None = None,
+        tokens: _TokenArray | None = None,
         *,
-        block_hashes: U64Array | None = None,
-        key: Key | None = None,
+        block_hashes: _U64Array | None = None,
+        key: _Key | None = None,
         endpoint: str | None = None,
         exclude: Iterable[str] | None = None,
         now: float | None = None,
@@ -458,7 +468,7 @@ class Router:
         """The ``cache_salt`` to send upstream for this endpoint (None if not isolated)."""
 
     def salt_block_hashes(
-        self, endpoint_id: str, block_hashes: BlockHashes
+        self, endpoint_id: str, block_hashes: _BlockHashes
     ) -> npt.NDArray[np.uint64]:
         """The hashes ``route(block_hashes=..., endpoint=endpoint_id)`` matches (a new array)."""
 
