@@ -104,12 +104,11 @@ class GatewayServer:
         return self.get("/metrics").text
 
     def wait_healthy(self, worker: str, healthy: bool = True, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.get("/health").json()["workers"][worker] is healthy:
-                return
-            time.sleep(0.02)
-        raise AssertionError(f"{worker} did not become {'healthy' if healthy else 'ejected'}")
+        wait_for(
+            lambda: self.get("/health").json()["workers"][worker] is healthy,
+            f"{worker} to become {'healthy' if healthy else 'ejected'}",
+            timeout,
+        )
 
     def active(self) -> dict[str, float]:
         """The router's count of begun-but-unfinished requests per worker."""
@@ -118,6 +117,12 @@ class GatewayServer:
 
     def stop(self) -> None:
         self.server.stop()
+
+    def __enter__(self) -> GatewayServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def _toml_value(v: Any) -> str:

@@ -14,7 +14,6 @@ import hashlib
 import json
 import re
 import struct
-import threading
 from pathlib import Path
 
 import cbor2
@@ -22,6 +21,7 @@ import kvroute
 import numpy as np
 import pytest
 import xxhash
+from helpers import run_threads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -313,11 +313,7 @@ def test_threads_share_one_hasher():
     def work(i):
         results[i] = h.hash(tokens)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(*((work, (i,)) for i in range(4)))
     for r in results:
         np.testing.assert_array_equal(r, expected)
 

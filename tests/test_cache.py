@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import threading
-
 import kvroute
 import numpy as np
 import pytest
 from cache_model import CacheModel, ModelError
+from helpers import run_threads
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -329,37 +328,28 @@ def test_input_forms():
 
 def test_threads_share_one_cache():
     cache = kvroute.BlockCache(500, reserved={"t0": 50})
-    errors: list[BaseException] = []
     added: list[set[int]] = [set() for _ in range(4)]
     evicted: list[set[int]] = [set() for _ in range(4)]
 
     def work(t: int) -> None:
-        try:
-            rng = np.random.default_rng(t)
-            partition = "t0" if t == 0 else None
-            for i in range(300):
-                # Unique hashes per thread and step: nothing is stored twice.
-                chain = (np.arange(1, 9, dtype=np.uint64) << np.uint64(20)) + np.uint64(
-                    t * 100_000 + i * 10
-                )
-                chain = chain[: rng.integers(1, 9)]
-                stored, out = cache.insert(chain, partition=partition)
-                added[t].update(chain[:stored].tolist())
-                evicted[t].update(out.tolist())
-                if stored:
-                    cache.pin(chain[:stored])
-                    cache.match(chain)
-                    assert cache.peek(chain[:stored]) == stored  # pinned: still there
-                    cache.unpin(chain[:stored])
-        except BaseException as e:  # pragma: no cover - reported below
-            errors.append(e)
+        rng = np.random.default_rng(t)
+        partition = "t0" if t == 0 else None
+        for i in range(300):
+            # Unique hashes per thread and step: nothing is stored twice.
+            chain = (np.arange(1, 9, dtype=np.uint64) << np.uint64(20)) + np.uint64(
+                t * 100_000 + i * 10
+            )
+            chain = chain[: rng.integers(1, 9)]
+            stored, out = cache.insert(chain, partition=partition)
+            added[t].update(chain[:stored].tolist())
+            evicted[t].update(out.tolist())
+            if stored:
+                cache.pin(chain[:stored])
+                cache.match(chain)
+                assert cache.peek(chain[:stored]) == stored  # pinned: still there
+                cache.unpin(chain[:stored])
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not errors, errors
+    run_threads(*((work, (t,)) for t in range(4)))
     everything_added = set().union(*added)
     everything_evicted = set().union(*evicted)
     assert everything_evicted <= everything_added

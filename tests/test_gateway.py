@@ -38,9 +38,8 @@ def fleet():
 
 @pytest.fixture
 def gw(fleet):
-    g = GatewayServer(config_dict(fleet))
-    yield g
-    g.stop()
+    with GatewayServer(config_dict(fleet)) as g:
+        yield g
 
 
 def shared_prefix_cached(a: list[dict], b: list[dict]) -> int:
@@ -194,13 +193,10 @@ def test_endpoint_sticks_across_restarts_of_other_upstreams(fleet, gw):
         assert done.usage.prompt_tokens_details.cached_tokens == full
     # A new gateway over the same fleet puts the endpoint on the same worker: its cache is warm.
     gw.stop()
-    again = GatewayServer(config_dict(fleet))
-    try:
+    with GatewayServer(config_dict(fleet)) as again:
         done, h = chat(again.client("sk-acme"), "ep-acme", "after the gateway restarted")
         assert h["x-kvroute-worker"] == home
         assert done.usage.prompt_tokens_details.cached_tokens == full
-    finally:
-        again.stop()
 
 
 def test_failover_when_upstream_is_down(fleet, gw):
@@ -247,8 +243,7 @@ def test_failover_on_5xx_before_first_byte(fleet, gw):
 
 
 def test_all_upstreams_failing_gives_the_last_error(fleet):
-    gw = GatewayServer(config_dict(fleet, gateway={"max_attempts": 3}))
-    try:
+    with GatewayServer(config_dict(fleet, gateway={"max_attempts": 3})) as gw:
         for u in fleet.upstreams:
             u.fail(502)
         with pytest.raises(openai.APIStatusError) as e:
@@ -267,8 +262,6 @@ def test_all_upstreams_failing_gives_the_last_error(fleet):
             u.fail(502, times=0)
         for w in ejected:
             gw.wait_healthy(w)  # readmitted by its health check
-    finally:
-        gw.stop()
 
 
 def test_client_errors_are_not_retried(fleet, gw):
@@ -282,8 +275,9 @@ def test_client_errors_are_not_retried(fleet, gw):
 
 
 def test_all_ejected_answers_503(fleet):
-    gw = GatewayServer(config_dict(fleet, gateway={"eject_seconds": 30.0, "max_attempts": 4}))
-    try:
+    with GatewayServer(
+        config_dict(fleet, gateway={"eject_seconds": 30.0, "max_attempts": 4})
+    ) as gw:
         for u in fleet.upstreams:
             fleet.stop(u.name)
         with pytest.raises(openai.APIStatusError) as e:
@@ -293,23 +287,20 @@ def test_all_ejected_answers_503(fleet):
             chat(gw.client(None), "base-model", "anyone?")
         assert e.value.status_code == 503  # nobody left to route to
         assert gw.get("/health").status_code == 503
-    finally:
-        gw.stop()
 
 
 def test_read_timeout_is_not_retried(fleet):
-    gw = GatewayServer(config_dict(fleet, gateway={"read_timeout": 0.3}))
-    try:
-        for u in fleet.upstreams:
-            u.stall = 3.0
-        with pytest.raises(openai.APIStatusError) as e:
-            chat(gw.client(None), "base-model", "slow", extra_headers={"x-request-id": "rid-t"})
-        assert e.value.status_code == 504
-        assert sum(r["id"] == "rid-t" for r in fleet.records()) == 1
-    finally:
-        for u in fleet.upstreams:
-            u.stall = 0.0
-        gw.stop()
+    with GatewayServer(config_dict(fleet, gateway={"read_timeout": 0.3})) as gw:
+        try:
+            for u in fleet.upstreams:
+                u.stall = 3.0
+            with pytest.raises(openai.APIStatusError) as e:
+                chat(gw.client(None), "base-model", "slow", extra_headers={"x-request-id": "rid-t"})
+            assert e.value.status_code == 504
+            assert sum(r["id"] == "rid-t" for r in fleet.records()) == 1
+        finally:
+            for u in fleet.upstreams:
+                u.stall = 0.0
 
 
 # ---- auth and limits -------------------------------------------------------------------------
@@ -346,18 +337,14 @@ def test_hashed_keys_in_config(fleet):
         "model": "acme-model",
         "api_key_sha256": [hashlib.sha256(b"sk-hashed").hexdigest()],
     }
-    gw = GatewayServer(cfg)
-    try:
+    with GatewayServer(cfg) as gw:
         chat(gw.client("sk-hashed"), "ep-acme", "hi")
         with pytest.raises(openai.PermissionDeniedError):
             chat(gw.client("sk-acme"), "ep-acme", "hi")
-    finally:
-        gw.stop()
 
 
 def test_body_limit(fleet):
-    gw = GatewayServer(config_dict(fleet, gateway={"max_body_bytes": 4096}))
-    try:
+    with GatewayServer(config_dict(fleet, gateway={"max_body_bytes": 4096})) as gw:
         with pytest.raises(openai.APIStatusError) as e:
             chat(gw.client(None), "base-model", "x" * 5000)
         assert e.value.status_code == 413
@@ -373,8 +360,6 @@ def test_body_limit(fleet):
         assert not fleet.records()
         done, _ = chat(gw.client(None), "base-model", "x" * 100, system="short")
         assert done.choices
-    finally:
-        gw.stop()
 
 
 def test_bad_requests(fleet, gw):
@@ -518,24 +503,18 @@ def test_worker_api_key_sent_upstream(fleet):
     cfg = config_dict(fleet)
     for w in cfg["workers"]:
         w["api_key"] = "upstream-secret"
-    gw = GatewayServer(cfg)
-    try:
+    with GatewayServer(cfg) as gw:
         _, h = chat(gw.client("sk-acme"), "ep-acme", "hi")
         assert fleet[h["x-kvroute-worker"]].records[-1]["authorization"] == "Bearer upstream-secret"
-    finally:
-        gw.stop()
 
 
 def test_openai_kind_gets_no_cache_salt(fleet):
     cfg = config_dict(fleet)
     for w in cfg["workers"]:
         w["kind"] = "openai"
-    gw = GatewayServer(cfg)
-    try:
+    with GatewayServer(cfg) as gw:
         _, h = chat(gw.client("sk-acme"), "ep-acme", "hi")
         assert fleet[h["x-kvroute-worker"]].records[-1]["cache_salt"] is None
-    finally:
-        gw.stop()
 
 
 @pytest.mark.skipif(os.name != "posix", reason="subprocess signals")
@@ -593,8 +572,7 @@ def test_hf_tokenizer_routing(fleet, tmp_path):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     path = tmp_path / "tokenizer.json"
     tok.save(str(path))
-    gw = GatewayServer(config_dict(fleet, tokenizer={"path": str(path)}))
-    try:
+    with GatewayServer(config_dict(fleet, tokenizer={"path": str(path)})) as gw:
         client = gw.client("sk-globex")
         q1, q2 = "Rule of rockets", "Policy handbook"  # words the tokenizer knows
         _, h1 = chat(client, "ep-globex", q1)
@@ -609,5 +587,3 @@ def test_hf_tokenizer_routing(fleet, tmp_path):
         worker = (("worker", h2["x-kvroute-worker"]),)
         converted = m[("kvroute_gateway_cached_tokens_reported_total", worker)]
         assert converted == round(reported * routing_prompt / done.usage.prompt_tokens)
-    finally:
-        gw.stop()

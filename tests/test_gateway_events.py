@@ -83,11 +83,10 @@ def gw(fleet):
     cfg = config_dict(fleet, router={"policy": "kv_aware", "index": "events"})
     for w, u in zip(cfg["workers"], fleet.upstreams):
         w["kv_events"] = u.events_endpoint
-    g = GatewayServer(cfg)
-    for u in fleet.upstreams:
-        u.wait_subscribed()
-    yield g
-    g.stop()
+    with GatewayServer(cfg) as g:
+        for u in fleet.upstreams:
+            u.wait_subscribed()
+        yield g
 
 
 def test_routes_to_where_the_engine_reports_the_prefix(fleet, gw):

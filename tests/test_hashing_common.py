@@ -3,12 +3,12 @@ movement on membership changes, balance and thread safety (the stubs: test_stubs
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 
 import kvroute
 import numpy as np
 import pytest
+from helpers import run_threads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -211,29 +211,17 @@ def test_weights_via_mapping_and_sequences():
 def test_concurrent_lookups_and_changes_are_safe(make):
     h = make([f"w{i}" for i in range(16)])
     keys = [f"k{i}" for i in range(5000)]
-    errors: list[BaseException] = []
 
     def reader():
-        try:
-            for _ in range(30):
-                out = h.get_many(keys)
-                assert len(out) == len(keys)
-                h.preference("k1", 3)
-        except BaseException as e:  # pragma: no cover - reported below
-            errors.append(e)
+        for _ in range(30):
+            out = h.get_many(keys)
+            assert len(out) == len(keys)
+            h.preference("k1", 3)
 
     def writer():
-        try:
-            for i in range(30):
-                h.add(f"extra{i}")
-                h.remove(f"extra{i}")
-        except BaseException as e:  # pragma: no cover - reported below
-            errors.append(e)
+        for i in range(30):
+            h.add(f"extra{i}")
+            h.remove(f"extra{i}")
 
-    threads = [threading.Thread(target=f) for f in (reader, reader, reader, writer)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    run_threads((reader, ()), (reader, ()), (reader, ()), (writer, ()))
     assert h.nodes == [f"w{i}" for i in range(16)]

@@ -8,21 +8,12 @@ from collections import Counter
 
 import kvroute
 import pytest
+from helpers import paper_jump
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 xxhash = pytest.importorskip("xxhash")
-
-
-def paper_jump(key: int, n: int) -> int:
-    """The loop of Lamping & Veach's reference code, in Python floats."""
-    b, j = -1, 0
-    while j < n:
-        b = j
-        key = (key * 2862933555777941757 + 1) % 2**64
-        j = int((b + 1) * (float(1 << 31) / float((key >> 33) + 1)))
-    return b
 
 
 class MementoModel:

@@ -7,6 +7,7 @@ import zlib
 import kvroute
 import numpy as np
 import pytest
+from helpers import paper_jump
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -35,19 +36,9 @@ def test_string_key_vectors_through_an_external_hasher(jump_vectors):
             assert kvroute.jump_hash(key, case["buckets"]) == case["expected"]
 
 
-def _paper_jump(key: int, n: int) -> int:
-    """Direct transcription of the paper's loop in Python floats (independent reference)."""
-    b, j = -1, 0
-    while j < n:
-        b = j
-        key = (key * 2862933555777941757 + 1) % 2**64
-        j = int((b + 1) * (float(1 << 31) / float((key >> 33) + 1)))
-    return b
-
-
 @given(st.integers(0, 2**64 - 1), st.integers(1, 10_000))
 def test_matches_paper_loop(key, n):
-    assert kvroute.jump_hash(key, n) == _paper_jump(key, n)
+    assert kvroute.jump_hash(key, n) == paper_jump(key, n)
 
 
 @given(st.lists(st.integers(0, 2**64 - 1), max_size=200), st.integers(1, 5000))

@@ -11,13 +11,13 @@ A Hypothesis state machine drives membership, health and load against a model.
 from __future__ import annotations
 
 import math
-import threading
 
 import events_payloads as P
 import kvroute
 import numpy as np
 import pytest
 import xxhash
+from helpers import run_threads
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -524,28 +524,19 @@ def test_bad_input_raises_and_changes_nothing():
 def test_four_threads_route_and_account_exactly():
     r = kvroute.Router([f"w{i}" for i in range(8)], block_size=16, capacity_blocks=2048)
     prompts = [toks(i % 12, 512 + 16 * (i % 5)) for i in range(48)]
-    errors: list[BaseException] = []
     begun = [0] * 4
 
     def work(k: int) -> None:
-        try:
-            for rep in range(60):
-                d = r.route(prompts[(k * 7 + rep) % len(prompts)])
-                r.begin(d)
-                begun[k] += 1
-                if rep % 2:
-                    r.prefilled(d)
-                r.observe(d, d.cached_tokens)
-                r.finish(d)
-        except BaseException as e:  # pragma: no cover - reported below
-            errors.append(e)
+        for rep in range(60):
+            d = r.route(prompts[(k * 7 + rep) % len(prompts)])
+            r.begin(d)
+            begun[k] += 1
+            if rep % 2:
+                r.prefilled(d)
+            r.observe(d, d.cached_tokens)
+            r.finish(d)
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    run_threads(*((work, (k,)) for k in range(4)))
     assert sum(begun) == 240
     for n in r.workers:
         assert r.load(n) == {"active": 0, "prefill_blocks": 0, "decode_blocks": 0, "weight": 1.0}

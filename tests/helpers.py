@@ -1,0 +1,37 @@
+"""Helpers shared by several test modules: running work in threads, and independent references
+that more than one module checks against."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+
+def run_threads(*calls: tuple[Callable[..., Any], tuple]) -> None:
+    """Runs each ``(function, args)`` in its own thread, all at once; re-raises the first
+    exception any of them raised (an assertion inside a thread fails the test)."""
+    errors: list[BaseException] = []
+
+    def guarded(fn: Callable[..., Any], args: tuple) -> None:
+        try:
+            fn(*args)
+        except BaseException as e:  # pragma: no cover - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=call) for call in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def paper_jump(key: int, n: int) -> int:
+    """The loop of Lamping & Veach's jump consistent hash reference code, in Python floats."""
+    b, j = -1, 0
+    while j < n:
+        b = j
+        key = (key * 2862933555777941757 + 1) % 2**64
+        j = int((b + 1) * (float(1 << 31) / float((key >> 33) + 1)))
+    return b
