@@ -56,18 +56,22 @@ def full_kvroute(blocks: np.ndarray) -> kvroute.BlockCache:
     return cache
 
 
-def full_lru(blocks: np.ndarray) -> lru.LRU:
-    cache = lru.LRU(N)
-    for k in blocks.tolist():
+# Each peer: an empty cache of N entries, and the rounds a 1e6-key loop of puts gets.
+PEERS = {
+    "lru_dict.LRU": (lambda: lru.LRU(N), 5),
+    "cachetools.LRUCache": (lambda: cachetools.LRUCache(maxsize=N), 2),
+}
+
+
+def put_all(cache, keys: list[int]):
+    for k in keys:
         cache[k] = k
     return cache
 
 
-def full_cachetools(blocks: np.ndarray) -> cachetools.LRUCache:
-    cache = cachetools.LRUCache(maxsize=N)
-    for k in blocks.tolist():
-        cache[k] = k
-    return cache
+def full_peer(peer: str, blocks: np.ndarray):
+    make, _ = PEERS[peer]
+    return put_all(make(), blocks.tolist())
 
 
 # -- match / get per call ------------------------------------------------------------------------
@@ -90,25 +94,11 @@ def test_match_kvroute(benchmark, blocks, queries):
     assert sum(match(a) for a in arrays) == QUERIES and len(cache) == N
 
 
-def test_match_lru_dict(benchmark, blocks, queries):
+@pytest.mark.parametrize("peer", PEERS)
+def test_match_peer(benchmark, blocks, queries, peer):
     benchmark.group = MATCH
-    benchmark.extra_info.update(impl="lru_dict.LRU.get", ops=QUERIES)
-    cache = full_lru(blocks)
-    keys = queries.tolist()
-    get = cache.get
-
-    def run():
-        for k in keys:
-            get(k)
-
-    benchmark(run)
-    assert all(get(k) == k for k in keys)
-
-
-def test_match_cachetools(benchmark, blocks, queries):
-    benchmark.group = MATCH
-    benchmark.extra_info.update(impl="cachetools.LRUCache.get", ops=QUERIES)
-    cache = full_cachetools(blocks)
+    benchmark.extra_info.update(impl=f"{peer}.get", ops=QUERIES)
+    cache = full_peer(peer, blocks)
     keys = queries.tolist()
     get = cache.get
 
@@ -138,32 +128,14 @@ def test_insert_kvroute(benchmark, blocks):
     assert stored == N and evicted.size == 0
 
 
-def test_insert_lru_dict(benchmark, blocks):
+@pytest.mark.parametrize("peer", PEERS)
+def test_insert_peer(benchmark, blocks, peer):
     benchmark.group = INSERT
-    benchmark.extra_info.update(impl="lru_dict.LRU loop", ops=N)
+    benchmark.extra_info.update(impl=f"{peer} loop", ops=N)
     keys = blocks.tolist()
-
-    def run(cache):
-        for k in keys:
-            cache[k] = k
-        return cache
-
-    cache = benchmark.pedantic(run, setup=lambda: ((lru.LRU(N),), {}), rounds=5, iterations=1)
-    assert len(cache) == N
-
-
-def test_insert_cachetools(benchmark, blocks):
-    benchmark.group = INSERT
-    benchmark.extra_info.update(impl="cachetools.LRUCache loop", ops=N)
-    keys = blocks.tolist()
-
-    def run(cache):
-        for k in keys:
-            cache[k] = k
-        return cache
-
+    make, rounds = PEERS[peer]
     cache = benchmark.pedantic(
-        run, setup=lambda: ((cachetools.LRUCache(maxsize=N),), {}), rounds=2, iterations=1
+        put_all, setup=lambda: ((make(), keys), {}), rounds=rounds, iterations=1
     )
     assert len(cache) == N
 
@@ -193,11 +165,10 @@ def test_insert_evicting_lru_dict(benchmark, blocks, other_blocks):
     benchmark.group = EVICT
     benchmark.extra_info.update(impl="lru_dict.LRU loop", ops=N)
     keys = other_blocks.tolist()
-
-    def run(cache):
-        for k in keys:
-            cache[k] = k
-        return cache
-
-    cache = benchmark.pedantic(run, setup=lambda: ((full_lru(blocks),), {}), rounds=3, iterations=1)
+    cache = benchmark.pedantic(
+        put_all,
+        setup=lambda: ((full_peer("lru_dict.LRU", blocks), keys), {}),
+        rounds=3,
+        iterations=1,
+    )
     assert len(cache) == N and keys[0] in cache
