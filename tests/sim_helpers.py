@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
-from kvroute.sim.workloads import Workload, chain_block_ids
+from kvroute.sim.workloads import Workload, chain_block_ids, offsets_from_lengths
 
 
 def make_workload(rows, block_size=4, tenant=None):
     """rows: (arrival, block ids, input tokens, output tokens)."""
-    lengths = [len(r[1]) for r in rows]
-    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    offsets = offsets_from_lengths([len(r[1]) for r in rows])
     ids = np.array([i for r in rows for i in r[1]], dtype=np.uint64)
     return Workload(
         arrival=[r[0] for r in rows],

@@ -96,7 +96,7 @@ def test_endpoint_setup_pool_partition_and_hits(index):
     assert len(pool) == 2
     workers = {setup.fleet.names[k] for k in r["worker"][mask].tolist()}
     assert workers <= set(pool)
-    assert setup.reserved == {setup.position[n]: {tenant: 130} for n in pool}
+    assert setup.reserved == {setup.fleet.position[n]: {tenant: 130} for n in pool}
     # Every tenant request after the first one on each pool worker finds the system prompt.
     system = (w.meta["tenant_system_tokens"] // w.block_size) * w.block_size
     cached = r["cached_tokens"][mask]

@@ -70,6 +70,7 @@ __all__ = [
     "Fleet",
     "FleetModel",
     "Policy",
+    "mirror_insert",
     "run",
     "worker_names",
 ]
@@ -146,7 +147,8 @@ class Fleet:
     ``waiting[w]``: requests queued at ``w`` whose prefill has not started (vLLM's
     ``num_requests_waiting``); ``running[w]``: admitted, unfinished requests;
     ``pinned[w]``: ``{block hash: references}`` of the blocks held by ``w``'s running requests
-    (``len`` = blocks in use, vLLM's ``kv_cache_usage_perc × capacity``).
+    (``len`` = blocks in use, vLLM's ``kv_cache_usage_perc × capacity``). ``position[name]`` is
+    the index of the worker called ``name``.
     """
 
     workload: Workload
@@ -155,10 +157,25 @@ class Fleet:
     waiting: list[int] = field(default_factory=list)
     running: list[int] = field(default_factory=list)
     pinned: list[dict[int, int]] = field(default_factory=list)
+    position: dict[str, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.position = {name: k for k, name in enumerate(self.names)}
 
     @property
     def block_size(self) -> int:
         return self.workload.block_size
+
+
+def mirror_insert(
+    index: PrefixIndex, worker: str, chain: np.ndarray, stored: int, evicted: np.ndarray
+) -> None:
+    """Applies the outcome ``(stored, evicted)`` of inserting ``chain`` into ``worker``'s
+    ``BlockCache`` to ``index``, so that the index keeps holding exactly the cache's blocks."""
+    if evicted.shape[0]:
+        index.remove(worker, evicted)
+    if stored:
+        index.store(worker, chain[:stored])
 
 
 class Policy:
@@ -317,10 +334,7 @@ def run(
             cache = caches[w]
             stored, evicted = cache.insert(chain, partition=part)
             if index is not None:
-                if evicted.shape[0]:
-                    index.remove(names[w], evicted)
-                if stored:
-                    index.store(names[w], chain[:stored])
+                mirror_insert(index, names[w], chain, stored, evicted)
             m = matched[i]
             if stored > m:
                 fresh = chain[m:stored]

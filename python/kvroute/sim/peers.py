@@ -26,19 +26,16 @@ import numpy as np
 
 from kvroute import BlockCache, PrefixIndex
 
-from .engine import Fleet, Policy
+from .engine import Fleet, Policy, mirror_insert
 
 __all__ = ["ActiveBlocks", "DynamoKv", "LlmdScheduler", "SGLangCacheAware"]
 
 
-def _mirror(index: PrefixIndex, name: str, cache: BlockCache, chain: np.ndarray) -> None:
-    """Insert ``chain`` into ``cache`` and apply the result (evictions, stored prefix) to
-    ``index`` under ``name``: the index always holds exactly the cache's blocks."""
-    stored, evicted = cache.insert(chain)
-    if evicted.shape[0]:
-        index.remove(name, evicted)
-    if stored:
-        index.store(name, chain[:stored])
+def _best(scores: list[float], best: float, rng: random.Random) -> int:
+    """The worker whose score is ``best``; among several, one drawn with ``rng`` (the peers break
+    ties at random)."""
+    ties = [w for w, s in enumerate(scores) if s == best]
+    return ties[0] if len(ties) == 1 else rng.choice(ties)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,7 +85,6 @@ class SGLangCacheAware(Policy):
         self.index = PrefixIndex()
         blocks = max(1, self.max_tree_tokens // fleet.block_size)
         self.trees = [BlockCache(blocks) for _ in range(n)]
-        self.pos = {name: k for k, name in enumerate(fleet.names)}
         self.last_holder: dict[int, int] = {}  # block hash -> worker that last received it
         self.isl = fleet.workload.input_tokens.tolist()
 
@@ -106,14 +102,15 @@ class SGLangCacheAware(Policy):
             deepest = max(matches.values(), default=0)
             isl = self.isl[request]
             if min(deepest * self.fleet.block_size, isl) / isl > self.cache_threshold:
-                holders = [self.pos[name] for name, m in matches.items() if m == deepest]
+                holders = [self.fleet.position[name] for name, m in matches.items() if m == deepest]
                 w = self.last_holder.get(int(chain[deepest - 1]), -1)
                 if w not in holders:
                     w = min(holders)
             else:
                 w = self._least_loaded()
         if chain.shape[0]:
-            _mirror(self.index, self.fleet.names[w], self.trees[w], chain)
+            stored, evicted = self.trees[w].insert(chain)
+            mirror_insert(self.index, self.fleet.names[w], chain, stored, evicted)
             self.last_holder.update(dict.fromkeys(chain.tolist(), w))
         load[w] += 1
         self.routed[w] += 1
@@ -231,9 +228,7 @@ class DynamoKv(Policy):
 
     def route(self, request: int, chain: np.ndarray, now: float) -> int:
         costs, overlaps = self.costs(request, chain)
-        best = min(costs)
-        ties = [w for w, c in enumerate(costs) if c == best]
-        w = ties[0] if len(ties) == 1 else self.rng.choice(ties)
+        w = _best(costs, min(costs), self.rng)
         tokens = max(0.0, self.isl[request] - overlaps[w] * self.fleet.block_size)
         self.prefill_tokens[w] += tokens
         self.pending[request] = tokens
@@ -331,9 +326,7 @@ class LlmdScheduler(Policy):
 
     def route(self, request: int, chain: np.ndarray, now: float) -> int:
         scores = self.scores(chain)
-        best = max(scores)
-        ties = [w for w, s in enumerate(scores) if s == best]
-        w = ties[0] if len(ties) == 1 else self.rng.choice(ties)
+        w = _best(scores, max(scores), self.rng)
         self._record(w, chain[: self.max_prefix_blocks].tolist())
         return w
 

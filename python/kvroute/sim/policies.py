@@ -71,7 +71,32 @@ def _router(
     )
 
 
-class RouterPolicy(Policy):
+class _RouterDriven(Policy):
+    """Drives :class:`kvroute.Router` objects as a gateway does: ``begin`` right after routing,
+    ``prefilled`` at the first token, ``observe`` and ``finish`` at the end. ``decisions`` holds
+    the decision of every request in flight; :meth:`router_for` says which router made it."""
+
+    decisions: dict[int, Any]
+
+    def router_for(self, request: int) -> Any:
+        raise NotImplementedError
+
+    def _begin(self, request: int, decision: Any) -> int:
+        self.router_for(request).begin(decision)
+        self.decisions[request] = decision
+        return self.fleet.position[decision.worker]
+
+    def first_token(self, request: int, worker: int, now: float) -> None:
+        self.router_for(request).prefilled(self.decisions[request])
+
+    def finished(self, request: int, worker: int, cached_tokens: int, now: float) -> None:
+        d = self.decisions.pop(request)
+        router = self.router_for(request)
+        router.observe(d, cached_tokens, now=now)
+        router.finish(d, now=now)
+
+
+class RouterPolicy(_RouterDriven):
     """A :class:`kvroute.Router` with one of its policies, as a simulator policy.
 
     ``key``: the request's session id (when the workload has sessions) is passed as the
@@ -109,26 +134,18 @@ class RouterPolicy(Policy):
         )
         if self.index_mode == "exact":
             self.exact_index = self.router.index
-        self.position = {name: k for k, name in enumerate(fleet.names)}
         self.sessions = fleet.workload.session
-        self.decisions: dict[int, Any] = {}
+        self.decisions = {}
+
+    def router_for(self, request: int) -> Any:
+        return self.router
 
     def route(self, request: int, chain: np.ndarray, now: float) -> int:
         d = self.router.route(block_hashes=chain, key=self.sessions[request], now=now)
-        self.router.begin(d)
-        self.decisions[request] = d
-        return self.position[d.worker]
-
-    def first_token(self, request: int, worker: int, now: float) -> None:
-        self.router.prefilled(self.decisions[request])
-
-    def finished(self, request: int, worker: int, cached_tokens: int, now: float) -> None:
-        d = self.decisions.pop(request)
-        self.router.observe(d, cached_tokens, now=now)
-        self.router.finish(d, now=now)
+        return self._begin(request, d)
 
 
-class EndpointSetup(Policy):
+class EndpointSetup(_RouterDriven):
     """The tenant on a dedicated endpoint, everyone else on the public pool.
 
     Two routers over the same fleet: the public one (``random``, seeded) takes every request
@@ -171,8 +188,9 @@ class EndpointSetup(Policy):
         )
         if self.index_mode == "exact":
             self.exact_index = self.dedicated.index
-        self.position = {name: k for k, name in enumerate(fleet.names)}
-        self.reserved = {self.position[w]: {self.tenant: self.reserved_blocks} for w in self.pool()}
+        self.reserved = {
+            fleet.position[w]: {self.tenant: self.reserved_blocks} for w in self.pool()
+        }
         self.tenants = fleet.workload.tenant
         self.predicted: dict[int, int] = {}  # tenant request -> cached tokens the router expected
         self.partitions = [self.tenant if t == self.tenant else None for t in self.tenants]
@@ -183,32 +201,22 @@ class EndpointSetup(Policy):
                 a, b = int(wl.offsets[i]), int(wl.offsets[i + 1])
                 hashes[a:b] = self.dedicated.salt_block_hashes(self.tenant, wl.hashes[a:b])
             self.chains = (hashes, wl.offsets)
-        self.decisions: dict[int, tuple[Any, Any]] = {}
+        self.decisions = {}
 
     def pool(self) -> list[str]:
         """The endpoint's workers (after :meth:`bind`)."""
         return list(self.dedicated.endpoint_pool(self.tenant))
 
-    def first_token(self, request: int, worker: int, now: float) -> None:
-        router, d = self.decisions[request]
-        router.prefilled(d)
+    def router_for(self, request: int) -> Any:
+        return self.dedicated if self.tenants[request] == self.tenant else self.public
 
     def route(self, request: int, chain: np.ndarray, now: float) -> int:
         if self.tenants[request] == self.tenant:
-            router = self.dedicated
-            d = router.route(block_hashes=chain, endpoint=self.tenant, now=now)
+            d = self.dedicated.route(block_hashes=chain, endpoint=self.tenant, now=now)
             self.predicted[request] = d.cached_tokens
         else:
-            router = self.public
-            d = router.route(block_hashes=chain, now=now)
-        router.begin(d)
-        self.decisions[request] = (router, d)
-        return self.position[d.worker]
-
-    def finished(self, request: int, worker: int, cached_tokens: int, now: float) -> None:
-        router, d = self.decisions.pop(request)
-        router.observe(d, cached_tokens, now=now)
-        router.finish(d, now=now)
+            d = self.public.route(block_hashes=chain, now=now)
+        return self._begin(request, d)
 
 
 _PEERS: dict[str, Callable[..., Policy]] = {
@@ -216,6 +224,12 @@ _PEERS: dict[str, Callable[..., Policy]] = {
     "dynamo": lambda seed, options: DynamoKv(seed=seed, **options),
     "llmd": lambda seed, options: LlmdScheduler(seed=seed, **options),
 }
+
+
+def _unknown(name: str) -> ValueError:
+    return ValueError(
+        f"unknown policy {name!r}; choose from {', '.join(KVROUTE_POLICIES + PEER_POLICIES)}"
+    )
 
 
 def make_policy(
@@ -227,9 +241,7 @@ def make_policy(
         return RouterPolicy(name, index=index, seed=seed, options=options)
     if name in _PEERS:
         return _PEERS[name](seed, dict(options or {}))
-    raise ValueError(
-        f"unknown policy {name!r}; choose from {', '.join(KVROUTE_POLICIES + PEER_POLICIES)}"
-    )
+    raise _unknown(name)
 
 
 def parse_policies(text: str | Sequence[str]) -> list[str]:
@@ -241,10 +253,7 @@ def parse_policies(text: str | Sequence[str]) -> list[str]:
         if not item:
             continue
         if item not in KVROUTE_POLICIES and item not in PEER_POLICIES:
-            raise ValueError(
-                f"unknown policy {item!r}; choose from "
-                f"{', '.join(KVROUTE_POLICIES + PEER_POLICIES)}"
-            )
+            raise _unknown(item)
         if item not in names:
             names.append(item)
     if not names:

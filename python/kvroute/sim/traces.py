@@ -37,7 +37,13 @@ from typing import Any, Union
 
 import numpy as np
 
-from .workloads import Workload, chain_block_ids, namespace_seed
+from .workloads import (
+    Workload,
+    chain_block_ids,
+    gather_spans,
+    namespace_seed,
+    offsets_from_lengths,
+)
 
 __all__ = [
     "MOONCAKE_BLOCK_SIZE",
@@ -147,8 +153,7 @@ def load_mooncake(
             lengths.append(len(h))
     if not arrival:
         raise ValueError(f"{path}: no requests")
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    offsets = offsets_from_lengths(lengths)
     label = namespace if namespace is not None else f"mooncake:{_plain_name(path)}"
     hashes = chain_block_ids(np.array(ids, dtype=np.uint64), offsets, namespace_seed(label))
     return Workload(
@@ -302,8 +307,7 @@ def load_kv_cache_tester(
     if not flat.arrival or block_size is None:
         raise ValueError(f"{', '.join(map(str, files))}: no requests")
     lengths = np.fromiter((len(p) for p in flat.id_parts), dtype=np.int64, count=len(flat.id_parts))
-    offsets = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    offsets = offsets_from_lengths(lengths)
     ids = np.fromiter(
         (h for p in flat.id_parts for h in p), dtype=np.uint64, count=int(offsets[-1])
     )
@@ -314,10 +318,7 @@ def load_kv_cache_tester(
         groups.setdefault(label, []).append(r)
     for label, rows in groups.items():
         rows_a = np.asarray(rows, dtype=np.int64)
-        sub_len = lengths[rows_a]
-        sub_off = np.zeros(rows_a.shape[0] + 1, dtype=np.int64)
-        np.cumsum(sub_len, out=sub_off[1:])
-        gather = np.repeat(offsets[rows_a] - sub_off[:-1], sub_len) + np.arange(sub_off[-1])
+        gather, sub_off = gather_spans(offsets[rows_a], lengths[rows_a])
         hashes[gather] = chain_block_ids(ids[gather], sub_off, namespace_seed(label))
     label = name or (files[0].name if len(files) == 1 else f"{len(files)} kv-cache-tester traces")
     return Workload(

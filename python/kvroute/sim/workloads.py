@@ -39,8 +39,10 @@ __all__ = [
     "Workload",
     "WorkloadBuilder",
     "chain_block_ids",
+    "gather_spans",
     "mix64",
     "namespace_seed",
+    "offsets_from_lengths",
 ]
 
 _U64 = np.uint64
@@ -62,6 +64,22 @@ def mix64(x: np.ndarray) -> np.ndarray:
 def namespace_seed(label: str) -> int:
     """A stable 64-bit namespace for ``label`` (BLAKE2b, 8 bytes, little-endian)."""
     return int.from_bytes(hashlib.blake2b(label.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+def offsets_from_lengths(lengths: np.ndarray | Sequence[int]) -> np.ndarray:
+    """``[0, l0, l0 + l1, ...]`` (``int64``): the offsets of back-to-back spans of ``lengths``."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    offsets = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets
+
+
+def gather_spans(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The indices of the spans ``starts[k] : starts[k] + lengths[k]``, back to back, and the
+    offsets of the spans in that gathered order."""
+    offsets = offsets_from_lengths(lengths)
+    index = np.repeat(np.asarray(starts, dtype=np.int64) - offsets[:-1], lengths)
+    return index + np.arange(offsets[-1], dtype=np.int64), offsets
 
 
 def chain_block_ids(ids: np.ndarray, offsets: np.ndarray, namespace: int) -> np.ndarray:
@@ -177,15 +195,8 @@ class Workload:
 
         order = np.argsort(arrival, kind="stable")
         if np.any(order != np.arange(n)):
-            lengths = np.diff(offsets)[order]
-            starts = offsets[:-1][order]
-            new_offsets = np.zeros(n + 1, dtype=np.int64)
-            np.cumsum(lengths, out=new_offsets[1:])
-            gather = np.repeat(starts - new_offsets[:-1], lengths) + np.arange(
-                new_offsets[-1], dtype=np.int64
-            )
+            gather, offsets = gather_spans(offsets[:-1][order], np.diff(offsets)[order])
             hashes = hashes[gather]
-            offsets = new_offsets
             arrival = arrival[order]
             input_tokens = input_tokens[order]
             output_tokens = output_tokens[order]
@@ -345,9 +356,7 @@ class Workload:
         sizes = {w.block_size for w in workloads}
         if len(sizes) != 1:
             raise ValueError(f"cannot merge workloads of different block sizes {sorted(sizes)}")
-        lengths = np.concatenate([w.num_blocks for w in workloads])
-        offsets = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
+        offsets = offsets_from_lengths(np.concatenate([w.num_blocks for w in workloads]))
         return cls(
             arrival=np.concatenate([w.arrival for w in workloads]),
             input_tokens=np.concatenate([w.input_tokens for w in workloads]),
@@ -396,9 +405,7 @@ class WorkloadBuilder:
         return len(self.arrival)
 
     def build(self, *, name: str, description: str = "", meta: dict[str, Any] | None = None):
-        lengths = np.fromiter((p.shape[0] for p in self._parts), dtype=np.int64, count=len(self))
-        offsets = np.zeros(len(self) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
+        offsets = offsets_from_lengths([p.shape[0] for p in self._parts])
         hashes = np.concatenate(self._parts) if self._parts else np.empty(0, dtype=_U64)
         return Workload(
             arrival=self.arrival,
