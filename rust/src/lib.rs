@@ -19,6 +19,7 @@ pub mod error;
 pub mod events;
 pub mod hashing;
 pub mod index;
+mod mem;
 pub mod router;
 
 #[cfg(feature = "python")]

@@ -147,37 +147,6 @@ pub struct BlockCache {
     scratch: Vec<u32>,
 }
 
-/// Asks Linux to back a large buffer with transparent huge pages (as NumPy does for its large
-/// arrays): random probes into a table of many megabytes otherwise miss the TLB on nearly every
-/// access. Only advice: the kernel may ignore it, and nothing else changes.
-fn advise_huge_pages<T>(buffer: &[T]) {
-    #[cfg(target_os = "linux")]
-    {
-        const MADV_HUGEPAGE: i32 = 14;
-        const PAGE: usize = 4096;
-        const MIN_BYTES: usize = 4 << 20;
-        extern "C" {
-            fn madvise(addr: *mut std::ffi::c_void, len: usize, advice: i32) -> i32;
-        }
-        let start = buffer.as_ptr() as usize;
-        let end = start + std::mem::size_of_val(buffer);
-        let aligned = start.next_multiple_of(PAGE);
-        if end.saturating_sub(aligned) >= MIN_BYTES {
-            // SAFETY: the range lies inside `buffer`'s allocation, starts on a page boundary, and
-            // MADV_HUGEPAGE does not change the memory's contents or validity.
-            unsafe {
-                madvise(
-                    aligned as *mut std::ffi::c_void,
-                    end - aligned,
-                    MADV_HUGEPAGE,
-                );
-            }
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = buffer;
-}
-
 fn check_time(now: f64) -> Result<()> {
     if now.is_finite() {
         Ok(())

@@ -257,8 +257,8 @@ impl Recency {
         let before = self.entries.capacity();
         self.entries.reserve(additional);
         if self.entries.capacity() != before {
-            super::advise_huge_pages(&self.entries);
-            super::advise_huge_pages(self.entries.spare_capacity_mut());
+            crate::mem::advise_huge_pages(&self.entries);
+            crate::mem::advise_huge_pages(self.entries.spare_capacity_mut());
         }
     }
 

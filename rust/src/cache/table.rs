@@ -86,15 +86,7 @@ impl Table {
     /// Hints the CPU to load the cache line where a lookup of `hash` starts.
     #[inline]
     pub fn prefetch(&self, hash: u64) {
-        #[cfg(target_arch = "x86_64")]
-        if let Some(slot) = self.slots.get(self.home(tag(hash))) {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            // SAFETY: SSE, which `_mm_prefetch` requires, is part of the x86-64 baseline; a
-            // prefetch is only a hint: it never faults and reads nothing into the program.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(slot).cast::<i8>()) };
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = hash;
+        crate::mem::prefetch(self.slots.get(self.home(tag(hash))));
     }
 
     /// Makes room for `additional` more hashes without exceeding half-full.
@@ -110,7 +102,7 @@ impl Table {
     fn grow(&mut self, needed: usize) {
         let size = needed.checked_next_power_of_two().unwrap_or(needed);
         let old = std::mem::replace(&mut self.slots, vec![0; size]);
-        super::advise_huge_pages(&self.slots);
+        crate::mem::advise_huge_pages(&self.slots);
         self.len = 0;
         for slot in old.into_iter().filter(|&s| s != 0) {
             self.place(slot);

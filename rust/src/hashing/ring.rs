@@ -28,6 +28,7 @@ use super::{
     cycle_from, extend_distinct, preference_len, ConsistentHash, Key, NodeId, NodeSet, SeenNodes,
 };
 use crate::error::Result;
+use crate::mem::prefetch;
 
 /// Points per unit of weight by default: libketama's 40 digests x 4 points.
 pub const DEFAULT_VNODES: u32 = 160;
@@ -283,20 +284,6 @@ impl HashRing {
             emit(i, self.owner_of(hash(i)));
         }
     }
-}
-
-/// Hints the CPU to bring `value` into cache (no effect on results).
-#[inline(always)]
-fn prefetch<T>(value: Option<&T>) {
-    #[cfg(target_arch = "x86_64")]
-    if let Some(v) = value {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        // SAFETY: a prefetch never faults and reads nothing observable; SSE is part of the
-        // x86_64 baseline.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(v).cast()) };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = value;
 }
 
 /// The bucket table over the top `bits` of the hash space: for each bucket, the index of the
