@@ -168,48 +168,25 @@ impl BlockCache {
         if capacity > MAX_CAPACITY {
             return crate::value_err!("capacity must be at most {MAX_CAPACITY}, got {capacity}");
         }
-        if reserved.len() >= usize::from(u16::MAX) {
-            return crate::value_err!(
-                "at most {} partitions, got {}",
-                u16::MAX - 1,
-                reserved.len()
-            );
-        }
-        let mut partitions = vec![Partition {
+        let shared = Partition {
             name: None,
             reserved: 0,
             usage: 0,
-        }];
-        let mut by_name = HashMap::with_capacity(reserved.len());
-        let mut total = 0usize;
-        for (name, blocks) in reserved {
-            let name = name.as_ref();
-            total = total.saturating_add(*blocks);
-            let id = partitions.len() as u16;
-            if by_name.insert(name.to_owned(), id).is_some() {
-                return crate::value_err!("partition {name:?} is declared twice");
-            }
-            partitions.push(Partition {
-                name: Some(name.to_owned()),
-                reserved: *blocks,
-                usage: 0,
-            });
-        }
-        if total > capacity {
-            return crate::value_err!(
-                "reserved blocks add up to {total}, more than the capacity {capacity}"
-            );
-        }
-        Ok(BlockCache {
+        };
+        let mut cache = BlockCache {
             capacity,
             len: 0,
             table: Table::default(),
-            order: Recency::new(partitions.len()),
-            partitions,
-            by_name,
+            order: Recency::new(1),
+            partitions: vec![shared],
+            by_name: HashMap::with_capacity(reserved.len()),
             leases: Leases::default(),
             scratch: Vec::new(),
-        })
+        };
+        for (name, blocks) in reserved {
+            cache.add_partition(name.as_ref(), *blocks)?;
+        }
+        Ok(cache)
     }
 
     /// The id of the declared partition `name` (a [`crate::Error::Key`] if it was not declared).
