@@ -5,16 +5,14 @@
 //! would cost more than the work. Larger calls, and calls that find the lock taken, release the
 //! GIL and take the lock inside `py.detach`.
 
-use std::collections::HashMap;
-
 use parking_lot::Mutex;
 use pyo3::exceptions::PyKeyError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt};
 
 use super::convert::{
-    block_hash_from_py, name_from_py, optional, type_error, u64_array, u64_slice, usize_from_int,
-    MonotonicClock, Negative, U64Slice,
+    block_hash_from_py, name_from_py, optional, optional_name, type_error, u64_array, u64_slice,
+    usize_from_int, MonotonicClock, Negative, U64Slice,
 };
 use super::with_mutex;
 use crate::cache::{BlockCache, PartitionId};
@@ -53,7 +51,6 @@ fn hash_array<'py>(obj: &Bound<'py, PyAny>) -> PyResult<U64Slice<'py>> {
 #[pyclass(frozen, module = "kvroute._core", name = "BlockCache")]
 pub struct PyBlockCache {
     core: Mutex<BlockCache>,
-    partitions: HashMap<String, PartitionId>,
     clock: MonotonicClock,
 }
 
@@ -67,17 +64,11 @@ impl PyBlockCache {
     ) -> R {
         with_mutex(py, &self.core, blocks <= INLINE_BLOCKS, f)
     }
+}
 
-    fn partition_id(&self, partition: Option<&Bound<'_, PyAny>>) -> PyResult<PartitionId> {
-        let Some(obj) = partition else {
-            return Ok(PartitionId::SHARED);
-        };
-        let name = name_from_py(obj, "partition")?;
-        self.partitions
-            .get(name.as_ref())
-            .copied()
-            .ok_or_else(|| PyKeyError::new_err(format!("unknown partition {name:?}")))
-    }
+/// The id of partition `name` in `core` (`None`: the shared pool); `KeyError` if undeclared.
+fn partition_id(core: &BlockCache, name: Option<&str>) -> crate::Result<PartitionId> {
+    name.map_or(Ok(PartitionId::SHARED), |n| core.partition(n))
 }
 
 #[pymethods]
@@ -101,14 +92,8 @@ impl PyBlockCache {
                 shares.push((name, blocks));
             }
         }
-        let core = BlockCache::with_reserved(capacity, &shares)?;
-        let partitions = shares
-            .iter()
-            .map(|(name, _)| Ok((name.clone(), core.partition(name)?)))
-            .collect::<crate::Result<HashMap<_, _>>>()?;
         Ok(PyBlockCache {
-            core: Mutex::new(core),
-            partitions,
+            core: Mutex::new(BlockCache::with_reserved(capacity, &shares)?),
             clock: MonotonicClock::new(py)?,
         })
     }
@@ -128,12 +113,13 @@ impl PyBlockCache {
         now: Option<f64>,
     ) -> PyResult<(usize, Bound<'py, numpy::PyArray1<u64>>)> {
         let hashes = hash_array(block_hashes)?;
-        let part = self.partition_id(partition)?;
+        let partition = optional_name(partition, "partition")?;
         let parent = optional(parent, |p| block_hash_from_py(p, "parent"))?;
         let now = self.clock.now(now);
-        let slice = hashes.as_slice();
+        let (slice, partition) = (hashes.as_slice(), partition.as_deref());
         let mut evicted = Vec::new();
         let stored = self.run(py, slice.len(), |c| {
+            let part = partition_id(c, partition)?;
             c.insert_into(slice, part, parent, now, &mut evicted)
         })?;
         Ok((stored, u64_array(py, evicted)))
@@ -203,8 +189,9 @@ impl PyBlockCache {
     /// Blocks that belong to `partition` (None: the shared pool).
     #[pyo3(signature = (partition=None))]
     fn usage(&self, py: Python<'_>, partition: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
-        let part = self.partition_id(partition)?;
-        Ok(self.run(py, 0, |c| c.usage(part)))
+        let partition = optional_name(partition, "partition")?;
+        let partition = partition.as_deref();
+        Ok(self.run(py, 0, |c| partition_id(c, partition).map(|p| c.usage(p)))?)
     }
 
     /// References held on `block_hash` by `pin` (leases not counted); KeyError if not cached.
