@@ -22,9 +22,7 @@ use super::with_mutex;
 use crate::blocks::{ChainState, Options, Profile};
 use crate::events::Mode;
 use crate::hashing::Key;
-use crate::router::{
-    Config, CostWeights, Decision, IndexMode, Policy, RouteRequest, Router, Stage,
-};
+use crate::router::{Config, CostWeights, Decision, IndexMode, Policy, RouteRequest, Router};
 
 /// Prompts of at least this many tokens (or blocks) are routed with the GIL released.
 const DETACH_MIN_TOKENS: usize = 512;
@@ -624,11 +622,7 @@ impl PyDecision {
     /// "routed", "active" or "finished".
     #[getter]
     fn stage(&self) -> &'static str {
-        match self.inner.stage() {
-            Stage::Routed => "routed",
-            Stage::Active => "active",
-            Stage::Finished => "finished",
-        }
+        self.inner.stage().name()
     }
 
     fn __repr__(&self) -> String {

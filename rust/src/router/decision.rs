@@ -27,6 +27,17 @@ pub enum Stage {
     Finished,
 }
 
+impl Stage {
+    /// `"routed"`, `"active"` or `"finished"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Stage::Routed => "routed",
+            Stage::Active => "active",
+            Stage::Finished => "finished",
+        }
+    }
+}
+
 /// The answer of [`super::Router::route`]: which worker, why, and how much of the prompt it is
 /// expected to hold.
 #[derive(Debug)]

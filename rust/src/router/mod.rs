@@ -623,7 +623,8 @@ impl Router {
         self.scratch.overlap.resize(n, 0);
         index.match_into(&req.hashes, &mut self.scratch.matches);
         for &(id, blocks) in &self.scratch.matches {
-            if let Some(slot) = resolve(&mut self.id_cache, &self.workers, &index, id) {
+            if let Some(slot) = slot_of_index_worker(&mut self.id_cache, &self.workers, &index, id)
+            {
                 if let Some(o) = self.scratch.overlap.get_mut(slot as usize) {
                     *o = blocks;
                 }
@@ -890,7 +891,7 @@ fn reserved_partition<'a>(
 }
 
 /// Our slot for index worker `id`, through a cache validated by the index's own name pointer.
-fn resolve(
+fn slot_of_index_worker(
     cache: &mut Vec<Option<(Arc<str>, u32)>>,
     workers: &WorkerTable,
     index: &PrefixIndex,
