@@ -25,3 +25,11 @@ def ketama_vectors() -> dict:
 @pytest.fixture(scope="session")
 def maglev_vectors() -> dict:
     return load_vectors("maglev.json")
+
+
+@pytest.fixture(scope="session")
+def mooncake():
+    """The bundled Mooncake conversation trace as a (read-only) simulator workload."""
+    from kvroute.sim.traces import mooncake_conversation
+
+    return mooncake_conversation()

@@ -13,7 +13,6 @@ from kvroute.sim import (
     chain_block_ids,
     infinite_cache,
     make_block_cache,
-    mooncake_conversation,
     pooled_lru,
 )
 
@@ -184,12 +183,7 @@ def test_pooled_lru_runs_any_prefix_cache_and_reports_progress():
     assert seen == [3]
 
 
-# -- the real trace -----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def mooncake():
-    return mooncake_conversation()
-
-
+# -- the real trace (the `mooncake` fixture: conftest.py) --------------------------------------
 def test_infinite_cache_reproduces_the_published_mooncake_ratio(mooncake):
     r = infinite_cache(mooncake)
     # SOURCES.md: 36.6 % of the 288,500 block references repeat an earlier id.

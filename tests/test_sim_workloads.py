@@ -17,7 +17,6 @@ from kvroute.sim import (
     load_kv_cache_tester,
     load_mooncake,
     load_trace,
-    mooncake_conversation,
 )
 from kvroute.sim.workloads import mix64, namespace_seed
 
@@ -145,12 +144,7 @@ def test_workload_rejects_bad_columns(kwargs, match):
         Workload(**base)
 
 
-# -- Mooncake ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def mooncake() -> Workload:
-    return mooncake_conversation()
-
-
+# -- Mooncake (the `mooncake` fixture: conftest.py) ----------------------------------------------
 def test_bundled_mooncake_matches_published_statistics(mooncake):
     # Figures from the Mooncake FAST'25 README and shared/data/SOURCES.md.
     assert len(mooncake) == 12_031
