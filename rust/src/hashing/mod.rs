@@ -84,8 +84,10 @@ pub type NodeId = u32;
 
 /// The face every consistent hasher shares.
 ///
-/// Lookups never allocate except to grow the caller's `out` buffer; mutations rebuild what they
-/// must and either succeed completely or change nothing.
+/// `get` and `get_many_into` never allocate except to grow the caller's `out` buffer;
+/// `preference_into` may also use scratch proportional to the number of nodes (a seen-set, or
+/// every node's score). Mutations rebuild what they must and either succeed completely or change
+/// nothing.
 pub trait ConsistentHash {
     /// The hasher's nodes; [`NodeId`]s index into it.
     fn node_set(&self) -> &NodeSet;
