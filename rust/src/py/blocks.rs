@@ -10,8 +10,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyByteArray, PyBytes, PyInt, PyString, PyTuple};
 
 use super::convert::{
-    block_hash_from_py, describe, int_array, name_from_py, optional, optional_name, type_error,
-    u64_from_int, u64_slice, usize_from_int, IntArray, Negative,
+    block_hash_from_py, describe, name_from_py, optional, optional_name, tokens_from_py,
+    type_error, typed, u64_from_int, usize_from_int, Tokens,
 };
 use crate::blocks::{BlockHasher, ChainState, MmItem, Options, Profile};
 
@@ -21,27 +21,6 @@ const DETACH_MIN_TOKENS: usize = 512;
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyBlockHasher>()?;
     Ok(())
-}
-
-/// Calls `$body` with `$s` bound to the typed slice inside a [`Tokens`].
-macro_rules! typed {
-    ($tokens:expr, |$s:ident| $body:expr) => {
-        match $tokens {
-            Tokens::U32($s) => $body,
-            Tokens::I32($s) => $body,
-            Tokens::U64($s) => $body,
-            Tokens::I64($s) => $body,
-        }
-    };
-}
-pub(super) use typed;
-
-/// Token ids: a 1-D NumPy array of a supported integer dtype (borrowed), or a sequence of ints.
-pub(super) fn tokens_from_py<'py>(obj: &Bound<'py, PyAny>) -> PyResult<IntArray<'py>> {
-    match int_array(obj, "tokens")? {
-        Some(array) => Ok(array),
-        None => Ok(IntArray::U64(u64_slice(obj, "tokens", Negative::Reject)?)),
-    }
 }
 
 /// `parent=`: `None` (start of a sequence), an int (a native block hash; a negative int64 is read
@@ -173,30 +152,6 @@ impl PyBlockHasher {
             work()
         };
         Ok(result?)
-    }
-}
-
-/// The token slice of one call, in whichever dtype it arrived.
-#[derive(Clone, Copy)]
-pub(super) enum Tokens<'a> {
-    U32(&'a [u32]),
-    I32(&'a [i32]),
-    U64(&'a [u64]),
-    I64(&'a [i64]),
-}
-
-impl<'a> Tokens<'a> {
-    pub(super) fn of(array: &'a IntArray<'_>) -> Self {
-        match array {
-            IntArray::U32(a) => Tokens::U32(a.as_slice()),
-            IntArray::I32(a) => Tokens::I32(a.as_slice()),
-            IntArray::U64(a) => Tokens::U64(a.as_slice()),
-            IntArray::I64(a) => Tokens::I64(a.as_slice()),
-        }
-    }
-
-    pub(super) fn len(self) -> usize {
-        typed!(self, |s| s.len())
     }
 }
 

@@ -331,6 +331,51 @@ pub fn int_array<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Option<In
     Ok(None)
 }
 
+/// Calls `$body` with `$s` bound to the typed slice inside a [`Tokens`].
+macro_rules! typed {
+    ($tokens:expr, |$s:ident| $body:expr) => {
+        match $tokens {
+            Tokens::U32($s) => $body,
+            Tokens::I32($s) => $body,
+            Tokens::U64($s) => $body,
+            Tokens::I64($s) => $body,
+        }
+    };
+}
+pub(super) use typed;
+
+/// Token ids: a 1-D NumPy array of a supported integer dtype (borrowed), or a sequence of ints.
+pub fn tokens_from_py<'py>(obj: &Bound<'py, PyAny>) -> PyResult<IntArray<'py>> {
+    match int_array(obj, "tokens")? {
+        Some(array) => Ok(array),
+        None => Ok(IntArray::U64(u64_slice(obj, "tokens", Negative::Reject)?)),
+    }
+}
+
+/// The token slice of one call, in whichever dtype it arrived.
+#[derive(Clone, Copy)]
+pub enum Tokens<'a> {
+    U32(&'a [u32]),
+    I32(&'a [i32]),
+    U64(&'a [u64]),
+    I64(&'a [i64]),
+}
+
+impl<'a> Tokens<'a> {
+    pub fn of(array: &'a IntArray<'_>) -> Self {
+        match array {
+            IntArray::U32(a) => Tokens::U32(a.as_slice()),
+            IntArray::I32(a) => Tokens::I32(a.as_slice()),
+            IntArray::U64(a) => Tokens::U64(a.as_slice()),
+            IntArray::I64(a) => Tokens::I64(a.as_slice()),
+        }
+    }
+
+    pub fn len(self) -> usize {
+        typed!(self, |s| s.len())
+    }
+}
+
 /// How negative values are treated by [`u64_slice`].
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Negative {

@@ -11,10 +11,10 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::blocks::{tokens_from_py, typed, Tokens};
 use super::convert::{
-    name_from_py, names_from_py, optional, optional_name, type_error, u64_array, u64_from_int,
-    u64_slice, usize_from_int, weighted_names, with_key, MonotonicClock, Negative,
+    name_from_py, names_from_py, optional, optional_name, tokens_from_py, type_error, typed,
+    u64_array, u64_from_int, u64_slice, usize_from_int, weighted_names, with_key, MonotonicClock,
+    Negative, Tokens,
 };
 use super::events::PyKvEventApplier;
 use super::index::PyPrefixIndex;
