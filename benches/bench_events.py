@@ -31,6 +31,7 @@ import struct
 import msgpack
 import numpy as np
 import pytest
+from dynamo_peer import dynamo_answer
 from kvroute import BlockHasher, KvEventApplier, PrefixIndex
 
 dynamo_llm = pytest.importorskip("dynamo.llm")
@@ -167,10 +168,6 @@ def group(workload, mode: str) -> str:
         f"kv events decode+apply, {workload['name']}: {workload['blocks']:,} blocks "
         f"({workload['removed']:,} removed), per block: kvroute {mode} vs dynamo"
     )
-
-
-def dynamo_answer(scores) -> dict[str, int]:
-    return {f"w{worker}": n for (worker, _rank), n in scores.items() if n > 0}
 
 
 def apply_all(applier, payloads):

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from dynamo_peer import dynamo_answer
 
 N_WORKERS = 16
 SIZES = {"1e5": 100_000, "1e6": 1_000_000}
@@ -116,10 +117,6 @@ def build_dynamo(encoded):
     for worker, event in encoded:
         tree.apply_event(worker, event)
     return tree
-
-
-def dynamo_answer(scores) -> dict[str, int]:
-    return {f"w{worker}": n for (worker, _rank), n in scores.items() if n > 0}
 
 
 # ---- in-process benchmarks ---------------------------------------------------------------------
