@@ -293,13 +293,9 @@ impl Applier {
         self.workers.get(worker).map(|w| w.counters)
     }
 
-    /// Decodes `payload` completely, then applies its events in order for `worker`.
-    ///
-    /// A payload the decoder refuses returns `Err` and changes nothing but the worker's
-    /// `malformed` counter. Events that cannot be applied are skipped and counted; they never
-    /// fail the batch.
-    pub fn apply(&mut self, worker: &str, payload: &[u8]) -> Result<BatchOutcome> {
-        let decoded = self.decoder.decode(payload, &mut self.batch);
+    /// The context that applies events for `worker` (registered on first use), beside the
+    /// decoded batch it reads: disjoint borrows of this applier's fields.
+    fn context<'a>(&'a mut self, worker: &'a str) -> (Ctx<'a>, &'a Batch) {
         let Applier {
             config,
             hasher,
@@ -311,24 +307,34 @@ impl Applier {
             scratch,
             ..
         } = self;
-        let state = worker_state(workers, worker);
-        if let Err(e) = decoded {
-            state.counters.malformed += 1;
-            return Err(e);
-        }
-        state.counters.batches += 1;
-        state.counters.events += batch.len() as u64;
-        let mut ctx = Ctx {
+        let ctx = Ctx {
             config,
             hasher,
             namespaces,
             indexes,
             registry,
             name: worker,
-            state,
+            state: worker_state(workers, worker),
             scratch,
             pending_tier: None,
         };
+        (ctx, batch)
+    }
+
+    /// Decodes `payload` completely, then applies its events in order for `worker`.
+    ///
+    /// A payload the decoder refuses returns `Err` and changes nothing but the worker's
+    /// `malformed` counter. Events that cannot be applied are skipped and counted; they never
+    /// fail the batch.
+    pub fn apply(&mut self, worker: &str, payload: &[u8]) -> Result<BatchOutcome> {
+        let decoded = self.decoder.decode(payload, &mut self.batch);
+        let (mut ctx, batch) = self.context(worker);
+        if let Err(e) = decoded {
+            ctx.state.counters.malformed += 1;
+            return Err(e);
+        }
+        ctx.state.counters.batches += 1;
+        ctx.state.counters.events += batch.len() as u64;
         let mut outcome = BatchOutcome {
             events: batch.len(),
             cleared: false,
@@ -356,30 +362,9 @@ impl Applier {
     /// Drops everything known about `worker`'s blocks, in every tier (after a sequence gap that
     /// cannot be replayed, or an engine restart); counts a reset.
     pub fn clear_worker(&mut self, worker: &str) {
-        let Applier {
-            config,
-            hasher,
-            namespaces,
-            indexes,
-            registry,
-            workers,
-            scratch,
-            ..
-        } = self;
-        let state = worker_state(workers, worker);
-        state.counters.resets += 1;
-        Ctx {
-            config,
-            hasher,
-            namespaces,
-            indexes,
-            registry,
-            name: worker,
-            state,
-            scratch,
-            pending_tier: None,
-        }
-        .clear();
+        let (mut ctx, _) = self.context(worker);
+        ctx.state.counters.resets += 1;
+        ctx.clear();
     }
 
     /// Clears `worker` (as [`Applier::clear_worker`], without counting a reset), removes it from
