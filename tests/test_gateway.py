@@ -246,6 +246,7 @@ def test_all_upstreams_failing_gives_the_last_error(fleet):
     with GatewayServer(config_dict(fleet, gateway={"max_attempts": 3})) as gw:
         for u in fleet.upstreams:
             u.fail(502)
+            u.health_status = 503  # sick: the health probe does not readmit it either
         with pytest.raises(openai.APIStatusError) as e:
             chat(gw.client(None), "base-model", "x", extra_headers={"x-request-id": "rid-all"})
         assert e.value.status_code == 502
@@ -260,6 +261,7 @@ def test_all_upstreams_failing_gives_the_last_error(fleet):
         assert ejected
         for u in fleet.upstreams:
             u.fail(502, times=0)
+            u.health_status = 200
         for w in ejected:
             gw.wait_healthy(w)  # readmitted by its health check
 

@@ -16,7 +16,6 @@ from gateway_fleet import toml_text
 from gateway_upstream import reference_render, reference_tokens
 from kvroute.gateway import load_config, parse_config
 from kvroute.gateway.config import key_digest
-from kvroute.gateway.metrics import Counter, Gauge, Histogram, Registry
 from kvroute.gateway.prompt import (
     ByteTokenizer,
     HFTokenizer,
@@ -26,6 +25,7 @@ from kvroute.gateway.prompt import (
     render_chat,
     to_routing_tokens,
 )
+from kvroute.server.metrics import Counter, Gauge, Histogram, Registry
 
 # ---- config ----------------------------------------------------------------------------------
 
@@ -100,8 +100,8 @@ def test_full_config_from_toml(tmp_path):
     assert c.server.port == 8080 and c.server.host == "0.0.0.0"
     assert c.server.models == ("llama",) and c.server.key_digests == (key_digest("sk-direct"),)
     assert c.server.connect_timeout == 1.0 and isinstance(c.server.connect_timeout, float)
-    assert c.server.eject_seconds == 0.0 and c.server.eject_after == 5
-    assert c.server.routing_headers is False and c.server.health_path == "/healthz"
+    assert c.health.eject_seconds == 0.0 and c.health.eject_after == 5
+    assert c.server.routing_headers is False and c.health.path == "/healthz"
     assert c.router.policy == "hash" and c.router.block_size == 32 and c.router.index == "events"
     assert dict(c.router.options) == {"seed": 7}
     assert c.tokenizer.path is None and c.tokenizer.bytes_per_token == 2

@@ -1,9 +1,4 @@
-"""Prometheus metrics of the gateway, exposed at ``GET /metrics`` in the text format (0.0.4).
-
-Hand-written (no dependency): counters, gauges read at scrape time, and cumulative histograms.
-All updates happen on the gateway's event loop, so no lock is taken; a scrape renders a consistent
-snapshot because rendering does not yield. Label sets are bounded by the configuration (routes,
-configured models, workers, status codes, error kinds).
+"""The gateway's Prometheus series (``GET /metrics``), on the shared ``kvroute.server.metrics``.
 
 Series (``kvroute_gateway_`` prefix):
 
@@ -23,156 +18,100 @@ Series (``kvroute_gateway_`` prefix):
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Callable, Iterable, Sequence
+import time
+from collections.abc import Callable, Mapping
 
-__all__ = ["DEFAULT_BUCKETS", "Counter", "Gauge", "Histogram", "Registry"]
+from kvroute.server.metrics import Counter, Gauge, Histogram, Registry
 
-DEFAULT_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-)
+__all__ = ["GatewayMetrics"]
+
+P = "kvroute_gateway_"
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
-    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
-
-
-def _number(x: float) -> str:
-    if x == float("inf"):
-        return "+Inf"
-    return repr(float(x)) if not float(x).is_integer() else str(int(x))
-
-
-class _Metric:
-    kind = ""
-
-    def __init__(self, name: str, help: str, labels: Sequence[str] = ()) -> None:
-        self.name = name
-        self.help = help
-        self.label_names = tuple(labels)
-
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-
-    def render(self) -> list[str]:
-        raise NotImplementedError
-
-
-class Counter(_Metric):
-    kind = "counter"
-
-    def __init__(self, name: str, help: str, labels: Sequence[str] = ()) -> None:
-        super().__init__(name, help, labels)
-        self.values: dict[tuple[str, ...], float] = {}
-
-    def inc(self, *labels: str, by: float = 1.0) -> None:
-        self.values[labels] = self.values.get(labels, 0.0) + by
-
-    def get(self, *labels: str) -> float:
-        return self.values.get(labels, 0.0)
-
-    def render(self) -> list[str]:
-        lines = self.header()
-        if not self.values and not self.label_names:
-            lines.append(f"{self.name} 0")
-        for key, v in sorted(self.values.items()):
-            lines.append(f"{self.name}{_labels(self.label_names, key)} {_number(v)}")
-        return lines
-
-
-class Gauge(_Metric):
-    """A gauge whose samples are read from ``read()`` at scrape time."""
-
-    kind = "gauge"
+class GatewayMetrics:
+    """The gateway's series on one registry (``render()`` is the scrape)."""
 
     def __init__(
         self,
-        name: str,
-        help: str,
-        labels: Sequence[str],
-        read: Callable[[], Iterable[tuple[tuple[str, ...], float]]],
+        in_flight: Callable[[], Mapping[str, int]],
+        healthy: Callable[[], Mapping[str, bool]],
     ) -> None:
-        super().__init__(name, help, labels)
-        self.read = read
+        reg = self.registry = Registry()
+        self.requests = reg.add(
+            Counter(P + "requests_total", "Requests answered.", ("route", "model", "status"))
+        )
+        self.latency = reg.add(
+            Histogram(
+                P + "request_duration_seconds",
+                "Request received to response or stream end.",
+                ("route",),
+            )
+        )
+        self.first_byte = reg.add(
+            Histogram(
+                P + "time_to_first_byte_seconds",
+                "Request received to first body byte sent.",
+                ("route",),
+            )
+        )
+        self.decisions = reg.add(
+            Counter(
+                P + "routing_decisions_total",
+                "Routing decisions (one per upstream attempt).",
+                ("policy", "reason", "worker"),
+            )
+        )
+        self.predicted = reg.add(
+            Counter(
+                P + "cached_tokens_predicted_total",
+                "Cached routing tokens the router predicted, on "
+                "requests whose upstream reported cached tokens.",
+                ("worker",),
+            )
+        )
+        self.reported = reg.add(
+            Counter(
+                P + "cached_tokens_reported_total",
+                "Cached tokens reported by upstreams, in routing tokens.",
+                ("worker",),
+            )
+        )
+        self.prompt_tokens = reg.add(
+            Counter(
+                P + "prompt_tokens_total",
+                "Routing tokens of prompts whose upstream reported cached tokens.",
+                ("worker",),
+            )
+        )
+        self.errors = reg.add(
+            Counter(P + "upstream_errors_total", "Upstream failures.", ("worker", "kind"))
+        )
+        self.retries = reg.add(Counter(P + "retries_total", "Upstream attempts after the first."))
+        reg.add(
+            Gauge(
+                P + "in_flight",
+                "Upstream requests begun and not finished.",
+                ("worker",),
+                lambda: (((w,), n) for w, n in in_flight().items()),
+            )
+        )
+        reg.add(
+            Gauge(
+                P + "worker_healthy",
+                "1 when the router may choose the worker.",
+                ("worker",),
+                lambda: (((w,), 1 if ok else 0) for w, ok in healthy().items()),
+            )
+        )
 
-    def render(self) -> list[str]:
-        lines = self.header()
-        for key, v in sorted(self.read()):
-            lines.append(f"{self.name}{_labels(self.label_names, key)} {_number(v)}")
-        return lines
-
-
-class Histogram(_Metric):
-    kind = "histogram"
-
-    def __init__(
-        self,
-        name: str,
-        help: str,
-        labels: Sequence[str] = (),
-        buckets: Sequence[float] = DEFAULT_BUCKETS,
-    ) -> None:
-        super().__init__(name, help, labels)
-        self.bounds = tuple(sorted(buckets))
-        self.series: dict[tuple[str, ...], list[float]] = {}  # per-bucket counts, then sum
-
-    def observe(self, value: float, *labels: str) -> None:
-        row = self.series.get(labels)
-        if row is None:
-            row = self.series[labels] = [0.0] * (len(self.bounds) + 2)
-        row[bisect.bisect_left(self.bounds, value)] += 1  # bucket i: value <= bounds[i]
-        row[-1] += value
-
-    def render(self) -> list[str]:
-        lines = self.header()
-        for key, row in sorted(self.series.items()):
-            running = 0.0
-            for bound, count in zip((*self.bounds, float("inf")), row):
-                running += count
-                le = 'le="' + ("+Inf" if bound == float("inf") else repr(float(bound))) + '"'
-                lines.append(
-                    f"{self.name}_bucket{_labels(self.label_names, key, le)} {_number(running)}"
-                )
-            lines.append(f"{self.name}_sum{_labels(self.label_names, key)} {_number(row[-1])}")
-            lines.append(f"{self.name}_count{_labels(self.label_names, key)} {_number(running)}")
-        return lines
-
-
-class Registry:
-    """An ordered set of metrics rendered together."""
-
-    content_type = "text/plain; version=0.0.4; charset=utf-8"
-
-    def __init__(self) -> None:
-        self.metrics: list[_Metric] = []
-
-    def add(self, metric: _Metric) -> _Metric:
-        self.metrics.append(metric)
-        return metric
+    def done(self, route: str, model: str, status: int, started: float) -> None:
+        """One answered request: counted with its status, its duration observed."""
+        self.requests.inc(route, model, str(status))
+        self.latency.observe(time.perf_counter() - started, route)
 
     def render(self) -> str:
-        lines: list[str] = []
-        for m in self.metrics:
-            lines.extend(m.render())
-        return "\n".join(lines) + "\n"
+        return self.registry.render()
+
+    @property
+    def content_type(self) -> str:
+        return self.registry.content_type

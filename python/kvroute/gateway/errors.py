@@ -1,0 +1,109 @@
+"""What the gateway answers when something fails, in one place.
+
+``HTTPError`` is an error answered to the caller as an OpenAI-style error object
+(``{"error": {"message", "type", "param", "code"}}``). ``UpstreamFailure`` says, for one kind of
+upstream failure, how it is answered (status, code), whether the request moves on to the router's
+next choice (``retry``) and what it tells the health model (``health``: ``"down"`` ejects the
+worker at once, ``"count"`` counts one failure toward ``eject_after``, ``"none"`` nothing).
+``classify`` maps an exception raised by the upstream client to its row of ``SEND_FAILURES``
+(while sending the request and waiting for the response head) or ``BODY_FAILURES`` (while reading
+the body); an exception in neither table is a bug and propagates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import httpx
+from starlette.responses import JSONResponse, Response
+
+__all__ = [
+    "BODY_FAILURES",
+    "SEND_FAILURES",
+    "STATUS_5XX",
+    "HTTPError",
+    "UpstreamFailure",
+    "classify",
+]
+
+
+class HTTPError(Exception):
+    """An error answered to the client as an OpenAI-style error object."""
+
+    def __init__(self, status: int, message: str, kind: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.code = code
+
+    def response(self, headers: dict[str, str] | None = None) -> Response:
+        body = {
+            "error": {"message": str(self), "type": self.kind, "param": None, "code": self.code}
+        }
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+@dataclass(frozen=True)
+class UpstreamFailure:
+    """One kind of upstream failure: how it is counted, answered, retried and judged."""
+
+    kind: str  # the ``upstream_errors_total{kind}`` label
+    status: int  # answered when no attempt succeeds
+    code: str
+    message: str  # formatted with ``worker``
+    retry: bool  # move on to the router's next choice
+    health: Literal["down", "count", "none"]
+
+    def error(self, worker: str) -> HTTPError:
+        kind = "service_unavailable" if self.status == 503 else "upstream_error"
+        return HTTPError(self.status, self.message.format(worker=worker), kind, self.code)
+
+
+CONNECT = UpstreamFailure(
+    "connect", 502, "upstream_unreachable", "upstream {worker} unreachable", True, "down"
+)
+POOL_TIMEOUT = UpstreamFailure(
+    "pool_timeout", 503, "busy", "upstream {worker} has no free connection", True, "none"
+)
+TIMEOUT = UpstreamFailure(
+    "timeout", 504, "upstream_timeout", "upstream {worker} timed out", False, "none"
+)
+RESET = UpstreamFailure(
+    "reset", 502, "upstream_reset", "upstream {worker} closed the connection", True, "count"
+)
+BROKEN = UpstreamFailure(
+    "protocol", 502, "upstream_broken", "upstream {worker} failed mid-response", False, "none"
+)
+#: A 5xx answer: retried; the upstream's own answer is passed on if no attempt succeeds.
+STATUS_5XX = UpstreamFailure(
+    "status_5xx", 502, "upstream_error", "upstream {worker} failed", True, "count"
+)
+
+Row = tuple[tuple[type[BaseException], ...], UpstreamFailure]
+
+#: Sending the request and reading the response head (first match wins: order matters, as
+#: ``ConnectTimeout`` and ``PoolTimeout`` are also ``TimeoutException``). A reset before any
+#: response byte is retried although the upstream may have read the request (a keep-alive
+#: connection it closed at that moment, typically): completions have no side effects, so at worst
+#: it computed twice. Read timeouts are not retried: the upstream may still be computing.
+SEND_FAILURES: tuple[Row, ...] = (
+    ((httpx.ConnectError, httpx.ConnectTimeout), CONNECT),
+    ((httpx.PoolTimeout,), POOL_TIMEOUT),
+    ((httpx.TimeoutException,), TIMEOUT),
+    ((httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError), RESET),
+)
+#: Reading a response body.
+BODY_FAILURES: tuple[Row, ...] = (
+    ((httpx.TimeoutException,), TIMEOUT),
+    ((httpx.HTTPError,), BROKEN),
+)
+
+
+def classify(error: BaseException, table: tuple[Row, ...]) -> UpstreamFailure | None:
+    """The failure row an upstream client exception belongs to, or None (not an upstream
+    failure: let it propagate)."""
+    for types, failure in table:
+        if isinstance(error, types):
+            return failure
+    return None

@@ -1,0 +1,11 @@
+"""Parts every kvroute server shares (``kvroute serve``, ``kvroute epp``, the event relay).
+
+- ``config`` — the TOML loader: typed tables, the fleet's sections (workers, router, tokenizer,
+  events, health), key digests;
+- ``routing`` — the Router built from that configuration, and what ``route`` raises when no
+  worker is left;
+- ``health`` — the health model: ejection on failures, readmission by probing;
+- ``metrics`` — Prometheus counters, gauges and histograms on one registry.
+
+Nothing here imports an HTTP, gRPC or NATS library: a server brings its own transport.
+"""

@@ -1,0 +1,324 @@
+"""The configuration loader every kvroute server shares: TOML tables read into frozen dataclasses.
+
+Every value is checked when the file is loaded — an unknown key, a wrong type, a duplicate name —
+and the error names the key and the bad value, so a server never starts half-configured. A server
+(``kvroute serve``, ``kvroute epp``, the event relay) reads its own section with ``Table`` and the
+fleet's sections with ``parse_fleet``: ``[[workers]]``, ``[router]``, ``[tokenizer]``,
+``[events]`` and the worker-health keys, so that one fleet file means the same thing to all of
+them. Secrets may be given as SHA-256 digests (``api_key_sha256``) so that the file holds no
+plaintext key; plaintext keys are hashed on load and only digests are kept in memory.
+
+The sections and their keys are documented, with an example, in ``kvroute.gateway.config``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+__all__ = [
+    "SALTING_KINDS",
+    "WORKER_KINDS",
+    "EventsConfig",
+    "FleetConfig",
+    "HealthConfig",
+    "RouterConfig",
+    "Table",
+    "TokenizerConfig",
+    "WorkerConfig",
+    "duplicates",
+    "key_digest",
+    "load_toml",
+    "parse_fleet",
+    "parse_health",
+]
+
+#: Upstream kinds. ``vllm`` and ``sglang`` accept ``cache_salt`` in the request body and report
+#: ``usage.prompt_tokens_details.cached_tokens`` (vLLM with ``--enable-prompt-tokens-details``,
+#: SGLang with ``--enable-cache-report``); ``openai`` is any other OpenAI-compatible server and
+#: is sent no engine-specific fields.
+WORKER_KINDS = ("vllm", "sglang", "openai")
+SALTING_KINDS = frozenset({"vllm", "sglang"})
+
+
+def key_digest(key: str) -> bytes:
+    """The SHA-256 digest under which an API key is stored and compared."""
+    return hashlib.sha256(key.encode()).digest()
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    name: str
+    url: str
+    kind: str = "vllm"
+    weight: float = 1.0
+    api_key: str | None = None
+    max_connections: int = 256
+    kv_events: str | None = None
+    kv_replay: str | None = None
+
+    @property
+    def sends_cache_salt(self) -> bool:
+        """Whether this upstream understands ``cache_salt``."""
+        return self.kind in SALTING_KINDS
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    policy: str = "kv_aware"
+    block_size: int = 16
+    hash_profile: str = "native"
+    index: str = "approx"
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    path: str | None = None
+    bytes_per_token: int = 4
+
+
+@dataclass(frozen=True)
+class EventsConfig:
+    topic: str = ""
+    mode: str = "rehash"
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """When a worker is taken out of routing and when it comes back (``kvroute.server.health``)."""
+
+    path: str = "/health"  # probed on ejected workers until it answers 200
+    interval: float = 1.0  # seconds between probe rounds
+    eject_seconds: float = 2.0  # minimum time an ejected worker stays out
+    eject_after: int = 3  # failures in a row (across requests) that eject a worker
+    max_ejected_fraction: float = 0.5  # failure-based ejection never takes out more of the fleet
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """The sections every server over the same fleet reads alike."""
+
+    workers: tuple[WorkerConfig, ...]
+    router: RouterConfig = field(default_factory=RouterConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+
+
+class Table:
+    """Reads one TOML table, tracking which keys were used so that leftovers are reported."""
+
+    def __init__(self, data: Any, where: str, *, root: bool = False) -> None:
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{where} must be a table, got {type(data).__name__}")
+        self.data = data
+        self.where = where
+        self.root = root  # the document itself: its sub-tables are named without a prefix
+        self.used: set[str] = set()
+
+    def get(self, key: str, kind: type | tuple[type, ...], default: Any) -> Any:
+        self.used.add(key)
+        if key not in self.data:
+            return default
+        value = self.data[key]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if isinstance(value, bool) and bool not in kinds:
+            raise ValueError(f"{self.where}.{key} must be {_names(kinds)}, got {value!r}")
+        if not isinstance(value, kinds):
+            raise ValueError(f"{self.where}.{key} must be {_names(kinds)}, got {value!r}")
+        return value
+
+    def require(self, key: str, kind: type) -> Any:
+        if key not in self.data:
+            raise ValueError(f"{self.where}.{key} is required")
+        return self.get(key, kind, None)
+
+    def strings(self, key: str) -> tuple[str, ...]:
+        values = self.get(key, list, [])
+        for v in values:
+            if not isinstance(v, str) or not v:
+                raise ValueError(f"{self.where}.{key} must hold non-empty strings, got {v!r}")
+        return tuple(values)
+
+    def positive(self, key: str, kind: type, default: Any, *, zero: bool = False) -> Any:
+        value = self.get(key, kind, default)
+        if value is not None and (
+            value < 0 or (value == 0 and not zero) or (kind is float and not math.isfinite(value))
+        ):
+            raise ValueError(f"{self.where}.{key} must be > 0, got {value!r}")
+        return value
+
+    def fraction(self, key: str, default: float) -> float:
+        value = self.get(key, float, default)
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{self.where}.{key} must be in [0, 1], got {value!r}")
+        return float(value)
+
+    def table(self, key: str) -> Table:
+        """A sub-table (empty when absent)."""
+        return Table(self.get(key, dict, {}), key if self.root else f"{self.where}.{key}")
+
+    def digests(self) -> tuple[bytes, ...]:
+        """``api_keys`` (hashed here) and ``api_key_sha256`` (hex digests), deduplicated."""
+        digests = [key_digest(k) for k in self.strings("api_keys")]
+        for hexed in self.strings("api_key_sha256"):
+            if not re.fullmatch(r"[0-9a-fA-F]{64}", hexed):
+                raise ValueError(
+                    f"{self.where}.api_key_sha256 entries must be 64 hex digits, got {hexed!r}"
+                )
+            digests.append(bytes.fromhex(hexed))
+        return tuple(dict.fromkeys(digests))
+
+    def done(self) -> None:
+        unknown = sorted(set(self.data) - self.used)
+        if unknown:
+            raise ValueError(f"unknown key(s) in {self.where}: {', '.join(unknown)}")
+
+
+def _names(kinds: tuple[type, ...]) -> str:
+    words = {
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        bool: "true or false",
+        dict: "a table",
+        list: "an array",
+    }
+    return " or ".join(words.get(k, k.__name__) for k in kinds)
+
+
+def _url(value: str, where: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"{where} must be an http(s) URL, got {value!r}")
+    return value.rstrip("/")
+
+
+def duplicates(names: list[str]) -> list[str]:
+    return sorted({n for n in names if names.count(n) > 1})
+
+
+def _worker(data: Any, i: int) -> WorkerConfig:
+    t = Table(data, f"workers[{i}]")
+    name = t.require("name", str)
+    if not name:
+        raise ValueError(f"{t.where}.name must not be empty")
+    kind = t.get("kind", str, "vllm")
+    if kind not in WORKER_KINDS:
+        raise ValueError(f"{t.where}.kind must be one of {WORKER_KINDS}, got {kind!r}")
+    kv_events = t.get("kv_events", str, None)
+    kv_replay = t.get("kv_replay", str, None)
+    if kv_replay is not None and kv_events is None:
+        raise ValueError(f"{t.where}.kv_replay {kv_replay!r} given without kv_events")
+    w = WorkerConfig(
+        name=name,
+        url=_url(t.require("url", str), f"{t.where}.url"),
+        kind=kind,
+        weight=t.positive("weight", float, 1.0),
+        api_key=t.get("api_key", str, None),
+        max_connections=t.positive("max_connections", int, 256),
+        kv_events=kv_events,
+        kv_replay=kv_replay,
+    )
+    t.done()
+    return w
+
+
+def parse_health(t: Table) -> HealthConfig:
+    """The worker-health keys of a server's own section (``health_path``, ``eject_after`` …)."""
+    d = HealthConfig()
+    health = HealthConfig(
+        path=t.get("health_path", str, d.path),
+        interval=t.positive("health_interval", float, d.interval),
+        eject_seconds=t.positive("eject_seconds", float, d.eject_seconds, zero=True),
+        eject_after=t.positive("eject_after", int, d.eject_after),
+        max_ejected_fraction=t.fraction("max_ejected_fraction", d.max_ejected_fraction),
+    )
+    if not health.path.startswith("/"):
+        raise ValueError(f"{t.where}.health_path must start with '/', got {health.path!r}")
+    return health
+
+
+def parse_fleet(top: Table, health: HealthConfig | None = None) -> FleetConfig:
+    """``[[workers]]``, ``[router]``, ``[tokenizer]`` and ``[events]`` of a parsed document."""
+    workers_raw = top.get("workers", list, None)
+    if not workers_raw:
+        raise ValueError("config needs at least one [[workers]] entry")
+    workers = tuple(_worker(w, i) for i, w in enumerate(workers_raw))
+    dup = duplicates([w.name for w in workers])
+    if dup:
+        raise ValueError(f"duplicate worker name(s): {dup}")
+
+    r = top.table("router")
+    d = RouterConfig()
+    router = RouterConfig(
+        policy=r.get("policy", str, d.policy),
+        block_size=r.positive("block_size", int, d.block_size),
+        hash_profile=r.get("hash_profile", str, d.hash_profile),
+        index=r.get("index", str, d.index),
+        options=dict(r.get("options", dict, {})),
+    )
+    r.done()
+    if router.index not in ("approx", "events"):
+        raise ValueError(f"router.index must be 'approx' or 'events', got {router.index!r}")
+    reserved = {"policy", "block_size", "hash_profile", "index"} & set(router.options)
+    if reserved:
+        raise ValueError(f"router.options must not repeat {sorted(reserved)}: set them in [router]")
+
+    tk = top.table("tokenizer")
+    tokenizer = TokenizerConfig(
+        path=tk.get("path", str, None),
+        bytes_per_token=tk.positive("bytes_per_token", int, TokenizerConfig.bytes_per_token),
+    )
+    tk.done()
+    if tokenizer.bytes_per_token > 4:
+        raise ValueError(
+            f"tokenizer.bytes_per_token must be 1..4 (a pseudo-token is a u32), "
+            f"got {tokenizer.bytes_per_token}"
+        )
+
+    ev = top.table("events")
+    events = EventsConfig(
+        topic=ev.get("topic", str, EventsConfig.topic), mode=ev.get("mode", str, EventsConfig.mode)
+    )
+    ev.done()
+    with_events = [w.name for w in workers if w.kv_events]
+    if router.index == "events" and not with_events:
+        raise ValueError("router.index = 'events' needs kv_events on at least one worker")
+    if router.index != "events" and with_events:
+        raise ValueError(
+            f"workers {with_events} have kv_events but router.index is {router.index!r}: "
+            "set index = 'events'"
+        )
+    return FleetConfig(
+        workers=workers,
+        router=router,
+        tokenizer=tokenizer,
+        events=events,
+        health=health if health is not None else HealthConfig(),
+    )
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """A TOML file parsed into a dict (``tomllib``; ``tomli`` before Python 3.11)."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - exercised on 3.10
+        try:
+            import tomli as tomllib
+        except ImportError as e:
+            raise ImportError(
+                "reading TOML on Python < 3.11 needs tomli: pip install 'kvroute[gateway]'"
+            ) from e
+    with open(path, "rb") as f:
+        return tomllib.load(f)

@@ -1,0 +1,37 @@
+"""The one place a kvroute server builds its ``kvroute.Router`` from the fleet's configuration.
+
+The servers call the Router's public API directly: ``route(tokens=..., endpoint=...,
+exclude=...)`` → ``Decision`` (``worker``, ``cached_tokens``, ``policy``, ``reason``), ``begin`` /
+``prefilled`` / ``finish`` / ``observe``, ``set_healthy`` and ``endpoint_salt``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvroute import Router
+
+from .config import RouterConfig, WorkerConfig
+
+__all__ = ["NoWorkerError", "build_router"]
+
+#: What ``Router.route`` raises when no candidate is left (none healthy, in the endpoint's pool
+#: and not excluded). Until the core raises a type of its own for it this is ``ValueError``; the
+#: servers' other arguments to ``route`` are always valid, so nothing else raises it there.
+NoWorkerError = ValueError
+
+
+def build_router(workers: Iterable[WorkerConfig], router: RouterConfig) -> Router:
+    """A Router over the configured workers (weights).
+
+    ``[router] options`` are passed as further keyword arguments (``capacity_blocks``, ``ttl``,
+    ``queue_weight``, ``seed`` …); an unknown one raises ``TypeError``.
+    """
+    return Router(
+        {w.name: w.weight for w in workers},
+        policy=router.policy,
+        block_size=router.block_size,
+        hash_profile=router.hash_profile,
+        index=router.index,
+        **dict(router.options),
+    )
