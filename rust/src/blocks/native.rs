@@ -89,30 +89,3 @@ impl Native {
         xxh3_64_with_seed(&scratch.bytes, parent)
     }
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn matches_the_documented_definition() {
-        let unsalted = root(None, None);
-        assert_eq!(unsalted, xxh3_64_with_seed(b"kvroute-native-v1\x00\x00", 0));
-        let mut pre = b"kvroute-native-v1\x01".to_vec();
-        pre.extend_from_slice(&2u64.to_le_bytes());
-        pre.extend_from_slice(b"ab\x00");
-        assert_eq!(root(Some("ab"), None), xxh3_64_with_seed(&pre, 0));
-        // Distinct namespaces get distinct roots, including the salt/LoRA-name swap.
-        assert_ne!(root(Some("x"), None), root(None, Some(("x", ""))));
-        assert_ne!(root(None, Some(("x", ""))), root(None, Some(("x", "/p"))));
-
-        let n = Native::new(None, None);
-        let mut s = Scratch::new(2);
-        let h0 = n.hash_block(n.root(), &[1u32, 2], &mut s);
-        let expected: Vec<u8> = [1u32, 2].iter().flat_map(|t| t.to_le_bytes()).collect();
-        assert_eq!(h0, xxh3_64_with_seed(&expected, unsalted));
-        let h1 = n.hash_block(h0, &[3i64, 4], &mut s);
-        let expected: Vec<u8> = [3u32, 4].iter().flat_map(|t| t.to_le_bytes()).collect();
-        assert_eq!(h1, xxh3_64_with_seed(&expected, h0));
-    }
-}

@@ -97,27 +97,3 @@ impl Sglang {
         hasher.finalize().into()
     }
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn first_page_has_no_prefix_and_wide_ids_switch_encoding() {
-        let s = Sglang::new(None);
-        let mut scratch = Scratch::new(2);
-        let d = s.hash_block(None, &[1u32, 2], &mut scratch);
-        let expected: [u8; 32] = Sha256::digest([1, 0, 0, 0, 2, 0, 0, 0]).into();
-        assert_eq!(d, expected);
-        let wide = s.hash_block(Some(&d), &[1u64, 1 << 32], &mut scratch);
-        let mut pre = d.to_vec();
-        pre.push(0xff);
-        pre.extend_from_slice(&1u64.to_le_bytes());
-        pre.extend_from_slice(&(1u64 << 32).to_le_bytes());
-        let expected: [u8; 32] = Sha256::digest(&pre).into();
-        assert_eq!(wide, expected);
-        let salted = Sglang::new(Some("tenant-a"));
-        let seed: [u8; 32] = Sha256::digest(b"sglang-cache-salt-v1\0tenant-a").into();
-        assert_eq!(salted.salt_seed(), Some(&seed));
-    }
-}

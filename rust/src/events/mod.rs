@@ -70,11 +70,15 @@
 
 mod apply;
 pub mod decode;
+mod extra;
+mod keys;
+mod reader;
 
 pub use apply::{
     Applier, BatchOutcome, Config, Mode, TierRegistry, WorkerCounters, GPU, MAX_TIERS,
 };
-pub use decode::{Batch, Decoder, Event, EventKind, ExtraKeys, ExtraSummary};
+pub use decode::{Batch, Decoder, Event, EventKind};
+pub use extra::{ExtraKeys, ExtraSummary};
 
 #[cfg(test)]
 mod tests;

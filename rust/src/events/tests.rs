@@ -2,6 +2,8 @@ use std::sync::Arc;
 
 use parking_lot::RwLock;
 
+use super::keys::{field_of, KEYS};
+use super::reader::Span;
 use super::*;
 use crate::blocks::{BlockHasher, ChainState, Options, Profile};
 use crate::index::{PrefixIndex, SharedPrefixIndex};
@@ -423,4 +425,45 @@ fn a_worker_removed_from_the_index_is_re_registered_empty() {
     a.apply("w", &child).expect("apply");
     assert_eq!(matched(&index, &own, "w"), 0);
     assert_eq!(a.counters("w").expect("c").index_rejected, 1);
+}
+
+/// `field_of` against a plain comparison with [`KEYS`], for every key, its one-byte edits,
+/// truncations and extensions, read both far from the payload's end (the table) and at its
+/// end (the fallback).
+#[test]
+fn map_keys_are_recognised_exactly() {
+    let plain = |key: &[u8]| {
+        KEYS.iter()
+            .find(|(name, _)| *name == key)
+            .map_or(0, |&(_, bit)| bit)
+    };
+    let mut candidates: Vec<Vec<u8>> = vec![Vec::new(), b"ts".to_vec(), vec![0; 24]];
+    for (key, _) in KEYS {
+        candidates.push(key.to_vec());
+        for i in 0..key.len() {
+            for b in [0u8, b'a', b'_', key[i] ^ 0x20, 0xff] {
+                let mut edit = key.to_vec();
+                edit[i] = b;
+                candidates.push(edit);
+            }
+        }
+        candidates.push(key[..key.len() - 1].to_vec());
+        for tail in [0u8, b's', b'_'] {
+            let mut longer = key.to_vec();
+            longer.push(tail);
+            candidates.push(longer);
+        }
+    }
+    for key in candidates {
+        let span = Span {
+            start: 1,
+            len: key.len() as u32,
+        };
+        let mut at_end = vec![0xa0];
+        at_end.extend_from_slice(&key);
+        let mut far = at_end.clone();
+        far.extend_from_slice(&[0x61; 32]);
+        assert_eq!(field_of(&far, span), plain(&key), "{key:?}");
+        assert_eq!(field_of(&at_end, span), plain(&key), "{key:?}");
+    }
 }

@@ -1,4 +1,35 @@
-//! Jump consistent hash (Lamping & Veach, 2014, arXiv:1406.2294).
+//! Jump consistent hashing: [`jump_hash`] (Lamping & Veach, 2014, arXiv:1406.2294) on a 64-bit
+//! key, its batch form [`jump_hash_many_into`], and [`JumpHash`], jump hash over named nodes with
+//! removal of any node by MementoHash (Coluzzi, Brocco, Antonucci & Leidi, "MementoHash: A
+//! Stateful, Minimal Memory, Best Performing Consistent Hash Algorithm", IEEE/ACM ToN 2024,
+//! arXiv:2306.09783).
+//!
+//! Invariants of [`jump_hash`]: bit-exact with the paper's reference code for every key and
+//! every bucket count in `1..2^31`; the batch form returns exactly the single-key results.
+//!
+//! Invariants of [`JumpHash`]:
+//! - Nodes occupy buckets `0..size` of a "b-array". With no removal, `get(k)` is
+//!   `node[jump_hash(k, size)]`: the initial nodes take buckets in the order given, and a node added
+//!   when nothing is removed takes the next bucket. Integer keys are read as already-hashed 64-bit
+//!   values (as in the jump paper); byte keys go through [`super::hash_key`].
+//! - Removing the last bucket while nothing else is removed just shrinks the b-array (plain jump
+//!   hash). Removing any other bucket `b` records `(b, w, previous removal)`, `w` being the number
+//!   of working buckets left; a key that lands on a removed bucket `b` is re-hashed to
+//!   `XXH3-64(k as 8 LE bytes, seed = b) % w` and follows the replacements recorded since. Only the
+//!   removed node's keys move, and they spread evenly over the remaining nodes (the paper's
+//!   minimal-disruption and balance theorems).
+//! - Adding a node restores the most recently removed bucket (LIFO), which undoes that removal
+//!   exactly: keys move only to the added node.
+//! - `preference(key, n)` is the failover order: entry `i + 1` is where the key would go if the
+//!   first `i + 1` entries were removed (in that order), so `preference(k, 2)[1]` is exactly
+//!   `get(k)` after removing `get(k)`.
+//! - The hasher is unweighted: every weight is 1.
+
+use hashbrown::HashMap;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use super::{preference_len, ConsistentHash, Key, NodeId, NodeSet};
+use crate::error::Result;
 
 /// Bucket in `0..num_buckets` for `key`, bit-exact with the paper's reference implementation.
 ///
@@ -115,31 +146,188 @@ pub fn jump_hash_many_into<T: From<u32>>(keys: &[u64], num_buckets: u32, out: &m
     );
 }
 
-#[cfg(test)]
-mod tests {
-    use super::{jump_hash, jump_hash_many_into};
+/// Marks "no node" / "not removed" in the per-bucket arrays.
+const NONE: u32 = u32::MAX;
 
-    #[test]
-    fn batch_equals_single_calls() {
-        let keys: Vec<u64> = (0..1003u64)
-            .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i << 7))
-            .collect();
-        for n in [1u32, 2, 7, 1024, 100_001, i32::MAX as u32] {
-            let mut out: Vec<u32> = Vec::new();
-            jump_hash_many_into(&keys, n, &mut out);
-            let want: Vec<u32> = keys.iter().map(|&k| jump_hash(k, n)).collect();
-            assert_eq!(out, want, "n = {n}");
+/// Jump consistent hashing over named nodes, any of which may be removed.
+#[derive(Debug, Clone, Default)]
+pub struct JumpHash {
+    nodes: NodeSet,
+    /// Per node id: its bucket.
+    bucket_of: Vec<u32>,
+    /// Per bucket of the b-array: its node, or `NONE` when removed.
+    node_at: Vec<NodeId>,
+    /// Per bucket: the working-set size right after its removal, or `NONE`.
+    replacer: Vec<u32>,
+    /// Per removed bucket: the bucket removed just before it.
+    prev_removed: Vec<u32>,
+    last_removed: u32,
+    removed: u32,
+}
+
+/// Follows MementoHash's replacements from `jump_hash(k, size)` to a working bucket.
+/// `replacer(b)` is `NONE` for a working bucket.
+#[inline]
+fn lookup(k: u64, size: u32, replacer: impl Fn(u32) -> u32) -> u32 {
+    let mut b = jump_hash(k, size);
+    let mut r = replacer(b);
+    // Each pass of the outer loop strictly lowers `r`, so it ends within `removed` passes.
+    while r != NONE && r > 0 {
+        let mut h = (xxh3_64_with_seed(&k.to_le_bytes(), u64::from(b)) % u64::from(r)) as u32;
+        let mut r2 = replacer(h);
+        // `h` was removed before `b` (when more buckets worked): take the bucket that replaced it.
+        while r2 != NONE && r2 >= r {
+            h = r2;
+            r2 = replacer(h);
+        }
+        b = h;
+        r = r2;
+    }
+    b
+}
+
+fn check_unweighted(name: &str, weight: f64) -> Result<()> {
+    if weight == 1.0 {
+        Ok(())
+    } else {
+        crate::value_err!("JumpHash is unweighted: weight of node {name:?} must be 1, got {weight}")
+    }
+}
+
+impl JumpHash {
+    /// Jump hash over `nodes`; node `i` takes bucket `i`.
+    pub fn new<S: AsRef<str>>(nodes: impl IntoIterator<Item = S>) -> Result<Self> {
+        let mut hasher = Self::default();
+        for name in nodes {
+            hasher.add(name.as_ref(), 1.0)?;
+        }
+        Ok(hasher)
+    }
+
+    /// Size of the b-array (working plus removed buckets).
+    pub fn buckets(&self) -> u32 {
+        self.node_at.len() as u32
+    }
+
+    /// The bucket node `id` occupies.
+    pub fn bucket_of(&self, id: NodeId) -> Option<u32> {
+        self.bucket_of.get(id as usize).copied()
+    }
+
+    #[inline]
+    fn replacer_at(&self, b: u32) -> u32 {
+        self.replacer.get(b as usize).copied().unwrap_or(NONE)
+    }
+
+    #[inline]
+    fn node_of_bucket(&self, b: u32) -> NodeId {
+        self.node_at.get(b as usize).copied().unwrap_or(NONE)
+    }
+
+    #[inline]
+    fn locate(&self, k: u64) -> NodeId {
+        self.node_of_bucket(lookup(k, self.buckets(), |b| self.replacer_at(b)))
+    }
+}
+
+impl ConsistentHash for JumpHash {
+    fn node_set(&self) -> &NodeSet {
+        &self.nodes
+    }
+
+    fn get(&self, key: Key<'_>) -> Result<NodeId> {
+        self.require_nodes()?;
+        Ok(self.locate(key.prehashed64()))
+    }
+
+    fn preference_into(&self, key: Key<'_>, n: usize, out: &mut Vec<NodeId>) -> Result<()> {
+        let n = preference_len(n, self.len())?;
+        let k = key.prehashed64();
+        out.clear();
+        // Removals simulated on top of the real ones, exactly as `remove` would record them.
+        let mut extra: HashMap<u32, u32> = HashMap::new();
+        let mut size = self.buckets();
+        let mut working = self.len() as u32;
+        loop {
+            let replacer = |b: u32| {
+                extra
+                    .get(&b)
+                    .copied()
+                    .unwrap_or_else(|| self.replacer_at(b))
+            };
+            let b = lookup(k, size, replacer);
+            out.push(self.node_of_bucket(b));
+            if out.len() >= n {
+                return Ok(());
+            }
+            if self.removed == 0 && extra.is_empty() && b + 1 == size {
+                size -= 1;
+            } else {
+                extra.insert(b, working - 1);
+            }
+            working -= 1;
         }
     }
 
-    #[test]
-    fn paper_reference_table() {
-        // From the reference C++ code (via dgryski/go-jump, MIT): key 0xdeadbeef, buckets 1..=19.
-        let expected = [0, 1, 2, 3, 3, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 16, 16, 16];
-        for (i, &e) in expected.iter().enumerate() {
-            assert_eq!(jump_hash(0xdead_beef, i as u32 + 1), e);
+    fn add(&mut self, name: &str, weight: f64) -> Result<()> {
+        check_unweighted(name, weight)?;
+        let id = self.nodes.push(name, weight)?;
+        let bucket = if self.removed == 0 {
+            self.node_at.push(id);
+            self.replacer.push(NONE);
+            self.prev_removed.push(NONE);
+            self.last_removed = self.buckets();
+            self.buckets() - 1
+        } else {
+            let b = self.last_removed;
+            let at = b as usize;
+            if let (Some(node), Some(rep), Some(prev)) = (
+                self.node_at.get_mut(at),
+                self.replacer.get_mut(at),
+                self.prev_removed.get(at),
+            ) {
+                *node = id;
+                *rep = NONE;
+                self.last_removed = *prev;
+            }
+            self.removed -= 1;
+            b
+        };
+        self.bucket_of.push(bucket);
+        Ok(())
+    }
+
+    fn remove(&mut self, name: &str) -> Result<()> {
+        let id = self.nodes.require(name)?;
+        let b = self.bucket_of.get(id as usize).copied().unwrap_or(NONE);
+        let size = self.buckets();
+        if self.removed == 0 && b + 1 == size {
+            self.node_at.pop();
+            self.replacer.pop();
+            self.prev_removed.pop();
+            self.last_removed = size - 1;
+        } else {
+            let working_after = self.len() as u32 - 1;
+            let at = b as usize;
+            if let (Some(node), Some(rep), Some(prev)) = (
+                self.node_at.get_mut(at),
+                self.replacer.get_mut(at),
+                self.prev_removed.get_mut(at),
+            ) {
+                *node = NONE;
+                *rep = working_after;
+                *prev = self.last_removed;
+            }
+            self.last_removed = b;
+            self.removed += 1;
         }
-        // Guava golden value.
-        assert_eq!(jump_hash(2, 100_001), 80_343);
+        self.nodes.remove(name)?;
+        self.bucket_of.remove(id as usize);
+        for node in self.node_at.iter_mut() {
+            if *node != NONE && *node > id {
+                *node -= 1;
+            }
+        }
+        Ok(())
     }
 }

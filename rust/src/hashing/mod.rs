@@ -24,15 +24,13 @@ pub mod bounded;
 mod jump;
 pub mod ketama;
 mod maglev;
-mod memento;
 mod nodes;
 mod rendezvous;
 mod ring;
 
 pub use bounded::{BoundedLoad, BoundedPick};
-pub use jump::{jump_hash, jump_hash_many_into};
+pub use jump::{jump_hash, jump_hash_many_into, JumpHash};
 pub use maglev::{Maglev, DEFAULT_TABLE_SIZE, MAX_TABLE_SIZE};
-pub use memento::JumpHash;
 pub use nodes::{check_weight, NodeSet, MAX_NODES};
 pub use rendezvous::Rendezvous;
 pub use ring::{HashRing, RingHash, DEFAULT_VNODES, MAX_POINTS};
@@ -209,44 +207,4 @@ impl SeenNodes {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn hash_key_matches_xxh3_reference_vectors() {
-        // XXH3-64 seed 0 reference values (xxHash test suite): empty input.
-        assert_eq!(hash_key(b""), 0x2D06_8005_38D3_94C2);
-        // Integers hash as their 8 little-endian bytes.
-        assert_eq!(Key::Int(7).hash64(), hash_key(&7u64.to_le_bytes()));
-        assert_eq!(Key::Bytes(b"abc").hash64(), hash_key(b"abc"));
-        assert_eq!(Key::Int(7).prehashed64(), 7);
-    }
-
-    #[test]
-    fn preference_len_clamps_and_refuses_zero() {
-        assert_eq!(preference_len(5, 3).unwrap(), 3);
-        assert_eq!(preference_len(2, 3).unwrap(), 2);
-        assert!(preference_len(0, 3).is_err());
-        assert!(preference_len(1, 0).is_err());
-    }
-
-    #[test]
-    fn distinct_candidates_stop_at_n() {
-        let mut seen = SeenNodes::new(8);
-        let mut out = vec![5];
-        seen.insert(5);
-        extend_distinct(&mut out, 3, &mut seen, cycle_from(&[4, 5, 6, 7], 1));
-        assert_eq!(out, vec![5, 6, 7]);
-        extend_distinct(&mut out, 4, &mut seen, cycle_from(&[4, 5], 9));
-        assert_eq!(out, vec![5, 6, 7, 4]);
-    }
-
-    #[test]
-    fn seen_nodes_reports_first_insertions() {
-        let mut seen = SeenNodes::new(130);
-        assert!(seen.insert(129));
-        assert!(!seen.insert(129));
-        assert!(seen.insert(0));
-        assert!(!seen.insert(500));
-    }
-}
+mod tests;

@@ -171,33 +171,3 @@ impl NodeSet {
         ranks
     }
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ids_follow_insertion_and_shift_on_removal() {
-        let mut set = NodeSet::from_pairs([("b", 1.0), ("a", 2.0), ("c", 1.0)]).unwrap();
-        assert_eq!(set.id("a"), Some(1));
-        assert_eq!(set.ids_by_name(), vec![1, 0, 2]);
-        assert_eq!(set.name_ranks(), vec![1, 0, 2]);
-        assert_eq!(set.remove("b").unwrap(), 0);
-        assert_eq!(set.id("a"), Some(0));
-        assert_eq!(set.id("c"), Some(1));
-        assert_eq!(set.weights(), &[2.0, 1.0]);
-        assert_eq!(set.unowned_by_name(&[1, 1]), vec![0]);
-    }
-
-    #[test]
-    fn bad_input_is_refused_without_change() {
-        let mut set = NodeSet::from_pairs([("a", 1.0)]).unwrap();
-        assert!(matches!(set.push("a", 1.0), Err(Error::Value(_))));
-        for w in [0.0, -1.0, f64::NAN, f64::INFINITY] {
-            assert!(matches!(set.push("b", w), Err(Error::Value(_))));
-        }
-        assert!(matches!(set.remove("zz"), Err(Error::Key(_))));
-        assert!(set.with_node("a", 1.0).is_err() && set.without_node("zz").is_err());
-        assert_eq!(set.len(), 1);
-    }
-}

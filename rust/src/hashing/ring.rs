@@ -73,11 +73,11 @@ impl RingHash {
 ///   binary search, answers the last point).
 #[derive(Debug, Clone)]
 pub struct HashRing {
-    nodes: NodeSet,
+    pub(super) nodes: NodeSet,
     hash: RingHash,
     vnodes: u32,
     /// Sorted points, followed by a `u64::MAX` sentinel.
-    points: Vec<u64>,
+    pub(super) points: Vec<u64>,
     /// Owner of each point, followed by the owner of the first point (the wrap-around).
     owners: Vec<NodeId>,
     /// Per bucket of the top hash bits: the first point `>=` the bucket's lowest hash.
@@ -228,7 +228,7 @@ impl HashRing {
     }
 
     /// Index of the first point `>= h`, wrapping to 0.
-    fn position(&self, h: u64) -> usize {
+    pub(super) fn position(&self, h: u64) -> usize {
         let i = self.points.partition_point(|&p| p < h);
         if i >= self.num_points() {
             0
@@ -243,7 +243,7 @@ impl HashRing {
     /// every scan, and its owner is the wrap-around. Two unconditional steps cover almost every
     /// bucket, so lookups in a batch rarely mispredict a branch.
     #[inline]
-    fn owner_of(&self, h: u64) -> NodeId {
+    pub(super) fn owner_of(&self, h: u64) -> NodeId {
         let before = |i: usize| self.points.get(i).is_some_and(|&p| p < h);
         let mut i = self
             .table
@@ -383,136 +383,5 @@ impl ConsistentHash for HashRing {
     fn remove(&mut self, name: &str) -> Result<()> {
         *self = Self::build(self.nodes.without_node(name)?, self.vnodes, self.hash)?;
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::Error;
-
-    fn ring(nodes: &[(&str, f64)], hash: RingHash) -> HashRing {
-        HashRing::new(nodes.iter().copied(), 160, hash).unwrap()
-    }
-
-    /// Lookup by plain binary search, the definition the bucket table must reproduce.
-    fn reference_owner(r: &HashRing, h: u64) -> NodeId {
-        let pts: Vec<(u64, NodeId)> = r.points().collect();
-        let i = pts.partition_point(|&(p, _)| p < h);
-        pts[if i == pts.len() { 0 } else { i }].1
-    }
-
-    #[test]
-    fn libketama_two_server_vectors() {
-        // RJ/ketama ketama.two.servers: 600/400 MB, 320 points; "test" -> point 3454255383.
-        let r = ring(
-            &[("127.0.0.1:11211", 600.0), ("127.0.0.1:11212", 400.0)],
-            RingHash::Ketama,
-        );
-        assert_eq!(r.num_points(), 320);
-        let h = r.key_hash(Key::Bytes(b"test"));
-        assert_eq!(h, 3_446_378_249);
-        let pos = r.position(h);
-        assert_eq!(r.points[pos], 3_454_255_383);
-        assert_eq!(r.get(Key::Bytes(b"test")).unwrap(), 0);
-    }
-
-    #[test]
-    fn bucket_table_agrees_with_binary_search() {
-        let names: Vec<String> = (0..37).map(|i| format!("n{i}")).collect();
-        for hash in [RingHash::Ketama, RingHash::Xxh3] {
-            let r = HashRing::new(names.iter().map(|n| (n.as_str(), 1.0)), 8, hash).unwrap();
-            let mut probes: Vec<u64> = r
-                .points()
-                .flat_map(|(p, _)| [p, p.wrapping_sub(1), p + 1])
-                .collect();
-            probes.extend([0, u64::from(u32::MAX), u64::MAX]);
-            for k in 0..2000u64 {
-                probes.push(r.key_hash(Key::Int(k)));
-            }
-            for h in probes {
-                if hash == RingHash::Ketama && h > u64::from(u32::MAX) {
-                    continue;
-                }
-                assert_eq!(r.owner_of(h), reference_owner(&r, h), "{hash:?} {h}");
-            }
-        }
-    }
-
-    #[test]
-    fn colliding_points_go_to_the_first_name() {
-        // 2000 ketama nodes put 320k points in 2^32: a dozen collisions are expected.
-        let names: Vec<String> = (0..2000)
-            .map(|i| format!("10.1.{}.{}:11211", i / 250, i % 250))
-            .collect();
-        let r = HashRing::new(
-            names.iter().map(|n| (n.as_str(), 1.0)),
-            160,
-            RingHash::Ketama,
-        )
-        .unwrap();
-        let pts: Vec<(u64, NodeId)> = r.points().collect();
-        let mut ties = 0;
-        for w in pts.windows(2) {
-            let ((p, a), (q, b)) = (w[0], w[1]);
-            if p == q && a != b {
-                ties += 1;
-                assert!(r.nodes.name(a).unwrap() < r.nodes.name(b).unwrap());
-                assert_eq!(r.owner_of(p), a);
-            }
-        }
-        assert!(ties > 0, "expected at least one collision");
-    }
-
-    #[test]
-    fn preference_starts_with_get_and_is_distinct() {
-        let r = ring(
-            &[("a", 1.0), ("b", 2.0), ("c", 1.0), ("d", 1.0)],
-            RingHash::Ketama,
-        );
-        let mut out = Vec::new();
-        for k in 0..200u64 {
-            r.preference_into(Key::Int(k), 10, &mut out).unwrap();
-            assert_eq!(out.len(), 4);
-            assert_eq!(out[0], r.get(Key::Int(k)).unwrap());
-            let mut sorted = out.clone();
-            sorted.sort_unstable();
-            sorted.dedup();
-            assert_eq!(sorted.len(), 4);
-        }
-        assert!(matches!(
-            r.preference_into(Key::Int(1), 0, &mut out),
-            Err(Error::Value(_))
-        ));
-    }
-
-    #[test]
-    fn bad_configurations_are_refused() {
-        let nodes = [("a", 1.0)];
-        assert!(HashRing::new(nodes, 0, RingHash::Xxh3).is_err());
-        assert!(HashRing::new(nodes, 10, RingHash::Ketama).is_err());
-        assert!(HashRing::new([("a", 1.5)], 160, RingHash::Ketama).is_err());
-        assert!(HashRing::new([("a", 1e9)], 160, RingHash::Xxh3).is_err());
-        let mut r = HashRing::new(nodes, 160, RingHash::Ketama).unwrap();
-        assert!(r.add("b", 0.5).is_err());
-        assert!(r.add("a", 1.0).is_err());
-        assert!(matches!(r.remove("zz"), Err(Error::Key(_))));
-        assert_eq!(r.len(), 1);
-        assert_eq!(r.num_points(), 160);
-    }
-
-    #[test]
-    fn xxh3_changes_move_keys_only_to_or_from_the_changed_node() {
-        let names: Vec<String> = (0..10).map(|i| format!("w{i}")).collect();
-        let r =
-            HashRing::new(names.iter().map(|n| (n.as_str(), 1.0)), 160, RingHash::Xxh3).unwrap();
-        let mut grown = r.clone();
-        grown.add("new", 1.0).unwrap();
-        let new_id = grown.nodes.id("new").unwrap();
-        for k in 0..5000u64 {
-            let before = r.get(Key::Int(k)).unwrap();
-            let after = grown.get(Key::Int(k)).unwrap();
-            assert!(after == before || after == new_id);
-        }
     }
 }

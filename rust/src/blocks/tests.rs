@@ -1,0 +1,241 @@
+//! Unit tests of [`crate::blocks`]: the module root's first, then one module per source file.
+
+use super::*;
+
+fn hasher(profile: Profile, options: Options) -> BlockHasher {
+    BlockHasher::new(4, profile, options).expect("valid hasher")
+}
+
+#[test]
+fn chaining_holds_for_every_profile() {
+    let tokens: Vec<u32> = (0..37).map(|i| i * 7919 % 1000).collect();
+    for profile in [Profile::Native, Profile::Vllm, Profile::Sglang] {
+        let salted = Options {
+            salt: Some("tenant".into()),
+            ..Options::default()
+        };
+        for options in [Options::default(), salted] {
+            let h = hasher(profile, options);
+            let mut whole = Vec::new();
+            h.hash_into(&tokens, &ChainState::Root, &[], &mut whole)
+                .expect("hash");
+            assert_eq!(whole.len(), 9);
+            let mut parts = Vec::new();
+            let mid = h
+                .hash_into(&tokens[..12], &ChainState::Root, &[], &mut parts)
+                .expect("hash");
+            h.hash_into(&tokens[12..], &mid, &[], &mut parts)
+                .expect("hash");
+            assert_eq!(whole, parts, "{profile}");
+        }
+    }
+}
+
+#[test]
+fn dtypes_agree_and_bad_tokens_leave_output_unchanged() {
+    let h = hasher(Profile::Native, Options::default());
+    let a: Vec<u32> = vec![1, 2, 3, 4, 5, 6, 7, 8];
+    let b: Vec<i64> = a.iter().map(|&t| i64::from(t)).collect();
+    let (mut x, mut y) = (Vec::new(), Vec::new());
+    h.hash_into(&a, &ChainState::Root, &[], &mut x)
+        .expect("u32");
+    h.hash_into(&b, &ChainState::Root, &[], &mut y)
+        .expect("i64");
+    assert_eq!(x, y);
+    let bad: Vec<i64> = vec![1, 2, 3, 4, 5, 6, -7];
+    let err = h.hash_into(&bad, &ChainState::Root, &[], &mut y);
+    assert_eq!(err, value_err!("tokens[6] = -7 is negative"));
+    assert_eq!(x, y);
+    let big: Vec<u64> = vec![1, 1 << 32, 3, 4];
+    assert!(h.hash_into(&big, &ChainState::Root, &[], &mut y).is_err());
+    let sg = hasher(Profile::Sglang, Options::default());
+    assert!(sg.hash_into(&big, &ChainState::Root, &[], &mut y).is_ok());
+}
+
+#[test]
+fn parents_of_the_wrong_kind_are_type_errors() {
+    let v = hasher(Profile::Vllm, Options::default());
+    let n = hasher(Profile::Native, Options::default());
+    let tokens = [1u32, 2, 3, 4];
+    assert!(matches!(
+        v.hash_block(&tokens, &ChainState::Native(5), &[]),
+        Err(Error::Type(_))
+    ));
+    assert!(matches!(
+        n.hash_block(&tokens, &ChainState::Digest([0; 32]), &[]),
+        Err(Error::Type(_))
+    ));
+    assert!(n.hash_block(&tokens[..3], &ChainState::Root, &[]).is_err());
+}
+
+#[test]
+fn options_are_checked() {
+    let lora_path_only = Options {
+        lora_path: Some("/p".into()),
+        ..Options::default()
+    };
+    assert!(BlockHasher::new(16, Profile::Vllm, lora_path_only).is_err());
+    let seed = Options {
+        seed: Some("0".into()),
+        ..Options::default()
+    };
+    assert!(BlockHasher::new(16, Profile::Native, seed).is_err());
+    assert!(BlockHasher::new(0, Profile::Native, Options::default()).is_err());
+    assert!("xxhash".parse::<Profile>().is_err());
+    let empty_salt = Options {
+        salt: Some(String::new()),
+        ..Options::default()
+    };
+    let h = BlockHasher::new(16, Profile::Vllm, empty_salt).expect("ok");
+    assert_eq!(h.options().salt, None);
+    assert_eq!(h.options().seed.as_deref(), Some("vllm-none-hash"));
+}
+
+#[test]
+fn unsorted_mm_items_are_refused() {
+    let h = hasher(Profile::Vllm, Options::default());
+    let mm = [
+        MmItem {
+            identifier: "b".into(),
+            offset: 5,
+            length: 1,
+        },
+        MmItem {
+            identifier: "a".into(),
+            offset: 1,
+            length: 1,
+        },
+    ];
+    let mut out = Vec::new();
+    assert!(h
+        .hash_into(&[0u32; 8], &ChainState::Root, &mm, &mut out)
+        .is_err());
+    assert!(out.is_empty());
+}
+
+/// `native.rs`.
+mod native {
+    use super::super::native::*;
+    use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+    #[test]
+    fn matches_the_documented_definition() {
+        let unsalted = root(None, None);
+        assert_eq!(unsalted, xxh3_64_with_seed(b"kvroute-native-v1\x00\x00", 0));
+        let mut pre = b"kvroute-native-v1\x01".to_vec();
+        pre.extend_from_slice(&2u64.to_le_bytes());
+        pre.extend_from_slice(b"ab\x00");
+        assert_eq!(root(Some("ab"), None), xxh3_64_with_seed(&pre, 0));
+        // Distinct namespaces get distinct roots, including the salt/LoRA-name swap.
+        assert_ne!(root(Some("x"), None), root(None, Some(("x", ""))));
+        assert_ne!(root(None, Some(("x", ""))), root(None, Some(("x", "/p"))));
+
+        let n = Native::new(None, None);
+        let mut s = Scratch::new(2);
+        let h0 = n.hash_block(n.root(), &[1u32, 2], &mut s);
+        let expected: Vec<u8> = [1u32, 2].iter().flat_map(|t| t.to_le_bytes()).collect();
+        assert_eq!(h0, xxh3_64_with_seed(&expected, unsalted));
+        let h1 = n.hash_block(h0, &[3i64, 4], &mut s);
+        let expected: Vec<u8> = [3u32, 4].iter().flat_map(|t| t.to_le_bytes()).collect();
+        assert_eq!(h1, xxh3_64_with_seed(&expected, h0));
+    }
+}
+
+/// `sglang.rs`.
+mod sglang {
+    use super::super::sglang::*;
+    use sha2::{Digest, Sha256};
+
+    #[test]
+    fn first_page_has_no_prefix_and_wide_ids_switch_encoding() {
+        let s = Sglang::new(None);
+        let mut scratch = Scratch::new(2);
+        let d = s.hash_block(None, &[1u32, 2], &mut scratch);
+        let expected: [u8; 32] = Sha256::digest([1, 0, 0, 0, 2, 0, 0, 0]).into();
+        assert_eq!(d, expected);
+        let wide = s.hash_block(Some(&d), &[1u64, 1 << 32], &mut scratch);
+        let mut pre = d.to_vec();
+        pre.push(0xff);
+        pre.extend_from_slice(&1u64.to_le_bytes());
+        pre.extend_from_slice(&(1u64 << 32).to_le_bytes());
+        let expected: [u8; 32] = Sha256::digest(&pre).into();
+        assert_eq!(wide, expected);
+        let salted = Sglang::new(Some("tenant-a"));
+        let seed: [u8; 32] = Sha256::digest(b"sglang-cache-salt-v1\0tenant-a").into();
+        assert_eq!(salted.salt_seed(), Some(&seed));
+    }
+}
+
+/// `vllm.rs`.
+mod vllm {
+    use super::super::vllm::*;
+    use super::super::*;
+    use minicbor::encode::write::Cursor;
+    use minicbor::Encoder;
+
+    fn hex(bytes: &[u8]) -> String {
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    fn preimage(v: &Vllm, parent: &[u8; 32], block: &[u32], first: bool) -> String {
+        let mut s = Scratch::new(v, block.len(), &[]);
+        let mut enc = Encoder::new(Cursor::new(s.preimage.as_mut_slice()));
+        v.encode_preimage(&mut enc, parent, block, first, &[], &[], 0)
+            .expect("encode");
+        let len = enc.writer().position();
+        hex(&s.preimage[..len])
+    }
+
+    // Pre-images and NONE_HASH from tests/data/vectors/vllm_0.33.0_block_hash_and_kv_event_vectors.json.
+    #[test]
+    fn preimages_match_the_vllm_vectors() {
+        let plain = Vllm::new(DEFAULT_SEED, None, None).expect("vllm");
+        assert_eq!(
+            hex(plain.none_hash()),
+            "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0"
+        );
+        let block: Vec<u32> = (1..=16).collect();
+        assert_eq!(
+            preimage(&plain, plain.none_hash(), &block, true),
+            "8358209bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0\
+             900102030405060708090a0b0c0d0e0f10f6"
+        );
+        let salted = Vllm::new(DEFAULT_SEED, Some("tenant-a"), None).expect("vllm");
+        assert_eq!(
+            preimage(&salted, salted.none_hash(), &block, true),
+            "8358209bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0\
+             900102030405060708090a0b0c0d0e0f1081826a63616368655f73616c746874656e616e742d61"
+        );
+        let lora =
+            Vllm::new(DEFAULT_SEED, None, Some(("sql-lora", "/adapters/sql-lora"))).expect("v");
+        let block2: Vec<u32> = (17..=32).collect();
+        let parent = [0xb9u8; 32];
+        assert!(preimage(&lora, &parent, &block2, false).ends_with(
+            "901112131415161718181819181a181b181c181d181e181f18208183646c6f72616873716c2d6c6f\
+             7261722f61646170746572732f73716c2d6c6f7261"
+        ));
+        let seed0 = Vllm::new("0", None, None).expect("vllm");
+        assert_eq!(
+            hex(seed0.none_hash()),
+            "4e1195df020de59e0d65a33a4279f1183e7ae4e5d980e309f8b55adff2e61c3e"
+        );
+    }
+
+    #[test]
+    fn mm_walk_matches_vllm_on_the_vector_case() {
+        // Item at offset 4, length 20, blocks of 16: block 0 offset 4, block 1 offset -12.
+        let mm = [MmItem {
+            identifier: "img-3f2a".into(),
+            offset: 4,
+            length: 20,
+        }];
+        let v = Vllm::new(DEFAULT_SEED, None, None).expect("vllm");
+        let mut s = Scratch::new(&v, 16, &mm);
+        let c = s.select_mm(&mm, 0, 0, 16);
+        assert_eq!((c, s.mm_selected.as_slice()), (0, &[0usize][..]));
+        let c = s.select_mm(&mm, c, 16, 32);
+        assert_eq!((c, s.mm_selected.as_slice()), (1, &[0usize][..]));
+        let c = s.select_mm(&mm, c, 32, 48);
+        assert_eq!((c, s.mm_selected.len()), (1, 0));
+    }
+}

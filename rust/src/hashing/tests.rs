@@ -1,0 +1,637 @@
+//! Unit tests of [`crate::hashing`]: the module root's first, then one module per source file.
+
+use super::*;
+
+#[test]
+fn hash_key_matches_xxh3_reference_vectors() {
+    // XXH3-64 seed 0 reference values (xxHash test suite): empty input.
+    assert_eq!(hash_key(b""), 0x2D06_8005_38D3_94C2);
+    // Integers hash as their 8 little-endian bytes.
+    assert_eq!(Key::Int(7).hash64(), hash_key(&7u64.to_le_bytes()));
+    assert_eq!(Key::Bytes(b"abc").hash64(), hash_key(b"abc"));
+    assert_eq!(Key::Int(7).prehashed64(), 7);
+}
+
+#[test]
+fn preference_len_clamps_and_refuses_zero() {
+    assert_eq!(preference_len(5, 3).unwrap(), 3);
+    assert_eq!(preference_len(2, 3).unwrap(), 2);
+    assert!(preference_len(0, 3).is_err());
+    assert!(preference_len(1, 0).is_err());
+}
+
+#[test]
+fn distinct_candidates_stop_at_n() {
+    let mut seen = SeenNodes::new(8);
+    let mut out = vec![5];
+    seen.insert(5);
+    extend_distinct(&mut out, 3, &mut seen, cycle_from(&[4, 5, 6, 7], 1));
+    assert_eq!(out, vec![5, 6, 7]);
+    extend_distinct(&mut out, 4, &mut seen, cycle_from(&[4, 5], 9));
+    assert_eq!(out, vec![5, 6, 7, 4]);
+}
+
+#[test]
+fn seen_nodes_reports_first_insertions() {
+    let mut seen = SeenNodes::new(130);
+    assert!(seen.insert(129));
+    assert!(!seen.insert(129));
+    assert!(seen.insert(0));
+    assert!(!seen.insert(500));
+}
+
+/// `bounded.rs`.
+mod bounded {
+    use super::super::bounded::*;
+    use super::super::*;
+    use crate::hashing::{HashRing, JumpHash, RingHash};
+    use crate::Error;
+
+    #[test]
+    fn capacity_is_the_ceiling_of_c_times_mean_including_the_new_request() {
+        let b = BoundedLoad::default();
+        // 4 nodes, 7 in flight: mean with the new request is 2, times 1.25 = 2.5 -> 3.
+        assert_eq!(b.capacity(7, 0.25), 3);
+        // Exact products stay exact despite float rounding: 1.1 * 10 = 11.000000000000002.
+        assert_eq!(BoundedLoad::new(1.1).unwrap().capacity(9, 1.0), 11);
+        // An idle fleet still admits the first request.
+        assert_eq!(b.capacity(0, 0.001), 1);
+    }
+
+    #[test]
+    fn walks_the_preference_until_a_node_is_under_capacity() {
+        let b = BoundedLoad::default();
+        // loads: total 8, n 4 -> capacity ceil(1.25 * 9 / 4) = 3.
+        let loads = [3, 0, 3, 2];
+        let pick = b.pick(&[0, 2, 3, 1], &loads, None).unwrap();
+        assert_eq!(
+            pick,
+            BoundedPick {
+                node: 3,
+                probes: 3,
+                within_bound: true
+            }
+        );
+        let pick = b.pick(&[0, 2], &loads, None).unwrap();
+        assert_eq!(
+            pick,
+            BoundedPick {
+                node: 0,
+                probes: 2,
+                within_bound: false
+            }
+        );
+    }
+
+    #[test]
+    fn weights_scale_capacity() {
+        let b = BoundedLoad::new(1.0).unwrap();
+        // total 5 (+1 = 6); node 0 has 2/3 of the weight -> capacity 4, node 1 -> 2.
+        let loads = [3, 2];
+        let pick = b.pick(&[1, 0], &loads, Some(&[2.0, 1.0])).unwrap();
+        assert_eq!(pick.node, 0);
+        assert!(b.pick(&[1, 0], &loads, Some(&[2.0])).is_err());
+        assert!(b.pick(&[1, 0], &loads, Some(&[2.0, f64::NAN])).is_err());
+    }
+
+    #[test]
+    fn bad_input_is_refused() {
+        let b = BoundedLoad::default();
+        assert!(matches!(BoundedLoad::new(0.9), Err(Error::Value(_))));
+        assert!(BoundedLoad::new(f64::INFINITY).is_err());
+        assert!(b.pick(&[], &[1], None).is_err());
+        assert!(b.pick(&[3], &[1, 2], None).is_err());
+    }
+
+    /// Simulates sequential arrivals (no departures) with a full preference list: no node ever
+    /// exceeds the bound, which is the paper's guarantee.
+    #[test]
+    fn loads_never_exceed_the_bound_with_full_preferences() {
+        let names: Vec<String> = (0..10).map(|i| format!("w{i}")).collect();
+        let ring =
+            HashRing::new(names.iter().map(|n| (n.as_str(), 1.0)), 160, RingHash::Xxh3).unwrap();
+        let jump = JumpHash::new(&names).unwrap();
+        for c in [1.0, 1.25, 2.0] {
+            let b = BoundedLoad::new(c).unwrap();
+            let mut loads = vec![0u64; names.len()];
+            let mut scratch = Vec::new();
+            // A hot key: every request wants the same first choice.
+            for i in 0..2000u64 {
+                let key = if i % 2 == 0 {
+                    Key::Bytes(b"hot")
+                } else {
+                    Key::Int(i)
+                };
+                let pick = if i % 3 == 0 {
+                    b.pick_for(&jump, key, &loads, None, &mut scratch).unwrap()
+                } else {
+                    b.pick_for(&ring, key, &loads, None, &mut scratch).unwrap()
+                };
+                assert!(pick.within_bound);
+                let total: u64 = loads.iter().sum();
+                let cap = b.capacity(total, 0.1);
+                loads[pick.node as usize] += 1;
+                // Capacities only grow with the load in flight, so every node stays within the
+                // current one.
+                assert!(
+                    loads.iter().all(|&l| l <= cap),
+                    "c={c} loads={loads:?} cap={cap}"
+                );
+            }
+        }
+    }
+}
+
+/// `jump.rs`: `jump_hash`.
+mod jump {
+    use super::super::jump::{jump_hash, jump_hash_many_into};
+
+    #[test]
+    fn batch_equals_single_calls() {
+        let keys: Vec<u64> = (0..1003u64)
+            .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i << 7))
+            .collect();
+        for n in [1u32, 2, 7, 1024, 100_001, i32::MAX as u32] {
+            let mut out: Vec<u32> = Vec::new();
+            jump_hash_many_into(&keys, n, &mut out);
+            let want: Vec<u32> = keys.iter().map(|&k| jump_hash(k, n)).collect();
+            assert_eq!(out, want, "n = {n}");
+        }
+    }
+
+    #[test]
+    fn paper_reference_table() {
+        // From the reference C++ code (via dgryski/go-jump, MIT): key 0xdeadbeef, buckets 1..=19.
+        let expected = [0, 1, 2, 3, 3, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 16, 16, 16];
+        for (i, &e) in expected.iter().enumerate() {
+            assert_eq!(jump_hash(0xdead_beef, i as u32 + 1), e);
+        }
+        // Guava golden value.
+        assert_eq!(jump_hash(2, 100_001), 80_343);
+    }
+}
+
+/// `ketama.rs`.
+mod ketama {
+    use super::super::ketama::*;
+    use super::super::*;
+    use md5::{Digest, Md5};
+
+    fn reference(msg: &[u8]) -> u32 {
+        let d = Md5::digest(msg);
+        u32::from_le_bytes([d[0], d[1], d[2], d[3]])
+    }
+
+    #[test]
+    fn libketama_published_hash() {
+        // libketama test.sh / python_ketama tests: ketama_hashi("test") == 3446378249.
+        assert_eq!(ketama_hash(Key::Bytes(b"test")), 3_446_378_249);
+    }
+
+    #[test]
+    fn lanes_match_scalar_md5_for_every_length() {
+        let data: Vec<u8> = (0..200u32).map(|i| (i * 37 + 11) as u8).collect();
+        let keys: Vec<&[u8]> = (0..=130).map(|n| &data[..n]).collect();
+        let mut got = Vec::new();
+        ketama_hash_many(keys.iter().map(|k| Key::Bytes(k)), |h| got.push(h));
+        let want: Vec<u32> = keys.iter().map(|k| reference(k)).collect();
+        assert_eq!(got, want);
+        for k in &keys {
+            assert_eq!(ketama_hash(Key::Bytes(k)), reference(k));
+        }
+    }
+
+    #[test]
+    fn integer_keys_hash_as_decimal_text() {
+        for k in [0u64, 7, 10, 99_999, u64::MAX] {
+            let text = k.to_string();
+            assert_eq!(ketama_hash(Key::Int(k)), reference(text.as_bytes()));
+            let mut got = Vec::new();
+            ketama_hash_many([Key::Int(k)], |h| got.push(h));
+            assert_eq!(got, vec![reference(text.as_bytes())]);
+        }
+    }
+
+    #[test]
+    fn points_are_the_digest_words() {
+        let d = Md5::digest(b"10.0.1.1:11211-3");
+        let p = ketama_points("10.0.1.1:11211", 3);
+        assert_eq!(p[0], u32::from_le_bytes([d[0], d[1], d[2], d[3]]));
+        assert_eq!(p[3], u32::from_le_bytes([d[12], d[13], d[14], d[15]]));
+    }
+}
+
+/// `maglev.rs`.
+mod maglev {
+    use super::super::maglev::*;
+    use super::super::*;
+
+    fn names(t: &Maglev) -> Vec<&str> {
+        t.table()
+            .iter()
+            .map(|&id| &**t.node_set().name(id).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn envoy_basic_table() {
+        // envoy maglev_lb_test.cc "Basic": six hosts, M = 7.
+        let hosts: Vec<String> = (90..96).map(|p| format!("127.0.0.1:{p}")).collect();
+        let t = Maglev::new(hosts.iter().map(|h| (h.as_str(), 1.0)), 7).unwrap();
+        let want = [92, 94, 90, 91, 95, 90, 93].map(|p| format!("127.0.0.1:{p}"));
+        assert_eq!(
+            names(&t),
+            want.iter().map(String::as_str).collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn envoy_weighted_table() {
+        // envoy maglev_lb_test.cc "Weighted": weights 1 and 2, M = 17.
+        let t = Maglev::new([("127.0.0.1:90", 1.0), ("127.0.0.1:91", 2.0)], 17).unwrap();
+        let want = [1, 0, 0, 1, 0, 1, 1, 0, 1, 1, 1, 1, 1, 0, 1, 0, 1];
+        assert_eq!(t.table(), &want);
+    }
+
+    #[test]
+    fn envoy_retry_attempts() {
+        // "BasicWithRetryHostPredicate": hash 10 -> host 1, then 0 on retry, then 5.
+        let hosts: Vec<String> = (90..96).map(|p| format!("127.0.0.1:{p}")).collect();
+        let t = Maglev::new(hosts.iter().map(|h| (h.as_str(), 1.0)), 7).unwrap();
+        let mut out = Vec::new();
+        t.preference_into(Key::Int(10), 3, &mut out).unwrap();
+        assert_eq!(out, vec![1, 0, 5]);
+    }
+
+    #[test]
+    fn table_size_must_be_prime() {
+        for m in [0, 1, 4, 65_536, MAX_TABLE_SIZE + 1] {
+            assert!(Maglev::new([("a", 1.0)], m).is_err(), "{m}");
+        }
+        assert!(Maglev::new([("a", 1.0)], 2).is_ok());
+    }
+
+    #[test]
+    fn preference_lists_every_node_even_without_slots() {
+        // Fewer slots than nodes: the node sorting last gets none.
+        let t = Maglev::new([("c", 1.0), ("a", 1.0), ("b", 1.0)], 2).unwrap();
+        assert!(!t.table().contains(&0));
+        let mut out = Vec::new();
+        t.preference_into(Key::Int(3), 5, &mut out).unwrap();
+        assert_eq!(out.len(), 3);
+        assert_eq!(out[2], 0);
+    }
+}
+
+/// `jump.rs`: `JumpHash`.
+mod jump_nodes {
+    use super::super::jump::*;
+    use super::super::*;
+
+    fn named(n: usize) -> Vec<String> {
+        (0..n).map(|i| format!("n{i}")).collect()
+    }
+
+    fn placement(h: &JumpHash, keys: u64) -> Vec<String> {
+        (0..keys)
+            .map(|k| {
+                h.name(
+                    h.get(Key::Int(k.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+                        .unwrap(),
+                )
+                .unwrap()
+                .to_string()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn without_removals_it_is_jump_hash() {
+        let h = JumpHash::new(named(37)).unwrap();
+        for k in 0..5000u64 {
+            let key = k.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            assert_eq!(h.get(Key::Int(key)).unwrap(), jump_hash(key, 37));
+        }
+    }
+
+    /// A deterministic pseudo-random sequence for the property tests below.
+    fn lcg(state: &mut u64) -> u64 {
+        *state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        *state >> 33
+    }
+
+    #[test]
+    fn random_removals_and_additions_move_only_the_changed_nodes_keys() {
+        let keys = 6000;
+        let mut state = 7u64;
+        for round in 0..30 {
+            let mut h = JumpHash::new(named(12)).unwrap();
+            let mut next = 12;
+            for _ in 0..20 {
+                let before = placement(&h, keys);
+                if h.len() > 1 && (!lcg(&mut state).is_multiple_of(3) || h.len() > 14) {
+                    let victim = h
+                        .name(lcg(&mut state) as u32 % h.len() as u32)
+                        .unwrap()
+                        .to_string();
+                    h.remove(&victim).unwrap();
+                    let after = placement(&h, keys);
+                    for (a, b) in before.iter().zip(&after) {
+                        assert!(a == b || *a == victim, "round {round}: {a} -> {b}");
+                        assert_ne!(*b, victim);
+                    }
+                } else {
+                    let name = format!("n{next}");
+                    next += 1;
+                    h.add(&name, 1.0).unwrap();
+                    let after = placement(&h, keys);
+                    for (a, b) in before.iter().zip(&after) {
+                        assert!(a == b || *b == name, "round {round}: {a} -> {b}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn stays_balanced_after_many_removals() {
+        let mut h = JumpHash::new(named(100)).unwrap();
+        let mut state = 3u64;
+        for _ in 0..60 {
+            let victim = h
+                .name(lcg(&mut state) as u32 % h.len() as u32)
+                .unwrap()
+                .to_string();
+            h.remove(&victim).unwrap();
+        }
+        let keys = 200_000u64;
+        let mut counts = vec![0u32; h.len()];
+        for k in 0..keys {
+            counts[h
+                .get(Key::Int(k.wrapping_mul(0x9E37_79B9_7F4A_7C15)))
+                .unwrap() as usize] += 1;
+        }
+        let mean = keys as f64 / h.len() as f64;
+        let max = *counts.iter().max().unwrap() as f64;
+        let min = *counts.iter().min().unwrap() as f64;
+        // 5000 keys per node: binomial noise is ~1.4%; 10% leaves room and catches a hot node.
+        assert!(
+            max / mean < 1.1 && min / mean > 0.9,
+            "max {max} min {min} mean {mean}"
+        );
+    }
+
+    #[test]
+    fn preference_is_the_failover_order() {
+        let mut state = 11u64;
+        let plain = JumpHash::new(named(9)).unwrap();
+        let mut holed = plain.clone();
+        holed.remove("n3").unwrap();
+        holed.remove("n7").unwrap();
+        for (h, k) in [&plain, &holed]
+            .into_iter()
+            .flat_map(|h| (0..300u64).map(move |k| (h, k)))
+        {
+            let key = Key::Int(lcg(&mut state) << 20 | k);
+            let mut pref = Vec::new();
+            h.preference_into(key, 9, &mut pref).unwrap();
+            assert_eq!(pref.len(), h.len());
+            let names: Vec<String> = pref
+                .iter()
+                .map(|&id| h.name(id).unwrap().to_string())
+                .collect();
+            let mut sim = h.clone();
+            for name in &names {
+                assert_eq!(&**sim.name(sim.get(key).unwrap()).unwrap(), name.as_str());
+                sim.remove(name).unwrap();
+            }
+            assert!(sim.is_empty());
+        }
+    }
+
+    #[test]
+    fn adding_back_undoes_a_removal() {
+        let mut h = JumpHash::new(named(10)).unwrap();
+        let before = placement(&h, 3000);
+        h.remove("n4").unwrap();
+        h.add("n4", 1.0).unwrap();
+        assert_eq!(placement(&h, 3000), before);
+        assert!(h.add("x", 2.0).is_err());
+        assert!(h.remove("nope").is_err());
+    }
+
+    #[test]
+    fn removing_everything_then_adding_works() {
+        let mut h = JumpHash::new(named(3)).unwrap();
+        for n in ["n0", "n2", "n1"] {
+            h.remove(n).unwrap();
+        }
+        assert!(h.get(Key::Int(1)).is_err());
+        h.add("a", 1.0).unwrap();
+        for k in 0..100 {
+            assert_eq!(h.get(Key::Int(k)).unwrap(), 0);
+        }
+    }
+}
+
+/// `nodes.rs`.
+mod nodes {
+    use super::super::nodes::*;
+    use crate::Error;
+
+    #[test]
+    fn ids_follow_insertion_and_shift_on_removal() {
+        let mut set = NodeSet::from_pairs([("b", 1.0), ("a", 2.0), ("c", 1.0)]).unwrap();
+        assert_eq!(set.id("a"), Some(1));
+        assert_eq!(set.ids_by_name(), vec![1, 0, 2]);
+        assert_eq!(set.name_ranks(), vec![1, 0, 2]);
+        assert_eq!(set.remove("b").unwrap(), 0);
+        assert_eq!(set.id("a"), Some(0));
+        assert_eq!(set.id("c"), Some(1));
+        assert_eq!(set.weights(), &[2.0, 1.0]);
+        assert_eq!(set.unowned_by_name(&[1, 1]), vec![0]);
+    }
+
+    #[test]
+    fn bad_input_is_refused_without_change() {
+        let mut set = NodeSet::from_pairs([("a", 1.0)]).unwrap();
+        assert!(matches!(set.push("a", 1.0), Err(Error::Value(_))));
+        for w in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            assert!(matches!(set.push("b", w), Err(Error::Value(_))));
+        }
+        assert!(matches!(set.remove("zz"), Err(Error::Key(_))));
+        assert!(set.with_node("a", 1.0).is_err() && set.without_node("zz").is_err());
+        assert_eq!(set.len(), 1);
+    }
+}
+
+/// `rendezvous.rs`.
+mod rendezvous {
+    use super::super::rendezvous::fmix64;
+    use super::super::rendezvous::*;
+    use super::super::*;
+
+    #[test]
+    fn fmix64_reference_values() {
+        // MurmurHash3 fmix64: 0 is a fixed point; the value for 1 pins the constants (computed
+        // from the MurmurHash3 definition in Python).
+        assert_eq!(fmix64(0), 0);
+        assert_eq!(fmix64(1), 0xb456_bcfc_34c2_cb2c);
+    }
+
+    #[test]
+    fn weights_set_the_share_of_keys() {
+        let r = Rendezvous::new([("a", 1.0), ("b", 3.0)]).unwrap();
+        let n = 40_000u64;
+        let b = (0..n).filter(|&k| r.get(Key::Int(k)).unwrap() == 1).count() as f64;
+        assert!((b / n as f64 - 0.75).abs() < 0.01, "{}", b / n as f64);
+    }
+
+    #[test]
+    fn uniform_and_weighted_scores_rank_alike() {
+        let names = ["a", "b", "c", "d", "e"];
+        let uniform = Rendezvous::new(names.iter().map(|&n| (n, 2.0))).unwrap();
+        let mut weighted = uniform.clone();
+        weighted.uniform = false;
+        let (mut p, mut q) = (Vec::new(), Vec::new());
+        for k in 0..500u64 {
+            uniform.preference_into(Key::Int(k), 5, &mut p).unwrap();
+            weighted.preference_into(Key::Int(k), 5, &mut q).unwrap();
+            assert_eq!(p, q);
+        }
+    }
+}
+
+/// `ring.rs`.
+mod ring {
+    use super::super::ring::*;
+    use super::super::*;
+    use crate::Error;
+
+    fn ring(nodes: &[(&str, f64)], hash: RingHash) -> HashRing {
+        HashRing::new(nodes.iter().copied(), 160, hash).unwrap()
+    }
+
+    /// Lookup by plain binary search, the definition the bucket table must reproduce.
+    fn reference_owner(r: &HashRing, h: u64) -> NodeId {
+        let pts: Vec<(u64, NodeId)> = r.points().collect();
+        let i = pts.partition_point(|&(p, _)| p < h);
+        pts[if i == pts.len() { 0 } else { i }].1
+    }
+
+    #[test]
+    fn libketama_two_server_vectors() {
+        // RJ/ketama ketama.two.servers: 600/400 MB, 320 points; "test" -> point 3454255383.
+        let r = ring(
+            &[("127.0.0.1:11211", 600.0), ("127.0.0.1:11212", 400.0)],
+            RingHash::Ketama,
+        );
+        assert_eq!(r.num_points(), 320);
+        let h = r.key_hash(Key::Bytes(b"test"));
+        assert_eq!(h, 3_446_378_249);
+        let pos = r.position(h);
+        assert_eq!(r.points[pos], 3_454_255_383);
+        assert_eq!(r.get(Key::Bytes(b"test")).unwrap(), 0);
+    }
+
+    #[test]
+    fn bucket_table_agrees_with_binary_search() {
+        let names: Vec<String> = (0..37).map(|i| format!("n{i}")).collect();
+        for hash in [RingHash::Ketama, RingHash::Xxh3] {
+            let r = HashRing::new(names.iter().map(|n| (n.as_str(), 1.0)), 8, hash).unwrap();
+            let mut probes: Vec<u64> = r
+                .points()
+                .flat_map(|(p, _)| [p, p.wrapping_sub(1), p + 1])
+                .collect();
+            probes.extend([0, u64::from(u32::MAX), u64::MAX]);
+            for k in 0..2000u64 {
+                probes.push(r.key_hash(Key::Int(k)));
+            }
+            for h in probes {
+                if hash == RingHash::Ketama && h > u64::from(u32::MAX) {
+                    continue;
+                }
+                assert_eq!(r.owner_of(h), reference_owner(&r, h), "{hash:?} {h}");
+            }
+        }
+    }
+
+    #[test]
+    fn colliding_points_go_to_the_first_name() {
+        // 2000 ketama nodes put 320k points in 2^32: a dozen collisions are expected.
+        let names: Vec<String> = (0..2000)
+            .map(|i| format!("10.1.{}.{}:11211", i / 250, i % 250))
+            .collect();
+        let r = HashRing::new(
+            names.iter().map(|n| (n.as_str(), 1.0)),
+            160,
+            RingHash::Ketama,
+        )
+        .unwrap();
+        let pts: Vec<(u64, NodeId)> = r.points().collect();
+        let mut ties = 0;
+        for w in pts.windows(2) {
+            let ((p, a), (q, b)) = (w[0], w[1]);
+            if p == q && a != b {
+                ties += 1;
+                assert!(r.nodes.name(a).unwrap() < r.nodes.name(b).unwrap());
+                assert_eq!(r.owner_of(p), a);
+            }
+        }
+        assert!(ties > 0, "expected at least one collision");
+    }
+
+    #[test]
+    fn preference_starts_with_get_and_is_distinct() {
+        let r = ring(
+            &[("a", 1.0), ("b", 2.0), ("c", 1.0), ("d", 1.0)],
+            RingHash::Ketama,
+        );
+        let mut out = Vec::new();
+        for k in 0..200u64 {
+            r.preference_into(Key::Int(k), 10, &mut out).unwrap();
+            assert_eq!(out.len(), 4);
+            assert_eq!(out[0], r.get(Key::Int(k)).unwrap());
+            let mut sorted = out.clone();
+            sorted.sort_unstable();
+            sorted.dedup();
+            assert_eq!(sorted.len(), 4);
+        }
+        assert!(matches!(
+            r.preference_into(Key::Int(1), 0, &mut out),
+            Err(Error::Value(_))
+        ));
+    }
+
+    #[test]
+    fn bad_configurations_are_refused() {
+        let nodes = [("a", 1.0)];
+        assert!(HashRing::new(nodes, 0, RingHash::Xxh3).is_err());
+        assert!(HashRing::new(nodes, 10, RingHash::Ketama).is_err());
+        assert!(HashRing::new([("a", 1.5)], 160, RingHash::Ketama).is_err());
+        assert!(HashRing::new([("a", 1e9)], 160, RingHash::Xxh3).is_err());
+        let mut r = HashRing::new(nodes, 160, RingHash::Ketama).unwrap();
+        assert!(r.add("b", 0.5).is_err());
+        assert!(r.add("a", 1.0).is_err());
+        assert!(matches!(r.remove("zz"), Err(Error::Key(_))));
+        assert_eq!(r.len(), 1);
+        assert_eq!(r.num_points(), 160);
+    }
+
+    #[test]
+    fn xxh3_changes_move_keys_only_to_or_from_the_changed_node() {
+        let names: Vec<String> = (0..10).map(|i| format!("w{i}")).collect();
+        let r =
+            HashRing::new(names.iter().map(|n| (n.as_str(), 1.0)), 160, RingHash::Xxh3).unwrap();
+        let mut grown = r.clone();
+        grown.add("new", 1.0).unwrap();
+        let new_id = grown.nodes.id("new").unwrap();
+        for k in 0..5000u64 {
+            let before = r.get(Key::Int(k)).unwrap();
+            let after = grown.get(Key::Int(k)).unwrap();
+            assert!(after == before || after == new_id);
+        }
+    }
+}

@@ -1,0 +1,545 @@
+//! Unit tests of [`crate::index`]: the module root's first, then one module per source file.
+
+//! Hand-written cases and a randomized comparison with a naive model.
+
+use std::collections::{HashMap, HashSet};
+
+use super::*;
+
+fn m(index: &PrefixIndex, q: &[u64]) -> Vec<(String, u32)> {
+    let mut out: Vec<(String, u32)> = index
+        .match_names(q)
+        .into_iter()
+        .map(|(n, c)| (n.to_string(), c))
+        .collect();
+    out.sort();
+    out
+}
+
+fn pairs(v: &[(&str, u32)]) -> Vec<(String, u32)> {
+    let mut out: Vec<(String, u32)> = v.iter().map(|(n, c)| (n.to_string(), *c)).collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn store_match_split_merge() {
+    let mut ix = PrefixIndex::new(None).unwrap();
+    ix.store("a", &[1, 2, 3, 4], None).unwrap();
+    assert_eq!(ix.num_nodes(), 1);
+    ix.store("b", &[1, 2], None).unwrap();
+    assert_eq!(ix.num_nodes(), 2);
+    ix.store("b", &[5, 6], Some(2)).unwrap();
+    assert_eq!(ix.num_nodes(), 3);
+    assert_eq!(m(&ix, &[1, 2, 3, 4]), pairs(&[("a", 4), ("b", 2)]));
+    assert_eq!(m(&ix, &[1, 2, 5, 6, 7]), pairs(&[("a", 2), ("b", 4)]));
+    assert_eq!(m(&ix, &[1, 9]), pairs(&[("a", 1), ("b", 1)]));
+    assert_eq!(m(&ix, &[2]), pairs(&[]));
+    assert_eq!(ix.len(), 6);
+    assert_eq!(ix.num_blocks("b").unwrap(), 4);
+    // Dropping b's branch makes the split at 2 unnecessary: back to one node.
+    assert_eq!(ix.remove("b", &[5]).unwrap(), 2);
+    assert_eq!(ix.num_nodes(), 2);
+    assert_eq!(ix.remove("b", &[1]).unwrap(), 2);
+    assert_eq!(ix.num_nodes(), 1);
+    ix.check_invariants().unwrap();
+    assert_eq!(m(&ix, &[1, 2, 3, 4]), pairs(&[("a", 4)]));
+}
+
+#[test]
+fn remove_middle_drops_descendants() {
+    let mut ix = PrefixIndex::new(None).unwrap();
+    ix.store("a", &[1, 2, 3, 4], None).unwrap();
+    ix.store("b", &[1, 2, 3, 4], None).unwrap();
+    assert_eq!(ix.remove("a", &[3, 99]).unwrap(), 2);
+    assert_eq!(ix.num_blocks("a").unwrap(), 2);
+    assert_eq!(m(&ix, &[1, 2, 3, 4]), pairs(&[("a", 2), ("b", 4)]));
+    assert_eq!(ix.remove("a", &[3]).unwrap(), 0);
+    ix.store("a", &[3], Some(2)).unwrap();
+    assert_eq!(m(&ix, &[1, 2, 3, 4]), pairs(&[("a", 3), ("b", 4)]));
+    ix.check_invariants().unwrap();
+}
+
+#[test]
+fn batched_removal_cuts_once_per_node() {
+    let mut ix = PrefixIndex::new(None).unwrap();
+    let chain: Vec<u64> = (1..=10).collect();
+    ix.store("a", &chain, None).unwrap();
+    ix.store("b", &chain[..6], None).unwrap();
+    ix.store("a", &[20, 21], Some(4)).unwrap();
+    assert_eq!(ix.num_nodes(), 4);
+    // vLLM order: a's tail 10, 9, 8, 7 one block each, then a block of the branch, an
+    // unknown block and a repeat.
+    assert_eq!(ix.remove("a", &[10, 9, 8, 7, 21, 99, 9]).unwrap(), 5);
+    assert_eq!(ix.num_blocks("a").unwrap(), 7);
+    assert_eq!(m(&ix, &[1, 2, 3, 4, 5, 6, 7]), pairs(&[("a", 6), ("b", 6)]));
+    assert_eq!(m(&ix, &[1, 2, 3, 4, 20, 21]), pairs(&[("a", 5), ("b", 4)]));
+    ix.check_invariants().unwrap();
+    // Shared run: b drops its tail block by block; a keeps it; the runs merge back.
+    assert_eq!(ix.remove("b", &[6, 5]).unwrap(), 2);
+    assert_eq!(m(&ix, &[1, 2, 3, 4, 5, 6]), pairs(&[("a", 6), ("b", 4)]));
+    ix.check_invariants().unwrap();
+    // A block and its ancestor in one batch, descendant first.
+    assert_eq!(ix.remove("a", &[20, 3]).unwrap(), 5);
+    assert_eq!(m(&ix, &[1, 2, 3]), pairs(&[("a", 2), ("b", 3)]));
+    ix.check_invariants().unwrap();
+    // Continuing a chain the worker alone holds extends its leaf in place; a conflicting
+    // continuation changes nothing.
+    ix.store("a", &[30, 31], Some(2)).unwrap();
+    let before = ix.dump();
+    assert!(matches!(
+        ix.store("a", &[32, 3], Some(31)),
+        Err(Error::Value(_))
+    ));
+    assert!(matches!(
+        ix.store("a", &[32, 33, 32], Some(31)),
+        Err(Error::Value(_))
+    ));
+    assert_eq!(ix.dump(), before);
+    ix.store("a", &[32], Some(31)).unwrap();
+    assert_eq!(m(&ix, &[1, 2, 30, 31, 32]), pairs(&[("a", 5), ("b", 2)]));
+    ix.check_invariants().unwrap();
+}
+
+#[test]
+fn bad_input_changes_nothing() {
+    let mut ix = PrefixIndex::new(None).unwrap();
+    ix.store("a", &[1, 2, 3], None).unwrap();
+    let before = ix.dump();
+    assert!(matches!(ix.store("a", &[7], Some(99)), Err(Error::Key(_))));
+    assert!(matches!(ix.store("b", &[7], Some(1)), Err(Error::Key(_))));
+    assert!(matches!(ix.store("a", &[2], None), Err(Error::Value(_))));
+    assert!(matches!(
+        ix.store("a", &[5, 6, 5], None),
+        Err(Error::Value(_))
+    ));
+    assert!(matches!(
+        ix.store("a", &[1, 2, 3, 8, 1], None),
+        Err(Error::Value(_))
+    ));
+    assert!(matches!(ix.store("c", &[1, 3], None), Err(Error::Value(_))));
+    assert!(matches!(ix.remove("zz", &[1]), Err(Error::Key(_))));
+    assert_eq!(ix.dump(), before);
+    assert_eq!(ix.workers().len(), 1);
+    ix.check_invariants().unwrap();
+}
+
+#[test]
+fn many_workers_spill() {
+    let mut ix = PrefixIndex::new(None).unwrap();
+    for w in 0..200u64 {
+        let chain: Vec<u64> = (0..=w % 7).map(|i| 1000 + i).collect();
+        ix.store(&format!("w{w}"), &chain, None).unwrap();
+    }
+    ix.check_invariants().unwrap();
+    let got = m(&ix, &[1000, 1001, 1002, 1003, 1004, 1005, 1006, 1007]);
+    assert_eq!(got.len(), 200);
+    for (name, count) in got {
+        let w: u64 = name[1..].parse().unwrap();
+        assert_eq!(u64::from(count), w % 7 + 1);
+    }
+    for w in 0..200 {
+        ix.remove_worker(&format!("w{w}")).unwrap();
+        ix.check_invariants().unwrap();
+    }
+    assert_eq!(ix.num_nodes(), 0);
+    assert!(ix.is_empty());
+}
+
+/// Naive model: global parent links plus per-worker block sets.
+#[derive(Default, Clone)]
+struct Model {
+    parent: HashMap<u64, Option<u64>>,
+    held: HashMap<String, HashSet<u64>>,
+}
+
+impl Model {
+    fn holders(&self, b: u64) -> Vec<&str> {
+        let mut v: Vec<&str> = self
+            .held
+            .iter()
+            .filter(|(_, s)| s.contains(&b))
+            .map(|(n, _)| n.as_str())
+            .collect();
+        v.sort();
+        v
+    }
+
+    fn prune(&mut self) {
+        let live: HashSet<u64> = self.held.values().flatten().copied().collect();
+        self.parent.retain(|b, _| live.contains(b));
+    }
+
+    fn store(
+        &mut self,
+        w: &str,
+        chain: &[u64],
+        parent: Option<u64>,
+    ) -> std::result::Result<(), char> {
+        if let Some(p) = parent {
+            if !self.held.get(w).is_some_and(|s| s.contains(&p)) {
+                return Err('K');
+            }
+        }
+        let mut prev = parent;
+        let mut seen = HashSet::new();
+        for &b in chain {
+            if !seen.insert(b) || self.parent.get(&b).is_some_and(|&p| p != prev) {
+                return Err('V');
+            }
+            prev = Some(b);
+        }
+        let mut prev = parent;
+        let set = self.held.entry(w.to_string()).or_default();
+        for &b in chain {
+            self.parent.insert(b, prev);
+            set.insert(b);
+            prev = Some(b);
+        }
+        Ok(())
+    }
+
+    fn remove(&mut self, w: &str, blocks: &[u64]) -> u64 {
+        let mut dropped = 0;
+        for &b in blocks {
+            let Some(set) = self.held.get(w) else {
+                return 0;
+            };
+            if !set.contains(&b) {
+                continue;
+            }
+            let gone: Vec<u64> = set
+                .iter()
+                .copied()
+                .filter(|&x| {
+                    let mut y = Some(x);
+                    while let Some(z) = y {
+                        if z == b {
+                            return true;
+                        }
+                        y = self.parent.get(&z).copied().flatten();
+                    }
+                    false
+                })
+                .collect();
+            let set = self.held.get_mut(w).unwrap();
+            for x in gone {
+                set.remove(&x);
+                dropped += 1;
+            }
+        }
+        self.prune();
+        dropped
+    }
+
+    fn matches(&self, q: &[u64]) -> Vec<(String, u32)> {
+        let mut out = Vec::new();
+        for (w, set) in &self.held {
+            let mut prev = None;
+            let mut n = 0;
+            for &b in q {
+                if !set.contains(&b) || self.parent.get(&b) != Some(&prev) {
+                    break;
+                }
+                prev = Some(b);
+                n += 1;
+            }
+            if n > 0 {
+                out.push((w.clone(), n));
+            }
+        }
+        out.sort();
+        out
+    }
+
+    fn canonical_nodes(&self) -> usize {
+        let mut children: HashMap<Option<u64>, usize> = HashMap::new();
+        for p in self.parent.values() {
+            *children.entry(*p).or_default() += 1;
+        }
+        self.parent
+            .iter()
+            .filter(|(b, p)| match p {
+                None => true,
+                Some(p) => children[&Some(*p)] > 1 || self.holders(**b) != self.holders(*p),
+            })
+            .count()
+    }
+}
+
+/// xorshift64*: a small deterministic generator for the randomized tests.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn random_ops(seed: u64, steps: usize, workers: u64, budget: Option<usize>) {
+    let mut rng = Rng(seed);
+    let mut ix = PrefixIndex::new(budget).unwrap();
+    let mut model = Model::default();
+    // Sequences: a few shared "system prompts", then private continuations.
+    let mut chains: Vec<Vec<u64>> = Vec::new();
+    let mut fresh = 1u64;
+    for step in 0..steps {
+        let w = format!("w{}", rng.below(workers));
+        match rng.below(10) {
+            0..=4 => {
+                // Extend a known chain (or start a new one) by some blocks.
+                let (base, parent) = if !chains.is_empty() && rng.below(4) > 0 {
+                    let c = chains[rng.below(chains.len() as u64) as usize].clone();
+                    let cut = rng.below(c.len() as u64 + 1) as usize;
+                    (
+                        c[..cut].to_vec(),
+                        if cut > 0 { Some(c[cut - 1]) } else { None },
+                    )
+                } else {
+                    (Vec::new(), None)
+                };
+                let mut chain = base.clone();
+                for _ in 0..rng.below(12) {
+                    chain.push(fresh * 7919);
+                    fresh += 1;
+                }
+                // Store either the whole chain from the root or just the tail after `parent`.
+                let (hashes, par) = if rng.below(2) == 0 {
+                    (chain.clone(), None)
+                } else {
+                    (chain[base.len()..].to_vec(), parent)
+                };
+                let want = model.store(&w, &hashes, par);
+                let got = ix.store(&w, &hashes, par);
+                match (&want, &got) {
+                    (Ok(()), Ok(())) => {}
+                    (Err('K'), Err(Error::Key(_))) | (Err('V'), Err(Error::Value(_))) => {}
+                    _ if budget.is_some() && got.is_err() => {}
+                    _ => panic!("step {step}: store {hashes:?} {par:?}: {want:?} vs {got:?}"),
+                }
+                if budget.is_some() && got.is_err() && want.is_ok() {
+                    // Evicted parent: the model stays a superset of the index.
+                }
+                chains.push(chain);
+            }
+            5 | 6 => {
+                // One block; or a batch: a chain's tail, last block first (as vLLM reports
+                // evictions, one event per block), and blocks of other chains.
+                let mut blocks = Vec::new();
+                for part in 0..=rng.below(3) {
+                    let pick = rng.below(chains.len().max(1) as u64) as usize;
+                    if let Some(c) = chains.get(pick).filter(|c| !c.is_empty()) {
+                        let at = rng.below(c.len() as u64) as usize;
+                        if part == 0 && rng.below(2) == 0 {
+                            blocks.extend(c[at..].iter().rev());
+                        } else {
+                            blocks.push(c[at]);
+                        }
+                    }
+                }
+                if !blocks.is_empty() {
+                    let before = model.clone();
+                    let want = model.remove(&w, &blocks);
+                    let mut listed = Vec::new();
+                    let id = ix.worker_id(&w);
+                    let got = id.map(|id| ix.remove_id_into(id, &blocks, &mut listed));
+                    if let (Some(Ok(got)), None) = (got, budget) {
+                        assert_eq!(got, want, "step {step}: remove {blocks:?}");
+                        // The listed blocks are exactly the dropped ones, each after all
+                        // of its descendants.
+                        let held = |m: &Model| m.held.get(&w).cloned().unwrap_or_default();
+                        let gone: HashSet<u64> =
+                            held(&before).difference(&held(&model)).copied().collect();
+                        assert_eq!(listed.len() as u64, got, "step {step}");
+                        assert_eq!(listed.iter().copied().collect::<HashSet<_>>(), gone);
+                        for (i, &b) in listed.iter().enumerate() {
+                            let mut up = before.parent.get(&b).copied().flatten();
+                            while let Some(a) = up {
+                                if let Some(j) = listed.iter().position(|&x| x == a) {
+                                    assert!(j > i, "step {step}: {a} listed before {b}");
+                                }
+                                up = before.parent.get(&a).copied().flatten();
+                            }
+                        }
+                    }
+                }
+            }
+            7 => {
+                if rng.below(3) == 0 {
+                    model.held.remove(&w);
+                    model.prune();
+                    let _ = ix.remove_worker(&w);
+                } else {
+                    if let Some(s) = model.held.get_mut(&w) {
+                        s.clear();
+                    }
+                    model.prune();
+                    let _ = ix.clear(&w);
+                }
+            }
+            _ => {}
+        }
+        ix.check_invariants()
+            .unwrap_or_else(|e| panic!("step {step}: {e}"));
+        for c in chains.iter().rev().take(3) {
+            let want = model.matches(c);
+            let got = m(&ix, c);
+            if budget.is_none() {
+                assert_eq!(got, want, "step {step}: match {c:?}");
+            } else {
+                let want: HashMap<String, u32> = want.into_iter().collect();
+                for (w, n) in got {
+                    assert!(
+                        n <= want.get(&w).copied().unwrap_or(0),
+                        "step {step}: unsound"
+                    );
+                }
+            }
+        }
+        if budget.is_none() {
+            assert_eq!(ix.num_nodes(), model.canonical_nodes(), "step {step}");
+            assert_eq!(ix.len(), model.parent.len(), "step {step}");
+            if step % 50 == 0 {
+                let copy = PrefixIndex::load(&ix.dump(), None).unwrap();
+                copy.check_invariants().unwrap();
+                assert_eq!(copy.dump().len(), ix.dump().len());
+                for c in chains.iter().rev().take(5) {
+                    assert_eq!(m(&copy, c), m(&ix, c));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn random_against_model() {
+    for seed in 1..=20 {
+        random_ops(seed * 0x9E37_79B9, 400, 5, None);
+    }
+    random_ops(77, 300, 100, None);
+}
+
+#[test]
+fn random_with_budget_is_sound() {
+    for seed in 1..=10 {
+        random_ops(
+            seed * 31 + 7,
+            400,
+            6,
+            Some(PrefixIndex::min_budget() + 6000),
+        );
+    }
+}
+
+#[test]
+fn budget_holds_and_evicts_lru_first() {
+    let budget = 200_000;
+    let mut ix = PrefixIndex::new(Some(budget)).unwrap();
+    for s in 0..200u64 {
+        let chain: Vec<u64> = (0..100).map(|i| (s << 32) | (i + 1)).collect();
+        ix.store(&format!("w{}", s % 4), &chain, None).unwrap();
+        assert!(ix.memory_bytes() <= budget);
+        // Keep sequence 0 hot.
+        let hot: Vec<u64> = (0..100).map(|i| i + 1).collect();
+        let _ = ix.match_names(&hot);
+        ix.check_invariants().unwrap();
+    }
+    let hot: Vec<u64> = (0..100).map(|i| i + 1).collect();
+    assert_eq!(m(&ix, &hot), pairs(&[("w0", 100)]));
+    assert!(ix.len() < 200 * 100);
+    assert!(PrefixIndex::new(Some(10)).is_err());
+}
+
+#[test]
+fn load_rejects_garbage_without_panicking() {
+    let mut ix = PrefixIndex::new(None).unwrap();
+    ix.store("a", &[1, 2, 3], None).unwrap();
+    ix.store("b", &[1, 2, 9], None).unwrap();
+    let image = ix.dump();
+    let copy = PrefixIndex::load(&image, None).unwrap();
+    assert_eq!(copy.dump(), image);
+    let mut rng = Rng(5);
+    for _ in 0..2000 {
+        let mut bad = image.clone();
+        match rng.below(3) {
+            0 => bad.truncate(rng.below(image.len() as u64) as usize),
+            1 => {
+                let i = rng.below(bad.len() as u64) as usize;
+                bad[i] ^= 1 << rng.below(8);
+            }
+            _ => {
+                // Corrupt the body and fix the checksum, so structural validation must catch it.
+                let body = bad.len() - 8;
+                let i = rng.below(body as u64) as usize;
+                bad[i] = rng.next() as u8;
+                let sum = xxhash_rust::xxh3::xxh3_64(&bad[..body]).to_le_bytes();
+                bad[body..].copy_from_slice(&sum);
+            }
+        }
+        if let Ok(loaded) = PrefixIndex::load(&bad, None) {
+            loaded.check_invariants().unwrap();
+        }
+    }
+}
+
+#[test]
+fn remove_into_lists_descendants_first() {
+    let mut ix = PrefixIndex::new(None).unwrap();
+    ix.store("a", &[1, 2, 3, 4], None).unwrap();
+    ix.store("a", &[5, 6], Some(2)).unwrap();
+    ix.store("b", &[1, 2, 3], None).unwrap();
+    let a = ix.worker_id("a").unwrap();
+    let mut dropped = Vec::new();
+    assert_eq!(ix.remove_id_into(a, &[2, 77], &mut dropped).unwrap(), 5);
+    let pos = |h: u64| dropped.iter().position(|&x| x == h).unwrap();
+    let mut sorted = dropped.clone();
+    sorted.sort_unstable();
+    assert_eq!(sorted, vec![2, 3, 4, 5, 6]);
+    assert!(pos(4) < pos(3) && pos(3) < pos(2));
+    assert!(pos(6) < pos(5) && pos(5) < pos(2));
+    assert_eq!(m(&ix, &[1, 2, 3]), pairs(&[("a", 1), ("b", 3)]));
+    ix.check_invariants().unwrap();
+}
+
+/// `worker_set.rs`.
+mod worker_set {
+    use super::super::worker_set::*;
+
+    #[test]
+    fn insert_remove_canonical() {
+        let mut s = WorkerSet::default();
+        s.insert(3);
+        s.insert(200);
+        assert!(matches!(s, WorkerSet::Spilled(_)));
+        assert!(s.contains(3) && s.contains(200) && !s.contains(4) && !s.contains(1000));
+        assert_eq!(s.iter().collect::<Vec<_>>(), vec![3, 200]);
+        s.remove(200);
+        assert_eq!(s, WorkerSet::single(3));
+        s.remove(3);
+        assert!(s.is_empty());
+    }
+
+    #[test]
+    fn minus_and_subset() {
+        let mut a = WorkerSet::default();
+        let mut b = WorkerSet::default();
+        for id in [0, 63, 64, 130] {
+            a.insert(id);
+        }
+        for id in [63, 130] {
+            b.insert(id);
+        }
+        assert_eq!(a.iter_minus(&b).collect::<Vec<_>>(), vec![0, 64]);
+        assert!(b.is_subset(&a) && !a.is_subset(&b));
+        assert_eq!(a.len(), 4);
+        assert_eq!(
+            WorkerSet::single(5).iter_minus(&a).collect::<Vec<_>>(),
+            vec![5]
+        );
+    }
+}
