@@ -7,9 +7,6 @@ BIN    := $(CURDIR)/$(VENV)/bin
 STAMP  := $(VENV)/.deps-stamp
 EXTRAS ?= test,dev,sim,events,gateway
 RUN    := VIRTUAL_ENV=$(CURDIR)/$(VENV) PATH="$(BIN):$$PATH"
-# The stable-ABI level of the extension: abi3-py310 on Python >= 3.10, where PyO3 can use the
-# fast (vectorcall) calling convention — about 70 ns less per call — and abi3-py39 on 3.9.
-ABI3    = $(shell $(BIN)/python -c 'import sys; print("abi3-py310" if sys.version_info >= (3, 10) else "abi3-py39")')
 
 .PHONY: demo test test-rust test-python bench lint fmt build wheels clean
 
@@ -50,12 +47,11 @@ $(STAMP): $(BIN)/python
 
 # Release build of the extension, installed into .venv with the requested extras' dependencies.
 build: $(STAMP)
-	$(RUN) maturin develop --release --locked -q -F pyo3/$(ABI3) --extras $(EXTRAS)
+	$(RUN) maturin develop --release --locked -q --extras $(EXTRAS)
 
-# Release wheels: one for every CPython >= 3.9, and a faster one pip prefers on >= 3.10.
+# Release wheel: one abi3 wheel for every CPython >= 3.10 (pyproject.toml sets the ABI level).
 wheels: $(STAMP)
-	$(RUN) maturin build --release --locked -F pyo3/abi3-py39 -o dist
-	$(RUN) maturin build --release --locked -F pyo3/abi3-py310 -o dist
+	$(RUN) maturin build --release --locked -o dist
 
 clean:
 	rm -rf $(VENV) target python/kvroute/_core*.so

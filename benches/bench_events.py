@@ -128,7 +128,8 @@ def encode_dynamo(batches):
             if e["type"] == "BlockStored":
                 local = compute(e["token_ids"], BLOCK)
                 blocks = [
-                    {"block_hash": h, "tokens_hash": t} for h, t in zip(e["block_hashes"], local)
+                    {"block_hash": h, "tokens_hash": t}
+                    for h, t in zip(e["block_hashes"], local, strict=True)
                 ]
                 data = {"stored": {"parent_hash": e["parent_block_hash"], "blocks": blocks}}
             else:

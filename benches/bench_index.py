@@ -46,7 +46,7 @@ def make_workload(target_pairs: int, seed: int = 0):
     def store_prefix(worker: int, k: int, conv: np.ndarray, sys_len: int, cuts: list[int]) -> int:
         new = 0
         parent = None
-        for start, end in zip([0, *cuts[:-1]], cuts):
+        for start, end in zip([0, *cuts[:-1]], cuts, strict=True):
             blocks = conv[start:end]
             events.append((worker, parent, blocks))
             parent = int(blocks[-1])
@@ -132,7 +132,7 @@ def setup(request):
     queries = {n: make_queries(conversations, n) for n in QUERY_LENGTHS}
     lists = {n: [q.tolist() for q in qs] for n, qs in queries.items()}
     for n in QUERY_LENGTHS:
-        for q, ql in zip(queries[n], lists[n]):
+        for q, ql in zip(queries[n], lists[n], strict=True):
             assert idx.match(q) == dynamo_answer(tree.find_matches(ql).scores)
     pairs = sum(idx.num_blocks(w) for w in idx.workers)
     blocks = sum(len(b) for _, _, b in events)

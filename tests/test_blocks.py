@@ -21,9 +21,9 @@ import kvroute
 import numpy as np
 import pytest
 import xxhash
-from helpers import run_threads
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.helpers import run_threads
 
 VECTORS = Path(__file__).parent / "data" / "vectors"
 VLLM = json.loads((VECTORS / "vllm_0.33.0_block_hash_and_kv_event_vectors.json").read_text())
@@ -153,7 +153,7 @@ def test_vllm_033_vectors(case):
     # The reference model reproduces vLLM's exact pre-images, so it is a fair oracle below.
     digests = [bytes.fromhex(d) for d in case["block_hashes_hex"]]
     parents = [bytes.fromhex(case["none_hash_hex"]), *digests[:-1]]
-    for i, (parent, preimage) in enumerate(zip(parents, case["hash_preimage_hex"])):
+    for i, (parent, preimage) in enumerate(zip(parents, case["hash_preimage_hex"], strict=True)):
         keys = ast.literal_eval(case["hash_side_extra_keys"][i])
         block = tuple(tokens[i * 16 : (i + 1) * 16])
         assert cbor2.dumps((parent, block, keys), canonical=True).hex() == preimage

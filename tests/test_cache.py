@@ -1,12 +1,10 @@
-"""BlockCache against a pure-Python reference model (tests/cache_model.py), via Hypothesis."""
+"""BlockCache against a pure-Python reference model (``support.cache_model``), via Hypothesis."""
 
 from __future__ import annotations
 
 import kvroute
 import numpy as np
 import pytest
-from cache_model import CacheModel, ModelError
-from helpers import run_threads
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -16,6 +14,8 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from support.cache_model import CacheModel, ModelError
+from support.helpers import run_threads
 
 # A small universe so chains share prefixes, collide and come back after eviction; two values
 # above 2**63 keep the full 64-bit range honest.
@@ -36,7 +36,7 @@ class CacheMachine(RuleBasedStateMachine):
     )
     def setup(self, capacity, shares):
         reserved, left = {}, capacity
-        for name, blocks in zip(NAMES, shares):
+        for name, blocks in zip(NAMES, shares, strict=False):
             blocks = min(blocks, left)
             reserved[name] = blocks
             left -= blocks

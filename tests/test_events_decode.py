@@ -14,7 +14,6 @@ import hashlib
 import json
 from pathlib import Path
 
-import events_payloads as P
 import kvroute
 import msgpack
 import pytest
@@ -22,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from kvroute import BlockHasher, KvEventApplier, PrefixIndex, decode_kv_events
+from support import events_payloads as P
 
 VECTORS = Path(__file__).parent / "data" / "vectors"
 VLLM = json.loads((VECTORS / "vllm_0.33.0_block_hash_and_kv_event_vectors.json").read_text())
@@ -52,7 +52,7 @@ def test_decoder_matches_vllm_vectors(name):
     want_ts, want_events, want_rank = case["payload_decoded"]
     assert (ts, rank) == (want_ts, want_rank)
     assert len(events) == len(want_events)
-    for got, want in zip(events, want_events):
+    for got, want in zip(events, want_events, strict=True):
         for key, value in want.items():
             if key == "extra_keys":
                 assert msgpack.unpackb(got["extra_keys"]) == value

@@ -17,9 +17,9 @@ import threading
 import time
 from pathlib import Path
 
-import events_payloads as P
 import pytest
 from kvroute import BlockHasher, KvEventApplier, PrefixIndex
+from support import events_payloads as P
 
 zmq = pytest.importorskip("zmq")
 from kvroute.events import END_SEQ, KvEventSubscriber  # noqa: E402

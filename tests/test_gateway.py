@@ -18,7 +18,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
-from gateway_fleet import (  # noqa: E402
+from support.gateway_fleet import (  # noqa: E402
     LONG_SYSTEM,
     Fleet,
     GatewayServer,
@@ -26,7 +26,7 @@ from gateway_fleet import (  # noqa: E402
     config_dict,
     wait_for,
 )
-from gateway_upstream import expected_cached, reference_render  # noqa: E402
+from support.gateway_upstream import expected_cached, reference_render  # noqa: E402
 
 
 @pytest.fixture
@@ -527,7 +527,7 @@ def test_cli_serve(fleet, tmp_path):
     import subprocess
     import sys
 
-    from gateway_fleet import toml_text
+    from support.gateway_fleet import toml_text
 
     cfg = tmp_path / "gw.toml"
     cfg.write_text(toml_text(config_dict(fleet)))
@@ -581,7 +581,7 @@ def test_hf_tokenizer_routing(fleet, tmp_path):
         done, h2 = chat(client, "ep-globex", q2)
         assert h1["x-kvroute-worker"] == h2["x-kvroute-worker"]
         ids1, ids2 = (tok.encode(reference_render(messages(q))).ids for q in (q1, q2))
-        common = next(i for i, (a, b) in enumerate(zip(ids1, ids2)) if a != b)
+        common = next(i for i, (a, b) in enumerate(zip(ids1, ids2, strict=False)) if a != b)
         routing_prompt = len(ids2)
         assert int(h2["x-kvroute-cached-tokens"]) == common // 16 * 16 > 0
         reported = done.usage.prompt_tokens_details.cached_tokens

@@ -12,8 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("starlette")
-from gateway_fleet import toml_text
-from gateway_upstream import reference_render, reference_tokens
 from kvroute.gateway import load_config, parse_config
 from kvroute.gateway.config import key_digest
 from kvroute.gateway.prompt import (
@@ -26,6 +24,8 @@ from kvroute.gateway.prompt import (
     to_routing_tokens,
 )
 from kvroute.server.metrics import Counter, Gauge, Histogram, Registry
+from support.gateway_fleet import toml_text
+from support.gateway_upstream import reference_render, reference_tokens
 
 # ---- config ----------------------------------------------------------------------------------
 

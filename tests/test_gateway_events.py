@@ -14,9 +14,9 @@ pytest.importorskip("starlette")
 zmq = pytest.importorskip("zmq")
 openai = pytest.importorskip("openai")
 
-import events_payloads as P  # noqa: E402
-from gateway_fleet import Fleet, GatewayServer, chat, config_dict, wait_for  # noqa: E402
-from gateway_upstream import BLOCK, Upstream  # noqa: E402
+from support import events_payloads as P  # noqa: E402
+from support.gateway_fleet import Fleet, GatewayServer, chat, config_dict, wait_for  # noqa: E402
+from support.gateway_upstream import BLOCK, Upstream  # noqa: E402
 
 
 class PublishingUpstream(Upstream):
@@ -81,7 +81,7 @@ def fleet():
 @pytest.fixture
 def gw(fleet):
     cfg = config_dict(fleet, router={"policy": "kv_aware", "index": "events"})
-    for w, u in zip(cfg["workers"], fleet.upstreams):
+    for w, u in zip(cfg["workers"], fleet.upstreams, strict=True):
         w["kv_events"] = u.events_endpoint
     with GatewayServer(cfg) as g:
         for u in fleet.upstreams:

@@ -1,6 +1,6 @@
 """Load: 2,000 requests from 64 concurrent OpenAI clients through `kvroute serve`.
 
-Three processes on 127.0.0.1: four test upstreams (``tests/gateway_upstream.py``), the gateway
+Three processes on 127.0.0.1: four test upstreams (``support/gateway_upstream.py``), the gateway
 started with the real command line (``python -m kvroute.cli serve --config ...``), and this test
 as the caller (``openai.AsyncOpenAI``). Every request carries a unique ``x-request-id``; each
 upstream records the ids it served and echoes the id in its answer. Asserted: no request lost
@@ -32,7 +32,7 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
-from gateway_fleet import toml_text  # noqa: E402
+from support.gateway_fleet import toml_text  # noqa: E402
 
 HERE = Path(__file__).parent
 REQUESTS = int(os.environ.get("KVROUTE_LOAD_REQUESTS", "2000"))
@@ -157,7 +157,7 @@ def _pct(xs: list[float], q: float) -> float:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     up = subprocess.Popen(
-        [sys.executable, str(HERE / "gateway_upstream.py"), str(UPSTREAMS)],
+        [sys.executable, str(HERE / "support" / "gateway_upstream.py"), str(UPSTREAMS)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

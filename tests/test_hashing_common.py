@@ -8,9 +8,10 @@ from collections import Counter
 import kvroute
 import numpy as np
 import pytest
-from helpers import run_threads
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.helpers import run_threads
 
 KINDS = {
     "ring-ketama": lambda nodes: kvroute.HashRing(nodes),
@@ -157,9 +158,9 @@ def test_membership_changes_move_only_the_changed_nodes_keys(kind, n, data):
     victim = data.draw(st.sampled_from(nodes))
     h.remove(victim)
     after = h.get_many(keys)
-    stray = sum(b != a and b != victim for b, a in zip(before, after))
+    stray = sum(b != a and b != victim for b, a in zip(before, after, strict=True))
     assert victim not in after
-    moved = sum(b != a for b, a in zip(before, after))
+    moved = sum(b != a for b, a in zip(before, after, strict=True))
     # Maglev rebuilds its table, so it may move a few other keys (<= 1% in Envoy's tests and the
     # paper); the others move nothing but the removed node's keys.
     assert stray <= (0.01 * len(keys) if kind == "maglev" else 0)
@@ -167,9 +168,9 @@ def test_membership_changes_move_only_the_changed_nodes_keys(kind, n, data):
     assert moved <= len(keys) / n * 1.6 + 60
     h.add("newcomer")
     grown = h.get_many(keys)
-    stray = sum(a != g and g != "newcomer" for a, g in zip(after, grown))
+    stray = sum(a != g and g != "newcomer" for a, g in zip(after, grown, strict=True))
     assert stray <= (0.01 * len(keys) if kind == "maglev" else 0)
-    assert sum(a != g for a, g in zip(after, grown)) <= len(keys) / n * 1.6 + 60
+    assert sum(a != g for a, g in zip(after, grown, strict=True)) <= len(keys) / n * 1.6 + 60
 
 
 @pytest.mark.parametrize(
@@ -225,3 +226,28 @@ def test_concurrent_lookups_and_changes_are_safe(make):
 
     run_threads((reader, ()), (reader, ()), (reader, ()), (writer, ()))
     assert h.nodes == [f"w{i}" for i in range(16)]
+
+
+# -- hash_key (the stable key hash every hasher reads str/bytes keys through) --------------
+
+
+def test_hash_key_is_xxh3_of_bytes():
+    # XXH3-64 seed 0 reference values from the xxHash project's sanity tests: empty input.
+    assert kvroute.hash_key(b"") == 0x2D06800538D394C2
+    assert kvroute.hash_key("") == kvroute.hash_key(b"")
+    assert kvroute.hash_key("ключ") == kvroute.hash_key("ключ".encode())
+    assert kvroute.hash_key(7) == kvroute.hash_key((7).to_bytes(8, "little"))
+    assert kvroute.hash_key(2**64 - 1) == kvroute.hash_key(b"\xff" * 8)
+
+
+@pytest.mark.parametrize(
+    ("key", "exc"), [(-1, ValueError), (2**64, ValueError), (1.0, TypeError), (None, TypeError)]
+)
+def test_hash_key_bad_input(key, exc):
+    with pytest.raises(exc):
+        kvroute.hash_key(key)
+
+
+@given(st.binary(max_size=300))
+def test_hash_key_matches_python_xxhash(data):
+    assert kvroute.hash_key(data) == xxhash.xxh3_64_intdigest(data, seed=0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import kvroute
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -50,7 +51,6 @@ def test_envoy_retry_attempts_are_the_preference_order(maglev_vectors):
 
 
 def test_offsets_and_skips_are_envoys(maglev_vectors):
-    xxhash = pytest.importorskip("xxhash")
     case = envoy_case(maglev_vectors, "Basic")
     for host, (offset, skip) in case["derived_offset_skip"].items():
         assert xxhash.xxh64_intdigest(host.encode(), seed=0) % 7 == offset

@@ -6,11 +6,9 @@ import math
 from collections import Counter
 
 import kvroute
-import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-xxhash = pytest.importorskip("xxhash")
 
 MASK = 2**64 - 1
 

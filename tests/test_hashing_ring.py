@@ -9,10 +9,10 @@ from collections import Counter
 import kvroute
 import numpy as np
 import pytest
+import uhashring
+import xxhash
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-
-uhashring = pytest.importorskip("uhashring")
 
 
 def ketama_hashi(key: str | bytes) -> int:
@@ -46,7 +46,7 @@ def test_libketama_million_key_golden_output(ketama_vectors):
     keys = [str(i) for i in range(1_000_000)]
     servers = ring.get_many(keys)
     lines = ["\n"]
-    for key, server in zip(keys, servers):
+    for key, server in zip(keys, servers, strict=True):
         h = ketama_hashi(key)
         lines.append(f"{h} {first_point_at_or_after(positions, h)} {server}\n")
     assert lines[1 : 1 + len(case["first_lines_of_that_output"])] == [
@@ -112,7 +112,7 @@ def test_parity_with_uhashring_ketama(nodes, keys, vnodes):
     )
     assert [p for p, _ in ours.points] == sorted(peer.runtime._keys)
     got = ours.get_many(keys)
-    for key, node in zip(keys, got):
+    for key, node in zip(keys, got, strict=True):
         assert node == ours.get(key)
         expected = peer.get_node(key)
         assert node == expected or divergence_is_documented(ours, str(key)), key
@@ -167,7 +167,6 @@ def test_integer_keys_hash_as_their_decimal_text():
 
 
 def test_xxh3_ring_points_are_documented():
-    xxhash = pytest.importorskip("xxhash")
     ring = kvroute.HashRing({"a": 1, "b": 2.5}, vnodes=8, hash="xxh3")
     expected = sorted(
         [(xxhash.xxh3_64_intdigest(b"a", seed=j), "a") for j in range(8)]

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import math
 
-import events_payloads as P
 import kvroute
 import numpy as np
 import pytest
 import xxhash
-from helpers import run_threads
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from support import events_payloads as P
+from support.helpers import run_threads
 
 BS = 4
 MASK = (1 << 64) - 1

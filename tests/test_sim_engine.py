@@ -2,7 +2,7 @@
 
 The reference (:func:`reference_run`) re-implements the engine's documented model in the most
 literal way: a scan for the next event instead of a heap, the pinned set recomputed from the
-running requests instead of reference counts, and ``tests/cache_model.CacheModel`` (a
+running requests instead of reference counts, and ``tests/support/cache_model.CacheModel`` (a
 transcription of the BlockCache semantics) instead of ``kvroute.BlockCache``.
 """
 
@@ -12,12 +12,12 @@ import math
 
 import numpy as np
 import pytest
-from cache_model import CacheModel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvroute import PrefixIndex
 from kvroute.sim.engine import Fleet, FleetModel, Policy, run, worker_names
-from sim_helpers import make_workload
+from support.cache_model import CacheModel
+from support.sim_helpers import make_workload
 
 
 class Fixed(Policy):

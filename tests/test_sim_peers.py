@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from kvroute.sim.engine import Fleet, FleetModel, run, worker_names
 from kvroute.sim.peers import ActiveBlocks, DynamoKv, LlmdScheduler, SGLangCacheAware
-from sim_helpers import make_workload
+from support.sim_helpers import make_workload
 
 
 def bind(policy, workload, workers=3, capacity=10):

@@ -12,7 +12,7 @@ from kvroute.sim.policies import (
     make_policy,
     parse_policies,
 )
-from sim_helpers import make_workload
+from support.sim_helpers import make_workload
 
 
 def small_trace(n=300, seed=3):

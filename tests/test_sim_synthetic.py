@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -25,11 +27,11 @@ def test_block_hashes_are_equal_iff_token_prefixes_are_equal(prompts, block_size
         for p in prompts
     ]
     toks = [_tokens(p) for p in prompts]
-    for h, t in zip(hashes, toks):
+    for h, t in zip(hashes, toks, strict=True):
         assert len(h) == len(t) // block_size  # full blocks only
     refs = [
         (h[j], tuple(t[: (j + 1) * block_size]))
-        for h, t in zip(hashes, toks)
+        for h, t in zip(hashes, toks, strict=True)
         for j in range(len(h))
     ]
     for ha, pa in refs:
@@ -129,7 +131,7 @@ def test_agent_turns_extend_the_previous_prompt():
     multi = [ix for ix in by_session.values() if len(ix) > 1]
     assert multi
     for ix in multi:
-        for a, b in zip(ix, ix[1:]):
+        for a, b in itertools.pairwise(ix):
             ha, hb = w.block_hashes(a), w.block_hashes(b)
             assert w.input_tokens[b] > w.input_tokens[a]
             assert _common_prefix(ha, hb) == ha.shape[0]  # every full block of turn t reused

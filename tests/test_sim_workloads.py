@@ -265,7 +265,7 @@ def test_kv_cache_tester_real_files(name, count):
     assert set(w.session) == {path.stem}
     # Chained hashes share exactly where the file's ids share a prefix.
     common = 0
-    for x, y in zip(raw[-2]["hash_ids"], raw[-1]["hash_ids"]):
+    for x, y in zip(raw[-2]["hash_ids"], raw[-1]["hash_ids"], strict=False):
         if x != y:
             break
         common += 1
@@ -285,7 +285,9 @@ def test_kv_cache_tester_directory_merges_conversations_in_separate_namespaces(t
     }
     a, b = by_session["trace_0002"], by_session["trace_0007"]
     assert not set(a.tolist()) & set(b.tolist())  # both files use ids 1, 2, 3, ... locally
-    first_0007 = min(t for t, s in zip(w.arrival.tolist(), w.session) if s == "trace_0007")
+    first_0007 = min(
+        t for t, s in zip(w.arrival.tolist(), w.session, strict=True) if s == "trace_0007"
+    )
     assert first_0007 == 100.0
     p1 = load_trace(tmp_path, starts="poisson", mean_gap=30.0, seed=1)
     p2 = load_trace(tmp_path, starts="poisson", mean_gap=30.0, seed=1)

@@ -50,10 +50,10 @@ def stub_params(func: ast.FunctionDef, skip_first: bool) -> list[tuple[str, str,
     positional += [(p, "POSITIONAL_OR_KEYWORD") for p in a.args]
     defaults = [inspect.Parameter.empty] * (len(positional) - len(a.defaults))
     defaults += [ast.literal_eval(d) for d in a.defaults]
-    out = [(p.arg, kind, d) for (p, kind), d in zip(positional, defaults)]
+    out = [(p.arg, kind, d) for (p, kind), d in zip(positional, defaults, strict=True)]
     if skip_first:
         out = out[1:]
-    for p, d in zip(a.kwonlyargs, a.kw_defaults):
+    for p, d in zip(a.kwonlyargs, a.kw_defaults, strict=True):
         default = inspect.Parameter.empty if d is None else ast.literal_eval(d)
         out.append((p.arg, "KEYWORD_ONLY", default))
     return out

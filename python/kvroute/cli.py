@@ -19,7 +19,7 @@ HASHERS: dict[str, Callable[[list[str]], object]] = {
 
 
 def _moves(before: list[str], after: list[str]) -> tuple[int, Counter[tuple[str, str]]]:
-    moved = Counter((b, a) for b, a in zip(before, after) if b != a)
+    moved = Counter((b, a) for b, a in zip(before, after, strict=True) if b != a)
     return sum(moved.values()), moved
 
 

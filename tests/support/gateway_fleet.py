@@ -9,8 +9,9 @@ from typing import Any
 
 import httpx
 import openai
-from gateway_upstream import ServerThread, Upstream
 from kvroute.gateway import Gateway, parse_config
+
+from support.gateway_upstream import ServerThread, Upstream
 
 LONG_SYSTEM = "You are the support assistant of ACME Rockets. Policy handbook follows. " + " ".join(
     f"Rule {i}: rockets of model R{i} must be fuelled with mixture M{i % 7}." for i in range(120)
@@ -66,7 +67,7 @@ def config_dict(fleet: Fleet, **sections: Any) -> dict[str, Any]:
         "router": {"policy": "kv_aware", "block_size": 16},
         "workers": [
             {"name": u.name, "url": f"http://127.0.0.1:{p}", "kind": "vllm"}
-            for u, p in zip(fleet.upstreams, fleet.ports)
+            for u, p in zip(fleet.upstreams, fleet.ports, strict=True)
         ],
         "endpoints": [
             {

@@ -14,7 +14,7 @@ fail with a status, to stall before answering, or to stream slowly. The reply's 
 ``"<upstream name> <request id>"`` so a caller can check it got its own answer.
 
 Run as a script it serves N upstreams in one process and prints their ports as JSON
-(``python tests/gateway_upstream.py 4``), with ``/_test/records`` for the load test.
+(``python tests/support/gateway_upstream.py 4``), with ``/_test/records`` for the load test.
 """
 
 from __future__ import annotations

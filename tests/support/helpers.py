@@ -4,7 +4,8 @@ that more than one module checks against."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def run_threads(*calls: tuple[Callable[..., Any], tuple]) -> None:

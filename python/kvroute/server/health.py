@@ -118,7 +118,7 @@ class Health:
         if not due:
             return
         results = await asyncio.gather(*(self._probe(w) for w in due), return_exceptions=True)
-        for worker, ok in zip(due, results):
+        for worker, ok in zip(due, results, strict=True):
             if ok is True:
                 self.readmit(worker)
 

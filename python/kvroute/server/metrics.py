@@ -40,7 +40,7 @@ def _escape(value: str) -> str:
 
 
 def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
-    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values)]
+    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values, strict=False)]
     if extra:
         parts.append(extra)
     return "{" + ",".join(parts) + "}" if parts else ""
@@ -136,7 +136,7 @@ class Histogram(_Metric):
         lines = self.header()
         for key, row in sorted(self.series.items()):
             running = 0.0
-            for bound, count in zip((*self.bounds, float("inf")), row):
+            for bound, count in zip((*self.bounds, float("inf")), row, strict=False):
                 running += count
                 le = 'le="' + ("+Inf" if bound == float("inf") else repr(float(bound))) + '"'
                 lines.append(

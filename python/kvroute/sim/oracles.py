@@ -21,8 +21,9 @@ The pooled LRU drives any cache that speaks the :class:`PrefixCache` protocol â€
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 

@@ -13,8 +13,8 @@ The peers (:mod:`.peers`) run in their own default modes whatever ``index`` says
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -180,7 +180,7 @@ def endpoint_scenario(
     t_q = rng.integers(lo_q, hi_q + 1, size=t_times.shape[0])
     t_out = _lognormal(rng, output_mean, 0.8, t_times.shape[0], 1, 4096)
     sys_id = _seg(_SYSTEM, 0)
-    for t, q, o in zip(t_times.tolist(), t_q.tolist(), t_out.tolist()):
+    for t, q, o in zip(t_times.tolist(), t_q.tolist(), t_out.tolist(), strict=True):
         counter += 1
         h = segment_block_hashes(
             [sys_id, _seg(_QUESTION, counter)], [tenant_system_tokens, q], block_size, salt
@@ -195,7 +195,9 @@ def endpoint_scenario(
     who = perm[rng.choice(noise_tenants, size=n_times.shape[0], p=weights)]
     user_len = _lognormal(rng, noise_user_mean, 0.8, n_times.shape[0], 16, 32768)
     n_out = _lognormal(rng, output_mean, 0.8, n_times.shape[0], 1, 4096)
-    for t, k, u, o in zip(n_times.tolist(), who.tolist(), user_len.tolist(), n_out.tolist()):
+    for t, k, u, o in zip(
+        n_times.tolist(), who.tolist(), user_len.tolist(), n_out.tolist(), strict=True
+    ):
         counter += 1
         s = int(sys_len[k])
         h = segment_block_hashes(

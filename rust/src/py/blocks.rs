@@ -10,8 +10,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyByteArray, PyBytes, PyInt, PyString, PyTuple};
 
 use super::convert::{
-    block_hash_from_py, describe, name_from_py, optional, optional_name, tokens_from_py,
-    type_error, typed, u64_from_int, usize_from_int, Tokens,
+    block_hash_from_py, describe, name_item, optional, tokens_from_py, type_error, typed,
+    u64_from_int, usize_from_int, Name, Tokens,
 };
 use crate::blocks::{BlockHasher, ChainState, MmItem, Options, Profile};
 
@@ -81,8 +81,7 @@ fn mm_from_py(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<MmItem>> {
         if tuple.len() != 3 {
             return Err(bad());
         }
-        let identifier =
-            name_from_py(&tuple.get_item(0)?, &format!("mm[{i}] identifier"))?.into_owned();
+        let identifier = name_item(&tuple.get_item(0)?, &format!("mm[{i}] identifier"))?;
         let offset = tuple.get_item(1)?;
         if offset.is_instance_of::<PyBool>() || !offset.is_instance_of::<PyInt>() {
             return Err(bad());
@@ -164,22 +163,22 @@ impl PyBlockHasher {
     )]
     fn new(
         block_size: Option<&Bound<'_, PyAny>>,
-        profile: Option<&Bound<'_, PyAny>>,
-        salt: Option<&Bound<'_, PyAny>>,
-        lora_name: Option<&Bound<'_, PyAny>>,
-        lora_path: Option<&Bound<'_, PyAny>>,
-        seed: Option<&Bound<'_, PyAny>>,
+        profile: Option<Name<'_>>,
+        salt: Option<Name<'_>>,
+        lora_name: Option<Name<'_>>,
+        lora_path: Option<Name<'_>>,
+        seed: Option<Name<'_>>,
     ) -> PyResult<Self> {
         let block_size = optional(block_size, |b| usize_from_int(b, "block_size"))?.unwrap_or(16);
-        let profile: Profile = match optional_name(profile, "profile")? {
+        let profile: Profile = match profile {
             None => Profile::Native,
             Some(p) => p.parse()?,
         };
         let options = Options {
-            salt: optional_name(salt, "salt")?,
-            lora_name: optional_name(lora_name, "lora_name")?,
-            lora_path: optional_name(lora_path, "lora_path")?,
-            seed: optional_name(seed, "seed")?,
+            salt: salt.map(Name::to_owned_string),
+            lora_name: lora_name.map(Name::to_owned_string),
+            lora_path: lora_path.map(Name::to_owned_string),
+            seed: seed.map(Name::to_owned_string),
         };
         Ok(PyBlockHasher {
             inner: BlockHasher::new(block_size, profile, options)?,

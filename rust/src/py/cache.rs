@@ -11,8 +11,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt};
 
 use super::convert::{
-    block_hash_from_py, name_from_py, optional, optional_name, type_error, u64_array, u64_slice,
-    usize_from_int, MonotonicClock, Negative, U64Slice,
+    block_hash_from_py, name_item, optional, type_error, u64_array, u64_slice, usize_from_int,
+    MonotonicClock, Name, Negative, U64Slice,
 };
 use super::with_mutex;
 use crate::cache::{BlockCache, PartitionId};
@@ -87,7 +87,7 @@ impl PyBlockCache {
                 type_error(obj, "reserved must be a dict of partition name to blocks")
             })?;
             for (name, blocks) in dict.iter() {
-                let name = name_from_py(&name, "partition name")?.into_owned();
+                let name = name_item(&name, "partition name")?;
                 let blocks = usize_from_int(&blocks, &format!("reserved[{name:?}]"))?;
                 shares.push((name, blocks));
             }
@@ -108,12 +108,11 @@ impl PyBlockCache {
         &self,
         py: Python<'py>,
         block_hashes: &Bound<'py, PyAny>,
-        partition: Option<&Bound<'py, PyAny>>,
+        partition: Option<Name<'_>>,
         parent: Option<&Bound<'py, PyAny>>,
         now: Option<f64>,
     ) -> PyResult<(usize, Bound<'py, numpy::PyArray1<u64>>)> {
         let hashes = hash_array(block_hashes)?;
-        let partition = optional_name(partition, "partition")?;
         let parent = optional(parent, |p| block_hash_from_py(p, "parent"))?;
         let now = self.clock.now(now);
         let (slice, partition) = (hashes.as_slice(), partition.as_deref());
@@ -188,8 +187,7 @@ impl PyBlockCache {
 
     /// Blocks that belong to `partition` (None: the shared pool).
     #[pyo3(signature = (partition=None))]
-    fn usage(&self, py: Python<'_>, partition: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
-        let partition = optional_name(partition, "partition")?;
+    fn usage(&self, py: Python<'_>, partition: Option<Name<'_>>) -> PyResult<usize> {
         let partition = partition.as_deref();
         Ok(self.run(py, 0, |c| partition_id(c, partition).map(|p| c.usage(p)))?)
     }

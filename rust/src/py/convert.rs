@@ -5,9 +5,7 @@
 //! Optional arguments arrive as `Option<&Bound<PyAny>>`, where PyO3 already maps an explicit
 //! `None` to `None`.
 
-use std::borrow::Cow;
 use std::fmt::Display;
-use std::os::raw::c_char;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -38,27 +36,50 @@ impl From<Error> for PyErr {
     }
 }
 
-extern "C" {
-    // Part of the stable ABI since 3.10 and exported, with this signature, by every CPython 3.x;
-    // pyo3 hides it for abi3-py39 builds only because 3.9's *headers* leave it out of the limited API.
-    fn PyUnicode_AsUTF8AndSize(
-        unicode: *mut pyo3::ffi::PyObject,
-        size: *mut pyo3::ffi::Py_ssize_t,
-    ) -> *const c_char;
-}
-
 /// The UTF-8 bytes of a Python `str`, borrowed from the string object (CPython caches them).
 pub fn str_bytes<'a>(s: &'a Bound<'_, PyString>) -> PyResult<&'a [u8]> {
-    let mut size: pyo3::ffi::Py_ssize_t = 0;
-    // SAFETY: `s` is a live str object; on success CPython returns a pointer to `size` bytes owned
-    // by the string object, valid for as long as the object lives (bounded by the borrow of `s`).
-    let ptr = unsafe { PyUnicode_AsUTF8AndSize(s.as_ptr(), &mut size) };
-    if ptr.is_null() {
-        return Err(PyErr::fetch(s.py()));
+    Ok(s.to_str()?.as_bytes())
+}
+
+/// A `str` argument that names something — a node, a worker, an endpoint, a partition, a salt —
+/// borrowed from the Python string. Anything else raises `TypeError` naming the value's type and
+/// repr (PyO3 adds the argument's name as a note). Dereferences to `&str`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Name<'a>(&'a str);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Name<'a> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if !obj.is_instance_of::<PyString>() {
+            return Err(type_error(&obj, "a name must be a str"));
+        }
+        <&'a str as FromPyObject<'a, 'py>>::extract(obj).map(Name)
     }
-    let len = usize::try_from(size).map_err(|_| PyValueError::new_err("negative string size"))?;
-    // SAFETY: see above; the pointer is non-null and valid for `len` bytes.
-    Ok(unsafe { std::slice::from_raw_parts(ptr.cast::<u8>(), len) })
+}
+
+impl std::ops::Deref for Name<'_> {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        self.0
+    }
+}
+
+impl<'a> Name<'a> {
+    /// The name as an owned `String`.
+    pub fn to_owned_string(self) -> String {
+        self.0.to_owned()
+    }
+}
+
+/// An element of a collection of names (a list item, a dict key) as an owned `String`; `what`
+/// names the element in the `TypeError` ("worker", "partition name", ...).
+pub fn name_item(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<String> {
+    match obj.cast::<PyString>() {
+        Ok(s) => Ok(s.to_str()?.to_owned()),
+        Err(_) => Err(type_error(obj, format_args!("{what} must be a str"))),
+    }
 }
 
 /// A short, safe rendering of a Python object for error messages.
@@ -548,19 +569,6 @@ pub fn u64_array(py: Python<'_>, values: Vec<u64>) -> Bound<'_, PyArray1<u64>> {
     PyArray1::from_vec(py, values)
 }
 
-/// `Cow` of a Python `str` (for names: nodes, workers, partitions).
-pub fn name_from_py<'a>(obj: &'a Bound<'_, PyAny>, what: &str) -> PyResult<Cow<'a, str>> {
-    match obj.cast::<PyString>() {
-        Ok(s) => Ok(s.to_cow()?),
-        Err(_) => Err(type_error(obj, format_args!("{what} must be a str"))),
-    }
-}
-
-/// An optional `str` argument as an owned name.
-pub fn optional_name(obj: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<String>> {
-    optional(obj, |o| Ok(name_from_py(o, what)?.into_owned()))
-}
-
 /// The names of an iterable of `str` (a bare `str`, itself iterable, is refused). `what` names
 /// the collection in errors, `item` each element.
 pub fn names_from_py(obj: &Bound<'_, PyAny>, what: &str, item: &str) -> PyResult<Vec<String>> {
@@ -573,9 +581,7 @@ pub fn names_from_py(obj: &Bound<'_, PyAny>, what: &str, item: &str) -> PyResult
     let items = obj
         .try_iter()
         .map_err(|_| type_error(obj, format_args!("{what} must be a list of str")))?;
-    items
-        .map(|name| Ok(name_from_py(&name?, item)?.into_owned()))
-        .collect()
+    items.map(|name| name_item(&name?, item)).collect()
 }
 
 /// A weight: an `int` (exactly representable, |w| <= 2^53) or a `float`, for the `item` called
@@ -618,13 +624,13 @@ pub fn weighted_names(
         }
         let items = obj.try_iter().map_err(|_| type_error(obj, &expected))?;
         return items
-            .map(|name| Ok((name_from_py(&name?, item)?.into_owned(), 1.0)))
+            .map(|name| Ok((name_item(&name?, item)?, 1.0)))
             .collect();
     };
     let mut pairs = Vec::with_capacity(map.len().unwrap_or(0));
     for entry in map.items()?.iter() {
         let (name, weight): (Bound<'_, PyAny>, Bound<'_, PyAny>) = entry.extract()?;
-        let name = name_from_py(&name, item)?.into_owned();
+        let name = name_item(&name, item)?;
         let weight = weight_from_py(&weight, item, &name)?;
         pairs.push((name, weight));
     }

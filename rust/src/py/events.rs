@@ -9,7 +9,7 @@ use pyo3::exceptions::PyKeyError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
-use super::convert::{name_from_py, with_bytes};
+use super::convert::{name_item, with_bytes, Name};
 use super::index::PyPrefixIndex;
 use super::with_mutex;
 use crate::blocks::Profile;
@@ -128,11 +128,10 @@ impl PyKvEventApplier {
     fn apply(
         &self,
         py: Python<'_>,
-        worker: &Bound<'_, PyAny>,
+        worker: Name<'_>,
         payload: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
-        let name = name_from_py(worker, "worker")?;
-        let name = &*name;
+        let name = &*worker;
         let out = with_bytes(payload, "payload", |bytes| {
             self.run(py, false, |a| a.apply(name, bytes))
         })??;
@@ -141,18 +140,16 @@ impl PyKvEventApplier {
 
     /// Forgets every block of `worker` in every tier (after an unrecoverable sequence gap or an
     /// engine restart); counted as a reset.
-    fn clear(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<()> {
-        let name = name_from_py(worker, "worker")?;
-        let name = &*name;
+    fn clear(&self, py: Python<'_>, worker: Name<'_>) -> PyResult<()> {
+        let name = &*worker;
         self.run(py, false, |a| a.clear_worker(name));
         Ok(())
     }
 
     /// Clears `worker`, drops it from the tier indexes and forgets its counters (it stays in the
     /// main index, whose owner decides membership). Returns whether it was known.
-    fn remove_worker(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let name = name_from_py(worker, "worker")?;
-        let name = &*name;
+    fn remove_worker(&self, py: Python<'_>, worker: Name<'_>) -> PyResult<bool> {
+        let name = &*worker;
         Ok(self.run(py, false, |a| a.remove_worker(name)))
     }
 
@@ -166,7 +163,7 @@ impl PyKvEventApplier {
     ) -> PyResult<Bound<'py, PyDict>> {
         match worker {
             Some(w) => {
-                let name = name_from_py(w, "worker")?;
+                let name = name_item(w, "worker")?;
                 let name = &*name;
                 match self.run(py, true, |a| a.counters(name)) {
                     Some(c) => counters_dict(py, &c),

@@ -19,10 +19,10 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyInt, PyList, PyMapping, PyString};
 
 use super::convert::{
-    name_from_py, optional, type_error, u64_from_int, u64_slice, weight_from_py, weighted_names,
-    with_key, KeyBatch, NameCache, Negative,
+    name_item, optional, type_error, u64_from_int, u64_slice, weight_from_py, weighted_names,
+    with_key, KeyBatch, Name, NameCache, Negative,
 };
-use super::{fastcall, with_read, with_write};
+use super::{with_read, with_write};
 use crate::hashing::{self, ConsistentHash, Key, NodeId, RingHash, SeenNodes};
 
 /// Batches at least this long are hashed with the GIL released.
@@ -30,7 +30,7 @@ const DETACH_MIN_KEYS: usize = 64;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hash_key, m)?)?;
-    fastcall::add_function(m, c"jump_hash", JUMP_HASH_DOC, jump_hash)?;
+    m.add_function(wrap_pyfunction!(jump_hash, m)?)?;
     m.add_function(wrap_pyfunction!(jump_hash_many, m)?)?;
     m.add_class::<HashRing>()?;
     m.add_class::<Maglev>()?;
@@ -55,34 +55,10 @@ fn hash_key(key: &Bound<'_, PyAny>) -> PyResult<u64> {
     with_key(key, |k| k.hash64())
 }
 
-const JUMP_HASH_DOC: &std::ffi::CStr = c"jump_hash($module, key, num_buckets)
---
-
-Lamping-Veach jump consistent hash of the 64-bit int ``key`` into ``0..num_buckets``.";
-
-/// `jump_hash(key, num_buckets)`, called by CPython with `METH_FASTCALL` (see [`fastcall`]).
-unsafe extern "C" fn jump_hash(
-    _module: *mut pyo3::ffi::PyObject,
-    args: *const *mut pyo3::ffi::PyObject,
-    nargs: pyo3::ffi::Py_ssize_t,
-    kwnames: *mut pyo3::ffi::PyObject,
-) -> *mut pyo3::ffi::PyObject {
-    // SAFETY: CPython calls this through the definition made by `register`, with its arguments.
-    unsafe {
-        fastcall::run(
-            "jump_hash",
-            ["key", "num_buckets"],
-            args,
-            nargs,
-            kwnames,
-            |py, args| {
-                let [Some(key), Some(n)] = args else {
-                    return Err(PyRuntimeError::new_err("internal error: unbound argument"));
-                };
-                Ok(jump_hash_of(&key, &n)?.into_pyobject(py)?.into_any())
-            },
-        )
-    }
+/// Lamping-Veach jump consistent hash of the 64-bit int ``key`` into ``0..num_buckets``.
+#[pyfunction]
+fn jump_hash(key: &Bound<'_, PyAny>, num_buckets: &Bound<'_, PyAny>) -> PyResult<u32> {
+    jump_hash_of(key, num_buckets)
 }
 
 /// Jump hash of a Python `key` into `num_buckets`, validating both.
@@ -164,7 +140,7 @@ fn node_pairs(
             .collect();
         for item in map.items()?.iter() {
             let (name, weight): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
-            let name = name_from_py(&name, "weights key")?;
+            let name = name_item(&name, "weights key")?;
             let i = at.get(&*name).copied().ok_or_else(|| {
                 PyKeyError::new_err(format!("weights name unknown node {name:?}"))
             })?;
@@ -344,16 +320,16 @@ impl<H: ConsistentHash + Send + Sync> Shared<H> {
     fn add(
         &self,
         py: Python<'_>,
-        node: &Bound<'_, PyAny>,
+        node: Name<'_>,
         weight: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let name = name_from_py(node, "node")?.into_owned();
+        let name = node.to_owned_string();
         let weight = optional(weight, |w| weight_from_py(w, "node", &name))?.unwrap_or(1.0);
         Ok(self.write(py, |h| h.add(&name, weight))?)
     }
 
-    fn remove(&self, py: Python<'_>, node: &Bound<'_, PyAny>) -> PyResult<()> {
-        let name = name_from_py(node, "node")?.into_owned();
+    fn remove(&self, py: Python<'_>, node: Name<'_>) -> PyResult<()> {
+        let name = node.to_owned_string();
         Ok(self.write(py, |h| h.remove(&name))?)
     }
 
@@ -414,12 +390,12 @@ macro_rules! hasher_class {
             /// Adds ``node`` with ``weight`` (default 1). Raises ValueError for a node already
             /// present or a weight this hasher cannot use; nothing changes then.
             #[pyo3(signature = (node, weight = None), text_signature = "($self, node, weight=1)")]
-            fn add(&self, py: Python<'_>, node: &Bound<'_, PyAny>, weight: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+            fn add(&self, py: Python<'_>, node: Name<'_>, weight: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
                 self.inner.add(py, node, weight)
             }
 
             /// Removes ``node``; raises KeyError when it is unknown.
-            fn remove(&self, py: Python<'_>, node: &Bound<'_, PyAny>) -> PyResult<()> {
+            fn remove(&self, py: Python<'_>, node: Name<'_>) -> PyResult<()> {
                 self.inner.remove(py, node)
             }
 

@@ -12,8 +12,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use super::convert::{
-    block_hash_from_py, name_from_py, optional, u64_slice, usize_from_int, with_bytes, NameCache,
-    Negative,
+    block_hash_from_py, optional, u64_slice, usize_from_int, with_bytes, Name, NameCache, Negative,
 };
 use super::{with_read, with_write};
 use crate::index::{PrefixIndex, SharedPrefixIndex};
@@ -82,14 +81,13 @@ impl PyPrefixIndex {
     fn store(
         &self,
         py: Python<'_>,
-        worker: &Bound<'_, PyAny>,
+        worker: Name<'_>,
         block_hashes: &Bound<'_, PyAny>,
         parent: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let name = name_from_py(worker, "worker")?;
         let hashes = u64_slice(block_hashes, "block_hashes", Negative::Reinterpret)?;
         let parent = optional(parent, |p| block_hash_from_py(p, "parent"))?;
-        let (name, slice) = (&*name, hashes.as_slice());
+        let (name, slice) = (&*worker, hashes.as_slice());
         with_write(py, &self.core, |c| c.store(name, slice, parent))?;
         Ok(())
     }
@@ -99,26 +97,23 @@ impl PyPrefixIndex {
     fn remove(
         &self,
         py: Python<'_>,
-        worker: &Bound<'_, PyAny>,
+        worker: Name<'_>,
         block_hashes: &Bound<'_, PyAny>,
     ) -> PyResult<u64> {
-        let name = name_from_py(worker, "worker")?;
         let hashes = u64_slice(block_hashes, "block_hashes", Negative::Reinterpret)?;
-        let (name, slice) = (&*name, hashes.as_slice());
+        let (name, slice) = (&*worker, hashes.as_slice());
         Ok(with_write(py, &self.core, |c| c.remove(name, slice))?)
     }
 
     /// Worker `worker` dropped all its blocks (it stays known); returns how many.
-    fn clear(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<u64> {
-        let name = name_from_py(worker, "worker")?;
-        let name = &*name;
+    fn clear(&self, py: Python<'_>, worker: Name<'_>) -> PyResult<u64> {
+        let name = &*worker;
         Ok(with_write(py, &self.core, |c| c.clear(name))?)
     }
 
     /// Forgets worker `worker` and its blocks; returns how many blocks it held.
-    fn remove_worker(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<u64> {
-        let name = name_from_py(worker, "worker")?;
-        let name = &*name;
+    fn remove_worker(&self, py: Python<'_>, worker: Name<'_>) -> PyResult<u64> {
+        let name = &*worker;
         Ok(with_write(py, &self.core, |c| c.remove_worker(name))?)
     }
 
@@ -152,9 +147,8 @@ impl PyPrefixIndex {
     }
 
     /// Number of blocks `worker` holds (`KeyError` if unknown).
-    fn num_blocks(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<u64> {
-        let name = name_from_py(worker, "worker")?;
-        let name = &*name;
+    fn num_blocks(&self, py: Python<'_>, worker: Name<'_>) -> PyResult<u64> {
+        let name = &*worker;
         Ok(self.read(py, |c| c.num_blocks(name))?)
     }
 

@@ -8,7 +8,6 @@ mod blocks;
 mod cache;
 mod convert;
 mod events;
-mod fastcall;
 mod hashing;
 mod index;
 mod router;

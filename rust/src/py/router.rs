@@ -12,9 +12,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::convert::{
-    name_from_py, names_from_py, optional, optional_name, tokens_from_py, type_error, typed,
-    u64_array, u64_from_int, u64_slice, usize_from_int, weighted_names, with_key, MonotonicClock,
-    Negative, Tokens,
+    name_item, names_from_py, optional, tokens_from_py, type_error, typed, u64_array, u64_from_int,
+    u64_slice, usize_from_int, weighted_names, with_key, MonotonicClock, Name, Negative, Tokens,
 };
 use super::events::PyKvEventApplier;
 use super::index::PyPrefixIndex;
@@ -123,8 +122,8 @@ impl PyRouter {
         seed: Option<&Bound<'_, PyAny>>,
         stale_half_life: f64,
         tier_weights: Option<&Bound<'_, PyAny>>,
-        salt: Option<&Bound<'_, PyAny>>,
-        hash_seed: Option<&Bound<'_, PyAny>>,
+        salt: Option<Name<'_>>,
+        hash_seed: Option<Name<'_>>,
         event_mode: &str,
     ) -> PyResult<Self> {
         let workers = weighted_names(workers, "workers", "worker")?;
@@ -135,8 +134,8 @@ impl PyRouter {
                 .unwrap_or(defaults.block_size),
             profile: hash_profile.parse::<Profile>()?,
             hash_options: Options {
-                salt: optional_name(salt, "salt")?,
-                seed: optional_name(hash_seed, "hash_seed")?,
+                salt: salt.map(Name::to_owned_string),
+                seed: hash_seed.map(Name::to_owned_string),
                 ..Options::default()
             },
             mode: index.parse::<IndexMode>()?,
@@ -158,7 +157,7 @@ impl PyRouter {
             })?;
             config.tier_weights.clear();
             for (tier, w) in dict.iter() {
-                let tier = name_from_py(&tier, "tier name")?.into_owned();
+                let tier = name_item(&tier, "tier name")?;
                 let w: f64 = w.extract()?;
                 config.tier_weights.push((tier, w));
             }
@@ -193,7 +192,7 @@ impl PyRouter {
         tokens: Option<&Bound<'_, PyAny>>,
         block_hashes: Option<&Bound<'_, PyAny>>,
         key: Option<&Bound<'_, PyAny>>,
-        endpoint: Option<&Bound<'_, PyAny>>,
+        endpoint: Option<Name<'_>>,
         exclude: Option<&Bound<'_, PyAny>>,
         now: Option<f64>,
     ) -> PyResult<PyDecision> {
@@ -203,7 +202,6 @@ impl PyRouter {
                 Key::Int(v) => OwnedKey::Int(v),
             })
         })?;
-        let endpoint = optional_name(endpoint, "endpoint")?;
         let exclude =
             optional(exclude, |e| names_from_py(e, "exclude", "exclude item"))?.unwrap_or_default();
         let excluded: Vec<&str> = exclude.iter().map(String::as_str).collect();
@@ -305,37 +303,32 @@ impl PyRouter {
 
     /// Adds worker `name` with relative capacity `weight`.
     #[pyo3(signature = (name, weight = 1.0))]
-    fn add_worker(&self, py: Python<'_>, name: &Bound<'_, PyAny>, weight: f64) -> PyResult<()> {
-        let name = name_from_py(name, "name")?;
+    fn add_worker(&self, py: Python<'_>, name: Name<'_>, weight: f64) -> PyResult<()> {
         let name = &*name;
         Ok(self.run(py, false, |r| r.add_worker(name, weight))?)
     }
 
     /// Removes worker `name` (its load, its blocks in the index, its pool places).
-    fn remove_worker(&self, py: Python<'_>, name: &Bound<'_, PyAny>) -> PyResult<()> {
-        let name = name_from_py(name, "name")?;
+    fn remove_worker(&self, py: Python<'_>, name: Name<'_>) -> PyResult<()> {
         let name = &*name;
         Ok(self.run(py, false, |r| r.remove_worker(name))?)
     }
 
     /// Marks worker `name` healthy (`ok=True`) or not; unhealthy workers are never chosen and
     /// are replaced in endpoint pools until they come back.
-    fn set_healthy(&self, py: Python<'_>, name: &Bound<'_, PyAny>, ok: bool) -> PyResult<()> {
-        let name = name_from_py(name, "name")?;
+    fn set_healthy(&self, py: Python<'_>, name: Name<'_>, ok: bool) -> PyResult<()> {
         let name = &*name;
         Ok(self.run(py, true, |r| r.set_healthy(name, ok))?)
     }
 
     /// Whether worker `name` is healthy.
-    fn is_healthy(&self, py: Python<'_>, name: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let name = name_from_py(name, "name")?;
+    fn is_healthy(&self, py: Python<'_>, name: Name<'_>) -> PyResult<bool> {
         let name = &*name;
         Ok(self.run(py, true, |r| r.workers().named(name).map(|w| w.healthy))?)
     }
 
     /// Worker `name`'s load: `{"active", "prefill_blocks", "decode_blocks", "weight"}`.
-    fn load<'py>(&self, py: Python<'py>, name: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
-        let name = name_from_py(name, "name")?;
+    fn load<'py>(&self, py: Python<'py>, name: Name<'_>) -> PyResult<Bound<'py, PyDict>> {
         let name = &*name;
         let (active, prefill, decode, weight) = self.run(py, true, |r| {
             let w = r.workers().named(name)?;
@@ -357,50 +350,37 @@ impl PyRouter {
     fn add_endpoint(
         &self,
         py: Python<'_>,
-        endpoint_id: &Bound<'_, PyAny>,
+        endpoint_id: Name<'_>,
         pool_size: &Bound<'_, PyAny>,
         reserved_blocks: Option<&Bound<'_, PyAny>>,
-        salt: Option<&Bound<'_, PyAny>>,
+        salt: Option<Name<'_>>,
         isolate: bool,
     ) -> PyResult<()> {
-        let id = name_from_py(endpoint_id, "endpoint_id")?;
         let pool_size = usize_from_int(pool_size, "pool_size")?;
         let reserved = optional(reserved_blocks, |o| usize_from_int(o, "reserved_blocks"))?;
-        let salt = optional_name(salt, "salt")?;
-        let (id, salt) = (&*id, salt.as_deref());
+        let (id, salt) = (&*endpoint_id, salt.as_deref());
         Ok(self.run(py, false, |r| {
             r.add_endpoint(id, pool_size, reserved, salt, isolate)
         })?)
     }
 
     /// Removes endpoint `endpoint_id`.
-    fn remove_endpoint(&self, py: Python<'_>, endpoint_id: &Bound<'_, PyAny>) -> PyResult<()> {
-        let id = name_from_py(endpoint_id, "endpoint_id")?;
-        let id = &*id;
+    fn remove_endpoint(&self, py: Python<'_>, endpoint_id: Name<'_>) -> PyResult<()> {
+        let id = &*endpoint_id;
         Ok(self.run(py, false, |r| r.remove_endpoint(id))?)
     }
 
     /// The workers of endpoint `endpoint_id`'s pool (in the order workers were added).
-    fn endpoint_pool(
-        &self,
-        py: Python<'_>,
-        endpoint_id: &Bound<'_, PyAny>,
-    ) -> PyResult<Vec<String>> {
-        let id = name_from_py(endpoint_id, "endpoint_id")?;
-        let id = &*id;
+    fn endpoint_pool(&self, py: Python<'_>, endpoint_id: Name<'_>) -> PyResult<Vec<String>> {
+        let id = &*endpoint_id;
         let pool = self.run(py, true, |r| r.endpoint_pool(id))?;
         Ok(pool.iter().map(|n| n.to_string()).collect())
     }
 
     /// The salt of endpoint `endpoint_id`'s blocks — the `cache_salt` a gateway sends upstream
     /// (vLLM, SGLang) so engine events land on the same hashes — or None if not isolated.
-    fn endpoint_salt(
-        &self,
-        py: Python<'_>,
-        endpoint_id: &Bound<'_, PyAny>,
-    ) -> PyResult<Option<String>> {
-        let id = name_from_py(endpoint_id, "endpoint_id")?;
-        let id = &*id;
+    fn endpoint_salt(&self, py: Python<'_>, endpoint_id: Name<'_>) -> PyResult<Option<String>> {
+        let id = &*endpoint_id;
         Ok(self.run(py, true, |r| r.endpoint(id).map(|e| e.salt.clone()))?)
     }
 
@@ -410,11 +390,10 @@ impl PyRouter {
     fn salt_block_hashes<'py>(
         &self,
         py: Python<'py>,
-        endpoint_id: &Bound<'py, PyAny>,
+        endpoint_id: Name<'_>,
         block_hashes: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, numpy::PyArray1<u64>>> {
-        let id = name_from_py(endpoint_id, "endpoint_id")?;
-        let id = &*id;
+        let id = &*endpoint_id;
         let mut hashes = u64_slice(block_hashes, "block_hashes", Negative::Reinterpret)?
             .as_slice()
             .to_vec();
@@ -436,41 +415,27 @@ impl PyRouter {
     /// Worker `worker`'s index stream is stale since `now`: its overlap credit decays by half
     /// every `stale_half_life` seconds until `mark_fresh`.
     #[pyo3(signature = (worker, now = None))]
-    fn mark_stale(
-        &self,
-        py: Python<'_>,
-        worker: &Bound<'_, PyAny>,
-        now: Option<f64>,
-    ) -> PyResult<()> {
-        let name = name_from_py(worker, "worker")?;
-        let (name, now) = (&*name, self.clock.now(now));
+    fn mark_stale(&self, py: Python<'_>, worker: Name<'_>, now: Option<f64>) -> PyResult<()> {
+        let (name, now) = (&*worker, self.clock.now(now));
         Ok(self.run(py, true, |r| r.mark_stale(name, now))?)
     }
 
     /// Worker `worker`'s index stream is trusted again (freshness 1).
-    fn mark_fresh(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<()> {
-        let name = name_from_py(worker, "worker")?;
-        let name = &*name;
+    fn mark_fresh(&self, py: Python<'_>, worker: Name<'_>) -> PyResult<()> {
+        let name = &*worker;
         Ok(self.run(py, true, |r| r.mark_fresh(name))?)
     }
 
     /// Sets worker `worker`'s freshness to `value` in [0, 1] until the next mark.
-    fn set_freshness(&self, py: Python<'_>, worker: &Bound<'_, PyAny>, value: f64) -> PyResult<()> {
-        let name = name_from_py(worker, "worker")?;
-        let name = &*name;
+    fn set_freshness(&self, py: Python<'_>, worker: Name<'_>, value: f64) -> PyResult<()> {
+        let name = &*worker;
         Ok(self.run(py, true, |r| r.set_freshness(name, value))?)
     }
 
     /// Worker `worker`'s freshness (overlap credit factor) at `now`.
     #[pyo3(signature = (worker, now = None))]
-    fn freshness(
-        &self,
-        py: Python<'_>,
-        worker: &Bound<'_, PyAny>,
-        now: Option<f64>,
-    ) -> PyResult<f64> {
-        let name = name_from_py(worker, "worker")?;
-        let (name, now) = (&*name, self.clock.now(now));
+    fn freshness(&self, py: Python<'_>, worker: Name<'_>, now: Option<f64>) -> PyResult<f64> {
+        let (name, now) = (&*worker, self.clock.now(now));
         Ok(self.run(py, true, |r| r.freshness(name, now))?)
     }
 
