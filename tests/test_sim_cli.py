@@ -39,7 +39,7 @@ def test_endpoint_scenario_json_schema(tmp_path, capsys):
     for o in doc["oracles"].values():
         assert 0.0 <= o["hit_rate"] <= 1.0
     assert doc["oracles"]["pooled_lru"]["hit_rate"] <= doc["oracles"]["infinite"]["hit_rate"]
-    assert set(doc["tenant"]) == {"random", "endpoint"}
+    assert list(doc["tenant"]) == ["random", "kv_aware", "endpoint"]
     for m in doc["tenant"].values():
         check_metrics(m)
         assert set(m) == set(doc["policies"]["random"])

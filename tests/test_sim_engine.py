@@ -2,8 +2,10 @@
 
 The reference (:func:`reference_run`) re-implements the engine's documented model in the most
 literal way: a scan for the next event instead of a heap, the pinned set recomputed from the
-running requests instead of reference counts, and ``tests/support/cache_model.CacheModel`` (a
-transcription of the BlockCache semantics) instead of ``kvroute.BlockCache``.
+running requests instead of reference counts, a sort of the waiting requests by (priority,
+arrival) instead of a heap, and ``tests/support/cache_model.CacheModel`` (a transcription of the
+BlockCache semantics, reserved partitions included) instead of ``kvroute.BlockCache``. It runs
+the same :class:`Scenario`: reservations, partitions, engine-side (salted) hashes, priorities.
 """
 
 from __future__ import annotations
@@ -16,24 +18,30 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvroute import PrefixIndex
 from kvroute.sim.engine import Fleet, FleetModel, Policy, run, worker_names
+from kvroute.sim.scenario import Scenario
 from support.cache_model import CacheModel
 from support.sim_helpers import make_workload
 
 
 class Fixed(Policy):
-    """Sends request i to ``assign[i]``; records what the exact index said at each arrival."""
+    """Sends request i to ``assign[i]``; records what its KV-event index said at each arrival."""
 
     name = "fixed"
 
-    def __init__(self, assign, exact=True):
+    def __init__(self, assign, events=True):
         self.assign = list(assign)
-        self.exact_index = PrefixIndex() if exact else None
+        self.index = PrefixIndex() if events else None
         self.seen: list[dict[str, int]] = []
         self.hooks: list[tuple[str, int, int, float]] = []
 
+    def bind(self, fleet):
+        super().bind(fleet)
+        if self.index is not None:
+            fleet.subscribe(self.index)
+
     def route(self, request, chain, now):
-        if self.exact_index is not None:
-            self.seen.append(self.exact_index.match(chain) if chain.shape[0] else {})
+        if self.index is not None:
+            self.seen.append(self.index.match(chain) if chain.shape[0] else {})
         return self.assign[request]
 
     def prefill_started(self, request, worker, cached_blocks, now):
@@ -108,34 +116,119 @@ def test_memory_gates_admission():
 
 def test_hooks_order_and_partitions():
     model = FleetModel(workers=2, capacity_blocks=8, prefill_rate=10.0, prefill_overhead=0.0)
-
-    class Partitioned(Fixed):
-        def bind(self, fleet):
-            super().bind(fleet)
-            self.reserved = {1: {"t": 3}}
-            self.partitions = ["t", None, "t"]
-
+    scenario = Scenario(reserved={1: {"t": 3}}, partitions=("t", None, "t"))
     w = make_workload([(0.0, [1, 2], 8, 2), (0.0, [3], 4, 2), (0.0, [4], 4, 2)])
-    p = Partitioned([1, 1, 0])
-    r = run(w, p, model)
+    p = Fixed([1, 1, 0])
+    r = run(w, p, model, scenario=scenario)
     assert r["worker"].tolist() == [1, 1, 0]
     for i in range(3):
         events = [h[0] for h in p.hooks if h[1] == i]
         assert events == ["start", "first", "finish"]
+    ref, seen = reference_run(w, [1, 1, 0], model, scenario)
+    assert r["cached_tokens"].tolist() == ref["cached"]
+    assert p.seen == seen
+
+
+# One worker with a 4-block cache, no decode (nothing stays pinned). The tenant's 2-block prompt
+# is cached at t = 0; a noisy neighbour's 3-block prompt at t = 1 needs a block back; the
+# tenant returns at t = 2 with the same 2 blocks and a third.
+NOISE_ROWS = [(0.0, [1, 2], 8, 1), (1.0, [5, 6, 7], 12, 1), (2.0, [1, 2, 3], 12, 1)]
+NOISE_MODEL = FleetModel(
+    workers=1,
+    capacity_blocks=4,
+    prefill_rate=1e6,
+    prefill_overhead=0.0,
+    decode_time_per_token=0.0,
+)
+
+
+@pytest.mark.parametrize(
+    ("scenario", "tenant_cached"),
+    [
+        # Shared LRU: the neighbour evicts the tenant's older leaf, block 2 (1 is its parent).
+        (Scenario(), 4),
+        # A partition without a reservation does not protect anything.
+        (Scenario(reserved={0: {"t": 0}}, partitions=("t", None, "t")), 4),
+        # 2 reserved blocks: the neighbour may not evict them; its insert keeps what fits.
+        (Scenario(reserved={0: {"t": 2}}, partitions=("t", None, "t")), 8),
+        # Reserved, but the tenant's requests are not put into the partition: no protection.
+        (Scenario(reserved={0: {"t": 2}}), 4),
+    ],
+)
+def test_noise_evicts_the_tenant_unless_reserved(scenario, tenant_cached):
+    w = make_workload(NOISE_ROWS)
+    r = run(w, Fixed([0, 0, 0]), NOISE_MODEL, scenario=scenario)
+    assert r["cached_tokens"].tolist() == [0, 0, tenant_cached]
+    ref, _ = reference_run(w, [0, 0, 0], NOISE_MODEL, scenario)
+    assert ref["cached"] == r["cached_tokens"].tolist()
+
+
+def test_priority_requests_jump_the_queue_but_not_the_running_prefill():
+    # Rate 10 tokens/s: request 0 prefills 0..4 s; 1 and 2 arrive while it runs. Request 2 has
+    # priority 1: it is admitted at 4 s, before request 1, which arrived first.
+    model = FleetModel(workers=1, capacity_blocks=50, prefill_rate=10.0, prefill_overhead=0.0)
+    w = make_workload([(0.0, [1] * 10, 40, 1), (1.0, [2], 4, 1), (2.0, [3], 4, 1)])
+    fifo = run(w, Fixed([0, 0, 0]), model)
+    assert fifo["prefill_start"] == pytest.approx([0.0, 4.0, 4.4])
+    scenario = Scenario(priority=np.array([0, 0, 1]))
+    prio = run(w, Fixed([0, 0, 0]), model, scenario=scenario)
+    assert prio["prefill_start"] == pytest.approx([0.0, 4.4, 4.0])
+    ref, _ = reference_run(w, [0, 0, 0], model, scenario)
+    np.testing.assert_allclose(prio["prefill_start"], ref["start"], atol=1e-9)
+
+
+def test_kv_events_carry_the_engine_hashes():
+    # The scenario's chains are what the engine caches and announces: a subscriber matches them,
+    # not the workload's hashes the policy routes with.
+    model = FleetModel(workers=1, capacity_blocks=10, prefill_rate=1e6, prefill_overhead=0.0)
+    w = make_workload([(0.0, [1, 2], 8, 1), (1.0, [1, 2], 8, 1)])
+    salted = w.hashes ^ np.uint64(0xABCDEF)
+    p = Fixed([0, 0])
+    r = run(w, p, model, scenario=Scenario(chains=(salted, w.offsets)))
+    assert r["cached_tokens"].tolist() == [0, 8]  # the engine hits its own (salted) blocks
+    assert p.seen == [{}, {}]  # routing hashes are not what the engine announced
+    assert p.index.match(salted[:2]) == {"w00": 2}
+
+
+def test_scenario_validation():
+    w = make_workload([(0.0, [1], 4, 1), (0.1, [2], 4, 1)])
+    model = FleetModel(workers=2)
+    with pytest.raises(ValueError, match="partitions needs one entry per request"):
+        run(w, Fixed([0, 0]), model, scenario=Scenario(partitions=("t",)))
+    with pytest.raises(ValueError, match="reserved names workers"):
+        run(w, Fixed([0, 0]), model, scenario=Scenario(reserved={2: {"t": 1}}))
+    with pytest.raises(ValueError, match="chains offsets need 3 entries"):
+        run(w, Fixed([0, 0]), model, scenario=Scenario(chains=(w.hashes, w.offsets[:2])))
+    with pytest.raises(ValueError, match="undeclared endpoints"):
+        run(w, Fixed([0, 0]), model, scenario=Scenario(endpoint_of=("ep", None)))
 
 
 # ---------------------------------------------------------------------------------------------
-def reference_run(workload, assign, model):
+def reference_run(workload, assign, model, scenario=None):
     """The engine's model, transcribed naively (see the module docs)."""
+    scenario = scenario or Scenario()
     n = len(workload)
     cap = model.capacity(workload.block_size)
     num_workers = model.workers
-    caches = [CacheModel(cap) for _ in range(num_workers)]
-    chains = [workload.block_hashes(i).tolist() for i in range(n)]
+    reserved = {w: dict(scenario.reserved.get(w, {})) for w in range(num_workers)}
+    caches = [CacheModel(cap, reserved[w]) for w in range(num_workers)]
+    routed = [workload.block_hashes(i).tolist() for i in range(n)]
+    if scenario.chains is None:
+        chains = routed
+    else:
+        hashes, offsets = scenario.chains
+        chains = [hashes[offsets[i] : offsets[i + 1]].tolist() for i in range(n)]
+    priority = [0] * n if scenario.priority is None else list(scenario.priority)
+
+    def partition(i, w):
+        q = None if scenario.partitions is None else scenario.partitions[i]
+        return q if q in reserved[w] else None
+
     queue = [[] for _ in range(num_workers)]
-    prefill = [None] * num_workers  # (request, end time)
+    prefill = [None] * num_workers  # (request, end time, event number)
     running = [[] for _ in range(num_workers)]  # admitted, unfinished requests
-    finish_at = {}  # request -> finish time, once its prefill is done
+    finish_at = {}  # request -> (finish time, event number), once its prefill is done
+    events = iter(range(10**9))  # simultaneous events run in the order they were created
     stored = {}
     matched = {}
     out = {
@@ -155,6 +248,7 @@ def reference_run(workload, assign, model):
 
     def admit(w, now):
         while prefill[w] is None and queue[w]:
+            queue[w].sort(key=lambda k: (-priority[k], k))
             i = queue[w][0]
             pins = pinned_set(w)
             if running[w] and len(pins | set(chains[i])) > cap:
@@ -168,36 +262,37 @@ def reference_run(workload, assign, model):
             out["cached"][i] = c
             out["start"][i] = now
             running[w].append(i)
-            dur = model.prefill_overhead + max(int(workload.input_tokens[i]) - c, 1) / (
-                model.prefill_rate
+            compute = max(int(workload.input_tokens[i]) - c, 1)
+            prefill[w] = (
+                i,
+                now + model.prefill_overhead + compute / model.prefill_rate,
+                next(events),
             )
-            prefill[w] = (i, now + dur)
 
     nxt = 0
     while True:
         cands = []
         for w in range(num_workers):
             if prefill[w] is not None:
-                cands.append((prefill[w][1], 0, w))
-        for i, t in finish_at.items():
-            cands.append((t, 1, i))
+                cands.append((prefill[w][1], prefill[w][2], 0, w))
+        for i, (t, e) in finish_at.items():
+            cands.append((t, e, 1, i))
         t_arr = float(workload.arrival[nxt]) if nxt < n else math.inf
         if cands and min(cands)[0] <= t_arr:
-            t, kind, x = min(cands)
+            t, _, kind, x = min(cands)
             if kind == 0:
-                i, _ = prefill[x]
+                i, _, _ = prefill[x]
                 prefill[x] = None
                 if chains[i]:
-                    s, _ev = caches[x].insert(chains[i], None, None, 0.0)
+                    s, _ev = caches[x].insert(chains[i], partition(i, x), None, 0.0)
                     if s > matched[i]:
                         caches[x].pin(chains[i][matched[i] : s], None, 0.0)
                     stored[i] = s
                 else:
                     stored[i] = 0
                 out["first"][i] = t
-                finish_at[i] = t + max(int(workload.output_tokens[i]) - 1, 0) * (
-                    model.decode_time_per_token
-                )
+                decode = max(int(workload.output_tokens[i]) - 1, 0) * model.decode_time_per_token
+                finish_at[i] = (t + decode, next(events))
                 admit(x, t)
             else:
                 del finish_at[x]
@@ -215,9 +310,9 @@ def reference_run(workload, assign, model):
         w = assign[i]
         index_seen.append(
             {
-                name: caches[k].match(chains[i], refresh=False)
+                name: caches[k].match(routed[i], refresh=False)
                 for k, name in enumerate(worker_names(num_workers))
-                if chains[i] and caches[k].match(chains[i], refresh=False)
+                if routed[i] and caches[k].match(routed[i], refresh=False)
             }
         )
         queue[w].append(i)
@@ -238,14 +333,38 @@ request_rows = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@st.composite
+def scenarios(draw, n, workers, capacity, hashes, offsets):
+    """Tenant requests (partition "t", salted engine hashes, a priority) and reservations of
+    "t" on some workers — or the public fleet."""
+    if not draw(st.booleans()):
+        return Scenario()
+    tenant = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    reserved = {
+        w: {"t": draw(st.integers(0, capacity))} for w in range(workers) if draw(st.booleans())
+    }
+    salted = hashes.copy()
+    for i in range(n):
+        if tenant[i]:
+            salted[offsets[i] : offsets[i + 1]] ^= np.uint64(0x5A17)
+    priority = np.array([draw(st.integers(0, 2)) if t else 0 for t in tenant])
+    return Scenario(
+        reserved=reserved,
+        partitions=tuple("t" if t else None for t in tenant),
+        chains=(salted, offsets) if draw(st.booleans()) else None,
+        priority=priority if draw(st.booleans()) else None,
+    )
+
+
+@settings(max_examples=200, deadline=None)
 @given(
     rows=request_rows,
     workers=st.integers(1, 3),
     capacity=st.integers(1, 12),
     rate=st.sampled_from([8.0, 20.0, 100.0]),
+    data=st.data(),
 )
-def test_engine_matches_reference(rows, workers, capacity, rate):
+def test_engine_matches_reference(rows, workers, capacity, rate, data):
     model = FleetModel(
         workers=workers,
         capacity_blocks=capacity,
@@ -258,24 +377,29 @@ def test_engine_matches_reference(rows, workers, capacity, rate):
     w = make_workload(spec)
     order = np.argsort([r[0] for r in rows], kind="stable")
     assign = [rows[k][4] % workers for k in order.tolist()]
+    scenario = data.draw(scenarios(len(w), workers, capacity, w.hashes, w.offsets))
     policy = Fixed(assign)
-    r = run(w, policy, model)
-    ref, seen = reference_run(w, assign, model)
+    r = run(w, policy, model, scenario=scenario)
+    ref, seen = reference_run(w, assign, model, scenario)
     assert r["cached_tokens"].tolist() == ref["cached"]
     np.testing.assert_allclose(r["prefill_start"], ref["start"], rtol=0, atol=1e-9)
     np.testing.assert_allclose(r["first_token"], ref["first"], rtol=0, atol=1e-9)
     np.testing.assert_allclose(r["finish"], ref["finish"], rtol=0, atol=1e-9)
-    # The exact index the engine fed equals the caches' contents at every arrival.
+    # The KV-event index the engine fed equals the caches' contents at every arrival.
     assert policy.seen == seen
-    # Invariants: TTFT covers the own prefill, per worker prefills do not overlap and follow
-    # routing order.
+    # Invariants: TTFT covers the own prefill; per worker prefills do not overlap, and requests
+    # of equal priority start in routing order.
     own = model.prefill_overhead + np.maximum(r["prompt_tokens"] - r["cached_tokens"], 1) / rate
     assert np.all(r["first_token"] - r["arrival"] >= own - 1e-9)
+    prio = np.zeros(len(w)) if scenario.priority is None else scenario.priority
     for k in range(workers):
         mine = np.flatnonzero(r["worker"] == k)
-        starts, ends = r["prefill_start"][mine], r["first_token"][mine]
-        assert np.all(np.diff(starts) >= 0)
+        by_start = mine[np.argsort(r["prefill_start"][mine], kind="stable")]
+        starts, ends = r["prefill_start"][by_start], r["first_token"][by_start]
         assert np.all(starts[1:] >= ends[:-1] - 1e-9)
+        for p in set(prio[mine].tolist()):
+            same = mine[prio[mine] == p]
+            assert np.all(np.diff(r["prefill_start"][same]) >= 0)
 
 
 def test_fleet_view_for_policies():

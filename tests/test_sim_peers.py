@@ -90,8 +90,8 @@ def test_dynamo_costs_by_hand():
     p = DynamoKv()
     bind(p, w)
     h0 = w.block_hashes(0)
-    p.exact_index.store("w00", h0[:3])  # w0 caches 3 leading blocks, w1 one, w2 none
-    p.exact_index.store("w01", h0[:1])
+    p.events_index.store("w00", h0[:3])  # w0 caches 3 leading blocks, w1 one, w2 none
+    p.events_index.store("w01", h0[:1])
     # B = 4, isl = 16: w0: max(0, 16/4 - 3) + (0 + 4 - 0) = 5; w1: 3 + 4 = 7; w2: 4 + 4 = 8.
     assert p.costs(0, h0)[0] == [5.0, 7.0, 8.0]
     assert route(p, w, 0) == 0
@@ -108,8 +108,8 @@ def test_dynamo_costs_by_hand():
     for seed in range(20):
         q = DynamoKv(seed=seed)
         bind(q, w)
-        q.exact_index.store("w00", h0[:3])
-        q.exact_index.store("w01", h0[:1])
+        q.events_index.store("w00", h0[:3])
+        q.events_index.store("w01", h0[:1])
         q.prefill_tokens = [4.0, 0.0, 0.0]
         q.blocks.add(0, h0)
         q.blocks.add(0, h0)

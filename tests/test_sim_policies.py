@@ -1,17 +1,13 @@
-"""kvroute's Router inside the simulator: load accounting, exact index, endpoint setup, salting."""
+"""kvroute's Router inside the simulator: load accounting, KV-event index, endpoints, salting."""
 
 from __future__ import annotations
 
 import kvroute
 import numpy as np
 import pytest
-from kvroute.sim import FleetModel, endpoint_scenario, run, simulate
-from kvroute.sim.policies import (
-    EndpointSetup,
-    RouterPolicy,
-    make_policy,
-    parse_policies,
-)
+from kvroute.sim import Endpoint, FleetModel, Scenario, endpoint_scenario, run, simulate
+from kvroute.sim.engine import worker_names
+from kvroute.sim.policies import RouterPolicy, make_policy, parse_policies
 from support.sim_helpers import make_workload
 
 
@@ -25,7 +21,7 @@ def small_trace(n=300, seed=3):
     return make_workload(rows)
 
 
-@pytest.mark.parametrize("index", ["exact", "approx"])
+@pytest.mark.parametrize("index", ["events", "approx"])
 @pytest.mark.parametrize("policy", ["random", "round_robin", "least_loaded", "hash", "kv_aware"])
 def test_router_load_returns_to_zero(policy, index):
     w = small_trace()
@@ -38,8 +34,8 @@ def test_router_load_returns_to_zero(policy, index):
     assert p.decisions == {}
 
 
-def test_exact_index_mirrors_engine_caches():
-    # In exact mode the router's prediction is what the engine finds cached when nothing
+def test_events_index_mirrors_engine_caches():
+    # In events mode the router's prediction is what the engine finds cached when nothing
     # changes between routing and admission: no queueing (instant prefill) and no waiting for
     # memory (no decode, so no blocks stay pinned) — while the small caches keep evicting.
     w = small_trace(200)
@@ -85,31 +81,47 @@ def test_salted_hashes_agree_with_the_router():
     assert r.route(block_hashes=raw, now=0.0).cached_blocks == 0
 
 
-@pytest.mark.parametrize("index", ["exact", "approx"])
-def test_endpoint_setup_pool_partition_and_hits(index):
+@pytest.mark.parametrize("index", ["events", "approx"])
+def test_one_router_for_public_and_endpoint_traffic(index):
     w = endpoint_scenario(duration=60, seed=2)
     tenant = w.meta["tenant"]
-    setup = EndpointSetup(tenant, pool_size=2, reserved_blocks=130, index=index, seed=2)
-    r = run(w, setup, FleetModel(workers=6))
+    names = worker_names(6)
+    scenario = Scenario.dedicated(w, names, Endpoint(tenant, reserved_blocks=130), tenant)
+    p = RouterPolicy("kv_aware", index=index, seed=2)
+    r = run(w, p, FleetModel(workers=6), scenario=scenario)
     mask = w.tenant_mask(tenant)
-    pool = setup.pool()
+    pool = p.endpoint_pool(tenant)
     assert len(pool) == 2
-    workers = {setup.fleet.names[k] for k in r["worker"][mask].tolist()}
+    assert set(pool) == set(kvroute.Rendezvous(names).preference(tenant, 2))
+    workers = {names[k] for k in r["worker"][mask].tolist()}
     assert workers <= set(pool)
-    assert setup.reserved == {setup.fleet.position[n]: {tenant: 130} for n in pool}
+    assert scenario.reserved == {names.index(n): {tenant: 130} for n in pool}
+    assert scenario.partitions == tuple(tenant if m else None for m in mask)
+    # The one router saw every request: public ones went everywhere, load returned to zero.
+    assert {names[k] for k in r["worker"][~mask].tolist()} == set(names)
+    assert all(p.router.load(n)["active"] == 0 for n in names)
     # Every tenant request after the first one on each pool worker finds the system prompt.
     system = (w.meta["tenant_system_tokens"] // w.block_size) * w.block_size
     cached = r["cached_tokens"][mask]
     assert cached[0] == 0
     assert np.sum(cached < system) <= len(pool)
-    if index == "exact":
-        hashes, offsets = setup.chains
-        first = int(np.flatnonzero(mask)[0])
-        a, b = offsets[first], offsets[first + 1]
-        assert not np.any(hashes[a:b] == w.hashes[a:b])  # the engine saw salted blocks
-        other = int(np.flatnonzero(~mask)[0])
-        a, b = offsets[other], offsets[other + 1]
-        assert np.array_equal(hashes[a:b], w.hashes[a:b])
+    # The engine caches the tenant's blocks salted (the endpoint's cache_salt), the rest as is.
+    hashes, offsets = scenario.chains
+    first = int(np.flatnonzero(mask)[0])
+    a, b = offsets[first], offsets[first + 1]
+    assert np.array_equal(hashes[a:b], p.router.salt_block_hashes(tenant, w.hashes[a:b]))
+    assert not np.any(hashes[a:b] == w.hashes[a:b])
+    other = int(np.flatnonzero(~mask)[0])
+    a, b = offsets[other], offsets[other + 1]
+    assert np.array_equal(hashes[a:b], w.hashes[a:b])
+
+
+def test_peers_cannot_run_endpoints():
+    w = endpoint_scenario(duration=5, seed=1)
+    tenant = w.meta["tenant"]
+    scenario = Scenario.dedicated(w, worker_names(4), Endpoint(tenant), tenant)
+    with pytest.raises(ValueError, match="cannot route to dedicated endpoints"):
+        run(w, make_policy("dynamo"), FleetModel(workers=4), scenario=scenario)
 
 
 def test_simulate_report_and_two_call_demo():
@@ -119,7 +131,7 @@ def test_simulate_report_and_two_call_demo():
     )
     assert list(report.policies) == ["kv_aware", "dynamo"]
     assert set(results) == {"kv_aware", "dynamo", "random", "endpoint"}
-    assert set(report.tenant) == {"random", "endpoint"}
+    assert list(report.tenant) == ["random", "kv_aware", "endpoint"]
     demo = [line for line in report.notes if line.startswith("  on an idle fleet")]
     assert len(demo) == 1
     assert "call 1: 0/" in demo[0] and "(router expected 0)" in demo[0]

@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
         DEFAULT_PREFILL_OVERHEAD,
         DEFAULT_PREFILL_RATE,
     )
-    from .sim.policies import DEFAULT_POLICIES, KVROUTE_POLICIES, PEER_POLICIES
+    from .sim.policies import DEFAULT_POLICIES, INDEX_MODES, KVROUTE_POLICIES, PEER_POLICIES
 
     sim = sub.add_parser(
         "simulate",
@@ -245,9 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument(
         "--index",
-        choices=["exact", "approx"],
-        default="exact",
-        help="kvroute's view of the caches: exact (KV events) or approx (own model)",
+        choices=list(INDEX_MODES),
+        default="events",
+        help="the router's index: events (fed by the engines' KV events) or approx (own model)",
     )
     sim.add_argument("--seed", type=int, default=0, help="seed of workloads and policies")
     sim.add_argument(

@@ -4,8 +4,10 @@
 
 - :mod:`.engine` — :func:`run` (discrete-event fleet model) and :class:`FleetModel` (defaults:
   Llama-3-8B per A100-80GB); :class:`Policy`, the interface a routing policy implements;
-- :mod:`.policies` — kvroute's :class:`kvroute.Router` policies and the dedicated-endpoint setup,
-  by name (:func:`make_policy`);
+- :mod:`.scenario` — :class:`Scenario`, the deployment :func:`run` takes next to the policy
+  (dedicated :class:`Endpoint` s, reserved partitions, salted engine hashes, priorities);
+- :mod:`.policies` — kvroute's :class:`kvroute.Router` policies by name (:func:`make_policy`),
+  one router for all traffic;
 - :mod:`.peers` — emulations of SGLang ``cache_aware``, Dynamo's KV router and llm-d's scheduler;
 - :mod:`.simulate` — :func:`simulate`: every policy on the same arrivals, oracles, tenant view;
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 from .engine import FleetModel, Policy, run
 from .oracles import LRUBlockCache, OracleResult, infinite_cache, make_block_cache, pooled_lru
 from .peers import DynamoKv, LlmdScheduler, SGLangCacheAware
-from .policies import DEFAULT_POLICIES, EndpointSetup, RouterPolicy, make_policy
+from .policies import DEFAULT_POLICIES, RouterPolicy, make_policy
 from .report import (
     RESULT_DTYPE,
     PolicyMetrics,
@@ -42,6 +44,7 @@ from .report import (
     write_json,
     write_plot,
 )
+from .scenario import Endpoint, Scenario
 from .simulate import EndpointOptions, load_workload, simulate
 from .synthetic import SCENARIOS, agent_scenario, endpoint_scenario, rag_scenario
 from .traces import (
@@ -59,8 +62,8 @@ __all__ = [
     "RESULT_DTYPE",
     "SCENARIOS",
     "DynamoKv",
+    "Endpoint",
     "EndpointOptions",
-    "EndpointSetup",
     "FleetModel",
     "LRUBlockCache",
     "LlmdScheduler",
@@ -73,6 +76,7 @@ __all__ = [
     "RequestResult",
     "RouterPolicy",
     "SGLangCacheAware",
+    "Scenario",
     "Workload",
     "WorkloadBuilder",
     "agent_scenario",

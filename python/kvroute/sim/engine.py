@@ -9,9 +9,14 @@ Model (each worker is one GPU serving one model; see :class:`FleetModel` for the
 - **Memory.** A worker's KV memory is a :class:`kvroute.BlockCache` of ``capacity_blocks`` blocks
   of the workload's block size (LRU of unpinned leaves; see the cache's docs).
 - **Routing** happens when a request arrives: the policy names a worker, and the request joins
-  that worker's **FIFO prefill queue**.
+  that worker's **prefill queue**, ordered by the request's priority (the scenario's; higher
+  first) and then by arrival: first come, first served when every priority is 0 (the default).
+  A running prefill is never interrupted: a priority request waits for it (vLLM's
+  ``--scheduling-policy priority`` orders its waiting queue the same way and lets a started
+  prefill finish; SGLang's ``--enable-priority-scheduling`` too, unless the priorities differ by
+  its preemption threshold, 10 by default).
 - **Admission** (prefill start) takes the queue's head when the worker is not prefilling. The
-  head waits (and so does everyone behind it: FIFO, no skipping) while the distinct blocks pinned
+  head waits (and so does everyone behind it: no skipping) while the distinct blocks pinned
   by the worker's running requests plus the head's blocks not among them exceed the capacity and
   some request is still running — the scheduler of vLLM/SGLang also admits a prompt only when its
   blocks can be allocated. A prompt larger than the whole cache runs alone, and only the prefix
@@ -26,34 +31,40 @@ Model (each worker is one GPU serving one model; see :class:`FleetModel` for the
   everything hits). Decode does not slow prefill in this model (with chunked prefill, a decode
   step costs a prefill chunk about one token per running sequence, a few percent).
 - **Insertion at prefill end.** When the prefill completes, the whole prompt is inserted into the
-  cache (``BlockCache.insert``; the request's partition when it has one) and the newly stored
-  blocks are pinned too. This is when an engine announces the blocks (vLLM's ``BlockStored``
-  events follow computation), so the exact index sees them then, and the evictions the insert
-  caused (``BlockRemoved``). Only prompt blocks are cached: the blocks of generated tokens are not
-  (a trace does not say which block ids a response will have), in every policy and oracle alike.
+  cache (``BlockCache.insert``; into the request's partition when the scenario gives it one and
+  the worker reserves it, else the shared pool) and the newly stored blocks are pinned too. This
+  is when an engine announces the blocks (vLLM's ``BlockStored`` events follow computation), so
+  a KV-event index sees them then, and the evictions the insert caused (``BlockRemoved``). Only
+  prompt blocks are cached: the blocks of generated tokens are not (a trace does not say which
+  block ids a response will have), in every policy and oracle alike.
 - **Decode** runs in a continuous batch, unbounded: the first output token is the end of the
   prefill (**TTFT = queueing + own prefill**), each further token takes ``decode_time_per_token``
   regardless of the batch, and the request finishes after ``output_tokens − 1`` of them. Then its
   blocks are unpinned (they stay cached, evictable) and the worker may admit a waiting head. The
   KV of generated tokens is not counted against the memory (prompts dominate it here: the
   Mooncake trace averages 12,035 prompt and 343 output tokens).
-- **Exact state for the router.** When the policy has an ``exact_index`` (a
-  :class:`kvroute.PrefixIndex`, e.g. ``Router(index="events").index``), every insertion and
-  eviction is applied to it at once, as store/remove — what a KV-event subscriber would do with
-  zero delivery delay. Policies without one see no cache state (approximate routers).
+- **KV events.** Every index subscribed with :meth:`Fleet.subscribe` (a
+  :class:`kvroute.PrefixIndex`, e.g. ``Router(index="events").index``) receives every insertion
+  and eviction at once, as store/remove of the block hashes the engine caches (the scenario's
+  ``chains``) — what a KV-event subscriber does with zero delivery delay. Policies that subscribe
+  nothing see no cache state (approximate routers).
+- **The scenario** (:class:`~kvroute.sim.scenario.Scenario`, default: the public fleet) says
+  which caches reserve partitions, where each request's blocks go, which hashes the engine caches
+  and each request's priority; the policy never changes it.
 
-Guarantees: deterministic for a given workload, policy and model (ties in time are broken by
-event creation order, completions before arrivals); every request is routed, admitted once and
-finishes; per worker, prefills never overlap and run in routing order; ``len(cache) <=
-capacity`` always, and pinned blocks are never evicted (the cache enforces both).
+Guarantees: deterministic for a given workload, policy, scenario and model (ties in time are
+broken by event creation order, completions before arrivals); every request is routed, admitted
+once and finishes; per worker, prefills never overlap and, among requests of equal priority, run
+in routing order; ``len(cache) <= capacity`` always, and pinned blocks are never evicted (the
+cache enforces both); a reserved partition's blocks, up to its reservation, are evicted only by
+inserts into that partition.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -62,6 +73,7 @@ import numpy as np
 from kvroute import BlockCache, PrefixIndex
 
 from .report import empty_results
+from .scenario import Scenario
 from .workloads import Workload
 
 __all__ = [
@@ -147,7 +159,7 @@ class Fleet:
     ``num_requests_waiting``); ``running[w]``: admitted, unfinished requests;
     ``pinned[w]``: ``{block hash: references}`` of the blocks held by ``w``'s running requests
     (``len`` = blocks in use, vLLM's ``kv_cache_usage_perc × capacity``). ``position[name]`` is
-    the index of the worker called ``name``.
+    the index of the worker called ``name``; ``scenario`` the deployment being run.
     """
 
     workload: Workload
@@ -156,7 +168,9 @@ class Fleet:
     waiting: list[int] = field(default_factory=list)
     running: list[int] = field(default_factory=list)
     pinned: list[dict[int, int]] = field(default_factory=list)
+    scenario: Scenario = field(default_factory=Scenario)
     position: dict[str, int] = field(init=False)
+    subscribers: list[PrefixIndex] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         self.position = {name: k for k, name in enumerate(self.names)}
@@ -164,6 +178,10 @@ class Fleet:
     @property
     def block_size(self) -> int:
         return self.workload.block_size
+
+    def subscribe(self, index: PrefixIndex) -> None:
+        """``index`` receives every worker's KV events from now on (see the module docs)."""
+        self.subscribers.append(index)
 
 
 def mirror_insert(
@@ -179,21 +197,15 @@ def mirror_insert(
 
 class Policy:
     """Base class of routing policies: ``route`` picks a worker index; the hooks are told when a
-    request's prefill starts, when its first token is out, and when it finishes. A policy with an
-    ``exact_index`` receives every cache store/remove of every worker (see the module docs).
-    ``fleet`` is set by :meth:`bind` before the first request; after it, ``reserved`` (``{worker:
-    {partition: blocks}}``) and ``partitions`` (one partition name or None per request) say how
-    the workers' caches are partitioned and where each request's blocks go, and ``chains`` (a
-    ``(hashes, offsets)`` pair like the workload's), when set, replaces the block hashes the
-    engine caches and reports to the exact index — e.g. salted per endpoint, as an engine given a
-    ``cache_salt`` hashes them — while ``route`` is still handed the request's chain from the
-    workload (a router salts endpoint requests itself). A policy object serves one run."""
+    request's prefill starts, when its first token is out, and when it finishes. ``fleet`` is
+    set by :meth:`bind` before the first request; a policy that reads engine KV events subscribes
+    its index there (:meth:`Fleet.subscribe`). ``route`` is handed the request's chain from the
+    workload (unsalted). A policy that sets ``routes_endpoints`` sends a request of a dedicated
+    endpoint (``fleet.scenario.endpoint_of``) to that endpoint; the others cannot run a scenario
+    with endpoints. A policy object serves one run."""
 
     name: str = "policy"
-    exact_index: PrefixIndex | None = None
-    reserved: dict[int, dict[str, int]] | None = None
-    partitions: Sequence[str | None] | None = None
-    chains: tuple[np.ndarray, np.ndarray] | None = None
+    routes_endpoints: bool = False
     fleet: Fleet
 
     def bind(self, fleet: Fleet) -> None:
@@ -220,20 +232,22 @@ def run(
     policy: Policy,
     model: FleetModel,
     *,
+    scenario: Scenario | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> np.ndarray:
-    """Replay ``workload`` through ``policy`` on ``model``; one result record per request.
-
-    The caches are partitioned as the bound policy's ``reserved`` says, and request ``i`` inserts
-    into ``partitions[i]`` on a worker that has that partition (else into the shared pool), and
-    the engine's block hashes are the policy's ``chains`` when it sets them. ``progress(k)`` is
-    called with the number of requests routed so far, every 256 arrivals and at the end.
+    """Replay ``workload`` through ``policy`` on ``model`` deployed as ``scenario`` (default: the
+    public fleet); one result record per request. ``progress(k)`` is called with the number of
+    requests routed so far, every 256 arrivals and at the end.
     """
     n = len(workload)
     num_workers = model.workers
     block_size = workload.block_size
     cap = model.capacity(block_size)
     names = worker_names(num_workers)
+    scenario = scenario if scenario is not None else Scenario()
+    scenario.check(n, num_workers)
+    if scenario.endpoints and not policy.routes_endpoints:
+        raise ValueError(f"policy {policy.name!r} cannot route to dedicated endpoints")
     req_hashes, req_off = workload.hashes, workload.offsets.tolist()
     arrival = workload.arrival.tolist()
     input_tokens = workload.input_tokens.tolist()
@@ -246,22 +260,19 @@ def run(
         waiting=[0] * num_workers,
         running=[0] * num_workers,
         pinned=[{} for _ in range(num_workers)],
+        scenario=scenario,
     )
     policy.bind(fleet)
-    reserved = policy.reserved or {}
-    partitions = policy.partitions
-    caches = [BlockCache(cap, reserved=reserved.get(w)) for w in range(num_workers)]
+    reserved = scenario.reserved
+    partitions = scenario.partitions
+    caches = [
+        BlockCache(cap, reserved=dict(reserved.get(w, {})) or None) for w in range(num_workers)
+    ]
     has_partition = [set(reserved.get(w, {})) for w in range(num_workers)]
-    if partitions is not None and len(partitions) != n:
-        raise ValueError(f"partitions needs one entry per request ({n}), got {len(partitions)}")
-    if policy.chains is None:
-        hashes, offsets = workload.hashes, workload.offsets
-    else:
-        hashes, offsets = policy.chains
-        if len(offsets) != n + 1:
-            raise ValueError(f"chains: offsets needs {n + 1} entries, got {len(offsets)}")
+    hashes, offsets = scenario.chains or (workload.hashes, workload.offsets)
     off = offsets.tolist()
-    index = policy.exact_index
+    subscribers = fleet.subscribers
+    rank = [0] * n if scenario.priority is None else (-np.asarray(scenario.priority)).tolist()
     waiting, running, pinned = fleet.waiting, fleet.running, fleet.pinned
 
     rate = float(model.prefill_rate)
@@ -276,7 +287,9 @@ def run(
     matched = [0] * n
     stored_of = [0] * n
 
-    queues: list[deque[int]] = [deque() for _ in range(num_workers)]
+    # Per worker, the waiting requests as a heap of (−priority, request): requests are routed
+    # in index order, so the index is the routing order.
+    queues: list[list[tuple[int, int]]] = [[] for _ in range(num_workers)]
     prefilling = [-1] * num_workers
     blocked = [False] * num_workers
     heap: list[tuple[float, int, int, int]] = []
@@ -292,7 +305,7 @@ def run(
         queue = queues[w]
         if prefilling[w] >= 0 or not queue:
             return
-        i = queue[0]
+        i = queue[0][1]
         a, b = off[i], off[i + 1]
         chain = hashes[a:b]
         refs = pinned[w]
@@ -302,7 +315,7 @@ def run(
                 blocked[w] = True
                 return
         blocked[w] = False
-        queue.popleft()
+        pop(queue)
         waiting[w] -= 1
         running[w] += 1
         cache = caches[w]
@@ -332,7 +345,7 @@ def run(
                 part = None
             cache = caches[w]
             stored, evicted = cache.insert(chain, partition=part)
-            if index is not None:
+            for index in subscribers:
                 mirror_insert(index, names[w], chain, stored, evicted)
             m = matched[i]
             if stored > m:
@@ -386,9 +399,10 @@ def run(
         if not 0 <= w < num_workers:
             raise ValueError(f"policy {policy.name!r} chose worker {w} of {num_workers}")
         worker_of[i] = w
-        queues[w].append(i)
+        push(queues[w], (rank[i], i))
         waiting[w] += 1
-        if prefilling[w] < 0 and not blocked[w]:
+        # A head waiting for memory blocks the queue, unless the newcomer outranks it.
+        if prefilling[w] < 0 and (not blocked[w] or queues[w][0][1] == i):
             try_admit(w, t_arrival)
         if progress is not None and nxt % 256 == 0:
             progress(nxt)

@@ -196,10 +196,11 @@ class DynamoKv(Policy):
         self.scale = float(prefill_load_scale)
         self.request_weight = float(decode_active_request_weight)
         self.rng = random.Random(seed)
-        self.exact_index = PrefixIndex()
+        self.events_index = PrefixIndex()
 
     def bind(self, fleet: Fleet) -> None:
         super().bind(fleet)
+        fleet.subscribe(self.events_index)
         n = len(fleet.names)
         self.prefill_tokens = [0.0] * n
         self.active = [0] * n
@@ -213,7 +214,7 @@ class DynamoKv(Policy):
         isl = self.isl[request]
         nb = chain.shape[0]
         if nb:
-            cached = self.exact_index.match(chain)
+            cached = self.events_index.match(chain)
             inflight = self.blocks.index.match(chain)
         else:
             cached = inflight = {}

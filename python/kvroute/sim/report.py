@@ -17,7 +17,8 @@ The engine produces one :data:`RESULT_DTYPE` record per request (a NumPy structu
 Requests without a finite ``first_token`` count as ``unfinished`` and are left out of the TTFT
 statistics (not of the token counts). :func:`write_json` writes exactly
 ``{"policies": {NAME: {...}}, "oracles": {"infinite": {...}, "pooled_lru": {...}}}`` plus
-``"tenant": {"random": {...}, "endpoint": {...}}`` when the report has tenant metrics.
+``"tenant": {SETUP: {...}}`` when the report has tenant metrics (the tenant's own requests under
+each setup, e.g. ``random``, ``kv_aware``, ``endpoint``).
 Rich tables and matplotlib plots are optional (``pip install kvroute[sim]``); without rich the
 table is aligned plain text and the progress bar a plain stderr line.
 """
@@ -194,7 +195,6 @@ def summarize(
 
 
 ORACLE_NAMES = ("infinite", "pooled_lru")
-TENANT_NAMES = ("random", "endpoint")
 
 
 @dataclass
@@ -217,10 +217,7 @@ class Report:
             "oracles": {name: self.oracles[name].to_dict() for name in ORACLE_NAMES},
         }
         if self.tenant is not None:
-            missing = [k for k in TENANT_NAMES if k not in self.tenant]
-            if missing:
-                raise ValueError(f"tenant view lacks {missing}; expected {list(TENANT_NAMES)}")
-            doc["tenant"] = {name: self.tenant[name].to_dict() for name in TENANT_NAMES}
+            doc["tenant"] = {name: m.to_dict() for name, m in self.tenant.items()}
         return doc
 
 

@@ -5,12 +5,14 @@ fleet model, computes the infinite-cache and pooled-LRU oracles (the pooled LRU 
 ``kvroute.BlockCache`` of the fleet's total capacity), and returns a :class:`~.report.Report`.
 
 For a workload with a tenant (the ``endpoint`` scenario records it in ``meta["tenant"]``) it also
-runs the dedicated-endpoint setup (:class:`~.policies.EndpointSetup`) and fills the report's
-``tenant`` section with the tenant's own requests: ``random`` = the ``random`` policy's run (random
-routing over the whole fleet, one shared LRU per worker), ``endpoint`` = the setup's run (the
-public traffic routed the same way, the tenant on its sticky pool with a reserved partition).
-The two-call demo — the tenant's first two requests, and what the router predicted for them —
-goes into the report's notes.
+runs the dedicated-endpoint setup and fills the report's ``tenant`` section with the tenant's own
+requests, one entry per setup: ``random`` and ``kv_aware`` = those policies' runs (the tenant is
+one more client of the shared fleet, one shared LRU per worker), ``endpoint`` = one
+:class:`~.policies.RouterPolicy` (``EndpointOptions.policy``, default ``kv_aware``) for all traffic,
+with the tenant's requests sent to its dedicated endpoint (:meth:`~.scenario.Scenario.dedicated`:
+sticky pool, reserved partition, salted blocks) — what ``kvroute serve`` does with one
+``[[endpoints]]`` entry. The two-call demo — the tenant's first two requests, and what the router
+predicted for them — goes into the report's notes.
 
 Guarantees: the same arguments give the same report (every random choice is seeded by ``seed``);
 all policies see identical arrivals; nothing is shared between runs (fresh fleet, fresh policy).
@@ -27,15 +29,16 @@ import numpy as np
 
 from kvroute import BlockCache
 
-from .engine import FleetModel, run
+from .engine import FleetModel, run, worker_names
 from .oracles import infinite_cache, pooled_lru
-from .policies import DEFAULT_POLICIES, EndpointSetup, make_policy
+from .policies import DEFAULT_POLICIES, RouterPolicy, make_policy
 from .report import Progress, Report, summarize
+from .scenario import Endpoint, Scenario
 from .synthetic import SCENARIOS
 from .traces import load_trace, mooncake_conversation
 from .workloads import Workload, WorkloadBuilder
 
-__all__ = ["SCENARIO_WORKERS", "EndpointOptions", "load_workload", "simulate"]
+__all__ = ["SCENARIO_WORKERS", "TENANT_SETUPS", "EndpointOptions", "load_workload", "simulate"]
 
 #: Default fleet size per scenario: the synthetic scenarios are sized for 8 workers; the Mooncake
 #: conversation trace (41k prompt tokens/s) is the issue's 16-worker benchmark.
@@ -77,12 +80,17 @@ def load_workload(
     return SCENARIOS[scenario](**kw)
 
 
+#: The tenant's setups, in report order: the shared fleet under two policies, and the endpoint.
+TENANT_SETUPS = ("random", "kv_aware", "endpoint")
+
+
 @dataclass(frozen=True)
 class EndpointOptions:
     """The dedicated endpoint of the tenant: ``pool_size`` workers (rendezvous top-k of the
     fleet), ``reserved_blocks`` per pool worker (default: twice the tenant's system prompt in
     blocks — the prompt itself plus room for the question blocks of the requests around it),
-    routed inside the pool by ``policy``."""
+    and ``policy``, the router's policy for all traffic in the endpoint setup (inside the pool
+    for the endpoint's requests)."""
 
     pool_size: int = 2
     reserved_blocks: int | None = None
@@ -94,13 +102,19 @@ class EndpointOptions:
         system = int(workload.meta.get("tenant_system_tokens", workload.block_size))
         return 2 * math.ceil(system / workload.block_size)
 
+    def endpoint(self, workload: Workload, tenant: str) -> Endpoint:
+        """The endpoint ``tenant`` is given on ``workload``."""
+        return Endpoint(
+            tenant, pool_size=self.pool_size, reserved_blocks=self.reserved_for(workload)
+        )
+
 
 def simulate(
     workload: Workload,
     *,
     model: FleetModel,
     policies: Sequence[str] = DEFAULT_POLICIES,
-    index: str = "exact",
+    index: str = "events",
     seed: int = 0,
     endpoint: EndpointOptions | None = None,
     progress: bool = True,
@@ -112,13 +126,15 @@ def simulate(
     n = len(workload)
     cap = model.capacity(workload.block_size)
     tenant = workload.meta.get("tenant")
+    endpoint = endpoint or EndpointOptions()
     runs: list[str] = list(policies)
-    if tenant is not None and "random" not in runs:
-        runs.append("random")  # the tenant's public-pool baseline
+    if tenant is not None:  # the tenant's shared-fleet baselines
+        runs += [p for p in ("random", endpoint.policy) if p not in runs]
     total = n * (len(runs) + (tenant is not None) + 1)
     results: dict[str, np.ndarray] = {}
-    endpoint = endpoint or EndpointOptions()
-    setup: EndpointSetup | None = None
+    options = policy_options or {}
+    scenario: Scenario | None = None
+    setup: RouterPolicy | None = None
 
     quiet = {} if progress else {"file": _Null(), "use_rich": False}
     with Progress(total, f"simulating {workload.name}", **quiet) as bar:
@@ -132,33 +148,31 @@ def simulate(
         done += n
         bar.update(done)
         for name in runs:
-            options = (policy_options or {}).get(name)
-            policy = make_policy(name, index=index, seed=seed, options=options)
+            policy = make_policy(name, index=index, seed=seed, options=options.get(name))
             results[name] = run(workload, policy, model, progress=tick)
             done += n
         if tenant is not None:
-            setup = EndpointSetup(
-                tenant,
-                pool_size=endpoint.pool_size,
-                reserved_blocks=endpoint.reserved_for(workload),
-                policy=endpoint.policy,
-                index=index,
-                seed=seed,
+            scenario = Scenario.dedicated(
+                workload, worker_names(model.workers), endpoint.endpoint(workload, tenant), tenant
             )
-            results["endpoint"] = run(workload, setup, model, progress=tick)
+            setup = RouterPolicy(
+                endpoint.policy, index=index, seed=seed, options=options.get(endpoint.policy)
+            )
+            results["endpoint"] = run(workload, setup, model, scenario=scenario, progress=tick)
             done += n
         bar.update(total)
 
     metrics = {name: summarize(results[name], num_workers=model.workers) for name in policies}
     report = Report(policies=metrics, oracles=oracles, title=_title(workload, model, index))
     report.notes.extend(_model_notes(workload, model))
-    if tenant is not None and setup is not None:
+    if tenant is not None and setup is not None and scenario is not None:
         mask = workload.tenant_mask(tenant)
+        keys = {"random": "random", "kv_aware": endpoint.policy, "endpoint": "endpoint"}
         report.tenant = {
-            "random": summarize(results["random"], num_workers=model.workers, mask=mask),
-            "endpoint": summarize(results["endpoint"], num_workers=model.workers, mask=mask),
+            label: summarize(results[key], num_workers=model.workers, mask=mask)
+            for label, key in keys.items()
         }
-        report.notes.extend(_endpoint_notes(workload, setup, results, mask, model))
+        report.notes.extend(_endpoint_notes(workload, setup, scenario, results, mask, model))
     return report, results
 
 
@@ -203,14 +217,23 @@ def _model_notes(workload: Workload, model: FleetModel) -> list[str]:
     ]
 
 
-def _endpoint_notes(workload: Workload, setup: EndpointSetup, results, mask, model) -> list[str]:
-    pool = ", ".join(setup.pool())
+def _endpoint_notes(
+    workload: Workload,
+    setup: RouterPolicy,
+    scenario: Scenario,
+    results: dict[str, np.ndarray],
+    mask: np.ndarray,
+    model: FleetModel,
+) -> list[str]:
+    ep = scenario.endpoints[0]
+    pool = ", ".join(setup.endpoint_pool(ep.id))
     lines = [
-        f"Dedicated endpoint {setup.tenant!r}: pool [{pool}], {setup.reserved_blocks} reserved "
-        f"blocks per pool worker, routed by {setup.policy} inside the pool; the public traffic "
-        "is routed at random in both setups.",
+        f"Dedicated endpoint {ep.id!r}: pool [{pool}], {ep.reserved_blocks} reserved blocks per "
+        f"pool worker; one {setup.name} router for all traffic (the endpoint's requests inside "
+        "its pool), as kvroute serve runs it.",
     ]
-    for key, label in (("random", "public pool, random"), ("endpoint", "dedicated endpoint")):
+    labels = (("random", "shared fleet, random"), ("endpoint", "dedicated endpoint"))
+    for key, label in labels:
         r = results[key][mask]
         queue = np.median(r["prefill_start"] - r["arrival"]) * 1000
         prefill = np.median(r["first_token"] - r["prefill_start"]) * 1000
@@ -229,24 +252,23 @@ def _endpoint_notes(workload: Workload, setup: EndpointSetup, results, mask, mod
             workload.block_hashes(i),
             int(workload.input_tokens[i]),
             int(workload.output_tokens[i]),
-            tenant=setup.tenant,
+            tenant=workload.tenant[i],
         )
     pair = b.build(name="two calls", meta=dict(workload.meta))
-    idle = EndpointSetup(
-        setup.tenant,
-        pool_size=setup.pool_size,
-        reserved_blocks=setup.reserved_blocks,
-        policy=setup.policy,
-        index=setup.index_mode,
-        seed=setup.seed,
+    idle = RouterPolicy(setup.name, index=setup.index_mode, seed=setup.seed, options=setup.options)
+    names = worker_names(model.workers)
+    alone = run(
+        pair,
+        idle,
+        model,
+        scenario=Scenario.dedicated(pair, names, ep, workload.tenant[first_two[0]]),
     )
-    alone = run(pair, idle, model)
     lines.append("Two-call demo: the tenant's first two requests, through the dedicated endpoint.")
     lines.append("  on an idle fleet:    " + _calls(alone, [0, 1], idle.predicted))
     lines.append(
         "  in the run above:    " + _calls(results["endpoint"], first_two, setup.predicted)
     )
-    lines.append("  public pool, random: " + _calls(results["random"], first_two, None))
+    lines.append("  shared fleet, random: " + _calls(results["random"], first_two, None))
     system = workload.meta.get("tenant_system_tokens")
     if system:
         full = (int(system) // workload.block_size) * workload.block_size
