@@ -453,7 +453,7 @@ def test_unhealthy_workers_are_never_chosen():
         assert r.route(t if i % 2 else toks(60 + i, 8), now=1.0).worker != home
     for n in r.workers:
         r.set_healthy(n, False)
-    with pytest.raises(ValueError, match="no healthy worker"):
+    with pytest.raises(kvroute.NoWorkerError, match="no worker to route to: 3 workers, 0 healthy"):
         r.route(t, now=2.0)
     r.set_healthy(home, True)
     assert r.route(t, now=3.0).worker == home
@@ -468,12 +468,12 @@ def test_bad_input_raises_and_changes_nothing():
     probe.add_endpoint("ep", pool_size=1)
     probe.route(toks(1, 8), now=0.0)
     cases = [
-        (TypeError, lambda: r.route(now=0.0)),
         (TypeError, lambda: r.route(toks(1, 8), block_hashes=[1, 2])),
         (KeyError, lambda: r.route(toks(1, 8), endpoint="nope")),
         (KeyError, lambda: r.route(toks(1, 8), exclude=["zz"])),
         (TypeError, lambda: r.route(toks(1, 8), exclude="a")),
-        (ValueError, lambda: r.route(toks(1, 8), exclude=["a", "b"])),
+        (kvroute.NoWorkerError, lambda: r.route(toks(1, 8), exclude=["a", "b"])),
+        (kvroute.NoWorkerError, lambda: r.route(endpoint="ep", exclude=r.endpoint_pool("ep"))),
         (ValueError, lambda: r.route([1, 2, -3, 4])),
         (ValueError, lambda: r.route(toks(1, 8), now=float("nan"))),
         (TypeError, lambda: r.route(toks(1, 8), key=1.5)),
@@ -543,6 +543,87 @@ def test_four_threads_route_and_account_exactly():
     r._check_model()
 
 
+# ---- no worker, whole requests without tokens -------------------------------------------------
+
+
+def test_no_worker_error_is_a_value_error_raised_only_for_no_candidate():
+    assert issubclass(kvroute.NoWorkerError, ValueError)
+    assert kvroute.NoWorkerError is kvroute._core.NoWorkerError
+    for policy in ("random", "round_robin", "least_loaded", "power_of_two", "hash", "kv_aware"):
+        empty = kvroute.Router([], policy=policy, block_size=BS)
+        with pytest.raises(kvroute.NoWorkerError, match=r"0 workers, 0 healthy"):
+            empty.route(toks(1, 8), now=0.0)
+        r = kvroute.Router(["a", "b", "c"], policy=policy, block_size=BS)
+        r.add_endpoint("ep", pool_size=2)
+        pool = r.endpoint_pool("ep")
+        with pytest.raises(kvroute.NoWorkerError, match='endpoint "ep" with 2 in its pool, 2 ex'):
+            r.route(toks(1, 8), endpoint="ep", exclude=pool, now=0.0)
+        for w in pool:
+            r.set_healthy(w, False)
+        (spare,) = r.endpoint_pool("ep")  # the one healthy worker stands in
+        assert r.route(key="k", endpoint="ep", now=0.0).worker == spare not in pool
+        r.set_healthy(spare, False)
+        with pytest.raises(kvroute.NoWorkerError, match='healthy, endpoint "ep" with 0 in its'):
+            r.route(key="k", endpoint="ep", now=0.0)
+    # Other bad input is a plain ValueError, not "no worker" (a gateway must not answer 503).
+    r = kvroute.Router(["a"], block_size=BS)
+    for call in (
+        lambda: r.route(toks(1, 8), now=float("nan")),
+        lambda: r.route(block_hashes=[5, 5], now=0.0),
+        lambda: r.route([1, 2, -3, 4]),
+    ):
+        with pytest.raises(ValueError) as e:
+            call()
+        assert not isinstance(e.value, kvroute.NoWorkerError)
+
+
+def test_hash_policy_routes_a_key_without_tokens():
+    weights = {f"w{i}": 1.0 + (i % 3) for i in range(6)}
+    r = kvroute.Router(weights, policy="hash", block_size=BS)
+    active = dict.fromkeys(weights, 0)
+    for i, key in enumerate(["sess-1"] * 20 + [f"user-{i}" for i in range(20)]):
+        order = kvroute.Rendezvous(weights).preference(key, len(weights))
+        d = r.route(key=key, now=0.0)
+        assert d.worker == bounded_pick(order, active, weights, 1.25), (i, key)
+        assert (d.prompt_tokens, d.prompt_blocks, d.cached_tokens) == (0, 0, 0)
+        r.begin(d)
+        active[d.worker] += 1
+    # With an endpoint and no key, the endpoint id is the key (within its pool).
+    r.add_endpoint("ep", pool_size=6)
+    order = kvroute.Rendezvous(weights).preference("ep", len(weights))
+    assert r.route(endpoint="ep", now=0.0).worker == bounded_pick(order, active, weights, 1.25)
+
+
+def test_every_policy_routes_a_request_without_tokens():
+    weights = {"a": 5.0, "b": 1.0, "c": 1.0}
+    rr = kvroute.Router(weights, policy="round_robin", block_size=BS)
+    current = dict.fromkeys(weights, 0.0)
+    for _ in range(14):
+        for n in current:
+            current[n] += weights[n]
+        best = max(current, key=lambda n: (current[n], -list(weights).index(n)))
+        current[best] -= sum(weights.values())
+        assert rr.route().worker == best
+    for policy in ("random", "least_loaded", "power_of_two", "kv_aware"):
+        for index in ("approx", "events"):
+            r = kvroute.Router(weights, policy=policy, index=index, block_size=BS)
+            r.route(toks(1, 40), now=0.0)  # a prompt on some worker: tokenless requests ignore it
+            for i in range(12):
+                d = r.route(now=float(i))
+                assert (d.prompt_blocks, d.cached_blocks) == (0, 0)
+                if policy in ("least_loaded", "kv_aware"):
+                    # No prefix: load alone decides (kv_aware's cost is its load terms).
+                    low = min(d.scores.values())
+                    assert d.scores[d.worker] == low
+                r.begin(d)
+                r.observe(d, 0)
+                r.finish(d)
+            assert all(r.load(n)["active"] == 0 for n in weights)
+            if index == "approx":
+                r._check_model()
+                assert len(r.index) == 10  # only the one prompt's blocks
+
+
 # ---- state machine ----------------------------------------------------------------------------
 
 
@@ -562,7 +643,7 @@ class RouterMachine(RuleBasedStateMachine):
     def route(self, seed, n):
         t = toks(seed, n)
         if not self.healthy:
-            with pytest.raises(ValueError, match="no healthy worker"):
+            with pytest.raises(kvroute.NoWorkerError, match="0 healthy"):
                 self.router.route(t, now=0.0)
             return
         loads = {w: len(self.active[w]) / self.weights[w] for w in self.healthy}

@@ -2,7 +2,12 @@
 class the same methods and properties, with the same parameters (names, kinds, defaults).
 
 Stub-only helpers (``typing.type_check_only`` classes such as the hashers' shared base, and type
-aliases) must not exist at run time; members a class inherits from them count as its own."""
+aliases) must not exist at run time; members a class inherits from them count as its own. Members
+inherited from a builtin base (an exception's ``args``) need not be repeated.
+
+A constructor whose keywords default to None at run time (the core applies its own default) may
+show the resolved value in the stub; the class then exposes ``config``, and the stub's values are
+checked against the ``config`` of an object built without them."""
 
 from __future__ import annotations
 
@@ -36,6 +41,10 @@ def members(cls: ast.ClassDef) -> dict[str, ast.FunctionDef]:
         if isinstance(node, ast.FunctionDef):
             found[node.name] = node  # an @overload group keeps its last signature
     return found
+
+
+def stub_only_base(base: ast.expr) -> bool:
+    return isinstance(base, ast.Name) and base.id in CLASSES and stub_only(CLASSES[base.id])
 
 
 def is_property(func: ast.FunctionDef) -> bool:
@@ -95,6 +104,21 @@ def test_function_signatures(name):
     assert want == got
 
 
+def builtin_members(cls: type) -> set[str]:
+    """Names ``cls`` inherits from builtin bases (``object``, ``ValueError`` …)."""
+    return {n for base in cls.__mro__[1:] if base.__module__ == "builtins" for n in dir(base)}
+
+
+def resolved_defaults(
+    want: list[tuple[str, str, object]], got: list[tuple[str, str, object]]
+) -> list[tuple[str, str, object]]:
+    """``want`` with each default the runtime leaves to the core (None) replaced by None."""
+    return [
+        (n, k, None if g[2] is None and d is not inspect.Parameter.empty else d)
+        for (n, k, d), g in zip(want, got)
+    ]
+
+
 @pytest.mark.parametrize("name", PUBLIC_CLASSES)
 def test_class_members_and_signatures(name):
     runtime_cls = getattr(_core, name)
@@ -102,14 +126,19 @@ def test_class_members_and_signatures(name):
     final = any(getattr(d, "id", None) == "final" for d in CLASSES[name].decorator_list)
     subclassable = bool(runtime_cls.__flags__ & (1 << 10))  # Py_TPFLAGS_BASETYPE
     assert final != subclassable
+    bases = [b.__name__ for b in runtime_cls.__bases__ if b is not object]
+    assert [getattr(b, "id", None) for b in CLASSES[name].bases if not stub_only_base(b)] == bases
     public = {n for n in stubbed if not n.startswith("_")}
-    assert public == {n for n in dir(runtime_cls) if not n.startswith("_")}
+    inherited = builtin_members(runtime_cls)
+    assert public == {n for n in dir(runtime_cls) if not n.startswith("_") and n not in inherited}
     protocols = {"__len__", "__contains__", "__iter__", "__getitem__", "__call__"}
     assert protocols & set(vars(runtime_cls)) <= set(stubbed)
     for member, func in stubbed.items():
         if member in ("__init__", "__new__"):
             want = stub_params(func, skip_first=True)
             got = runtime_params(runtime_cls)
+            if "config" in stubbed:  # defaults resolved by the core: see test_stub_defaults_*
+                want = resolved_defaults(want, got)
             assert want == got, member
             continue
         assert hasattr(runtime_cls, member), member
@@ -124,3 +153,32 @@ def test_class_members_and_signatures(name):
         want = stub_params(func, skip_first=not static)
         got = runtime_params(getattr(runtime_cls, member))
         assert want == got, member
+
+
+def test_stub_defaults_are_the_routers_effective_config():
+    """The defaults the stub shows are the ones a Router built without them uses, and passing
+    None for a keyword is the same as leaving it out."""
+    params = stub_params(members(CLASSES["Router"])["__new__"], skip_first=True)
+    shown = {n: d for n, kind, d in params if kind == "KEYWORD_ONLY"}
+    assert kvroute.Router(["a"]).config == shown
+    assert kvroute.Router(["a"], **dict.fromkeys(shown)).config == shown
+    # Every keyword is in `config`, and a value given is the value in effect.
+    given = {
+        "policy": "hash",
+        "block_size": 8,
+        "hash_profile": "vllm",
+        "index": "events",
+        "capacity_blocks": 100,
+        "ttl": 3.0,
+        "queue_weight": 0.25,
+        "decode_weight": 0.0,
+        "load_bound": 2.0,
+        "seed": 9,
+        "stale_half_life": 1.5,
+        "tier_weights": {"DISK": 0.1},
+        "salt": "s",
+        "hash_seed": "0",
+        "event_mode": "direct",
+    }
+    assert set(given) == set(shown)
+    assert kvroute.Router(["a"], **given).config == given

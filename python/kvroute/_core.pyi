@@ -14,6 +14,7 @@ __all__ = [
     "JumpHash",
     "KvEventApplier",
     "Maglev",
+    "NoWorkerError",
     "PrefixIndex",
     "Rendezvous",
     "Router",
@@ -347,6 +348,12 @@ def decode_kv_events(
     """``(ts, events, data_parallel_rank)`` of one payload, each event a dict of the fields the
     decoder reads (``ValueError`` for a malformed payload). For inspection and tests."""
 
+class NoWorkerError(ValueError):
+    """No worker can take the request: none is healthy, in the endpoint's pool and not excluded.
+
+    Raised by ``Router.route`` only (a ``ValueError``): a gateway answers it with 503 and retries
+    later, while any other ``ValueError`` is a bad argument."""
+
 @final
 class Decision:
     """A routing decision: the worker, why, and how much of the prompt it is expected to hold.
@@ -394,8 +401,11 @@ class Router:
     corrects it. ``index="events"``: ``router.index`` is fed by ``router.event_applier`` (engine
     KV events); stale workers' overlap credit decays (``mark_stale``). Policies: ``random``,
     ``round_robin``, ``least_loaded``, ``power_of_two``, ``hash``, ``kv_aware``. ``now`` defaults
-    to ``time.monotonic()``. Unknown names raise ``KeyError``, bad values ``ValueError``; errors
-    change nothing.
+    to ``time.monotonic()``. Unknown names raise ``KeyError``, bad values ``ValueError``, no
+    worker to route to ``NoWorkerError``; errors change nothing.
+
+    The defaults below are the core's (``Router.config`` shows them; tests check the two agree):
+    a keyword left out, or passed as None, takes the core's default.
     """
 
     def __new__(
@@ -415,7 +425,7 @@ class Router:
         load_bound: float = 1.25,
         seed: int = 0,
         stale_half_life: float = 5.0,
-        tier_weights: Mapping[str, float] | None = None,
+        tier_weights: Mapping[str, float] = {"CPU": 0.5, "CPU_PINNED": 0.5},
         salt: str | None = None,
         hash_seed: str | None = None,
         event_mode: Literal["rehash", "direct"] = "rehash",
@@ -430,7 +440,8 @@ class Router:
         exclude: Iterable[str] | None = None,
         now: float | None = None,
     ) -> Decision:
-        """Route one request (exactly one of ``tokens`` and ``block_hashes``)."""
+        """Route one request: at most one of ``tokens`` and ``block_hashes``; with neither, the
+        request has no prefix to match (routed by ``key``, ``endpoint`` or load)."""
 
     def begin(self, decision: Decision) -> None:
         """The request starts: counted in its worker's load."""
@@ -494,5 +505,9 @@ class Router:
     def hash_profile(self) -> str: ...
     @property
     def mode(self) -> Literal["approx", "events"]: ...
+    @property
+    def config(self) -> dict[str, Any]:
+        """The configuration in effect, keyed like the constructor's keywords."""
+
     def _check_model(self) -> None: ...
     def __len__(self) -> int: ...

@@ -2,7 +2,8 @@
 //!
 //! Each variant corresponds to one Python exception class, so the binding layer maps errors
 //! mechanically: [`Error::Value`] → `ValueError`, [`Error::Type`] → `TypeError`,
-//! [`Error::Key`] → `KeyError`. Messages name the offending value.
+//! [`Error::Key`] → `KeyError`, [`Error::NoWorker`] → `kvroute.NoWorkerError` (a `ValueError`).
+//! Messages name the offending value.
 
 /// An error raised by the core on invalid input. Returning one never leaves an object half-modified.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -16,6 +17,11 @@ pub enum Error {
     /// A name (node, worker, partition, endpoint, …) that is not known, or already known.
     #[error("{0}")]
     Key(String),
+    /// A request has no worker to go to: none is healthy, in the endpoint's pool and not
+    /// excluded. A `ValueError` in Python (`kvroute.NoWorkerError`), so callers can tell "no
+    /// capacity right now" (retry later, answer 503) from a bad argument.
+    #[error("{0}")]
+    NoWorker(String),
 }
 
 /// Result alias used throughout the core.

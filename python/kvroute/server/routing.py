@@ -9,16 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvroute import Router
+from kvroute import NoWorkerError, Router
 
 from .config import RouterConfig, WorkerConfig
 
+# NoWorkerError (a ValueError) is what ``Router.route`` raises when no candidate is left (none
+# healthy, in the endpoint's pool and not excluded), and only then: the servers' 503. Any other
+# error from ``route`` is a bug, not "no worker".
 __all__ = ["NoWorkerError", "build_router"]
-
-#: What ``Router.route`` raises when no candidate is left (none healthy, in the endpoint's pool
-#: and not excluded). Until the core raises a type of its own for it this is ``ValueError``; the
-#: servers' other arguments to ``route`` are always valid, so nothing else raises it there.
-NoWorkerError = ValueError
 
 
 def build_router(workers: Iterable[WorkerConfig], router: RouterConfig) -> Router:

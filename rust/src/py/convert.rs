@@ -26,12 +26,20 @@ use pyo3::types::{
 use crate::error::Error;
 use crate::hashing::Key;
 
+pyo3::create_exception!(
+    kvroute._core,
+    NoWorkerError,
+    pyo3::exceptions::PyValueError,
+    "No worker can take the request: none is healthy, in the endpoint's pool and not excluded."
+);
+
 impl From<Error> for PyErr {
     fn from(e: Error) -> PyErr {
         match e {
             Error::Value(m) => PyValueError::new_err(m),
             Error::Type(m) => PyTypeError::new_err(m),
             Error::Key(m) => PyKeyError::new_err(m),
+            Error::NoWorker(m) => NoWorkerError::new_err(m),
         }
     }
 }

@@ -13,15 +13,15 @@ use pyo3::types::PyDict;
 
 use super::convert::{
     name_item, names_from_py, optional, tokens_from_py, type_error, typed, u64_array, u64_from_int,
-    u64_slice, usize_from_int, weighted_names, with_key, MonotonicClock, Name, Negative, Tokens,
+    u64_slice, usize_from_int, weighted_names, with_key, MonotonicClock, Name, Negative,
+    NoWorkerError, Tokens,
 };
 use super::events::PyKvEventApplier;
 use super::index::PyPrefixIndex;
 use super::with_mutex;
-use crate::blocks::{ChainState, Options, Profile};
-use crate::events::Mode;
+use crate::blocks::{ChainState, Options};
 use crate::hashing::Key;
-use crate::router::{Config, CostWeights, Decision, IndexMode, Policy, RouteRequest, Router};
+use crate::router::{Config, CostWeights, Decision, IndexMode, RouteRequest, Router};
 
 /// Prompts of at least this many tokens (or blocks) are routed with the GIL released.
 const DETACH_MIN_TOKENS: usize = 512;
@@ -29,7 +29,15 @@ const DETACH_MIN_TOKENS: usize = 512;
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRouter>()?;
     m.add_class::<PyDecision>()?;
+    m.add("NoWorkerError", m.py().get_type::<NoWorkerError>())?;
     Ok(())
+}
+
+/// `None`, or the value parsed from `s` (its `FromStr` error names the bad value).
+fn optional_parse<T: std::str::FromStr<Err = crate::Error>>(
+    s: Option<&str>,
+) -> PyResult<Option<T>> {
+    Ok(s.map(str::parse).transpose()?)
 }
 
 /// A routing key copied out of Python (so routing can run without the GIL).
@@ -49,26 +57,29 @@ impl OwnedKey {
 
 /// Which worker gets a request, why, and how much of the prompt is expected cached there.
 ///
-/// `Router(workers, *, policy="kv_aware", block_size=16, hash_profile="native", index="approx",
-/// capacity_blocks=32768, ttl=None, queue_weight=0.5, decode_weight=0.05, load_bound=1.25, seed=0,
-/// stale_half_life=5.0, tier_weights=None, salt=None, hash_seed=None, event_mode="rehash")`;
-/// `workers` is a list of names or a `{name: weight}` dict (weight = relative capacity).
+/// `Router(workers, *, policy, block_size, hash_profile, index, capacity_blocks, ttl,
+/// queue_weight, decode_weight, load_bound, seed, stale_half_life, tier_weights, salt, hash_seed,
+/// event_mode)`: `workers` is a list of names or a `{name: weight}` dict (weight = relative
+/// capacity); every keyword left out (or None) takes the core's default (`Router.config` shows
+/// the values in effect).
 ///
 /// `route(tokens=None, *, block_hashes=None, key=None, endpoint=None, exclude=None, now=None)`
-/// returns a `Decision`. Pass exactly one of `tokens` (hashed with the router's `BlockHasher`, or
-/// the endpoint's salted one) and `block_hashes`. Policies: `random`, `round_robin`,
+/// returns a `Decision`. Pass at most one of `tokens` (hashed with the router's `BlockHasher`, or
+/// the endpoint's salted one) and `block_hashes`; with neither, the request has no prefix to
+/// match (route by `key`, endpoint or load). Policies: `random`, `round_robin`,
 /// `least_loaded`, `power_of_two`, `hash` (rendezvous hash of `key`, else the endpoint, else the
 /// first block, with bounded loads `load_bound`), `kv_aware` (minimum of `prompt_blocks - credit +
 /// (queue_weight * prefill_blocks + decode_weight * decode_blocks) / weight`, in blocks; ties by
 /// rendezvous hash of the first block). Only healthy workers are chosen; with `endpoint`, only
-/// members of its pool; never one in `exclude`. No candidate raises `ValueError`.
+/// members of its pool; never one in `exclude`. No candidate raises `NoWorkerError` (a
+/// `ValueError`).
 ///
 /// `index="approx"`: the router models each worker's cache (a `BlockCache` of `capacity_blocks`,
 /// blocks idle over `ttl` seconds gone) from where it routed; `observe` corrects the model.
 /// `index="events"`: `router.index` is fed from outside (`router.event_applier`, engine KV
 /// events); `mark_stale`/`mark_fresh` decay a worker's overlap credit (half-life
-/// `stale_half_life` seconds); tier overlap counts at `tier_weights` (default CPU 0.5, others
-/// 0.25). `now` defaults to `time.monotonic()`: pass it on every call (virtual time) or on none.
+/// `stale_half_life` seconds); tier overlap counts at `tier_weights`. `now` defaults to
+/// `time.monotonic()`: pass it on every call (virtual time) or on none.
 ///
 /// Load: `begin(d)`, `prefilled(d)`, `finish(d)`; `load(worker)` gives `active`,
 /// `prefill_blocks` and `decode_blocks` (prompt blocks of running requests). Unknown names raise
@@ -98,58 +109,61 @@ impl PyRouter {
 impl PyRouter {
     #[new]
     #[pyo3(signature = (
-        workers, *, policy = "kv_aware", block_size = None, hash_profile = "native",
-        index = "approx", capacity_blocks = None, ttl = None, queue_weight = 0.5,
-        decode_weight = 0.05, load_bound = 1.25, seed = None, stale_half_life = 5.0,
-        tier_weights = None, salt = None, hash_seed = None, event_mode = "rehash"
-    ), text_signature = "(workers, *, policy='kv_aware', block_size=16, hash_profile='native', \
-        index='approx', capacity_blocks=32768, ttl=None, queue_weight=0.5, decode_weight=0.05, \
-        load_bound=1.25, seed=0, stale_half_life=5.0, tier_weights=None, salt=None, \
-        hash_seed=None, event_mode='rehash')")]
+        workers, *, policy = None, block_size = None, hash_profile = None, index = None,
+        capacity_blocks = None, ttl = None, queue_weight = None, decode_weight = None,
+        load_bound = None, seed = None, stale_half_life = None, tier_weights = None, salt = None,
+        hash_seed = None, event_mode = None
+    ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         workers: &Bound<'_, PyAny>,
-        policy: &str,
+        policy: Option<&str>,
         block_size: Option<&Bound<'_, PyAny>>,
-        hash_profile: &str,
-        index: &str,
+        hash_profile: Option<&str>,
+        index: Option<&str>,
         capacity_blocks: Option<&Bound<'_, PyAny>>,
         ttl: Option<f64>,
-        queue_weight: f64,
-        decode_weight: f64,
-        load_bound: f64,
+        queue_weight: Option<f64>,
+        decode_weight: Option<f64>,
+        load_bound: Option<f64>,
         seed: Option<&Bound<'_, PyAny>>,
-        stale_half_life: f64,
+        stale_half_life: Option<f64>,
         tier_weights: Option<&Bound<'_, PyAny>>,
         salt: Option<Name<'_>>,
         hash_seed: Option<Name<'_>>,
-        event_mode: &str,
+        event_mode: Option<&str>,
     ) -> PyResult<Self> {
         let workers = weighted_names(workers, "workers", "worker")?;
-        let defaults = Config::default();
+        // Every argument not given keeps the core's default.
+        let d = Config::default();
         let mut config = Config {
-            policy: policy.parse::<Policy>()?,
+            policy: optional_parse(policy)?.unwrap_or(d.policy),
             block_size: optional(block_size, |b| usize_from_int(b, "block_size"))?
-                .unwrap_or(defaults.block_size),
-            profile: hash_profile.parse::<Profile>()?,
+                .unwrap_or(d.block_size),
+            profile: optional_parse(hash_profile)?.unwrap_or(d.profile),
             hash_options: Options {
-                salt: salt.map(Name::to_owned_string),
-                seed: hash_seed.map(Name::to_owned_string),
-                ..Options::default()
+                salt: salt
+                    .map(Name::to_owned_string)
+                    .or(d.hash_options.salt.clone()),
+                seed: hash_seed
+                    .map(Name::to_owned_string)
+                    .or(d.hash_options.seed.clone()),
+                ..d.hash_options.clone()
             },
-            mode: index.parse::<IndexMode>()?,
+            mode: optional_parse(index)?.unwrap_or(d.mode),
             capacity_blocks: optional(capacity_blocks, |c| usize_from_int(c, "capacity_blocks"))?
-                .unwrap_or(defaults.capacity_blocks),
-            ttl,
+                .unwrap_or(d.capacity_blocks),
+            ttl: ttl.or(d.ttl),
             weights: CostWeights {
-                queue: queue_weight,
-                decode: decode_weight,
+                queue: queue_weight.unwrap_or(d.weights.queue),
+                decode: decode_weight.unwrap_or(d.weights.decode),
             },
-            bound_c: load_bound,
-            seed: optional(seed, |s| u64_from_int(s, "seed", None))?.unwrap_or(defaults.seed),
-            stale_half_life,
-            ..defaults
+            bound_c: load_bound.unwrap_or(d.bound_c),
+            seed: optional(seed, |s| u64_from_int(s, "seed", None))?.unwrap_or(d.seed),
+            stale_half_life: stale_half_life.unwrap_or(d.stale_half_life),
+            event_mode: optional_parse(event_mode)?.unwrap_or(d.event_mode),
+            ..d
         };
         if let Some(obj) = tier_weights {
             let dict = obj.cast::<PyDict>().map_err(|_| {
@@ -162,11 +176,10 @@ impl PyRouter {
                 config.tier_weights.push((tier, w));
             }
         }
-        let event_mode = event_mode.parse::<Mode>()?;
         let mut core = Router::new(workers.iter().map(|(n, w)| (n.as_str(), *w)), config)?;
         let index = Py::new(py, PyPrefixIndex::from_shared(core.index().clone()))?;
         let applier = if core.config().mode == IndexMode::Events {
-            let applier = core.new_event_applier(event_mode)?;
+            let applier = core.new_event_applier()?;
             Some(Py::new(
                 py,
                 PyKvEventApplier::from_core(applier, index.clone_ref(py)),
@@ -183,7 +196,7 @@ impl PyRouter {
     }
 
     /// Routes one request; returns a `Decision`. In approx mode the prompt is recorded on the
-    /// chosen worker.
+    /// chosen worker. Without `tokens` and `block_hashes` the request has no prefix to match.
     #[pyo3(signature = (tokens = None, *, block_hashes = None, key = None, endpoint = None, exclude = None, now = None))]
     #[allow(clippy::too_many_arguments)]
     fn route(
@@ -215,11 +228,13 @@ impl PyRouter {
             now: self.clock.now(now),
         };
         let decision = match (tokens, block_hashes) {
-            (Some(_), Some(_)) | (None, None) => {
+            (Some(_), Some(_)) => {
                 return Err(PyTypeError::new_err(
-                    "route() takes exactly one of tokens and block_hashes",
+                    "route() takes tokens or block_hashes, not both",
                 ))
             }
+            // No prompt: nothing to hash or match (routed by key, endpoint or load).
+            (None, None) => self.run(py, true, |r| r.route(request))?,
             (Some(tokens), None) => {
                 let array = tokens_from_py(tokens)?;
                 let tokens = Tokens::of(&array);
@@ -483,6 +498,33 @@ impl PyRouter {
     #[getter]
     fn mode(&self, py: Python<'_>) -> &'static str {
         self.run(py, true, |r| r.config().mode.name())
+    }
+
+    /// The configuration in effect, keyed like the constructor's keywords.
+    #[getter]
+    fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = self.run(py, true, |r| r.config().clone());
+        let d = PyDict::new(py);
+        d.set_item("policy", c.policy.name())?;
+        d.set_item("block_size", c.block_size)?;
+        d.set_item("hash_profile", c.profile.name())?;
+        d.set_item("index", c.mode.name())?;
+        d.set_item("capacity_blocks", c.capacity_blocks)?;
+        d.set_item("ttl", c.ttl)?;
+        d.set_item("queue_weight", c.weights.queue)?;
+        d.set_item("decode_weight", c.weights.decode)?;
+        d.set_item("load_bound", c.bound_c)?;
+        d.set_item("seed", c.seed)?;
+        d.set_item("stale_half_life", c.stale_half_life)?;
+        let tiers = PyDict::new(py);
+        for (tier, w) in &c.tier_weights {
+            tiers.set_item(tier, w)?;
+        }
+        d.set_item("tier_weights", tiers)?;
+        d.set_item("salt", c.hash_options.salt)?;
+        d.set_item("hash_seed", c.hash_options.seed)?;
+        d.set_item("event_mode", c.event_mode.name())?;
+        Ok(d)
     }
 
     /// Raises ValueError if the approx model's index and caches disagree (for tests).

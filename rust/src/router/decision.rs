@@ -68,48 +68,11 @@ pub struct Decision {
     /// Worker names by slot when the decision was made (for `scores`).
     pub(super) roster: Arc<[Arc<str>]>,
     pub(super) scores: Vec<(u32, f64)>,
-    state: AtomicU8,
+    /// Lifecycle flags (a new decision: `Default`, none set).
+    pub(super) state: AtomicU8,
 }
 
 impl Decision {
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn new(
-        id: u64,
-        router: u64,
-        worker: Arc<str>,
-        worker_uid: u64,
-        slot_hint: u32,
-        policy: Policy,
-        reason: Reason,
-        block_size: usize,
-        prompt_tokens: usize,
-        prompt_blocks: usize,
-        cached_blocks: usize,
-        endpoint: Option<Arc<str>>,
-        hashes: Vec<u64>,
-        roster: Arc<[Arc<str>]>,
-        scores: Vec<(u32, f64)>,
-    ) -> Self {
-        Decision {
-            id,
-            router,
-            worker,
-            worker_uid,
-            slot_hint,
-            policy,
-            reason,
-            block_size,
-            prompt_tokens,
-            prompt_blocks,
-            cached_blocks,
-            endpoint,
-            hashes,
-            roster,
-            scores,
-            state: AtomicU8::new(0),
-        }
-    }
-
     /// `cached_blocks × block_size`: prompt tokens expected to be served from the cache.
     pub fn cached_tokens(&self) -> usize {
         self.cached_blocks.saturating_mul(self.block_size)

@@ -1,17 +1,32 @@
 //! The router: one object that takes a request and answers which worker, why, and how much of the
 //! prompt is expected to be cached there.
 //!
-//! [`Router::route`] reads in four steps, all in this file and [`policy`]: the prompt's tokens are
-//! hashed into chained block hashes (by the router's [`BlockHasher`], or the endpoint's salted one;
-//! done by the caller before taking the router's lock, see [`Router::hasher_for`]) → one walk of
-//! the [`PrefixIndex`] gives every worker's cached overlap → each candidate gets the policy's score
-//! ([`policy`]) → the best one is picked, and in approx mode the prompt is recorded on it
-//! ([`approx`]).
+//! # Route, step by step
+//! The prompt's tokens are hashed into chained block hashes by the router's [`BlockHasher`] (or
+//! the endpoint's salted one) before the router's lock is taken ([`Router::hasher_for`]); then
+//! [`Router::route`] (in `route.rs`) runs five steps:
+//! 1. **Check** the request (`now`, lengths, endpoint and excluded names) and gather the
+//!    candidates: healthy, in the endpoint's pool, not excluded.
+//! 2. **Match**: blocks idle past the TTL leave the approx model, then one walk of the
+//!    [`PrefixIndex`] gives every worker's cached overlap, turned into credit (tiers, freshness).
+//! 3. **Pick** ([`policy`]): a pure function of the router's state and the request; it returns
+//!    the chosen worker, the scores compared (the `kv_aware` cost is `policy::kv_cost`) and the
+//!    state change the choice implies (the generator's next state, the round-robin step).
+//! 4. **Validate** (approx mode, [`approx`]): the prompt's chain must agree with the index; this
+//!    stores it there or fails changing nothing. It is the last step that can fail.
+//! 5. **Commit**: the pick's state change, the chosen worker's modelled cache, the decision count;
+//!    the [`Decision`] is returned.
+//!
+//! Membership (workers, health, endpoints) is in `membership.rs`; load accounting (`begin`,
+//! `prefilled`, `finish`, `observe`) here.
 //!
 //! # Guarantees
 //! - **Candidates.** Only healthy workers are ever chosen; with `endpoint`, only members of its
-//!   pool ([`endpoints`]); never a worker listed in `exclude`. No candidate → [`Error::Value`]
-//!   ("no healthy worker").
+//!   pool ([`endpoints`]); never a worker listed in `exclude`. No candidate →
+//!   [`Error::NoWorker`] (`kvroute.NoWorkerError`, a `ValueError`), and nothing else raises it.
+//! - **Whole requests without tokens.** A request with no block hashes (no tokens, or less than
+//!   one block) has no prefix to match; every policy routes it (`hash` by its key or endpoint,
+//!   `kv_aware` by load alone).
 //! - **Index modes.** `Approx`: the router's own model of every worker's cache ([`approx`]), kept
 //!   in the index it exposes (read it, do not write it). `Events`: the index is fed from outside
 //!   (engine KV events through an [`crate::events::Applier`] built by
@@ -28,22 +43,28 @@
 //!   is an error that changes nothing. Counters are exact: every change happens under the
 //!   router's lock (`&mut self`).
 //! - **Errors change nothing** (except that blocks idle past the TTL expire as time passes):
-//!   unknown worker / endpoint names are [`Error::Key`], bad values [`Error::Value`].
+//!   unknown worker / endpoint names are [`Error::Key`], bad values [`Error::Value`]. A pick
+//!   changes nothing by construction, so a failed route leaves the generator and the
+//!   round-robin state where they were.
 //! - **Time.** Every call that depends on time takes `now` in seconds (any clock, e.g. virtual
 //!   time in a simulator, but one clock for one router): the TTL of idle blocks in approx mode and
 //!   the decay of stale workers use it.
+//! - **Defaults** live in [`Config::default`] (and the `Default`s it names) only; the bindings
+//!   pass what the caller did not give as "unset".
 //!
 //! # Rust use
 //! Build with [`Router::new`] from a [`Config`]; hash with `router.hasher_for(endpoint)?` (an
 //! `Arc<BlockHasher>`, so hashing can run without the router's lock) or give block hashes
 //! directly (salted for an endpoint by [`Router::salt_block_hashes`]); then
-//! `router.route(&RouteRequest { .. })`, `begin`, `prefilled`, `finish`, `observe` with the
+//! `router.route(RouteRequest { .. })`, `begin`, `prefilled`, `finish`, `observe` with the
 //! returned [`Decision`]. Share a router between threads behind a `Mutex`.
 
 mod approx;
 mod decision;
 mod endpoints;
+mod membership;
 mod policy;
+mod route;
 mod workers;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -52,10 +73,10 @@ use std::sync::Arc;
 use hashbrown::HashMap;
 use parking_lot::RwLock;
 
-use crate::blocks::{BlockHasher, ChainState, Options, Profile, TokenId};
+use crate::blocks::{BlockHasher, Options, Profile};
 use crate::error::{Error, Result};
 use crate::events::{Applier, Mode, TierRegistry};
-use crate::hashing::{BoundedLoad, ConsistentHash, Key, Rendezvous};
+use crate::hashing::{BoundedLoad, Key, Rendezvous};
 use crate::index::{PrefixIndex, SharedPrefixIndex, WorkerId};
 use crate::{key_err, value_err};
 
@@ -130,6 +151,9 @@ pub struct Config {
     /// Overlap weight per non-GPU tier (default `CPU` and `CPU_PINNED` 0.5; others
     /// [`OTHER_TIER_WEIGHT`]).
     pub tier_weights: Vec<(String, f64)>,
+    /// Events mode: how the applier of [`Router::new_event_applier`] keys engine blocks
+    /// (default: the events module's, [`crate::events::Config`]).
+    pub event_mode: Mode,
 }
 
 impl Default for Config {
@@ -147,6 +171,7 @@ impl Default for Config {
             seed: 0,
             stale_half_life: 5.0,
             tier_weights: vec![("CPU".into(), 0.5), ("CPU_PINNED".into(), 0.5)],
+            event_mode: crate::events::Config::default().mode,
         }
     }
 }
@@ -198,9 +223,9 @@ struct Scratch {
     overlap: Vec<u32>,
     credit: Vec<f64>,
     candidates: Vec<u32>,
+    /// Endpoint pool refreshes.
     order: Vec<u32>,
-    loads: Vec<u64>,
-    shares: Vec<f64>,
+    pick: policy::Buffers,
     tier_overlap: Vec<(u32, f64)>,
     tier_hits: Vec<(u32, u32, f64)>,
 }
@@ -291,16 +316,17 @@ impl Router {
         self.endpoints.values()
     }
 
-    /// An event applier (rehash or direct `mode`) feeding the router's index with the router's
-    /// block size, profile and vLLM seed; the router reads the tiers it creates. Events mode only.
-    pub fn new_event_applier(&mut self, mode: Mode) -> Result<Applier> {
+    /// An event applier (in [`Config::event_mode`]) feeding the router's index with the
+    /// router's block size, profile and vLLM seed; the router reads the tiers it creates. Events
+    /// mode only.
+    pub fn new_event_applier(&mut self) -> Result<Applier> {
         if self.config.mode != IndexMode::Events {
             return value_err!("an event applier needs index='events'");
         }
         let applier = Applier::new(
             self.index.clone(),
             crate::events::Config {
-                mode,
+                mode: self.config.event_mode,
                 block_size: self.config.block_size,
                 profile: self.config.profile,
                 seed: self.config.hash_options.seed.clone(),
@@ -309,427 +335,6 @@ impl Router {
         )?;
         self.tiers = Some(applier.tier_registry());
         Ok(applier)
-    }
-
-    // ---- membership -------------------------------------------------------------------------
-
-    /// Adds worker `name` with relative capacity `weight`.
-    pub fn add_worker(&mut self, name: &str, weight: f64) -> Result<()> {
-        self.workers.check_new(name, weight)?;
-        let mut ring = self.ring.clone();
-        ring.add(name, weight)?;
-        let cache = match &self.model {
-            Some(m) => Some(m.new_cache()?),
-            None => None,
-        };
-        let index_id = match self.config.mode {
-            IndexMode::Approx => Some(self.index.write().add_worker(name)?),
-            IndexMode::Events => None,
-        };
-        let slot = self.workers.push(name, weight)?;
-        if let Some(w) = self.workers.get_mut(slot) {
-            w.cache = cache;
-            w.index_id = index_id;
-        }
-        self.ring = ring;
-        self.membership_changed();
-        Ok(())
-    }
-
-    /// Removes worker `name`, its load and its blocks (from the index and every tier index).
-    pub fn remove_worker(&mut self, name: &str) -> Result<()> {
-        self.workers.require(name)?;
-        let mut ring = self.ring.clone();
-        ring.remove(name)?;
-        self.workers.remove(name)?;
-        self.ring = ring;
-        let _ = self.index.write().remove_worker(name);
-        if let Some(tiers) = &self.tiers {
-            for (_, index) in tiers.read().iter() {
-                let _ = index.write().remove_worker(name);
-            }
-        }
-        self.membership_changed();
-        Ok(())
-    }
-
-    /// Marks worker `name` healthy or not (unhealthy workers are never chosen).
-    pub fn set_healthy(&mut self, name: &str, healthy: bool) -> Result<()> {
-        self.workers.named_mut(name)?.healthy = healthy;
-        self.refresh_pools();
-        Ok(())
-    }
-
-    /// Worker `name`'s index stream is stale since `now` (see [`workers`]).
-    pub fn mark_stale(&mut self, name: &str, now: f64) -> Result<()> {
-        self.workers.mark_stale(name, now)
-    }
-
-    /// Worker `name`'s index stream is trusted again.
-    pub fn mark_fresh(&mut self, name: &str) -> Result<()> {
-        self.workers.mark_fresh(name)
-    }
-
-    /// Sets worker `name`'s freshness to `value` in `[0, 1]`.
-    pub fn set_freshness(&mut self, name: &str, value: f64) -> Result<()> {
-        self.workers.set_freshness(name, value)
-    }
-
-    /// Worker `name`'s freshness at `now`.
-    pub fn freshness(&self, name: &str, now: f64) -> Result<f64> {
-        let half_life = self.config.stale_half_life;
-        Ok(self.workers.named(name)?.freshness_at(now, half_life))
-    }
-
-    fn membership_changed(&mut self) {
-        self.roster = self.workers.iter().map(|w| w.name.clone()).collect();
-        self.id_cache.clear();
-        self.refresh_pools();
-    }
-
-    /// Recomputes every endpoint's pool and, in approx mode, the members' reservations.
-    fn refresh_pools(&mut self) {
-        let Router {
-            endpoints,
-            ring,
-            workers,
-            scratch,
-            ..
-        } = self;
-        for ep in endpoints.values_mut() {
-            ep.refresh_pool(ring, workers, &mut scratch.order);
-            if let Some(blocks) = ep.reserved_blocks {
-                for slot in 0..workers.len() as u32 {
-                    let member = ep.pool.binary_search(&slot).is_ok();
-                    if let Some(w) = workers.get_mut(slot) {
-                        let holds = w
-                            .cache
-                            .as_ref()
-                            .is_some_and(|c| c.partition(&ep.id).is_ok());
-                        if member || holds {
-                            Model::reserve(w, &ep.id, if member { blocks } else { 0 });
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    // ---- endpoints --------------------------------------------------------------------------
-
-    /// Adds a dedicated endpoint with a pool of `pool_size` workers. `salt`: the endpoint's hash
-    /// namespace (`None`: the endpoint id); `isolate = false` shares the router's namespace
-    /// instead. `reserved_blocks` (approx mode) reserves that many blocks in each member's
-    /// modelled cache.
-    ///
-    /// Errors: the id exists (`Value`), `pool_size` is 0 or above the healthy workers, a
-    /// reservation does not fit in a member's cache (`Value`).
-    pub fn add_endpoint(
-        &mut self,
-        id: &str,
-        pool_size: usize,
-        reserved_blocks: Option<usize>,
-        salt: Option<&str>,
-        isolate: bool,
-    ) -> Result<()> {
-        if self.endpoints.contains_key(id) {
-            return value_err!("endpoint {id:?} already exists");
-        }
-        let healthy = self.workers.iter().filter(|w| w.healthy).count();
-        if pool_size == 0 || pool_size > healthy {
-            return value_err!(
-                "pool_size must be between 1 and the {healthy} healthy workers, got {pool_size}"
-            );
-        }
-        let salt = isolate.then(|| salt.unwrap_or(id).to_owned());
-        let mut ep = Endpoint::new(id, pool_size, reserved_blocks, salt, &self.hasher)?;
-        ep.refresh_pool(&self.ring, &self.workers, &mut self.scratch.order);
-        if let Some(blocks) = reserved_blocks {
-            for &s in &ep.pool {
-                if let Some(w) = self.workers.get(s) {
-                    if !Model::can_reserve(w, blocks) {
-                        return value_err!(
-                            "reserved_blocks = {blocks} does not fit in worker {:?}'s modelled \
-                             cache next to its other reservations",
-                            w.name
-                        );
-                    }
-                }
-            }
-        }
-        self.endpoints.insert(ep.id.clone(), ep);
-        self.refresh_pools();
-        Ok(())
-    }
-
-    /// Removes endpoint `id` (its reservations drop to 0).
-    pub fn remove_endpoint(&mut self, id: &str) -> Result<()> {
-        let Some(ep) = self.endpoints.remove(id) else {
-            return key_err!("unknown endpoint {id:?}");
-        };
-        if ep.reserved_blocks.is_some() {
-            for w in self.workers.iter_mut() {
-                if w.cache
-                    .as_ref()
-                    .is_some_and(|c| c.partition(&ep.id).is_ok())
-                {
-                    Model::reserve(w, &ep.id, 0);
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Endpoint `id`.
-    pub fn endpoint(&self, id: &str) -> Result<&Endpoint> {
-        match self.endpoints.get(id) {
-            Some(ep) => Ok(ep),
-            None => key_err!("unknown endpoint {id:?}"),
-        }
-    }
-
-    /// Names of endpoint `id`'s pool members, in slot order.
-    pub fn endpoint_pool(&self, id: &str) -> Result<Vec<Arc<str>>> {
-        let ep = self.endpoint(id)?;
-        Ok(ep
-            .pool
-            .iter()
-            .filter_map(|&s| self.workers.get(s).map(|w| w.name.clone()))
-            .collect())
-    }
-
-    // ---- routing ----------------------------------------------------------------------------
-
-    /// The hasher for requests of `endpoint` (the router's own without one).
-    pub fn hasher_for(&self, endpoint: Option<&str>) -> Result<Arc<BlockHasher>> {
-        match endpoint {
-            None => Ok(self.hasher.clone()),
-            Some(id) => Ok(self.endpoint(id)?.hasher.clone()),
-        }
-    }
-
-    /// Salts given block hashes for `endpoint` (see [`endpoints`]); no-op without one.
-    pub fn salt_block_hashes(&self, endpoint: Option<&str>, hashes: &mut [u64]) -> Result<()> {
-        if let Some(id) = endpoint {
-            self.endpoint(id)?.salt_block_hashes(hashes);
-        }
-        Ok(())
-    }
-
-    /// Hashes `tokens` for `endpoint` and routes them (a convenience over
-    /// [`Router::hasher_for`] + [`Router::route`]).
-    pub fn route_tokens<T: TokenId>(
-        &mut self,
-        tokens: &[T],
-        key: Option<Key<'_>>,
-        endpoint: Option<&str>,
-        now: f64,
-    ) -> Result<Decision> {
-        let hasher = self.hasher_for(endpoint)?;
-        let mut hashes = Vec::new();
-        hasher.hash_into(tokens, &ChainState::Root, &[], &mut hashes)?;
-        self.route(RouteRequest {
-            hashes,
-            prompt_tokens: Some(tokens.len()),
-            key,
-            endpoint,
-            exclude: &[],
-            now,
-        })
-    }
-
-    /// Routes one request: match → score → pick (→ record, in approx mode).
-    pub fn route(&mut self, req: RouteRequest<'_>) -> Result<Decision> {
-        check_finite(req.now, "now")?;
-        let bs = self.config.block_size;
-        let prompt_tokens = match req.prompt_tokens {
-            Some(t) => {
-                if t / bs != req.hashes.len() {
-                    return value_err!(
-                        "{} block hashes given for a prompt of {t} tokens (blocks of {bs})",
-                        req.hashes.len()
-                    );
-                }
-                t
-            }
-            None => req.hashes.len().saturating_mul(bs),
-        };
-        let endpoint_id = match req.endpoint {
-            Some(id) => Some(self.endpoint(id)?.id.clone()),
-            None => None,
-        };
-        // Candidates: healthy, in the pool, not excluded (ascending slots).
-        let mut candidates = std::mem::take(&mut self.scratch.candidates);
-        candidates.clear();
-        match endpoint_id.as_ref().and_then(|e| self.endpoints.get(e)) {
-            Some(ep) => candidates.extend_from_slice(&ep.pool),
-            None => candidates.extend(
-                self.workers
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, w)| w.healthy)
-                    .map(|(s, _)| s as u32),
-            ),
-        }
-        for name in req.exclude {
-            let slot = match self.workers.require(name) {
-                Ok(s) => s,
-                Err(e) => {
-                    self.scratch.candidates = candidates;
-                    return Err(e);
-                }
-            };
-            candidates.retain(|&c| c != slot);
-        }
-        if candidates.is_empty() {
-            self.scratch.candidates = candidates;
-            let healthy = self.workers.iter().filter(|w| w.healthy).count();
-            return value_err!(
-                "no healthy worker to route to ({} workers, {healthy} healthy{}{})",
-                self.workers.len(),
-                endpoint_id
-                    .as_ref()
-                    .map_or(String::new(), |e| format!(", endpoint {e:?}")),
-                if req.exclude.is_empty() {
-                    String::new()
-                } else {
-                    format!(", {} excluded", req.exclude.len())
-                }
-            );
-        }
-
-        // Match: one index walk (after dropping blocks idle past the TTL).
-        let result = self.route_candidates(&req, &candidates, prompt_tokens, endpoint_id);
-        self.scratch.candidates = candidates;
-        result
-    }
-
-    fn route_candidates(
-        &mut self,
-        req: &RouteRequest<'_>,
-        candidates: &[u32],
-        prompt_tokens: usize,
-        endpoint_id: Option<Arc<str>>,
-    ) -> Result<Decision> {
-        let now = req.now;
-        let mut index = self.index.write();
-        if let Some(model) = self.model.as_mut() {
-            for w in self.workers.iter_mut() {
-                model.expire_idle(w, &mut index, now);
-            }
-        }
-        let n = self.workers.len();
-        self.scratch.overlap.clear();
-        self.scratch.overlap.resize(n, 0);
-        index.match_into(&req.hashes, &mut self.scratch.matches);
-        for &(id, blocks) in &self.scratch.matches {
-            if let Some(slot) = slot_of_index_worker(&mut self.id_cache, &self.workers, &index, id)
-            {
-                if let Some(o) = self.scratch.overlap.get_mut(slot as usize) {
-                    *o = blocks;
-                }
-            }
-        }
-        // Credit: freshness × (GPU overlap, or the tiered sum in events mode).
-        self.scratch.credit.clear();
-        self.scratch
-            .credit
-            .extend(self.scratch.overlap.iter().map(|&o| f64::from(o)));
-        if let Some(tiers) = &self.tiers {
-            add_tier_credit(
-                tiers,
-                &self.config.tier_weights,
-                &self.workers,
-                &req.hashes,
-                &mut self.scratch,
-            );
-        }
-        let half_life = self.config.stale_half_life;
-        for (credit, w) in self.scratch.credit.iter_mut().zip(self.workers.iter()) {
-            if !matches!(w.freshness, Freshness::Fresh) {
-                *credit *= w.freshness_at(now, half_life);
-            }
-        }
-
-        // Score and pick.
-        let first_block = req.hashes.first().map(|&h| Key::Int(h));
-        let endpoint_key = endpoint_id.as_deref().map(|e| Key::Bytes(e.as_bytes()));
-        let hash_key = req
-            .key
-            .or(endpoint_key)
-            .or(first_block)
-            .unwrap_or(Key::Int(0));
-        let tie_key = first_block
-            .or(req.key)
-            .or(endpoint_key)
-            .unwrap_or(Key::Int(0));
-        let saved_rng = self.rng.clone();
-        let saved_rr: Vec<f64> = if self.config.policy == Policy::RoundRobin {
-            self.workers.iter().map(|w| w.rr_current).collect()
-        } else {
-            Vec::new()
-        };
-        let request = policy::Request {
-            candidates,
-            prompt_blocks: req.hashes.len(),
-            credit: &self.scratch.credit,
-            hash_key,
-            tie_key,
-        };
-        let mut state = policy::PickState {
-            rng: &mut self.rng,
-            ring: &self.ring,
-            bound: self.bound,
-            weights: self.config.weights,
-            order: &mut self.scratch.order,
-            loads: &mut self.scratch.loads,
-            shares: &mut self.scratch.shares,
-        };
-        let pick = policy::pick(self.config.policy, &mut self.workers, &request, &mut state)?;
-        let slot = pick.slot;
-        let cached_blocks = self
-            .scratch
-            .overlap
-            .get(slot as usize)
-            .copied()
-            .unwrap_or(0) as usize;
-
-        // Record (approx): the chosen worker will hold the prompt.
-        let Some(worker) = self.workers.get_mut(slot) else {
-            return value_err!("no healthy worker to route to");
-        };
-        let mut hashes = Vec::new();
-        if let Some(model) = self.model.as_mut() {
-            let partition = reserved_partition(&self.endpoints, endpoint_id.as_ref());
-            if let Err(e) = model.record(worker, &mut index, &req.hashes, partition, now) {
-                self.rng = saved_rng;
-                for (w, rr) in self.workers.iter_mut().zip(saved_rr) {
-                    w.rr_current = rr;
-                }
-                return Err(e);
-            }
-            hashes = req.hashes.clone();
-        }
-        drop(index);
-        self.decisions += 1;
-        let (name, uid) = (worker.name.clone(), worker.uid);
-        Ok(Decision::new(
-            self.decisions,
-            self.id,
-            name,
-            uid,
-            slot,
-            self.config.policy,
-            pick.reason,
-            self.config.block_size,
-            prompt_tokens,
-            req.hashes.len(),
-            cached_blocks,
-            endpoint_id,
-            hashes,
-            self.roster.clone(),
-            pick.scores,
-        ))
     }
 
     // ---- lifecycle --------------------------------------------------------------------------
@@ -810,6 +415,9 @@ impl Router {
         w.prefill_blocks = w.prefill_blocks.saturating_sub(prefill);
         w.decode_blocks = w.decode_blocks.saturating_sub(d.prompt_blocks as u64);
         if let Some(model) = self.model.as_mut() {
+            // Harmless when it fails: the chain was valid at route time and fails only if given
+            // block hashes were since stored under another parent; the model then simply does
+            // not refresh these blocks (and changed nothing).
             let _ = model.record(w, &mut index.write(), &d.hashes, partition.as_deref(), now);
         }
         Ok(())
@@ -846,6 +454,7 @@ impl Router {
         if observed < d.cached_blocks {
             model.forget_from(w, &mut index, &d.hashes, observed);
         }
+        // Harmless when it fails, as in `finish`: the prompt is then not re-recorded.
         let _ = model.record(w, &mut index, &d.hashes, partition.as_deref(), now);
         Ok(())
     }
@@ -888,92 +497,6 @@ fn reserved_partition<'a>(
                 .is_some_and(|ep| ep.reserved_blocks.is_some())
         })
         .map(|e| &**e)
-}
-
-/// Our slot for index worker `id`, through a cache validated by the index's own name pointer.
-fn slot_of_index_worker(
-    cache: &mut Vec<Option<(Arc<str>, u32)>>,
-    workers: &WorkerTable,
-    index: &PrefixIndex,
-    id: WorkerId,
-) -> Option<u32> {
-    let name = index.worker_name(id)?;
-    let at = id as usize;
-    if let Some(Some((cached, slot))) = cache.get(at) {
-        if std::ptr::eq(cached.as_ptr(), name.as_ptr()) && cached.len() == name.len() {
-            return Some(*slot);
-        }
-    }
-    let slot = workers.slot(name)?;
-    if cache.len() <= at {
-        cache.resize(at + 1, None);
-    }
-    if let Some(entry) = cache.get_mut(at) {
-        *entry = index.worker_name_arc(id).map(|arc| (arc, slot));
-    }
-    Some(slot)
-}
-
-/// Adds, per worker, the credit of blocks found only in slower tiers (see the module docs).
-fn add_tier_credit(
-    tiers: &TierRegistry,
-    weights: &[(String, f64)],
-    workers: &WorkerTable,
-    query: &[u64],
-    scratch: &mut Scratch,
-) {
-    let tiers = tiers.read();
-    if tiers.is_empty() || query.is_empty() {
-        return;
-    }
-    // (slot, overlap, weight) of every tier holding part of the prefix on a worker.
-    let hits = &mut scratch.tier_hits;
-    hits.clear();
-    for (name, index) in tiers.iter() {
-        let weight = weights
-            .iter()
-            .find(|(t, _)| **t == **name)
-            .map_or(OTHER_TIER_WEIGHT, |&(_, w)| w);
-        let index = index.read();
-        index.match_into(query, &mut scratch.matches);
-        for &(id, blocks) in &scratch.matches {
-            if let Some(slot) = index.worker_name(id).and_then(|n| workers.slot(n)) {
-                hits.push((slot, blocks, weight));
-            }
-        }
-    }
-    hits.sort_unstable_by_key(|h| h.0);
-    for worker_hits in hits.chunk_by(|a, b| a.0 == b.0) {
-        let Some(&(slot, _, _)) = worker_hits.first() else {
-            continue;
-        };
-        let gpu = scratch.overlap.get(slot as usize).copied().unwrap_or(0);
-        let per_tier = &mut scratch.tier_overlap;
-        per_tier.clear();
-        per_tier.extend(
-            worker_hits
-                .iter()
-                .map(|&(_, blocks, weight)| (blocks, weight)),
-        );
-        per_tier.push((gpu, 1.0));
-        if let Some(c) = scratch.credit.get_mut(slot as usize) {
-            *c = tiered_credit(per_tier);
-        }
-    }
-}
-
-/// `Σ_{i < max o_t} max{ w_t : o_t > i }` for `(o_t, w_t)` pairs (reordered in place).
-fn tiered_credit(sorted: &mut [(u32, f64)]) -> f64 {
-    // Descending overlap: walking down, the best weight among tiers reaching past each block.
-    sorted.sort_unstable_by_key(|t| std::cmp::Reverse(t.0));
-    let mut credit = 0.0;
-    let mut best = 0.0f64;
-    for (k, &(o, w)) in sorted.iter().enumerate() {
-        best = best.max(w);
-        let below = sorted.get(k + 1).map_or(0, |&(n, _)| n);
-        credit += f64::from(o - below.min(o)) * best;
-    }
-    credit
 }
 
 #[cfg(test)]

@@ -1,8 +1,12 @@
 //! Routing policies: how a worker is picked among the candidates (healthy, in the endpoint's pool
 //! if any, not excluded).
 //!
-//! Every policy is deterministic given the router's state and seed, and picks only a candidate.
-//! The value each policy compares is what [`super::Decision::scores`] reports:
+//! A pick is a pure function of the router's state ([`View`]) and the request ([`Request`]): it
+//! changes nothing, and returns the choice together with the state change it implies
+//! ([`Effect`]: the generator's next state, the round-robin step), which the router applies with
+//! [`commit`] only once the decision stands. Every policy is deterministic given the router's
+//! state and seed, and picks only a candidate. The value each policy compares is what
+//! [`super::Decision::scores`] reports:
 //!
 //! - `random`: a candidate drawn with probability `weight / Σ weight` (SplitMix64 seeded by the
 //!   router's `seed`; a draw `u = (x >> 11) · 2⁻⁵³` picks the first candidate, in slot order,
@@ -16,8 +20,8 @@
 //! - `hash`: the candidates in the rendezvous order of the request's hash key, walked with
 //!   bounded loads ([`crate::hashing::BoundedLoad`]: the first whose active requests are under
 //!   `ceil(c · (T + 1) · w / Σw)`). Scores: the active requests of the workers probed.
-//! - `kv_aware`: the minimum of one continuous cost per candidate, in blocks (the time to prefill
-//!   one block on a weight-1 worker):
+//! - `kv_aware`: the minimum of one continuous cost per candidate ([`kv_cost`]), in blocks (the
+//!   time to prefill one block on a weight-1 worker):
 //!
 //!   `cost = (prompt_blocks − credit) + (queue_weight · prefill_blocks + decode_weight ·
 //!   decode_blocks) / weight`
@@ -39,7 +43,7 @@ use crate::error::{Error, Result};
 use crate::hashing::{BoundedLoad, ConsistentHash, Key, Rendezvous};
 use crate::value_err;
 
-use super::workers::WorkerTable;
+use super::workers::{Worker, WorkerTable};
 
 /// A routing policy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -189,7 +193,7 @@ impl CostWeights {
 }
 
 /// SplitMix64 (Steele, Lea & Flood 2014): the router's seeded generator.
-#[derive(Clone, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SplitMix64(pub u64);
 
 impl SplitMix64 {
@@ -208,9 +212,20 @@ impl SplitMix64 {
     }
 }
 
-/// What one pick needs besides the workers.
+/// What a pick reads of the router (a pick never changes it).
+pub(super) struct View<'a> {
+    pub workers: &'a WorkerTable,
+    /// Rendezvous over every worker (node id = slot): `hash` order and tie-breaks.
+    pub ring: &'a Rendezvous,
+    /// The generator's current state (`random`, `power_of_two` draw from a copy).
+    pub rng: SplitMix64,
+    pub bound: BoundedLoad,
+    pub weights: CostWeights,
+}
+
+/// One request as a pick sees it.
 pub(super) struct Request<'a> {
-    /// Candidate slots, ascending.
+    /// Candidate slots, ascending, not empty.
     pub candidates: &'a [u32],
     /// Prompt length in blocks.
     pub prompt_blocks: usize,
@@ -222,16 +237,24 @@ pub(super) struct Request<'a> {
     pub tie_key: Key<'a>,
 }
 
-/// The mutable state policies use.
-pub(super) struct PickState<'a> {
-    pub rng: &'a mut SplitMix64,
-    pub ring: &'a Rendezvous,
-    pub bound: BoundedLoad,
-    pub weights: CostWeights,
-    /// Reused buffers.
-    pub order: &'a mut Vec<u32>,
-    pub loads: &'a mut Vec<u64>,
-    pub shares: &'a mut Vec<f64>,
+/// Reused buffers of a pick (nothing is kept in them between picks).
+#[derive(Default)]
+pub(super) struct Buffers {
+    order: Vec<u32>,
+    loads: Vec<u64>,
+    shares: Vec<f64>,
+}
+
+/// The state change a pick implies, applied by [`commit`] once the decision stands.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) enum Effect {
+    /// Nothing changes (`least_loaded`, `hash`, `kv_aware`).
+    None,
+    /// The generator moves to this state (`random`, `power_of_two`).
+    Rng(SplitMix64),
+    /// Smooth weighted round robin: every candidate's current weight grows by its weight, and
+    /// the chosen one's then loses `total` (the candidates' summed weight).
+    RoundRobin { total: f64 },
 }
 
 /// The outcome of a pick.
@@ -240,28 +263,50 @@ pub(super) struct Pick {
     pub reason: Reason,
     /// `(slot, value)` per worker considered (see the module docs).
     pub scores: Vec<(u32, f64)>,
+    pub effect: Effect,
 }
 
-/// Picks a candidate by `policy`; `req.candidates` must not be empty.
+impl Pick {
+    fn new(slot: u32, reason: Reason, scores: Vec<(u32, f64)>) -> Self {
+        Pick {
+            slot,
+            reason,
+            scores,
+            effect: Effect::None,
+        }
+    }
+}
+
+/// The `kv_aware` cost of `w` for a prompt of `prompt_blocks` blocks of which `credit` count as
+/// cached there (see the module docs): blocks still to prefill plus the queued work, in blocks.
+pub(super) fn kv_cost(w: &Worker, prompt_blocks: usize, credit: f64, weights: CostWeights) -> f64 {
+    let queued = weights.queue * w.prefill_blocks as f64 + weights.decode * w.decode_blocks as f64;
+    (prompt_blocks as f64 - credit) + queued / w.weight
+}
+
+/// Picks a candidate by `policy` (see the module docs); changes nothing. Fails only without a
+/// candidate ([`Error::NoWorker`]).
 pub(super) fn pick(
     policy: Policy,
-    workers: &mut WorkerTable,
+    view: &View<'_>,
     req: &Request<'_>,
-    st: &mut PickState<'_>,
+    buf: &mut Buffers,
 ) -> Result<Pick> {
+    let workers = view.workers;
     let Some(&first) = req.candidates.first() else {
-        return value_err!("no healthy worker to route to");
+        return Err(no_candidate());
     };
-    let weight = |w: &WorkerTable, s: u32| w.get(s).map_or(1.0, |x| x.weight);
-    let load = |w: &WorkerTable, s: u32| w.get(s).map_or(0.0, |x| x.request_load());
+    let weight = |s: u32| workers.get(s).map_or(1.0, |x| x.weight);
+    let load = |s: u32| workers.get(s).map_or(0.0, |x| x.request_load());
     match policy {
         Policy::Random => {
-            let total: f64 = req.candidates.iter().map(|&s| weight(workers, s)).sum();
-            let target = st.rng.next_f64() * total;
+            let mut rng = view.rng;
+            let total: f64 = req.candidates.iter().map(|&s| weight(s)).sum();
+            let target = rng.next_f64() * total;
             let mut acc = 0.0;
             let mut chosen = req.candidates.last().copied().unwrap_or(first);
             for &s in req.candidates {
-                acc += weight(workers, s);
+                acc += weight(s);
                 if acc > target {
                     chosen = s;
                     break;
@@ -270,101 +315,113 @@ pub(super) fn pick(
             let scores = req
                 .candidates
                 .iter()
-                .map(|&s| (s, weight(workers, s) / total))
+                .map(|&s| (s, weight(s) / total))
                 .collect();
             Ok(Pick {
-                slot: chosen,
-                reason: Reason::Random,
-                scores,
+                effect: Effect::Rng(rng),
+                ..Pick::new(chosen, Reason::Random, scores)
             })
         }
         Policy::RoundRobin => {
-            let total: f64 = req.candidates.iter().map(|&s| weight(workers, s)).sum();
-            let mut scores = Vec::with_capacity(req.candidates.len());
-            let mut best: Option<(f64, u32)> = None;
-            for &s in req.candidates {
-                if let Some(w) = workers.get_mut(s) {
-                    w.rr_current += w.weight;
-                    scores.push((s, w.rr_current));
-                    if best.is_none_or(|(b, _)| w.rr_current > b) {
-                        best = Some((w.rr_current, s));
-                    }
-                }
-            }
-            let chosen = best.map_or(first, |(_, s)| s);
-            if let Some(w) = workers.get_mut(chosen) {
-                w.rr_current -= total;
-            }
-            Ok(Pick {
-                slot: chosen,
-                reason: Reason::RoundRobin,
-                scores,
-            })
-        }
-        Policy::LeastLoaded => {
+            let total: f64 = req.candidates.iter().map(|&s| weight(s)).sum();
             let scores: Vec<(u32, f64)> = req
                 .candidates
                 .iter()
-                .map(|&s| (s, load(workers, s)))
+                .filter_map(|&s| workers.get(s).map(|w| (s, w.rr_current + w.weight)))
                 .collect();
-            let chosen = argmin(&scores, st.ring, req.tie_key, st.order)?;
+            // The largest grown weight, the first in slot order on ties.
+            let chosen = scores
+                .iter()
+                .fold(None, |best: Option<(u32, f64)>, &(s, v)| match best {
+                    Some((_, b)) if v <= b => best,
+                    _ => Some((s, v)),
+                })
+                .map_or(first, |(s, _)| s);
             Ok(Pick {
-                slot: chosen,
-                reason: Reason::LeastLoaded,
-                scores,
+                effect: Effect::RoundRobin { total },
+                ..Pick::new(chosen, Reason::RoundRobin, scores)
             })
         }
+        Policy::LeastLoaded => {
+            let scores: Vec<(u32, f64)> = req.candidates.iter().map(|&s| (s, load(s))).collect();
+            let chosen = argmin(&scores, view.ring, req.tie_key, &mut buf.order)?;
+            Ok(Pick::new(chosen, Reason::LeastLoaded, scores))
+        }
         Policy::PowerOfTwo => {
+            let mut rng = view.rng;
             let n = req.candidates.len();
-            let i = ((st.rng.next_f64() * n as f64) as usize).min(n - 1);
+            let i = ((rng.next_f64() * n as f64) as usize).min(n - 1);
             let mut j = i;
             if n > 1 {
-                j = ((st.rng.next_f64() * (n - 1) as f64) as usize).min(n - 2);
+                j = ((rng.next_f64() * (n - 1) as f64) as usize).min(n - 2);
                 if j >= i {
                     j += 1;
                 }
             }
             let a = req.candidates.get(i).copied().unwrap_or(first);
             let b = req.candidates.get(j).copied().unwrap_or(first);
-            let (la, lb) = (load(workers, a), load(workers, b));
+            let (la, lb) = (load(a), load(b));
             let chosen = if lb < la { b } else { a };
             let mut scores = vec![(a, la)];
             if b != a {
                 scores.push((b, lb));
             }
             Ok(Pick {
-                slot: chosen,
-                reason: Reason::PowerOfTwo,
-                scores,
+                effect: Effect::Rng(rng),
+                ..Pick::new(chosen, Reason::PowerOfTwo, scores)
             })
         }
-        Policy::Hash => pick_hash(workers, req, st),
+        Policy::Hash => pick_hash(view, req, buf),
         Policy::KvAware => {
-            let p = req.prompt_blocks as f64;
             let scores: Vec<(u32, f64)> = req
                 .candidates
                 .iter()
                 .filter_map(|&s| {
-                    let w = workers.get(s)?;
                     let credit = req.credit.get(s as usize).copied().unwrap_or(0.0);
-                    let queued = st.weights.queue * w.prefill_blocks as f64
-                        + st.weights.decode * w.decode_blocks as f64;
-                    Some((s, (p - credit) + queued / w.weight))
+                    Some((
+                        s,
+                        kv_cost(workers.get(s)?, req.prompt_blocks, credit, view.weights),
+                    ))
                 })
                 .collect();
-            let chosen = argmin(&scores, st.ring, req.tie_key, st.order)?;
+            let chosen = argmin(&scores, view.ring, req.tie_key, &mut buf.order)?;
             let credit = req.credit.get(chosen as usize).copied().unwrap_or(0.0);
-            Ok(Pick {
-                slot: chosen,
-                reason: if credit > 0.0 {
-                    Reason::Prefix
-                } else {
-                    Reason::Load
-                },
-                scores,
-            })
+            let reason = if credit > 0.0 {
+                Reason::Prefix
+            } else {
+                Reason::Load
+            };
+            Ok(Pick::new(chosen, reason, scores))
         }
     }
+}
+
+/// Applies the state change of a pick that chose `chosen` among `candidates`.
+pub(super) fn commit(
+    effect: Effect,
+    chosen: u32,
+    candidates: &[u32],
+    workers: &mut WorkerTable,
+    rng: &mut SplitMix64,
+) {
+    match effect {
+        Effect::None => {}
+        Effect::Rng(next) => *rng = next,
+        Effect::RoundRobin { total } => {
+            for &s in candidates {
+                if let Some(w) = workers.get_mut(s) {
+                    w.rr_current += w.weight;
+                }
+            }
+            if let Some(w) = workers.get_mut(chosen) {
+                w.rr_current -= total;
+            }
+        }
+    }
+}
+
+fn no_candidate() -> Error {
+    Error::NoWorker("no worker to route to: no candidate".into())
 }
 
 /// The slot with the lowest value; ties (within 1e-9 relative) broken by the rendezvous order of
@@ -376,7 +433,7 @@ fn argmin(
     order: &mut Vec<u32>,
 ) -> Result<u32> {
     let Some(min) = scores.iter().map(|&(_, v)| v).reduce(f64::min) else {
-        return value_err!("no healthy worker to route to");
+        return Err(no_candidate());
     };
     let tol = 1e-9 * min.abs().max(1.0);
     let tied = |v: f64| v - min <= tol;
@@ -401,41 +458,38 @@ fn argmin(
     Ok(first_tied)
 }
 
-fn pick_hash(workers: &WorkerTable, req: &Request<'_>, st: &mut PickState<'_>) -> Result<Pick> {
+fn pick_hash(view: &View<'_>, req: &Request<'_>, buf: &mut Buffers) -> Result<Pick> {
     // The rendezvous order over every worker, restricted to the candidates: the order a
     // rendezvous hasher over the candidates alone would give. Position k of `loads`/`shares`
     // is the k-th candidate in that order; `probe` is that order itself.
-    st.ring
-        .preference_into(req.hash_key, st.ring.len(), st.order)?;
-    st.order
+    let (ring, workers) = (view.ring, view.workers);
+    ring.preference_into(req.hash_key, ring.len(), &mut buf.order)?;
+    buf.order
         .retain(|s| req.candidates.binary_search(s).is_ok() && workers.get(*s).is_some());
-    st.loads.clear();
-    st.shares.clear();
-    for &s in st.order.iter() {
+    buf.loads.clear();
+    buf.shares.clear();
+    for &s in buf.order.iter() {
         if let Some(w) = workers.get(s) {
-            st.loads.push(w.active);
-            st.shares.push(w.weight);
+            buf.loads.push(w.active);
+            buf.shares.push(w.weight);
         }
     }
-    let probe: Vec<u32> = (0..st.order.len() as u32).collect();
-    let picked = st.bound.pick(&probe, st.loads, Some(st.shares))?;
-    let Some(&chosen) = st.order.get(picked.node as usize) else {
-        return value_err!("no healthy worker to route to");
+    let probe: Vec<u32> = (0..buf.order.len() as u32).collect();
+    let picked = view.bound.pick(&probe, &buf.loads, Some(&buf.shares))?;
+    let Some(&chosen) = buf.order.get(picked.node as usize) else {
+        return Err(no_candidate());
     };
-    let scores = st
+    let scores = buf
         .order
         .iter()
-        .zip(st.loads.iter())
+        .zip(buf.loads.iter())
         .take(picked.probes)
         .map(|(&s, &l)| (s, l as f64))
         .collect();
-    Ok(Pick {
-        slot: chosen,
-        reason: if picked.probes == 1 {
-            Reason::Hash
-        } else {
-            Reason::HashBounded
-        },
-        scores,
-    })
+    let reason = if picked.probes == 1 {
+        Reason::Hash
+    } else {
+        Reason::HashBounded
+    };
+    Ok(Pick::new(chosen, reason, scores))
 }

@@ -1,5 +1,6 @@
 //! Router core tests (the Python suite checks the policies against reference models).
 
+use super::route::tiered_credit;
 use super::*;
 
 fn router(policy: Policy, names: &[&str]) -> Router {

@@ -1,0 +1,348 @@
+//! [`Router::route`], in the steps the [module docs](super) describe: check → match → pick →
+//! validate → commit. Everything before commit either changes nothing or (expiry) only what
+//! time has already changed; commit cannot fail.
+
+use std::sync::Arc;
+
+use crate::blocks::{BlockHasher, ChainState, TokenId};
+use crate::error::{Error, Result};
+use crate::events::TierRegistry;
+use crate::hashing::Key;
+use crate::index::{PrefixIndex, WorkerId};
+use crate::value_err;
+
+use super::approx::Model;
+use super::decision::Decision;
+use super::policy::{self, View};
+use super::workers::{check_finite, Freshness, WorkerTable};
+use super::{reserved_partition, RouteRequest, Router, Scratch, OTHER_TIER_WEIGHT};
+
+impl Router {
+    /// The hasher for requests of `endpoint` (the router's own without one).
+    pub fn hasher_for(&self, endpoint: Option<&str>) -> Result<Arc<BlockHasher>> {
+        match endpoint {
+            None => Ok(self.hasher.clone()),
+            Some(id) => Ok(self.endpoint(id)?.hasher.clone()),
+        }
+    }
+
+    /// Salts given block hashes for `endpoint` (see [`super::endpoints`]); no-op without one.
+    pub fn salt_block_hashes(&self, endpoint: Option<&str>, hashes: &mut [u64]) -> Result<()> {
+        if let Some(id) = endpoint {
+            self.endpoint(id)?.salt_block_hashes(hashes);
+        }
+        Ok(())
+    }
+
+    /// Hashes `tokens` for `endpoint` and routes them (a convenience over
+    /// [`Router::hasher_for`] + [`Router::route`]).
+    pub fn route_tokens<T: TokenId>(
+        &mut self,
+        tokens: &[T],
+        key: Option<Key<'_>>,
+        endpoint: Option<&str>,
+        now: f64,
+    ) -> Result<Decision> {
+        let hasher = self.hasher_for(endpoint)?;
+        let mut hashes = Vec::new();
+        hasher.hash_into(tokens, &ChainState::Root, &[], &mut hashes)?;
+        self.route(RouteRequest {
+            hashes,
+            prompt_tokens: Some(tokens.len()),
+            key,
+            endpoint,
+            exclude: &[],
+            now,
+        })
+    }
+
+    /// Routes one request (see the module docs). A request without block hashes (no tokens, or
+    /// fewer than one block) is whole: it has no prefix to match, and every policy routes it.
+    ///
+    /// Errors change nothing: `now` not finite, `prompt_tokens` disagreeing with the hashes, a
+    /// chain contradicting the index (approx mode) (`Value`); an unknown endpoint or excluded
+    /// name (`Key`); no candidate ([`Error::NoWorker`]).
+    pub fn route(&mut self, req: RouteRequest<'_>) -> Result<Decision> {
+        // 1. Check the request and gather the candidates.
+        let prompt_tokens = self.check_request(&req)?;
+        let endpoint = match req.endpoint {
+            Some(id) => Some(self.endpoint(id)?.id.clone()),
+            None => None,
+        };
+        self.gather_candidates(endpoint.as_ref(), req.exclude)?;
+
+        // 2. Match: drop blocks idle past the TTL, then one index walk → each worker's credit.
+        let shared = self.index.clone();
+        let mut index = shared.write();
+        self.expire_idle(&mut index, req.now);
+        self.credit(&index, &req.hashes, req.now);
+
+        // 3. Pick: pure; returns the choice and the state change it implies.
+        let first_block = req.hashes.first().map(|&h| Key::Int(h));
+        let endpoint_key = endpoint.as_deref().map(|e| Key::Bytes(e.as_bytes()));
+        let hash_key = req.key.or(endpoint_key).or(first_block);
+        let tie_key = first_block.or(req.key).or(endpoint_key);
+        let Scratch {
+            candidates,
+            credit,
+            pick: buffers,
+            ..
+        } = &mut self.scratch;
+        let view = View {
+            workers: &self.workers,
+            ring: &self.ring,
+            rng: self.rng,
+            bound: self.bound,
+            weights: self.config.weights,
+        };
+        let request = policy::Request {
+            candidates: candidates.as_slice(),
+            prompt_blocks: req.hashes.len(),
+            credit,
+            hash_key: hash_key.unwrap_or(Key::Int(0)),
+            tie_key: tie_key.unwrap_or(Key::Int(0)),
+        };
+        let pick = policy::pick(self.config.policy, &view, &request, buffers)?;
+
+        // 4. Validate (approx): the chosen worker's chain must agree with the index. This is
+        //    the last step that can fail; it stores the chain in the index or changes nothing.
+        let Some(worker) = self.workers.get_mut(pick.slot) else {
+            return Err(picked_missing(pick.slot));
+        };
+        let prompt_blocks = req.hashes.len();
+        let hashes = match self.model.as_mut() {
+            Some(model) => {
+                Model::validate(worker, &mut index, &req.hashes)?;
+                // 5. Commit: nothing fails from here on. The modelled cache of the chosen
+                //    worker now holds the prompt (the decision keeps it for finish / observe) …
+                let partition = reserved_partition(&self.endpoints, endpoint.as_ref());
+                model.commit(worker, &mut index, &req.hashes, partition, req.now);
+                req.hashes
+            }
+            None => Vec::new(),
+        };
+        let (name, uid) = (worker.name.clone(), worker.uid);
+        // … the policy's state change applies, and the decision is counted.
+        policy::commit(
+            pick.effect,
+            pick.slot,
+            &self.scratch.candidates,
+            &mut self.workers,
+            &mut self.rng,
+        );
+        drop(index);
+        self.decisions += 1;
+        let cached_blocks = self.scratch.overlap.get(pick.slot as usize).copied();
+        Ok(Decision {
+            id: self.decisions,
+            router: self.id,
+            worker: name,
+            worker_uid: uid,
+            slot_hint: pick.slot,
+            policy: self.config.policy,
+            reason: pick.reason,
+            block_size: self.config.block_size,
+            prompt_tokens,
+            prompt_blocks,
+            cached_blocks: cached_blocks.unwrap_or(0) as usize,
+            endpoint,
+            hashes,
+            roster: self.roster.clone(),
+            scores: pick.scores,
+            state: Default::default(),
+        })
+    }
+
+    /// Step 1: the prompt's length in tokens, once `now` and the lengths are checked.
+    fn check_request(&self, req: &RouteRequest<'_>) -> Result<usize> {
+        check_finite(req.now, "now")?;
+        let bs = self.config.block_size;
+        match req.prompt_tokens {
+            Some(t) if t / bs != req.hashes.len() => value_err!(
+                "{} block hashes given for a prompt of {t} tokens (blocks of {bs})",
+                req.hashes.len()
+            ),
+            Some(t) => Ok(t),
+            None => Ok(req.hashes.len().saturating_mul(bs)),
+        }
+    }
+
+    /// Step 1: the candidates into `scratch.candidates` (ascending slots): healthy, in the
+    /// endpoint's pool, not excluded.
+    fn gather_candidates(&mut self, endpoint: Option<&Arc<str>>, exclude: &[&str]) -> Result<()> {
+        let candidates = &mut self.scratch.candidates;
+        candidates.clear();
+        let ep = endpoint.and_then(|e| self.endpoints.get(e));
+        match ep {
+            Some(ep) => candidates.extend_from_slice(&ep.pool),
+            None => candidates.extend(
+                self.workers
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, w)| w.healthy)
+                    .map(|(s, _)| s as u32),
+            ),
+        }
+        for name in exclude {
+            let slot = self.workers.require(name)?;
+            candidates.retain(|&c| c != slot);
+        }
+        if !candidates.is_empty() {
+            return Ok(());
+        }
+        let healthy = self.workers.iter().filter(|w| w.healthy).count();
+        Err(Error::NoWorker(format!(
+            "no worker to route to: {} workers, {healthy} healthy{}{}",
+            self.workers.len(),
+            ep.map_or(String::new(), |ep| format!(
+                ", endpoint {:?} with {} in its pool",
+                ep.id,
+                ep.pool.len()
+            )),
+            if exclude.is_empty() {
+                String::new()
+            } else {
+                format!(", {} excluded", exclude.len())
+            }
+        )))
+    }
+
+    /// Step 2 (approx mode with a TTL): every worker's blocks idle past the TTL at `now` leave
+    /// the model.
+    fn expire_idle(&mut self, index: &mut PrefixIndex, now: f64) {
+        if let Some(model) = self.model.as_mut() {
+            for w in self.workers.iter_mut() {
+                model.expire_idle(w, index, now);
+            }
+        }
+    }
+
+    /// Step 2: `scratch.overlap` (leading blocks of `hashes` each worker holds, by slot) and
+    /// `scratch.credit` (freshness × the overlap, or the tiered sum in events mode).
+    fn credit(&mut self, index: &PrefixIndex, hashes: &[u64], now: f64) {
+        let scratch = &mut self.scratch;
+        let n = self.workers.len();
+        scratch.overlap.clear();
+        scratch.overlap.resize(n, 0);
+        index.match_into(hashes, &mut scratch.matches);
+        for &(id, blocks) in &scratch.matches {
+            if let Some(slot) = slot_of_index_worker(&mut self.id_cache, &self.workers, index, id) {
+                if let Some(o) = scratch.overlap.get_mut(slot as usize) {
+                    *o = blocks;
+                }
+            }
+        }
+        scratch.credit.clear();
+        scratch
+            .credit
+            .extend(scratch.overlap.iter().map(|&o| f64::from(o)));
+        if let Some(tiers) = &self.tiers {
+            add_tier_credit(
+                tiers,
+                &self.config.tier_weights,
+                &self.workers,
+                hashes,
+                scratch,
+            );
+        }
+        let half_life = self.config.stale_half_life;
+        for (credit, w) in scratch.credit.iter_mut().zip(self.workers.iter()) {
+            if !matches!(w.freshness, Freshness::Fresh) {
+                *credit *= w.freshness_at(now, half_life);
+            }
+        }
+    }
+}
+
+/// The pick named a slot without a worker (cannot happen: picks choose among candidates).
+fn picked_missing(slot: u32) -> Error {
+    Error::NoWorker(format!(
+        "no worker to route to: slot {slot} was picked but is empty"
+    ))
+}
+
+/// Our slot for index worker `id`, through a cache validated by the index's own name pointer.
+fn slot_of_index_worker(
+    cache: &mut Vec<Option<(Arc<str>, u32)>>,
+    workers: &WorkerTable,
+    index: &PrefixIndex,
+    id: WorkerId,
+) -> Option<u32> {
+    let name = index.worker_name(id)?;
+    let at = id as usize;
+    if let Some(Some((cached, slot))) = cache.get(at) {
+        if std::ptr::eq(cached.as_ptr(), name.as_ptr()) && cached.len() == name.len() {
+            return Some(*slot);
+        }
+    }
+    let slot = workers.slot(name)?;
+    if cache.len() <= at {
+        cache.resize(at + 1, None);
+    }
+    if let Some(entry) = cache.get_mut(at) {
+        *entry = index.worker_name_arc(id).map(|arc| (arc, slot));
+    }
+    Some(slot)
+}
+
+/// Adds, per worker, the credit of blocks found only in slower tiers (see the module docs).
+fn add_tier_credit(
+    tiers: &TierRegistry,
+    weights: &[(String, f64)],
+    workers: &WorkerTable,
+    query: &[u64],
+    scratch: &mut Scratch,
+) {
+    let tiers = tiers.read();
+    if tiers.is_empty() || query.is_empty() {
+        return;
+    }
+    // (slot, overlap, weight) of every tier holding part of the prefix on a worker.
+    let hits = &mut scratch.tier_hits;
+    hits.clear();
+    for (name, index) in tiers.iter() {
+        let weight = weights
+            .iter()
+            .find(|(t, _)| **t == **name)
+            .map_or(OTHER_TIER_WEIGHT, |&(_, w)| w);
+        let index = index.read();
+        index.match_into(query, &mut scratch.matches);
+        for &(id, blocks) in &scratch.matches {
+            if let Some(slot) = index.worker_name(id).and_then(|n| workers.slot(n)) {
+                hits.push((slot, blocks, weight));
+            }
+        }
+    }
+    hits.sort_unstable_by_key(|h| h.0);
+    for worker_hits in hits.chunk_by(|a, b| a.0 == b.0) {
+        let Some(&(slot, _, _)) = worker_hits.first() else {
+            continue;
+        };
+        let gpu = scratch.overlap.get(slot as usize).copied().unwrap_or(0);
+        let per_tier = &mut scratch.tier_overlap;
+        per_tier.clear();
+        per_tier.extend(
+            worker_hits
+                .iter()
+                .map(|&(_, blocks, weight)| (blocks, weight)),
+        );
+        per_tier.push((gpu, 1.0));
+        if let Some(c) = scratch.credit.get_mut(slot as usize) {
+            *c = tiered_credit(per_tier);
+        }
+    }
+}
+
+/// `Σ_{i < max o_t} max{ w_t : o_t > i }` for `(o_t, w_t)` pairs (reordered in place).
+pub(super) fn tiered_credit(sorted: &mut [(u32, f64)]) -> f64 {
+    // Descending overlap: walking down, the best weight among tiers reaching past each block.
+    sorted.sort_unstable_by_key(|t| std::cmp::Reverse(t.0));
+    let mut credit = 0.0;
+    let mut best = 0.0f64;
+    for (k, &(o, w)) in sorted.iter().enumerate() {
+        best = best.max(w);
+        let below = sorted.get(k + 1).map_or(0, |&(n, _)| n);
+        credit += f64::from(o - below.min(o)) * best;
+    }
+    credit
+}
