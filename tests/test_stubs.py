@@ -115,7 +115,7 @@ def resolved_defaults(
     """``want`` with each default the runtime leaves to the core (None) replaced by None."""
     return [
         (n, k, None if g[2] is None and d is not inspect.Parameter.empty else d)
-        for (n, k, d), g in zip(want, got)
+        for (n, k, d), g in zip(want, got, strict=False)  # lengths are compared after
     ]
 
 

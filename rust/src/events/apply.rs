@@ -379,7 +379,8 @@ impl Applier {
             for (tier, (_, index)) in state.tiers.iter().zip(&self.indexes).skip(1) {
                 let mut index = index.write();
                 if let Some(id) = valid_id(&index, tier) {
-                    let _ = index.remove_worker_id(id);
+                    let r = index.remove_worker_id(id);
+                    debug_assert!(r.is_ok(), "valid_id checked the id under this lock: {r:?}");
                 }
             }
         }
@@ -703,7 +704,8 @@ impl Ctx<'_> {
             if !removed.is_empty() {
                 let mut index = index.write();
                 if let Some(id) = valid_id(&index, state) {
-                    let _ = index.remove_id(id, removed);
+                    let r = index.remove_id(id, removed);
+                    debug_assert!(r.is_ok(), "valid_id checked the id under this lock: {r:?}");
                 }
             }
         }
@@ -716,7 +718,8 @@ impl Ctx<'_> {
             state.forget();
             let mut index = index.write();
             if let Some(id) = valid_id(&index, state) {
-                let _ = index.clear_id(id);
+                let r = index.clear_id(id);
+                debug_assert!(r.is_ok(), "valid_id checked the id under this lock: {r:?}");
             }
         }
     }

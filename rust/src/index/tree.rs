@@ -628,8 +628,8 @@ impl Tree {
                 let n = self.node(c);
                 let id = out.alloc(n.hashes.clone(), n.workers.clone(), n.tick());
                 out.link(id, new);
-                // The blocks are unique in `self`, so inserting them cannot conflict.
-                let _ = out.insert_entries(id);
+                let r = out.insert_entries(id);
+                debug_assert!(r.is_ok(), "the blocks are unique in `self`: no conflict");
                 out.set_start(out.start_of(id), id);
                 stack.push((c, id));
             }

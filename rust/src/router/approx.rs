@@ -61,10 +61,17 @@ impl Model {
             return;
         }
         self.evicted.clear();
-        let next = cache
-            .expire_idle_into(now, ttl, &mut self.evicted)
-            .unwrap_or(None);
+        let expired = cache.expire_idle_into(now, ttl, &mut self.evicted);
+        debug_assert!(
+            expired.is_ok(),
+            "idle tracking is on whenever there is a TTL, and `now` and the TTL are checked \
+             finite: {expired:?}"
+        );
+        let next = expired.unwrap_or(None);
         if !self.evicted.is_empty() {
+            // Harmless when it fails: the only error is an unknown worker id, i.e. someone
+            // removed the worker from the router's index (read-only by contract); there is
+            // nothing left to drop then.
             let _ = index.remove_id(id, &self.evicted);
         }
         worker.idle_deadline = next.map_or(f64::INFINITY, |t| t + ttl);
@@ -100,9 +107,15 @@ impl Model {
             .and_then(|p| cache.partition(p).ok())
             .unwrap_or(PartitionId::SHARED);
         self.evicted.clear();
-        let stored = cache
-            .insert_into(hashes, part, None, now, &mut self.evicted)
-            .unwrap_or(0);
+        let inserted = cache.insert_into(hashes, part, None, now, &mut self.evicted);
+        debug_assert!(
+            inserted.is_ok(),
+            "`now` is checked finite, `part` is declared in this cache and there is no parent: \
+             {inserted:?}"
+        );
+        let stored = inserted.unwrap_or(0);
+        // Both removals below are harmless when they fail, as in `expire_idle`: an unknown
+        // worker id holds nothing.
         if let Some(first_missing) = hashes.get(stored..stored + 1) {
             let _ = index.remove_id(id, first_missing);
         }
@@ -148,7 +161,12 @@ impl Model {
         self.dropped.clear();
         if index.remove_id_into(id, first, &mut self.dropped).is_ok() {
             self.evicted.clear();
-            let _ = cache.remove_into(&self.dropped, &mut self.evicted);
+            let removed = cache.remove_into(&self.dropped, &mut self.evicted);
+            debug_assert!(
+                removed.is_ok(),
+                "the cache holds the blocks the index credits (module invariant), nothing in it \
+                 is pinned or leased, and `dropped` lists descendants first: {removed:?}"
+            );
         }
     }
 
@@ -164,6 +182,9 @@ impl Model {
             .map(|(_, r)| r)
             .sum();
         let blocks = blocks.min(cache.capacity().saturating_sub(others));
+        // Harmless when it fails: `blocks` is clamped to what is unreserved, so the only error
+        // left is a cache past 65,534 partitions (endpoints that ever reserved blocks on this
+        // worker); the endpoint's blocks then use the shared pool on this worker.
         let _ = match cache.partition(name) {
             Ok(id) => cache.set_reserved(id, blocks),
             Err(_) => cache.add_partition(name, blocks).map(drop),

@@ -102,10 +102,9 @@ impl Endpoint {
         if ring.is_empty() {
             return;
         }
-        if ring
-            .preference_into(Key::Bytes(self.id.as_bytes()), ring.len(), order)
-            .is_err()
-        {
+        let r = ring.preference_into(Key::Bytes(self.id.as_bytes()), ring.len(), order);
+        debug_assert!(r.is_ok(), "a full preference of a non-empty ring: {r:?}");
+        if r.is_err() {
             return;
         }
         for &s in order.iter() {
