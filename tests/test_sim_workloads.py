@@ -374,3 +374,19 @@ def test_kv_cache_tester_bad_documents(tmp_path):
 def test_namespace_seed_is_pinned():
     # BLAKE2b-64 of the label, little-endian: pinned so that bundled-trace hashes never drift.
     assert namespace_seed("mooncake:conversation_trace.jsonl") == 0xDB0576A6C6EF7A9B
+
+
+def test_bundled_claude_code_sessions_are_the_original_files():
+    from kvroute.sim.traces import bundled_claude_code_dir, claude_code_sessions
+
+    for name in ("trace_0002.json", "trace_0007.json"):
+        packed = gzip.decompress((bundled_claude_code_dir() / f"{name}.gz").read_bytes())
+        assert packed == (Path(__file__).parent / "data" / "traces" / name).read_bytes()
+    w = claude_code_sessions()
+    assert len(w) == 132 and w.block_size == 64
+    assert sorted({s.split("/")[0] for s in w.session}) == [
+        "trace_0001",
+        "trace_0002",
+        "trace_0006",
+        "trace_0007",
+    ]

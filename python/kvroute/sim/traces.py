@@ -47,7 +47,9 @@ from .workloads import (
 
 __all__ = [
     "MOONCAKE_BLOCK_SIZE",
+    "bundled_claude_code_dir",
     "bundled_mooncake_path",
+    "claude_code_sessions",
     "conversation_starts",
     "load_kv_cache_tester",
     "load_mooncake",
@@ -417,6 +419,25 @@ def mooncake_conversation() -> Workload:
     w.description = (
         "Mooncake FAST'25 conversation trace (Moonshot AI / Kimi production, one hour sampled; "
         "kvcache-ai/Mooncake@3b5a5941, Apache-2.0), 512-token blocks"
+    )
+    return w
+
+
+def bundled_claude_code_dir() -> Path:
+    """Directory of the four bundled kv-cache-tester Claude Code traces (gzip; see its
+    ``NOTICE``): the same files as ``kv-cache-tester/traces/trace_000{1,2,6,7}.json``."""
+    return Path(__file__).resolve().parent / "data" / "claude_code"
+
+
+def claude_code_sessions(*, seed: int = 0) -> Workload:
+    """The four bundled Claude Code sessions (``--scenario claude-code``): 132 requests of ~88k
+    prompt tokens in 64-token blocks, conversations starting at Poisson offsets (mean gap 60 s,
+    ``seed``) — the same workload as ``load_trace`` on a directory holding the original files."""
+    w = load_kv_cache_tester(bundled_claude_code_dir(), seed=seed)
+    w.name = "claude-code"
+    w.description = (
+        "four Claude Code sessions recorded by kv-cache-tester "
+        "(callanjfox/kv-cache-tester@94f6046, Apache-2.0), 64-token blocks"
     )
     return w
 
