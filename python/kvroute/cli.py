@@ -101,10 +101,16 @@ def _simulate(args: argparse.Namespace) -> int:
     from .sim.policies import DEFAULT_POLICIES, parse_policies
     from .sim.report import print_report, write_json, write_plot
     from .sim.simulate import SCENARIO_WORKERS, EndpointOptions, load_workload, simulate
+    from .sim.sweep import parse_sweep
     from .sim.traces import write_mooncake
 
     try:
         policies = parse_policies(args.policies) if args.policies else list(DEFAULT_POLICIES)
+        swept = parse_sweep(args.sweep) if args.sweep else None
+        if swept is not None and args.time_scale != 1.0:
+            raise ValueError("--sweep and --time-scale are exclusive (the sweep sets the scale)")
+        if swept is not None and (args.explain or args.decisions):
+            raise ValueError("--explain and --decisions apply to one run, not to a --sweep")
         workload = load_workload(
             args.scenario,
             trace=args.trace,
@@ -133,7 +139,10 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.export_trace:
         write_mooncake(workload, args.export_trace)
         print(f"wrote {len(workload):,} requests to {args.export_trace}", file=sys.stderr)
-    report, _ = simulate(
+    if swept is not None:
+        return _sweep(args, workload, model, policies, *swept)
+    instrument = bool(args.explain or args.decisions)
+    report, results = simulate(
         workload,
         model=model,
         policies=policies,
@@ -141,12 +150,45 @@ def _simulate(args: argparse.Namespace) -> int:
         seed=args.seed,
         endpoint=endpoint,
         progress=not args.quiet,
+        instrument=instrument,
     )
+    if not args.explain:
+        report.decisions = None
     print_report(report)
     if args.json:
         write_json(report, args.json)
     if args.plot:
         write_plot(report, args.plot)
+    if args.decisions:
+        from .sim.instruments import write_decisions
+
+        write_decisions({p: results[f"decisions:{p}"] for p in policies}, args.decisions)
+    return 0
+
+
+def _sweep(args, workload, model, policies, axis: str, values: list[float]) -> int:
+    """``kvroute simulate --sweep``: every policy at every point; tables, JSON and plot."""
+    from .sim.sweep import render_sweep, sweep, write_sweep_json, write_sweep_plot
+
+    try:
+        result = sweep(
+            workload,
+            model=model,
+            axis=axis,
+            values=values,
+            policies=policies,
+            index=args.index,
+            seed=args.seed,
+            progress=not args.quiet,
+        )
+    except ValueError as e:
+        print(f"kvroute simulate: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(render_sweep(result))
+    if args.json:
+        write_sweep_json(result, args.json)
+    if args.plot:
+        write_sweep_plot(result, args.plot)
     return 0
 
 
@@ -203,15 +245,18 @@ def build_parser() -> argparse.ArgumentParser:
     src = sim.add_mutually_exclusive_group()
     src.add_argument(
         "--scenario",
-        choices=["endpoint", "mooncake", "rag", "agent"],
+        choices=["endpoint", "mooncake", "claude-code", "rag", "agent"],
         default="endpoint",
-        help="bundled workload (default: endpoint; mooncake = the FAST'25 conversation trace)",
+        help=(
+            "bundled workload (default: endpoint; mooncake = the FAST'25 conversation trace; "
+            "claude-code = four real agent sessions from kv-cache-tester)"
+        ),
     )
     src.add_argument("--trace", help="Mooncake JSONL or kv-cache-tester JSON file/directory")
     sim.add_argument(
         "--workers",
         type=int,
-        help="fleet size (default: 16 for endpoint and mooncake, 8 otherwise)",
+        help="fleet size (default: 16 for endpoint and mooncake, 4 for claude-code, 8 otherwise)",
     )
     sim.add_argument(
         "--capacity-blocks",
@@ -266,6 +311,21 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="endpoint's reserved blocks per pool worker (default: 2x its system prompt)",
     )
+    sim.add_argument(
+        "--sweep",
+        metavar="AXIS=V1,V2,...",
+        help=(
+            "run every policy at several loads: time-scale=1,0.3,0.1 (arrival times x value) "
+            "or load=0.5,1,2 (offered prompt tokens / fleet prefill capacity); prints hit rate "
+            "and TTFT p50/p99 per point, --json and --plot write the curves"
+        ),
+    )
+    sim.add_argument(
+        "--explain",
+        action="store_true",
+        help="record every decision and print what each policy saw (kvroute.sim.instruments)",
+    )
+    sim.add_argument("--decisions", metavar="FILE.csv", help="write every decision's record as CSV")
     sim.add_argument("--json", metavar="FILE", help="write the report as JSON")
     sim.add_argument("--plot", metavar="FILE.png", help="plot hit rate and TTFT (matplotlib)")
     sim.add_argument(

@@ -14,7 +14,10 @@
 - :mod:`.workloads` — :class:`Request` / :class:`Workload` (prefix-chained ``uint64`` block hashes
   in one buffer), :func:`chain_block_ids`;
 - :mod:`.traces` — :func:`load_trace` (Mooncake JSONL, kv-cache-tester JSON, directories),
-  :func:`mooncake_conversation` (the bundled FAST'25 conversation trace);
+  :func:`mooncake_conversation` (the bundled FAST'25 conversation trace),
+  :func:`claude_code_sessions` (four bundled kv-cache-tester agent sessions);
+- :mod:`.sweep` — :func:`~.sweep.sweep`: every policy at several offered loads (``--sweep``);
+- :mod:`.instruments` — :class:`~.instruments.Recorder`: what each decision saw (``--explain``);
 - :mod:`.synthetic` — seeded ``endpoint`` / ``rag`` / ``agent`` scenarios;
 - :mod:`.oracles` — :func:`infinite_cache` and :func:`pooled_lru` hit-rate oracles;
 - :mod:`.report` — per-request :data:`RESULT_DTYPE` records, :func:`summarize`, tables, JSON, plot.
@@ -48,7 +51,9 @@ from .scenario import Endpoint, Scenario
 from .simulate import EndpointOptions, load_workload, simulate
 from .synthetic import SCENARIOS, agent_scenario, endpoint_scenario, rag_scenario
 from .traces import (
+    bundled_claude_code_dir,
     bundled_mooncake_path,
+    claude_code_sessions,
     load_kv_cache_tester,
     load_mooncake,
     load_trace,
@@ -80,8 +85,10 @@ __all__ = [
     "Workload",
     "WorkloadBuilder",
     "agent_scenario",
+    "bundled_claude_code_dir",
     "bundled_mooncake_path",
     "chain_block_ids",
+    "claude_code_sessions",
     "empty_results",
     "endpoint_scenario",
     "infinite_cache",

@@ -206,6 +206,8 @@ class Report:
     tenant: dict[str, PolicyMetrics] | None = None
     title: str = ""
     notes: list[str] = field(default_factory=list)
+    #: Per policy, the :func:`kvroute.sim.instruments.explain` summary (``--explain``).
+    decisions: dict[str, dict[str, float]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The ``--json`` document (see the module docs); checks the required keys."""
@@ -218,6 +220,11 @@ class Report:
         }
         if self.tenant is not None:
             doc["tenant"] = {name: m.to_dict() for name, m in self.tenant.items()}
+        if self.decisions is not None:
+            doc["decisions"] = {
+                name: {k: _json_number(v) for k, v in d.items()}
+                for name, d in self.decisions.items()
+            }
         return doc
 
 
@@ -299,7 +306,15 @@ def render_table(report: Report) -> str:
                 out.append("  ".join("-" * w for w in widths))
         out.append("")
     out.extend(report.notes)
+    if report.decisions:
+        out.extend(["", _decisions_text(report)])
     return "\n".join(out).rstrip() + "\n"
+
+
+def _decisions_text(report: Report) -> str:
+    from .instruments import render_explain
+
+    return render_explain(report.decisions or {})
 
 
 def _rich_available() -> bool:
@@ -332,6 +347,8 @@ def print_report(report: Report, file: IO[str] | None = None, *, use_rich: bool 
         console.print(table)
     for note in report.notes:
         console.print(note, markup=False, highlight=False)
+    if report.decisions:
+        console.print("\n" + _decisions_text(report), markup=False, highlight=False, soft_wrap=True)
 
 
 # ---------------------------------------------------------------------------------------------

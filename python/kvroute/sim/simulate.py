@@ -30,19 +30,27 @@ import numpy as np
 from kvroute import BlockCache
 
 from .engine import FleetModel, run, worker_names
+from .instruments import Recorder, explain
 from .oracles import infinite_cache, pooled_lru
 from .policies import DEFAULT_POLICIES, RouterPolicy, make_policy
 from .report import Progress, Report, summarize
 from .scenario import Endpoint, Scenario
 from .synthetic import SCENARIOS
-from .traces import load_trace, mooncake_conversation
+from .traces import claude_code_sessions, load_trace, mooncake_conversation
 from .workloads import Workload, WorkloadBuilder
 
 __all__ = ["SCENARIO_WORKERS", "TENANT_SETUPS", "EndpointOptions", "load_workload", "simulate"]
 
 #: Default fleet size per scenario: the synthetic scenarios are sized for 8 workers; the Mooncake
 #: conversation trace (41k prompt tokens/s) is the issue's 16-worker benchmark.
-SCENARIO_WORKERS = {"endpoint": 16, "rag": 8, "agent": 8, "mooncake": 16, "trace": 8}
+SCENARIO_WORKERS = {
+    "endpoint": 16,
+    "rag": 8,
+    "agent": 8,
+    "mooncake": 16,
+    "claude-code": 4,
+    "trace": 8,
+}
 
 
 def load_workload(
@@ -68,9 +76,12 @@ def load_workload(
             ) from None
     if scenario == "mooncake":
         return mooncake_conversation()
+    if scenario == "claude-code":
+        return claude_code_sessions(seed=seed)
     if scenario not in SCENARIOS:
         raise ValueError(
-            f"unknown scenario {scenario!r}; choose from {', '.join(['mooncake', *SCENARIOS])}"
+            f"unknown scenario {scenario!r}; choose from "
+            f"{', '.join(['mooncake', 'claude-code', *SCENARIOS])}"
         )
     kw: dict[str, Any] = {"seed": seed}
     if duration is not None:
@@ -119,10 +130,14 @@ def simulate(
     endpoint: EndpointOptions | None = None,
     progress: bool = True,
     policy_options: dict[str, dict[str, Any]] | None = None,
+    instrument: bool = False,
 ) -> tuple[Report, dict[str, np.ndarray]]:
     """Run ``policies`` (names, see :mod:`.policies`) and the oracles; returns the report and the
     raw result records per run (policy names, plus ``"endpoint"`` for the tenant setup).
-    ``policy_options[name]`` is passed to :func:`~.policies.make_policy` as ``options``."""
+    ``policy_options[name]`` is passed to :func:`~.policies.make_policy` as ``options``.
+    ``instrument`` records every decision of every policy (:mod:`.instruments`): the report's
+    ``decisions`` holds each policy's :func:`~.instruments.explain` summary, and the raw rows are
+    returned under ``"decisions:<policy>"``."""
     n = len(workload)
     cap = model.capacity(workload.block_size)
     tenant = workload.meta.get("tenant")
@@ -149,7 +164,12 @@ def simulate(
         bar.update(done)
         for name in runs:
             policy = make_policy(name, index=index, seed=seed, options=options.get(name))
-            results[name] = run(workload, policy, model, progress=tick)
+            if instrument:
+                recorder = Recorder(policy)
+                results[name] = run(workload, recorder, model, progress=tick)
+                results[f"decisions:{name}"] = recorder.rows(results[name])
+            else:
+                results[name] = run(workload, policy, model, progress=tick)
             done += n
         if tenant is not None:
             scenario = Scenario.dedicated(
@@ -165,6 +185,16 @@ def simulate(
     metrics = {name: summarize(results[name], num_workers=model.workers) for name in policies}
     report = Report(policies=metrics, oracles=oracles, title=_title(workload, model, index))
     report.notes.extend(_model_notes(workload, model))
+    if instrument:
+        report.decisions = {
+            name: explain(
+                results[f"decisions:{name}"],
+                block_size=workload.block_size,
+                prefill_rate=model.prefill_rate,
+                sessions=workload.session,
+            )
+            for name in policies
+        }
     if tenant is not None and setup is not None and scenario is not None:
         mask = workload.tenant_mask(tenant)
         keys = {"random": "random", "kv_aware": endpoint.policy, "endpoint": "endpoint"}
