@@ -88,6 +88,9 @@ def test_json_text_and_plot(small, tmp_path):
     assert set(doc["verdicts"][0]) == {
         "value",
         "offered_load",
+        "kv_aware",
+        "best_peer",
+        "oracle",
         "hit_vs_peer",
         "hit_vs_oracle",
         "oracle_reachable",
@@ -155,6 +158,7 @@ def test_verdict_rules(kv, ok):
     assert v["hit_vs_peer"] == pytest.approx(kv[0] / 0.5)
     assert v["p99_vs_peer"] == pytest.approx(kv[2] / 2.0)
     assert v["oracle_reachable"] is True  # llmd reaches 0.5 >= 0.9 x 0.52
+    assert v["best_peer"] == {"hit": ["llmd", 0.5], "p50": ["dynamo", 1.0], "p99": ["llmd", 2.0]}
 
 
 def test_unreached_oracle_is_not_a_bar():
