@@ -5,6 +5,7 @@
 //! Optional arguments arrive as `Option<&Bound<PyAny>>`, where PyO3 already maps an explicit
 //! `None` to `None`.
 
+use std::collections::TryReserveError;
 use std::fmt::Display;
 use std::sync::Arc;
 use std::time::Instant;
@@ -15,7 +16,7 @@ use numpy::{
     PyUntypedArray, PyUntypedArrayMethods,
 };
 use parking_lot::Mutex;
-use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyKeyError, PyMemoryError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::type_object::PyTypeCheck;
@@ -129,6 +130,39 @@ pub fn optional<'py, T>(
     obj.map(f).transpose()
 }
 
+/// At most this many items are reserved up front from the length an iterable claims (`len()`);
+/// past it the buffer grows as items arrive, fallibly.
+const PRESIZE_MAX: usize = 1 << 16;
+
+/// The `MemoryError` raised when the `n` items of `obj` (the argument `what`) cannot be held.
+pub fn memory_error(obj: &Bound<'_, PyAny>, what: &str, n: usize) -> PyErr {
+    PyMemoryError::new_err(format!(
+        "{what}: cannot allocate memory for {n} items of {}",
+        describe(obj)
+    ))
+}
+
+/// `buf` (cleared) with room for the items of the iterable `obj`, from the length it claims.
+/// `len()` is a claim, not data: one no allocation could meet raises `MemoryError` at once, as
+/// `list(obj)` does (rather than after reading items for minutes); any other is trusted only up
+/// to [`PRESIZE_MAX`] items, so a length that lies costs nothing. No `len()`: nothing reserved.
+fn presized<T>(obj: &Bound<'_, PyAny>, what: &str, mut buf: Vec<T>) -> PyResult<Vec<T>> {
+    buf.clear();
+    let Ok(claimed) = obj.len() else {
+        return Ok(buf);
+    };
+    // The probe's allocation, if it succeeds, is only address space, released at once.
+    if Vec::<T>::new().try_reserve_exact(claimed).is_err() {
+        return Err(PyMemoryError::new_err(format!(
+            "{what}: len() of {} claims {claimed} items, more than memory can hold",
+            describe(obj)
+        )));
+    }
+    buf.try_reserve(claimed.min(PRESIZE_MAX))
+        .map_err(|_| memory_error(obj, what, claimed))?;
+    Ok(buf)
+}
+
 /// An unsigned 64-bit integer from a Python `int` (`bool` is refused), naming `what` (and the
 /// position `at`, for an element of a sequence) on error.
 pub fn u64_from_int(obj: &Bound<'_, PyAny>, what: &str, at: Option<usize>) -> PyResult<u64> {
@@ -188,7 +222,10 @@ impl KeyBatch {
     pub fn refill(&mut self, obj: &Bound<'_, PyAny>) -> PyResult<()> {
         self.clear();
         if let Some((n, get_item)) = list_or_tuple(obj) {
-            self.spans.reserve(n);
+            // A list's length is its real size: reserved exactly, but fallibly.
+            self.spans
+                .try_reserve(n)
+                .map_err(|_| memory_error(obj, "keys", n))?;
             let py = obj.py();
             return for_each_item(obj, n, get_item, |item, _| {
                 // SAFETY: `item` is a live borrowed reference (see `for_each_item`).
@@ -199,15 +236,14 @@ impl KeyBatch {
                     Ok(s) => self.push(Key::Bytes(str_bytes(&s)?)),
                     Err(_) => with_key(&item.to_owned(), |k| self.push(k))?,
                 }
-                Ok(())
+                .map_err(|_| memory_error(obj, "keys", self.len() + 1))
             });
         }
-        if let Ok(n) = obj.len() {
-            self.spans.reserve(n);
-        }
+        self.spans = presized(obj, "keys", std::mem::take(&mut self.spans))?;
         for item in obj.try_iter()? {
             let item = item?;
-            with_key(&item, |k| self.push(k))?;
+            with_key(&item, |k| self.push(k))?
+                .map_err(|_| memory_error(obj, "keys", self.len() + 1))?;
         }
         Ok(())
     }
@@ -223,15 +259,19 @@ impl KeyBatch {
         self.bytes.capacity() + self.spans.capacity() * std::mem::size_of::<(u64, u64)>()
     }
 
-    fn push(&mut self, key: Key<'_>) {
+    /// Appends a key; fails (changing nothing) when memory for it cannot be allocated.
+    fn push(&mut self, key: Key<'_>) -> Result<(), TryReserveError> {
+        self.spans.try_reserve(1)?;
         match key {
             Key::Bytes(b) => {
+                self.bytes.try_reserve(b.len())?;
                 let start = self.bytes.len() as u64;
                 self.bytes.extend_from_slice(b);
                 self.spans.push((start, self.bytes.len() as u64));
             }
             Key::Int(v) => self.spans.push((u64::MAX, v)),
         }
+        Ok(())
     }
 
     /// Number of keys.
@@ -339,7 +379,13 @@ fn array_slice<'py, T: Element + Copy>(
     if ro.as_slice().is_ok() {
         return Ok(ArraySlice::Borrowed(ro));
     }
-    Ok(ArraySlice::Owned(ro.as_array().iter().copied().collect()))
+    let values = ro.as_array();
+    let mut owned = Vec::new();
+    owned
+        .try_reserve_exact(values.len())
+        .map_err(|_| memory_error(arr.as_any(), what, values.len()))?;
+    owned.extend(values.iter().copied());
+    Ok(ArraySlice::Owned(owned))
 }
 
 /// `Some` for a 1-D NumPy array of dtype uint32, int32, uint64 or int64 (borrowed when
@@ -468,16 +514,25 @@ pub fn u64_slice<'py>(
         }
     };
     if let Ok(list) = obj.cast::<PyList>() {
-        return fast_seq_to_u64(list, list.len(), pyo3::ffi::PyList_GetItem, item_u64)
+        return fast_seq_to_u64(list, list.len(), pyo3::ffi::PyList_GetItem, what, item_u64)
             .map(U64Slice::Owned);
     }
     if let Ok(tuple) = obj.cast::<PyTuple>() {
-        return fast_seq_to_u64(tuple, tuple.len(), pyo3::ffi::PyTuple_GetItem, item_u64)
-            .map(U64Slice::Owned);
+        return fast_seq_to_u64(
+            tuple,
+            tuple.len(),
+            pyo3::ffi::PyTuple_GetItem,
+            what,
+            item_u64,
+        )
+        .map(U64Slice::Owned);
     }
-    let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
+    let mut out = presized(obj, what, Vec::new())?;
     for (i, item) in iter.enumerate() {
-        out.push(item_u64(&item?, i)?);
+        let value = item_u64(&item?, i)?;
+        out.try_reserve(1)
+            .map_err(|_| memory_error(obj, what, i + 1))?;
+        out.push(value);
     }
     Ok(U64Slice::Owned(out))
 }
@@ -531,10 +586,13 @@ fn fast_seq_to_u64(
     seq: &Bound<'_, impl PyTypeCheck>,
     n: usize,
     get_item: GetItem,
+    what: &str,
     slow: impl Fn(&Bound<'_, PyAny>, usize) -> PyResult<u64>,
 ) -> PyResult<Vec<u64>> {
     let py = seq.py();
-    let mut out = Vec::with_capacity(n);
+    let mut out = Vec::new();
+    out.try_reserve_exact(n)
+        .map_err(|_| memory_error(seq.as_any(), what, n))?;
     for_each_item(seq, n, get_item, |item, i| {
         // SAFETY: `item` is a live borrowed reference; the fast path runs no Python code (the
         // type is exactly `int`, so no `__index__`), and the slow path takes its own reference
@@ -635,11 +693,12 @@ pub fn weighted_names(
             .map(|name| Ok((name_item(&name?, item)?, 1.0)))
             .collect();
     };
-    let mut pairs = Vec::with_capacity(map.len().unwrap_or(0));
-    for entry in map.items()?.iter() {
-        let (name, weight): (Bound<'_, PyAny>, Bound<'_, PyAny>) = entry.extract()?;
-        let name = name_item(&name, item)?;
-        let weight = weight_from_py(&weight, item, &name)?;
+    // Keys, then each value: `items()` would build a list presized from `len()`, a claim.
+    let mut pairs = Vec::new();
+    for key in map.try_iter()? {
+        let key = key?;
+        let name = name_item(&key, item)?;
+        let weight = weight_from_py(&map.get_item(&key)?, item, &name)?;
         pairs.push((name, weight));
     }
     Ok(pairs)
