@@ -165,19 +165,24 @@ class IndexMachine(RuleBasedStateMachine):
         want = self.ref.store(worker, hashes, parent) if not self.budgeted else None
         if self.budgeted:
             self.ref.store(worker, hashes, parent)  # the model stays a superset
-        before = None if self.budgeted else self.idx.dump()
+        before = self.idx.dump()
+        new_worker = worker not in self.idx.workers
         try:
             p = parent if parent is None or form != 2 else np.uint64(parent)
             self.idx.store(worker, as_input(hashes, form), p)
-            got = None
+            got, error = None, None
         except (KeyError, ValueError) as e:
-            got = type(e)
+            got, error = type(e), e
         if self.budgeted:
-            assert got in (None, KeyError)  # KeyError: the parent was evicted
+            # KeyError: the parent was evicted. ValueError: a budget too small for the worker
+            # table refuses a new worker.
+            assert got in (None, KeyError, ValueError)
+            if got is ValueError:
+                assert new_worker and "cannot hold the table" in str(error), error
         else:
             assert got is want, (worker, hashes, parent)
-            if got is not None:
-                assert self.idx.dump() == before
+        if got is not None:
+            assert self.idx.dump() == before
 
     @precondition(lambda self: not self.budgeted)
     @rule(worker=st.sampled_from(NAMES), pick=st.integers(0, 10**6), at=st.integers(0, 10**6))
@@ -213,8 +218,21 @@ class IndexMachine(RuleBasedStateMachine):
             blocks.append(seq[other % len(seq)])
         self.apply_remove(worker, blocks, other % 3)
 
+    @rule(worker=st.sampled_from(NAMES), n=st.integers(1, 8), form=st.integers(0, 2))
+    def store_then_evict(self, worker, n, form):
+        """A short sequence stored, then evicted block by block, last first (as vLLM reports)."""
+        chain = self.new_blocks(n)
+        self.sequences.append(chain)
+        self.apply_store(worker, chain, None, form)
+        self.apply_remove(worker, chain[::-1], form)
+
+    def known(self, worker) -> bool:
+        """Whether the index knows `worker` (under a budget, the model may know more: a budget
+        too small for the worker table refuses new workers)."""
+        return worker in (self.idx.workers if self.budgeted else self.ref.held)
+
     def apply_remove(self, worker, blocks, form):
-        if worker not in self.ref.held:
+        if not self.known(worker):
             with pytest.raises(KeyError):
                 self.idx.remove(worker, blocks)
             return
@@ -225,7 +243,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule(worker=st.sampled_from(NAMES), forget=st.booleans())
     def clear(self, worker, forget):
-        if worker not in self.ref.held:
+        if not self.known(worker):
             with pytest.raises(KeyError):
                 self.idx.clear(worker)
             return
@@ -283,8 +301,28 @@ IndexMachine.TestCase.settings = settings(
 TestIndexModel = IndexMachine.TestCase
 
 
+EMPTY_BYTES = kvroute.PrefixIndex().memory_bytes()  # the smallest budget the index accepts
+
+
 class BudgetMachine(IndexMachine):
-    max_bytes = 12_000
+    """The same operations under a memory budget drawn per example, from the bytes of an empty
+    index up: after every operation the index is within the budget and a sub-index of the
+    model (eviction only drops (worker, block) pairs)."""
+
+    max_bytes = 12_000  # replaced by set_budget
+
+    @initialize(budget=st.integers(EMPTY_BYTES, 1_500) | st.integers(1_500, 20_000))
+    def set_budget(self, budget):
+        self.max_bytes = budget
+        self.idx = kvroute.PrefixIndex(max_bytes=budget)
+
+    @invariant()
+    def a_sub_index_of_the_model(self):
+        assert set(self.idx.workers) <= set(self.ref.held)
+        for seq in self.sequences[-8:]:
+            want = self.ref.match(seq)
+            for w, n in self.idx.match(seq).items():
+                assert n <= want.get(w, 0), (w, n, want)
 
 
 BudgetMachine.TestCase.settings = IndexMachine.TestCase.settings
@@ -446,6 +484,32 @@ def test_round_trip_keeps_everything():
     assert copy.dump() == idx.dump()
     small = kvroute.PrefixIndex.load(idx.dump(), max_bytes=4096)
     assert small.memory_bytes() <= 4096 and small.max_bytes == 4096
+
+
+def test_budget_holds_after_removals():
+    # Issue 14: storing 3 blocks and removing them left 1,038 bytes against a 1,000 budget (the
+    # removal's traversal buffers were not released once the tree was empty).
+    idx = kvroute.PrefixIndex(max_bytes=1000)
+    idx.store("w", [1, 2, 3])
+    assert idx.memory_bytes() <= 1000
+    assert idx.remove("w", [1, 2, 3]) == 3
+    assert idx.memory_bytes() <= 1000
+    idx._check_invariants()
+    for budget in range(EMPTY_BYTES, 2_000, 7):
+        idx = kvroute.PrefixIndex(max_bytes=budget)
+        for name, *args in (
+            ("store", "w", list(range(1, 40))),
+            ("store", "v", list(range(1, 20))),
+            ("remove", "w", list(range(39, 0, -1))),
+            ("clear", "v"),
+            ("remove_worker", "v"),
+        ):
+            try:
+                getattr(idx, name)(*args)
+            except (KeyError, ValueError):
+                pass  # evicted already, or a budget too small for the worker table
+            assert idx.memory_bytes() <= budget, budget
+            idx._check_invariants()
 
 
 def test_budget_keeps_recent_and_matched_sequences():

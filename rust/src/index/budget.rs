@@ -18,16 +18,27 @@ impl PrefixIndex {
         }
     }
 
-    /// Evicts least recently used leaves until the index fits in 15/16 of the budget.
+    /// Over budget: evicts least recently used leaves until the index fits in 15/16 of the
+    /// budget, and compacts. Compaction alone may be enough (a removal's traversal buffers, an
+    /// emptied tree's spare capacity), so it runs even when there is nothing left to evict.
     pub(super) fn enforce_budget(&mut self) {
         let Some(max) = self.max_bytes else { return };
-        if self.memory_bytes() <= max {
-            return;
-        }
         let target = max - max / 16;
-        while self.memory_bytes() > max && !self.tree.is_empty_tree() {
-            self.evict_until(target);
+        while self.memory_bytes() > max {
+            let empty = self.tree.is_empty_tree();
+            if !empty {
+                self.evict_until(target);
+            }
             self.compact();
+            if empty || self.tree.is_empty_tree() {
+                // An empty tree and a compacted worker table fit: `add_worker` admits a worker
+                // only if the table fits beside an empty index.
+                debug_assert!(
+                    self.memory_bytes() <= max,
+                    "an empty index exceeds its budget"
+                );
+                break;
+            }
         }
     }
 

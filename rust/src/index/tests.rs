@@ -436,6 +436,21 @@ fn random_with_budget_is_sound() {
     }
 }
 
+/// Issue 14: storing 3 blocks and removing them left the removal's buffers over a tight budget.
+#[test]
+fn budget_holds_after_a_removal_empties_the_tree() {
+    for budget in (PrefixIndex::min_budget()..2_000).step_by(3) {
+        let mut ix = PrefixIndex::new(Some(budget)).unwrap();
+        if ix.store("w", &[1, 2, 3], None).is_err() {
+            continue; // too small for the worker table
+        }
+        assert!(ix.memory_bytes() <= budget, "{budget}");
+        ix.remove("w", &[3, 2, 1]).unwrap();
+        assert!(ix.memory_bytes() <= budget, "{budget}");
+        ix.check_invariants().unwrap();
+    }
+}
+
 #[test]
 fn budget_holds_and_evicts_lru_first() {
     let budget = 200_000;
