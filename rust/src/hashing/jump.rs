@@ -24,6 +24,9 @@
 //!   first `i + 1` entries were removed (in that order), so `preference(k, 2)[1]` is exactly
 //!   `get(k)` after removing `get(k)`.
 //! - The hasher is unweighted: every weight is 1.
+//! - Adding or removing a node costs O(1) (amortised): a removal records one bucket and gives
+//!   the removed node's id to the node with the last id ([`NodeSet::swap_remove`]); nothing is
+//!   renumbered.
 
 use hashbrown::HashMap;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -321,11 +324,12 @@ impl ConsistentHash for JumpHash {
             self.last_removed = b;
             self.removed += 1;
         }
-        self.nodes.remove(name)?;
-        self.bucket_of.remove(id as usize);
-        for node in self.node_at.iter_mut() {
-            if *node != NONE && *node > id {
-                *node -= 1;
+        // The node with the last id takes `id` (see `NodeSet::swap_remove`): repoint its bucket.
+        self.nodes.swap_remove(name)?;
+        self.bucket_of.swap_remove(id as usize);
+        if let Some(&moved) = self.bucket_of.get(id as usize) {
+            if let Some(node) = self.node_at.get_mut(moved as usize) {
+                *node = id;
             }
         }
         Ok(())

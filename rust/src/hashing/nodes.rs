@@ -1,8 +1,11 @@
 //! The named, weighted node set every hasher is built on.
 //!
 //! Invariants: names are unique; weights are finite and positive; [`NodeId`]s are dense
-//! (`0..len`) and follow insertion order, so removing a node shifts the ids of later nodes down by
-//! one. An id is therefore only meaningful for the hasher state that produced it.
+//! (`0..len`) and a new node takes id `len`. [`NodeSet::remove`] keeps ids in insertion order
+//! (later ids shift down by one, O(n)) — the router relies on its hasher's ids following its
+//! worker table; [`NodeSet::swap_remove`] gives the freed id to the node with the last one (every
+//! other id stays, O(1)). An id is therefore only meaningful for the hasher state that produced
+//! it. [`NodeSet::in_order`] lists the nodes in the order they were added, whatever the removals.
 
 use std::sync::Arc;
 
@@ -14,12 +17,32 @@ use crate::error::{Error, Result};
 /// The most nodes a hasher holds (ids must fit below the flag bit the lookup tables use).
 pub const MAX_NODES: usize = 1 << 24;
 
-/// Names and weights of a hasher's nodes, in insertion order.
-#[derive(Debug, Clone, Default)]
+/// Marks the ends of the insertion-order list.
+const END: NodeId = NodeId::MAX;
+
+/// Names and weights of a hasher's nodes, indexed by [`NodeId`], and their insertion order.
+#[derive(Debug, Clone)]
 pub struct NodeSet {
     names: Vec<Arc<str>>,
     weights: Vec<f64>,
     ids: HashMap<Arc<str>, NodeId>,
+    /// Per id: `(previous, next)` in insertion order ([`END`] at the ends).
+    links: Vec<(NodeId, NodeId)>,
+    first: NodeId,
+    last: NodeId,
+}
+
+impl Default for NodeSet {
+    fn default() -> Self {
+        NodeSet {
+            names: Vec::new(),
+            weights: Vec::new(),
+            ids: HashMap::new(),
+            links: Vec::new(),
+            first: END,
+            last: END,
+        }
+    }
 }
 
 /// `Ok` when `weight` is finite and positive; otherwise a `ValueError` naming the node.
@@ -92,7 +115,7 @@ impl NodeSet {
         check_weight(name, weight)
     }
 
-    /// Appends a node; returns its id.
+    /// Appends a node; returns its id (`len` before the call).
     pub fn push(&mut self, name: &str, weight: f64) -> Result<NodeId> {
         self.check_new(name, weight)?;
         let id = self.names.len() as NodeId;
@@ -100,6 +123,12 @@ impl NodeSet {
         self.ids.insert(Arc::clone(&name), id);
         self.names.push(name);
         self.weights.push(weight);
+        self.links.push((self.last, END));
+        match self.links.get_mut(self.last as usize) {
+            Some(prev) => prev.1 = id,
+            None => self.first = id,
+        }
+        self.last = id;
         Ok(id)
     }
 
@@ -109,19 +138,84 @@ impl NodeSet {
             .ok_or_else(|| Error::Key(format!("unknown node {name:?}")))
     }
 
-    /// Removes `name`; returns the id it had. Ids above it shift down by one.
+    /// Removes `name`; returns the id it had. Ids above it shift down by one. O(n).
     pub fn remove(&mut self, name: &str) -> Result<NodeId> {
         let id = self.require(name)?;
+        self.unlink(id);
         let at = id as usize;
         self.names.remove(at);
         self.weights.remove(at);
+        self.links.remove(at);
         self.ids.remove(name);
+        let shift = |x: &mut NodeId| {
+            if *x != END && *x > id {
+                *x -= 1;
+            }
+        };
         for later in self.ids.values_mut() {
-            if *later > id {
-                *later -= 1;
+            shift(later);
+        }
+        for (prev, next) in &mut self.links {
+            shift(prev);
+            shift(next);
+        }
+        shift(&mut self.first);
+        shift(&mut self.last);
+        Ok(id)
+    }
+
+    /// Removes `name`; returns the id it had, which the node with the last id (`len` after the
+    /// call) now has, unless it was that node. O(1).
+    pub fn swap_remove(&mut self, name: &str) -> Result<NodeId> {
+        let id = self.require(name)?;
+        self.unlink(id);
+        let at = id as usize;
+        self.names.swap_remove(at);
+        self.weights.swap_remove(at);
+        self.links.swap_remove(at);
+        self.ids.remove(name);
+        let moved = self.names.len() as NodeId;
+        if id != moved {
+            // The last node now has `id`: repoint its map entry and its neighbours' links.
+            if let Some(n) = self.names.get(at) {
+                if let Some(slot) = self.ids.get_mut(n) {
+                    *slot = id;
+                }
+            }
+            let (prev, next) = self.links.get(at).copied().unwrap_or((END, END));
+            match self.links.get_mut(prev as usize) {
+                Some(p) => p.1 = id,
+                None => self.first = id,
+            }
+            match self.links.get_mut(next as usize) {
+                Some(n) => n.0 = id,
+                None => self.last = id,
             }
         }
         Ok(id)
+    }
+
+    /// Takes `id` out of the insertion-order list.
+    fn unlink(&mut self, id: NodeId) {
+        let (prev, next) = self.links.get(id as usize).copied().unwrap_or((END, END));
+        match self.links.get_mut(prev as usize) {
+            Some(p) => p.1 = next,
+            None => self.first = next,
+        }
+        match self.links.get_mut(next as usize) {
+            Some(n) => n.0 = prev,
+            None => self.last = prev,
+        }
+    }
+
+    /// The node ids in the order the nodes were added.
+    pub fn in_order(&self) -> impl Iterator<Item = NodeId> + '_ {
+        let mut at = self.first;
+        std::iter::from_fn(move || {
+            let id = at;
+            at = self.links.get(id as usize)?.1;
+            Some(id)
+        })
     }
 
     /// Node ids ordered by name, byte-wise (the order hashers use to break ties).

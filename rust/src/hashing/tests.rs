@@ -439,19 +439,79 @@ mod jump_nodes {
 /// `nodes.rs`.
 mod nodes {
     use super::super::nodes::*;
+    use super::super::NodeId;
     use crate::Error;
 
     #[test]
-    fn ids_follow_insertion_and_shift_on_removal() {
+    fn removal_shifts_ids_and_swap_removal_moves_the_last() {
+        let order = |s: &NodeSet| -> Vec<String> {
+            s.in_order()
+                .map(|id| s.name(id).unwrap().to_string())
+                .collect()
+        };
         let mut set = NodeSet::from_pairs([("b", 1.0), ("a", 2.0), ("c", 1.0)]).unwrap();
         assert_eq!(set.id("a"), Some(1));
         assert_eq!(set.ids_by_name(), vec![1, 0, 2]);
         assert_eq!(set.name_ranks(), vec![1, 0, 2]);
+        let mut swapped = set.clone();
         assert_eq!(set.remove("b").unwrap(), 0);
         assert_eq!(set.id("a"), Some(0));
         assert_eq!(set.id("c"), Some(1));
         assert_eq!(set.weights(), &[2.0, 1.0]);
         assert_eq!(set.unowned_by_name(&[1, 1]), vec![0]);
+        assert_eq!(order(&set), ["a", "c"]);
+        assert_eq!(swapped.swap_remove("b").unwrap(), 0);
+        assert_eq!(swapped.id("c"), Some(0)); // the last id moved into the freed one
+        assert_eq!(swapped.id("a"), Some(1));
+        assert_eq!(swapped.weights(), &[1.0, 2.0]);
+        assert_eq!(order(&swapped), ["a", "c"]);
+        swapped.push("d", 1.0).unwrap();
+        assert_eq!(order(&swapped), ["a", "c", "d"]);
+    }
+
+    /// Against a list model: random pushes and both kinds of removal keep ids dense and
+    /// consistent with the names, `remove` keeps ids in insertion order, and `in_order` is the
+    /// order of insertion.
+    #[test]
+    fn random_membership_changes_agree_with_a_list() {
+        let mut state = 99u64;
+        let mut next = || {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1);
+            state >> 33
+        };
+        for swapping in [false, true] {
+            let mut set = NodeSet::new();
+            let mut model: Vec<String> = Vec::new();
+            for step in 0..3000 {
+                if model.is_empty() || next() % 3 != 0 {
+                    let name = format!("n{step}");
+                    set.push(&name, 1.0).unwrap();
+                    model.push(name);
+                } else {
+                    let name = model.remove(next() as usize % model.len());
+                    if swapping {
+                        set.swap_remove(&name).unwrap();
+                    } else {
+                        set.remove(&name).unwrap();
+                    }
+                }
+                assert_eq!(set.len(), model.len());
+                let ordered: Vec<&str> =
+                    set.in_order().map(|id| &**set.name(id).unwrap()).collect();
+                assert_eq!(ordered, model);
+                if !swapping {
+                    assert_eq!(
+                        set.names(),
+                        model.iter().map(|n| n.as_str().into()).collect::<Vec<_>>()
+                    );
+                }
+                for (id, name) in set.names().iter().enumerate() {
+                    assert_eq!(set.id(name), Some(id as NodeId));
+                }
+            }
+        }
     }
 
     #[test]

@@ -335,11 +335,9 @@ impl<H: ConsistentHash + Send + Sync> Shared<H> {
 
     fn nodes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let names: Vec<(NodeId, Arc<str>)> = self.read(py, 1, |h| {
-            h.node_set()
-                .names()
-                .iter()
-                .enumerate()
-                .map(|(i, n)| (i as NodeId, Arc::clone(n)))
+            let set = h.node_set();
+            set.in_order()
+                .filter_map(|id| set.name(id).map(|n| (id, Arc::clone(n))))
                 .collect()
         });
         let ids: Vec<NodeId> = names.iter().map(|(id, _)| *id).collect();
