@@ -203,3 +203,26 @@ def test_lying_and_huge_lengths_never_crash(api):
             assert "Liar(" in out["msg"] or "range(0, 1099511627776)" in out["msg"], (
                 f"{case}: {out['msg']}"
             )
+
+
+# Sizes a caller passes as numbers: each is refused with ValueError naming the value before
+# anything is allocated (issue 14, "what held up"); run in a child for the same reason as above.
+BOMBS = {
+    "BlockCache(2**62)": "capacity",
+    "BlockCache(10, reserved={'a': 2**62})": "4611686018427387904",
+    "Maglev(['a'], table_size=2**40)": "table_size",
+    "HashRing(['a'], vnodes=10**9)": "vnodes",
+    "HashRing({'a': 10**6}, hash='xxh3')": "too large",
+    "Router(['a'], capacity_blocks=2**62)": "capacity",
+    "Router(['a']).add_endpoint('e', pool_size=2**62)": "pool_size",
+    "PrefixIndex(max_bytes=2**64)": "max_bytes",
+}
+
+
+def test_allocation_bombs_are_refused():
+    body = "\n".join(f"check({expr!r}, lambda: kvroute.{expr}, None)" for expr in BOMBS)
+    for out in run_child(body):
+        expr = out["case"]
+        assert not out["ok"], f"{expr} was accepted"
+        assert out["type"] == "ValueError", f"{expr}: {out['type']}"
+        assert BOMBS[expr] in out["msg"], f"{expr}: {out['msg']}"
