@@ -12,6 +12,7 @@ import ast
 import enum
 import hashlib
 import json
+import pickle
 import re
 import struct
 from pathlib import Path
@@ -27,6 +28,7 @@ from support.helpers import run_threads
 
 VECTORS = Path(__file__).parent / "data" / "vectors"
 VLLM = json.loads((VECTORS / "vllm_0.33.0_block_hash_and_kv_event_vectors.json").read_text())
+RELEASES = json.loads((VECTORS / "vllm_block_hash_releases.json").read_text())["releases"]
 
 # ----------------------------------------------------------------------------------------------
 # Reference models (pure Python, written from the published definitions, not from kvroute's code)
@@ -55,7 +57,7 @@ def native_ref(tokens, block_size, parent=None, **opts) -> list[int]:
     return out
 
 
-def vllm_mm_keys(mm, start, end, cursor):
+def vllm_mm_keys(mm, start, end, cursor, tagged=True):
     """vLLM's walk over multimodal items sorted by offset, for the block ``start..end``."""
     keys = []
     while cursor < len(mm):
@@ -65,7 +67,7 @@ def vllm_mm_keys(mm, start, end, cursor):
         if start >= offset + length:
             cursor += 1
             continue
-        keys.append(("mm", ident, offset - start))
+        keys.append(("mm", ident, offset - start) if tagged else (ident, offset - start))
         if end >= offset + length:
             cursor += 1
         else:
@@ -73,20 +75,53 @@ def vllm_mm_keys(mm, start, end, cursor):
     return keys, cursor
 
 
+def _distinct(s):
+    """A new str object equal to ``s`` (as a request's strings are; CPython still returns its
+    singletons for the empty string and one Latin-1 character)."""
+    return None if s is None else "".join(list(s))
+
+
 def vllm_ref_digests(
-    tokens, block_size, parent=None, *, salt=None, lora_name=None, lora_path=None, seed=None, mm=()
+    tokens,
+    block_size,
+    parent=None,
+    *,
+    salt=None,
+    lora_name=None,
+    lora_path=None,
+    seed=None,
+    mm=(),
+    algo="sha256_cbor",
+    tagged=True,
 ):
-    none_hash = hashlib.sha256(cbor2.dumps(seed or "vllm-none-hash", canonical=True)).digest()
+    """vLLM's block hash: ``H((parent, tuple(block), extra_keys))`` with ``H`` = SHA-256 of
+    ``pickle.dumps(x, protocol=5)`` (``sha256``) or of canonical CBOR (``sha256_cbor``); extra keys
+    tagged (vLLM >= 0.31) or bare (0.23-0.30)."""
+    if algo == "sha256":
+
+        def H(x):
+            return hashlib.sha256(pickle.dumps(x, protocol=5)).digest()
+    else:
+
+        def H(x):
+            return hashlib.sha256(cbor2.dumps(x, canonical=True)).digest()
+
+    salt, lora_name, lora_path = _distinct(salt), _distinct(lora_name), _distinct(lora_path)
+    mm = [(_distinct(i), o, n) for i, o, n in mm]
+    none_hash = H(seed if seed is not None else "vllm-none-hash")
     prev, first, cursor, out = parent or none_hash, parent is None, 0, []
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        keys = [] if lora_name is None else [("lora", lora_name, lora_path or "")]
-        mm_keys, cursor = vllm_mm_keys(list(mm), start, start + block_size, cursor)
+        keys = []
+        if lora_name is not None:
+            path = lora_path if lora_path is not None else ""
+            keys.append(("lora", lora_name, path) if tagged else lora_name)
+        mm_keys, cursor = vllm_mm_keys(mm, start, start + block_size, cursor, tagged)
         keys += mm_keys
         if first and salt:
-            keys.append(("cache_salt", salt))
+            keys.append(("cache_salt", salt) if tagged else salt)
         extra = tuple(keys) if keys else None
         block = tuple(tokens[start : start + block_size])
-        prev = hashlib.sha256(cbor2.dumps((prev, block, extra), canonical=True)).digest()
+        prev = H((prev, block, extra))
         first = False
         out.append(prev)
     return out
@@ -142,10 +177,8 @@ def _case_options(case: dict) -> tuple[dict, list]:
 
 @pytest.mark.parametrize("case", VLLM["hash_cases"], ids=lambda c: c["case"])
 def test_vllm_033_vectors(case):
-    if case["algo"] != "sha256_cbor":
-        pytest.skip("profile 'vllm' is sha256_cbor; vLLM's pickle-based 'sha256' is not reproduced")
     opts, mm = _case_options(case)
-    h = kvroute.BlockHasher(case["block_size"], profile="vllm", **opts)
+    h = kvroute.BlockHasher(case["block_size"], profile="vllm", hash_algo=case["algo"], **opts)
     tokens = case["token_ids"]
     assert h.root.hex() == case["none_hash_hex"]
     assert h.hash(tokens, mm=mm).tolist() == case["block_hashes_external_u64"]
@@ -156,9 +189,64 @@ def test_vllm_033_vectors(case):
     for i, (parent, preimage) in enumerate(zip(parents, case["hash_preimage_hex"], strict=True)):
         keys = ast.literal_eval(case["hash_side_extra_keys"][i])
         block = tuple(tokens[i * 16 : (i + 1) * 16])
-        assert cbor2.dumps((parent, block, keys), canonical=True).hex() == preimage
-    ref = vllm_ref_digests(tokens, case["block_size"], mm=mm, **opts)
+        if case["algo"] == "sha256":
+            assert pickle.dumps((parent, block, keys), protocol=5).hex() == preimage
+        else:
+            assert cbor2.dumps((parent, block, keys), canonical=True).hex() == preimage
+    ref = vllm_ref_digests(tokens, case["block_size"], mm=mm, algo=case["algo"], **opts)
     assert [d.hex() for d in ref] == case["block_hashes_hex"]
+
+
+RELEASE_CASES = [(r["vllm_version"], c) for r in RELEASES for c in r["cases"]]
+
+
+@pytest.mark.parametrize(
+    ("version", "case"),
+    RELEASE_CASES,
+    ids=[f"{v}-{c['algo']}-{c['seed']}-{c['salt']}-{bool(c['lora'])}" for v, c in RELEASE_CASES],
+)
+def test_vllm_release_vectors(version, case):
+    """Each release's own hashing code (tests/data/vectors/vllm_block_hash_releases.json)."""
+    name, path = case["lora"] or (None, None)
+    h = kvroute.BlockHasher(
+        case["block_size"],
+        profile="vllm",
+        hash_algo=case["algo"],
+        vllm_version=version,
+        seed=case["seed"],
+        salt=case["salt"],
+        lora_name=name,
+        lora_path=path,
+    )
+    assert h.root.hex() == case["none_hash"]
+    assert h.hash(case["tokens"]).tolist() == case["values"]
+    assert [bytes(d).hex() for d in h.digests(case["tokens"])] == case["digests"]
+    tagged = tuple(int(x) for x in version.split(".")[:2]) >= (0, 31)
+    ref = vllm_ref_digests(
+        case["tokens"],
+        case["block_size"],
+        salt=case["salt"],
+        lora_name=name,
+        lora_path=path,
+        seed=case["seed"],
+        algo=case["algo"],
+        tagged=tagged,
+    )
+    assert [d.hex() for d in ref] == case["digests"]
+
+
+def test_vllm_releases_before_029_need_the_engines_seed():
+    with pytest.raises(ValueError, match="PYTHONHASHSEED"):
+        kvroute.BlockHasher(16, profile="vllm", vllm_version="0.28.1")
+    h = kvroute.BlockHasher(16, profile="vllm", vllm_version="v0.26.0", seed="0")
+    assert (h.vllm_version, h.hash_algo, h.seed) == ("0.26", "sha256_cbor", "0")
+    assert kvroute.BlockHasher(16, profile="vllm").vllm_version == "0.33"
+    with pytest.raises(ValueError, match=r"older than 0\.23"):
+        kvroute.BlockHasher(16, profile="vllm", vllm_version="0.22.1", seed="0")
+    with pytest.raises(ValueError, match="xxhash"):
+        kvroute.BlockHasher(16, profile="vllm", hash_algo="xxhash")
+    with pytest.raises(ValueError, match="only to profile 'vllm'"):
+        kvroute.BlockHasher(16, hash_algo="sha256")
 
 
 def test_vllm_vectors_continue_from_a_digest():
@@ -177,6 +265,12 @@ def test_vllm_vectors_continue_from_a_digest():
 u32 = st.integers(0, 2**32 - 1)
 small_tokens = st.lists(st.integers(0, 300_000), max_size=60)
 names = st.one_of(st.none(), st.text(max_size=8))
+
+
+@st.composite
+def mm_items(draw):
+    offsets = sorted(draw(st.lists(st.integers(-20, 60), max_size=4)))
+    return [(draw(st.text(max_size=4)), off, draw(st.integers(0, 30))) for off in offsets]
 
 
 @settings(max_examples=150, deadline=None)
@@ -205,10 +299,38 @@ def test_vllm_matches_cbor2_reference(tokens, bs, salt, lora, lora_path, seed):
     assert [bytes(d) for d in h.digests(tokens)] == ref
 
 
-@st.composite
-def mm_items(draw):
-    offsets = sorted(draw(st.lists(st.integers(-20, 60), max_size=4)))
-    return [(draw(st.text(max_size=4)), off, draw(st.integers(0, 30))) for off in offsets]
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.one_of(u32, st.integers(0, 2**64 - 1)), max_size=40),
+    bs=st.integers(1, 9),
+    salt=names,
+    lora=names,
+    lora_path=names,
+    seed=st.one_of(st.none(), st.sampled_from(["0", "vllm-none-hash", "42", "", "é"])),
+    version=st.sampled_from(["0.29", "0.30.1", "0.31", "0.33.0"]),
+    mm=mm_items(),
+)
+def test_vllm_sha256_matches_pickle_reference(tokens, bs, salt, lora, lora_path, seed, version, mm):
+    """vLLM's default algorithm: SHA-256 of Python's own pickle (protocol 5) of the block key."""
+    lora_path = lora_path if lora is not None else None
+    opts = {"salt": salt, "lora_name": lora, "lora_path": lora_path, "seed": seed}
+    h = kvroute.BlockHasher(bs, profile="vllm", hash_algo="sha256", vllm_version=version, **opts)
+    tagged = version.startswith(("0.31", "0.33"))
+    ref = vllm_ref_digests(tokens, bs, mm=mm, algo="sha256", tagged=tagged, **opts)
+    assert h.hash(tokens, mm=mm).tolist() == [vllm_value(d) for d in ref]
+
+
+def test_vllm_sha256_blocks_larger_than_a_pickle_frame():
+    """A block whose pickle is split into several 64 KiB frames (and a >= 64 KiB salt, written
+    outside any frame)."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 2**31, 3 * 20_000, dtype=np.int64).tolist()
+    for opts in ({}, {"salt": "s" * 70_000}, {"lora_name": "l" * 300, "lora_path": "p"}):
+        h = kvroute.BlockHasher(20_000, profile="vllm", hash_algo="sha256", **opts)
+        ref = vllm_ref_digests(tokens, 20_000, algo="sha256", **opts)
+        assert [bytes(d) for d in h.digests(tokens)] == ref
+    assert h.hash(tokens).tolist() == [vllm_value(d) for d in ref]
+    assert [bytes(d) for d in h.digests(tokens)] == ref
 
 
 @settings(max_examples=150, deadline=None)
@@ -352,7 +474,7 @@ def test_properties_and_repr():
     )
     assert repr(h) == (
         "BlockHasher(block_size=32, profile='vllm', salt='t', lora_name='n', lora_path='', "
-        "seed='vllm-none-hash')"
+        "seed='vllm-none-hash', hash_algo='sha256_cbor', vllm_version='0.33')"
     )
     d = kvroute.BlockHasher()
     assert (d.block_size, d.profile, d.seed, d.salt) == (16, "native", None, None)

@@ -7,8 +7,9 @@
 //!
 //! - [`native`]: XXH3-64 of the block's tokens as little-endian `u32`, seeded with the previous
 //!   block's hash; the first block is seeded with a root derived from the salt and LoRA.
-//! - [`vllm`]: vLLM ≥ 0.29 `sha256_cbor` (SHA-256 of canonical CBOR `(parent, tokens, extra_keys)`),
-//!   value = the digest's last 8 bytes, big-endian.
+//! - [`vllm`]: vLLM ≥ 0.23, `sha256` (its default: SHA-256 of the protocol-5 pickle of
+//!   `(parent, tokens, extra_keys)`) or `sha256_cbor` (of canonical CBOR), each release's
+//!   extra-key format ([`vllm::Flavor`]); value = the digest's last 8 bytes, big-endian.
 //! - [`sglang`]: SGLang 0.5.23 page hash (SHA-256 over the previous digest and the page's tokens),
 //!   value = the digest's first 8 bytes, big-endian (SGLang's signed int64, as the same 64 bits).
 //!
@@ -43,8 +44,8 @@ use crate::value_err;
 pub enum Profile {
     /// kvroute's own fast chain (XXH3-64); see [`native`].
     Native,
-    /// vLLM ≥ 0.29 `sha256_cbor`; see [`vllm`].
-    Vllm,
+    /// vLLM's block hash, of one algorithm and release; see [`vllm`].
+    Vllm(vllm::Flavor),
     /// SGLang 0.5.23 page hash; see [`sglang`].
     Sglang,
 }
@@ -54,9 +55,39 @@ impl Profile {
     pub fn name(self) -> &'static str {
         match self {
             Profile::Native => "native",
-            Profile::Vllm => "vllm",
+            Profile::Vllm(_) => "vllm",
             Profile::Sglang => "sglang",
         }
+    }
+
+    /// The vLLM flavor of a `vllm` profile.
+    pub fn vllm_flavor(self) -> Option<vllm::Flavor> {
+        match self {
+            Profile::Vllm(f) => Some(f),
+            _ => None,
+        }
+    }
+
+    /// This profile with vLLM's `hash_algo` and/or `vllm_version` set (names as vLLM spells
+    /// them, e.g. `"sha256"`, `"0.30.1"`); `None` keeps the current value. Errors (`Value`) for
+    /// a bad name, or when either is given for a profile other than `vllm`.
+    pub fn with_vllm(self, hash_algo: Option<&str>, vllm_version: Option<&str>) -> Result<Self> {
+        if hash_algo.is_none() && vllm_version.is_none() {
+            return Ok(self);
+        }
+        let Profile::Vllm(mut flavor) = self else {
+            return value_err!(
+                "hash_algo and vllm_version apply only to profile 'vllm', not {:?}",
+                self.name()
+            );
+        };
+        if let Some(a) = hash_algo {
+            flavor.algo = a.parse()?;
+        }
+        if let Some(v) = vllm_version {
+            flavor.version = v.parse()?;
+        }
+        Ok(Profile::Vllm(flavor))
     }
 
     /// Whether the chain state is a 32-byte digest (rather than the 64-bit value itself).
@@ -77,7 +108,7 @@ impl FromStr for Profile {
     fn from_str(s: &str) -> Result<Self> {
         match s {
             "native" => Ok(Profile::Native),
-            "vllm" => Ok(Profile::Vllm),
+            "vllm" => Ok(Profile::Vllm(vllm::Flavor::default())),
             "sglang" => Ok(Profile::Sglang),
             other => value_err!("profile must be 'native', 'vllm' or 'sglang', got {other:?}"),
         }
@@ -190,7 +221,7 @@ impl BlockHasher {
         if lora_path.is_some() && lora_name.is_none() {
             return value_err!("lora_path {lora_path:?} was given without lora_name");
         }
-        if seed.is_some() && profile != Profile::Vllm {
+        if seed.is_some() && profile.vllm_flavor().is_none() {
             return value_err!(
                 "seed is vLLM's NONE_HASH seed; it does not apply to profile {:?}",
                 profile.name()
@@ -207,15 +238,26 @@ impl BlockHasher {
         let lora = lora_name.as_deref().zip(lora_path.as_deref());
         let engine = match profile {
             Profile::Native => Engine::Native(native::Native::new(salt.as_deref(), lora)),
-            Profile::Vllm => Engine::Vllm(vllm::Vllm::new(
-                seed.as_deref().unwrap_or(vllm::DEFAULT_SEED),
-                salt.as_deref(),
-                lora,
-            )?),
+            Profile::Vllm(flavor) => {
+                if seed.is_none() && flavor.version.random_none_hash() {
+                    return value_err!(
+                        "vLLM {} draws its NONE_HASH at random in every process unless \
+                         PYTHONHASHSEED is set; pass seed= the engines' PYTHONHASHSEED (or use \
+                         the events index in rehash mode, which needs no seed)",
+                        flavor.version
+                    );
+                }
+                Engine::Vllm(vllm::Vllm::new(
+                    flavor,
+                    seed.as_deref().unwrap_or(vllm::DEFAULT_SEED),
+                    salt.as_deref(),
+                    lora,
+                )?)
+            }
             Profile::Sglang => Engine::Sglang(sglang::Sglang::new(salt.as_deref())),
         };
         let seed = match profile {
-            Profile::Vllm => Some(seed.unwrap_or_else(|| vllm::DEFAULT_SEED.to_owned())),
+            Profile::Vllm(_) => Some(seed.unwrap_or_else(|| vllm::DEFAULT_SEED.to_owned())),
             _ => None,
         };
         Ok(BlockHasher {
@@ -375,7 +417,7 @@ impl BlockHasher {
     fn check_tokens<T: TokenId>(&self, tokens: &[T]) -> Result<()> {
         let limit = match self.profile {
             Profile::Native => u64::from(u32::MAX),
-            Profile::Vllm | Profile::Sglang => u64::MAX,
+            Profile::Vllm(_) | Profile::Sglang => u64::MAX,
         };
         // One cheap pass; the error path below finds and names the first offender.
         let ok = tokens
@@ -402,7 +444,7 @@ impl BlockHasher {
         if mm.is_empty() {
             return Ok(());
         }
-        if self.profile != Profile::Vllm {
+        if self.profile.vllm_flavor().is_none() {
             return value_err!(
                 "mm (multimodal items) applies only to profile 'vllm', not {:?}",
                 self.profile.name()
@@ -429,7 +471,7 @@ impl BlockHasher {
     }
 
     /// Hashes every full block; input already validated. The only `Err` is a CBOR encoding
-    /// failure, which writing into memory never produces (see [`vllm::Vllm::hash_block`]).
+    /// failure, which the scratch buffer's sizing rules out (see [`vllm::Vllm::hash_block`]).
     fn run<T: TokenId>(
         &self,
         tokens: &[T],

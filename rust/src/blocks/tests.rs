@@ -9,7 +9,11 @@ fn hasher(profile: Profile, options: Options) -> BlockHasher {
 #[test]
 fn chaining_holds_for_every_profile() {
     let tokens: Vec<u32> = (0..37).map(|i| i * 7919 % 1000).collect();
-    for profile in [Profile::Native, Profile::Vllm, Profile::Sglang] {
+    let pickle = Profile::Vllm(super::vllm::Flavor::default())
+        .with_vllm(Some("sha256"), Some("0.30"))
+        .expect("flavor");
+    let cbor = Profile::Vllm(super::vllm::Flavor::default());
+    for profile in [Profile::Native, cbor, pickle, Profile::Sglang] {
         let salted = Options {
             salt: Some("tenant".into()),
             ..Options::default()
@@ -54,7 +58,10 @@ fn dtypes_agree_and_bad_tokens_leave_output_unchanged() {
 
 #[test]
 fn parents_of_the_wrong_kind_are_type_errors() {
-    let v = hasher(Profile::Vllm, Options::default());
+    let v = hasher(
+        Profile::Vllm(super::vllm::Flavor::default()),
+        Options::default(),
+    );
     let n = hasher(Profile::Native, Options::default());
     let tokens = [1u32, 2, 3, 4];
     assert!(matches!(
@@ -74,7 +81,8 @@ fn options_are_checked() {
         lora_path: Some("/p".into()),
         ..Options::default()
     };
-    assert!(BlockHasher::new(16, Profile::Vllm, lora_path_only).is_err());
+    let vllm = Profile::Vllm(super::vllm::Flavor::default());
+    assert!(BlockHasher::new(16, vllm, lora_path_only).is_err());
     let seed = Options {
         seed: Some("0".into()),
         ..Options::default()
@@ -86,14 +94,26 @@ fn options_are_checked() {
         salt: Some(String::new()),
         ..Options::default()
     };
-    let h = BlockHasher::new(16, Profile::Vllm, empty_salt).expect("ok");
+    let h = BlockHasher::new(16, vllm, empty_salt).expect("ok");
     assert_eq!(h.options().salt, None);
     assert_eq!(h.options().seed.as_deref(), Some("vllm-none-hash"));
+    let old = vllm.with_vllm(None, Some("0.26.0")).expect("0.26");
+    assert!(BlockHasher::new(16, old, Options::default()).is_err());
+    let seeded = Options {
+        seed: Some("0".into()),
+        ..Options::default()
+    };
+    assert!(BlockHasher::new(16, old, seeded).is_ok());
+    assert!(Profile::Native.with_vllm(Some("sha256"), None).is_err());
+    assert_eq!(Profile::Native.with_vllm(None, None), Ok(Profile::Native));
 }
 
 #[test]
 fn unsorted_mm_items_are_refused() {
-    let h = hasher(Profile::Vllm, Options::default());
+    let h = hasher(
+        Profile::Vllm(super::vllm::Flavor::default()),
+        Options::default(),
+    );
     let mm = [
         MmItem {
             identifier: "b".into(),
@@ -166,8 +186,9 @@ mod sglang {
     }
 }
 
-/// `vllm.rs`.
+/// `vllm/mod.rs`.
 mod vllm {
+    use super::super::vllm::pickle::Pickler;
     use super::super::vllm::*;
     use super::super::*;
     use minicbor::encode::write::Cursor;
@@ -177,19 +198,32 @@ mod vllm {
         bytes.iter().map(|b| format!("{b:02x}")).collect()
     }
 
+    fn cbor_flavor() -> Flavor {
+        Flavor::default()
+    }
+
     fn preimage(v: &Vllm, parent: &[u8; 32], block: &[u32], first: bool) -> String {
         let mut s = Scratch::new(v, block.len(), &[]);
-        let mut enc = Encoder::new(Cursor::new(s.preimage.as_mut_slice()));
-        v.encode_preimage(&mut enc, parent, block, first, &[], &[], 0)
-            .expect("encode");
-        let len = enc.writer().position();
-        hex(&s.preimage[..len])
+        match v.flavor.algo {
+            HashAlgo::Sha256Cbor => {
+                let mut enc = Encoder::new(Cursor::new(s.preimage.as_mut_slice()));
+                v.encode_cbor(&mut enc, parent, block, first, &[], &[], 0)
+                    .expect("encode");
+                let len = enc.writer().position();
+                hex(&s.preimage[..len])
+            }
+            HashAlgo::Sha256 => {
+                let mut p = Pickler::new(&mut s.preimage, &mut s.memo);
+                v.encode_pickle(&mut p, parent, block, first, &[], &[], 0);
+                hex(p.finish())
+            }
+        }
     }
 
     // Pre-images and NONE_HASH from tests/data/vectors/vllm_0.33.0_block_hash_and_kv_event_vectors.json.
     #[test]
-    fn preimages_match_the_vllm_vectors() {
-        let plain = Vllm::new(DEFAULT_SEED, None, None).expect("vllm");
+    fn cbor_preimages_match_the_vllm_vectors() {
+        let plain = Vllm::new(cbor_flavor(), DEFAULT_SEED, None, None).expect("vllm");
         assert_eq!(
             hex(plain.none_hash()),
             "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0"
@@ -200,25 +234,78 @@ mod vllm {
             "8358209bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0\
              900102030405060708090a0b0c0d0e0f10f6"
         );
-        let salted = Vllm::new(DEFAULT_SEED, Some("tenant-a"), None).expect("vllm");
+        let salted = Vllm::new(cbor_flavor(), DEFAULT_SEED, Some("tenant-a"), None).expect("v");
         assert_eq!(
             preimage(&salted, salted.none_hash(), &block, true),
             "8358209bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0\
              900102030405060708090a0b0c0d0e0f1081826a63616368655f73616c746874656e616e742d61"
         );
-        let lora =
-            Vllm::new(DEFAULT_SEED, None, Some(("sql-lora", "/adapters/sql-lora"))).expect("v");
+        let lora = Vllm::new(
+            cbor_flavor(),
+            DEFAULT_SEED,
+            None,
+            Some(("sql-lora", "/adapters/sql-lora")),
+        )
+        .expect("v");
         let block2: Vec<u32> = (17..=32).collect();
         let parent = [0xb9u8; 32];
         assert!(preimage(&lora, &parent, &block2, false).ends_with(
             "901112131415161718181819181a181b181c181d181e181f18208183646c6f72616873716c2d6c6f\
              7261722f61646170746572732f73716c2d6c6f7261"
         ));
-        let seed0 = Vllm::new("0", None, None).expect("vllm");
+        let seed0 = Vllm::new(cbor_flavor(), "0", None, None).expect("vllm");
         assert_eq!(
             hex(seed0.none_hash()),
             "4e1195df020de59e0d65a33a4279f1183e7ae4e5d980e309f8b55adff2e61c3e"
         );
+    }
+
+    #[test]
+    fn pickle_preimages_match_the_vllm_vectors() {
+        let flavor = Flavor {
+            algo: HashAlgo::Sha256,
+            version: VllmVersion::NEWEST,
+        };
+        let plain = Vllm::new(flavor, DEFAULT_SEED, None, None).expect("vllm");
+        assert_eq!(
+            hex(plain.none_hash()),
+            "066b1e8987e027138e98701c46128929378935f9b6cd1549105ae6b4f0d71198"
+        );
+        let block: Vec<u32> = (1..=16).collect();
+        assert_eq!(
+            preimage(&plain, plain.none_hash(), &block, true),
+            "8005954a000000000000004320066b1e8987e027138e98701c46128929378935f9b6cd1549105ae6\
+             b4f0d7119894284b014b024b034b044b054b064b074b084b094b0a4b0b4b0c4b0d4b0e4b0f4b1074\
+             944e87942e"
+        );
+        let seed0 = Vllm::new(flavor, "0", None, None).expect("vllm");
+        assert_eq!(
+            hex(seed0.none_hash()),
+            "1973e23848344dc43a988a9b478663803cfffe1243480253f9a3cf004b14aa7c"
+        );
+    }
+
+    #[test]
+    fn versions_parse_and_select_the_key_format() {
+        let v: VllmVersion = "v0.30.1rc2".parse().expect("version");
+        assert_eq!(
+            v,
+            VllmVersion {
+                major: 0,
+                minor: 30
+            }
+        );
+        assert_eq!(v.key_format(), KeyFormat::Untagged);
+        assert!(!v.random_none_hash());
+        let old: VllmVersion = "0.26".parse().expect("version");
+        assert!(old.random_none_hash());
+        assert_eq!(
+            "0.31.0".parse::<VllmVersion>().map(|v| v.key_format()),
+            Ok(KeyFormat::Tagged)
+        );
+        assert!("0.22.1".parse::<VllmVersion>().is_err());
+        assert!("latest".parse::<VllmVersion>().is_err());
+        assert!("xxhash".parse::<HashAlgo>().is_err());
     }
 
     #[test]
@@ -229,7 +316,7 @@ mod vllm {
             offset: 4,
             length: 20,
         }];
-        let v = Vllm::new(DEFAULT_SEED, None, None).expect("vllm");
+        let v = Vllm::new(cbor_flavor(), DEFAULT_SEED, None, None).expect("vllm");
         let mut s = Scratch::new(&v, 16, &mm);
         let c = s.select_mm(&mm, 0, 0, 16);
         assert_eq!((c, s.mm_selected.as_slice()), (0, &[0usize][..]));
@@ -237,5 +324,81 @@ mod vllm {
         assert_eq!((c, s.mm_selected.as_slice()), (1, &[0usize][..]));
         let c = s.select_mm(&mm, c, 32, 48);
         assert_eq!((c, s.mm_selected.len()), (1, 0));
+    }
+
+    /// `vllm/pickle.rs`.
+    mod pickle {
+        use super::super::super::vllm::pickle::*;
+
+        fn hex(bytes: &[u8]) -> String {
+            bytes.iter().map(|b| format!("{b:02x}")).collect()
+        }
+
+        fn pickle(f: impl FnOnce(&mut Pickler<'_>)) -> String {
+            let (mut out, mut memo) = (Vec::new(), Memo::default());
+            let mut p = Pickler::new(&mut out, &mut memo);
+            f(&mut p);
+            hex(p.finish())
+        }
+
+        // Expected bytes: `pickle.dumps(x, protocol=5).hex()` in CPython 3.11.
+        #[test]
+        fn ints_use_the_smallest_opcode() {
+            // (0, 255, 256, 65535, 65536, -1, 2**31, -2**31 - 1, 2**63)
+            let got = pickle(|p| {
+                let values: [i128; 9] = [
+                    0,
+                    255,
+                    256,
+                    65535,
+                    65536,
+                    -1,
+                    1 << 31,
+                    -(1 << 31) - 1,
+                    1 << 63,
+                ];
+                p.begin_tuple(values.len());
+                for v in values {
+                    p.int(v);
+                }
+                p.end_tuple(values.len());
+            });
+            assert_eq!(
+                got,
+                "8005953100000000000000284b004bff4d00014dffff4a000001004affffffff8a0500000080008a05\
+                 ffffff7fff8a0900000000000000800074942e"
+            );
+        }
+
+        #[test]
+        fn small_frames_lose_their_header_and_singletons_hit_the_memo() {
+            assert_eq!(pickle(|p| p.none()), "80054e2e");
+            // ("a", "a", "ab", "ab"): one-char strings are one object, longer ones are not.
+            let got = pickle(|p| {
+                p.begin_tuple(4);
+                p.str("a", StrId::Value);
+                p.str("a", StrId::Value);
+                p.str("ab", StrId::Value);
+                p.str("ab", StrId::Value);
+                p.end_tuple(4);
+            });
+            assert_eq!(
+                got,
+                "8005951400000000000000288c01619468008c026162948c0261629474942e"
+            );
+            // ("", "", "é", "é"): the empty string and Latin-1 characters are singletons too.
+            let got = pickle(|p| {
+                p.begin_tuple(4);
+                p.str("", StrId::Value);
+                p.str("", StrId::Value);
+                p.str("é", StrId::Value);
+                p.str("é", StrId::Value);
+                p.end_tuple(4);
+            });
+            assert_eq!(
+                got,
+                "8005951000000000000000288c009468008c02c3a994680174942e"
+            );
+        }
     }
 }

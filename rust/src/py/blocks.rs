@@ -113,10 +113,12 @@ fn state_to_py(py: Python<'_>, state: &ChainState) -> PyResult<Py<PyAny>> {
 /// Chained hashes of token blocks, bit-exact with an engine's prefix-cache keys.
 ///
 /// ``BlockHasher(block_size=16, *, profile="native", salt=None, lora_name=None, lora_path=None,
-/// seed=None)``. ``hash(tokens)`` returns one uint64 per FULL block (``len(tokens) //
-/// block_size`` values; a partial tail is dropped). Profiles: ``"native"`` (XXH3-64 chain over
-/// little-endian u32 tokens), ``"vllm"`` (vLLM >= 0.29 ``sha256_cbor``), ``"sglang"`` (SGLang's
-/// page hash). ``salt`` is vLLM's ``cache_salt`` / SGLang's cache salt / a separate native chain
+/// seed=None, hash_algo=None, vllm_version=None)``. ``hash(tokens)`` returns one uint64 per FULL
+/// block (``len(tokens) // block_size`` values; a partial tail is dropped). Profiles:
+/// ``"native"`` (XXH3-64 chain over little-endian u32 tokens), ``"vllm"`` (vLLM's block hash:
+/// ``hash_algo`` ``"sha256_cbor"`` (default) or ``"sha256"`` (vLLM's own default, pickle-based),
+/// ``vllm_version`` the engines' release, >= 0.23, default the newest read: it selects the
+/// extra-key format), ``"sglang"`` (SGLang's page hash). ``salt`` is vLLM's ``cache_salt`` / SGLang's cache salt / a separate native chain
 /// (an empty salt is no salt); ``lora_name`` + ``lora_path`` are vLLM's ``("lora", name, path)``
 /// key (native: a separate chain; not supported by ``sglang``); ``seed`` is vLLM's NONE_HASH seed
 /// (default ``"vllm-none-hash"``; ``"0"`` reproduces ``PYTHONHASHSEED=0``).
@@ -158,9 +160,10 @@ impl PyBlockHasher {
 impl PyBlockHasher {
     #[new]
     #[pyo3(
-        signature = (block_size=None, *, profile=None, salt=None, lora_name=None, lora_path=None, seed=None),
-        text_signature = "(block_size=16, *, profile='native', salt=None, lora_name=None, lora_path=None, seed=None)"
+        signature = (block_size=None, *, profile=None, salt=None, lora_name=None, lora_path=None, seed=None, hash_algo=None, vllm_version=None),
+        text_signature = "(block_size=16, *, profile='native', salt=None, lora_name=None, lora_path=None, seed=None, hash_algo=None, vllm_version=None)"
     )]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         block_size: Option<&Bound<'_, PyAny>>,
         profile: Option<Name<'_>>,
@@ -168,12 +171,15 @@ impl PyBlockHasher {
         lora_name: Option<Name<'_>>,
         lora_path: Option<Name<'_>>,
         seed: Option<Name<'_>>,
+        hash_algo: Option<Name<'_>>,
+        vllm_version: Option<Name<'_>>,
     ) -> PyResult<Self> {
         let block_size = optional(block_size, |b| usize_from_int(b, "block_size"))?.unwrap_or(16);
         let profile: Profile = match profile {
             None => Profile::Native,
             Some(p) => p.parse()?,
-        };
+        }
+        .with_vllm(hash_algo.as_deref(), vllm_version.as_deref())?;
         let options = Options {
             salt: salt.map(Name::to_owned_string),
             lora_name: lora_name.map(Name::to_owned_string),
@@ -219,6 +225,22 @@ impl PyBlockHasher {
     #[getter]
     fn seed(&self) -> Option<&str> {
         self.inner.options().seed.as_deref()
+    }
+
+    /// vLLM's ``--prefix-caching-hash-algo`` reproduced (``None`` for other profiles).
+    #[getter]
+    fn hash_algo(&self) -> Option<&'static str> {
+        self.inner.profile().vllm_flavor().map(|f| f.algo.name())
+    }
+
+    /// The vLLM release (``"major.minor"``) whose extra-key format is reproduced (``None`` for
+    /// other profiles).
+    #[getter]
+    fn vllm_version(&self) -> Option<String> {
+        self.inner
+            .profile()
+            .vllm_flavor()
+            .map(|f| f.version.to_string())
     }
 
     /// The chain's starting state: the native root hash (int), vLLM's NONE_HASH (32 bytes), or
@@ -307,11 +329,16 @@ impl PyBlockHasher {
             self.inner.block_size(),
             quoted(self.inner.profile().name())?
         );
+        let flavor = self.inner.profile().vllm_flavor();
+        let algo = flavor.map(|f| f.algo.name().to_owned());
+        let version = flavor.map(|f| f.version.to_string());
         for (name, value) in [
             ("salt", &o.salt),
             ("lora_name", &o.lora_name),
             ("lora_path", &o.lora_path),
             ("seed", &o.seed),
+            ("hash_algo", &algo),
+            ("vllm_version", &version),
         ] {
             if let Some(v) = value {
                 s.push_str(&format!(", {name}={}", quoted(v)?));
