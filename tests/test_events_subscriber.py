@@ -467,3 +467,53 @@ def test_the_real_router_in_events_mode_and_approx_mode_refused():
     assert sub.applier is router.event_applier
     with pytest.raises(ValueError, match="index='events'"):
         KvEventSubscriber(Router(["w"]), {"w": "tcp://127.0.0.1:1"})
+
+
+def test_a_bound_subscriber_and_an_engine_that_connects():
+    """vLLM connects its publisher when the endpoint names a concrete host: the subscriber binds."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    index = PrefixIndex()
+    tokens = list(range(16 * 3))
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    try:
+        with KvEventSubscriber(index, {"w": endpoint}, bind={"w": True}) as sub:
+            pub.connect(endpoint)
+            assert pub.poll(10_000), "the subscription never arrived"
+            assert pub.recv()[:1] == b"\x01"
+            for seq, p in enumerate(chain_payloads(tokens, 3)):
+                pub.send_multipart([b"", seq.to_bytes(8, "big"), p])
+            wait_for(lambda: sub.stats()["w"]["last_seq"] == 2, "seq 2")
+            assert index.match(own(tokens)) == {"w": 3}
+    finally:
+        pub.close(linger=0)
+        ctx.term()
+    with pytest.raises(KeyError, match="unknown workers"):
+        KvEventSubscriber(index, {"w": endpoint}, bind={"v": True})
+
+
+def test_a_dropped_event_connection_clears_the_worker_at_once(engines):
+    """An engine that stops publishes nothing more: its blocks are forgotten when its connection
+    drops, not when a restarted engine's first event arrives (maybe long after its first
+    request)."""
+    engine = engines(replay=False)
+    index = PrefixIndex()
+    tokens = list(range(16 * 3))
+    with KvEventSubscriber(index, {"w": engine.endpoint}) as sub:
+        engine.wait_subscriber()
+        for p in chain_payloads(tokens, 3):
+            engine.publish(p)
+        wait_for(lambda: sub.stats()["w"]["last_seq"] == 2, "seq 2")
+        assert index.match(own(tokens)) == {"w": 3}
+        engine.pub.close(linger=0)  # the engine process is gone
+        wait_for(lambda: sub.stats()["w"]["disconnects"] == 1, "the disconnect")
+        s = sub.stats()["w"]
+        assert index.match(own(tokens)) == {}
+        assert s["resets"] == 1
+    engine.pub = engine.ctx.socket(zmq.PUB)  # for the fixture's close()

@@ -59,8 +59,10 @@ class BlockHasher:
     """Chained hashes of FULL token blocks, bit-exact with an engine's prefix-cache keys.
 
     ``hash(tokens)`` returns ``len(tokens) // block_size`` uint64 values; a partial tail is dropped.
-    Profiles: ``"native"`` (XXH3-64 chain over little-endian u32 tokens), ``"vllm"`` (vLLM >= 0.29
-    ``sha256_cbor``), ``"sglang"`` (SGLang 0.5.23 page hash; its signed int64 as the same bits).
+    Profiles: ``"native"`` (XXH3-64 chain over little-endian u32 tokens), ``"vllm"`` (vLLM's block
+    hash: ``hash_algo`` ``"sha256_cbor"`` (default) or ``"sha256"`` (vLLM's own default), for the
+    extra-key format of ``vllm_version`` >= 0.23, default the newest), ``"sglang"`` (SGLang 0.5.23
+    page hash; its signed int64 as the same bits).
     """
 
     def __new__(
@@ -72,6 +74,8 @@ class BlockHasher:
         lora_name: str | None = None,
         lora_path: str | None = None,
         seed: str | None = None,
+        hash_algo: Literal["sha256", "sha256_cbor"] | None = None,
+        vllm_version: str | None = None,
     ) -> BlockHasher: ...
     @property
     def block_size(self) -> int:
@@ -91,6 +95,12 @@ class BlockHasher:
     @property
     def seed(self) -> str | None:
         """vLLM's NONE_HASH seed string (``None`` for other profiles)."""
+    @property
+    def hash_algo(self) -> Literal["sha256", "sha256_cbor"] | None:
+        """vLLM's ``--prefix-caching-hash-algo`` reproduced (``None`` for other profiles)."""
+    @property
+    def vllm_version(self) -> str | None:
+        """The vLLM release (``"major.minor"``) whose extra-key format is reproduced."""
     @property
     def root(self) -> int | bytes | None:
         """Native root hash, vLLM NONE_HASH (32 bytes), or SGLang salt seed (``None`` unsalted).
@@ -288,7 +298,8 @@ class KvEventApplier:
     """Applies engine KV-event payloads (vLLM / SGLang msgpack), per worker, to a PrefixIndex.
 
     ``mode="rehash"`` recomputes the router's own block hashes from each event's tokens with
-    ``BlockHasher(block_size, profile=hash_profile, seed=seed)`` chained from the parent's state
+    ``BlockHasher(block_size, profile=hash_profile, seed=seed, hash_algo=…, vllm_version=…)``
+    chained from the parent's state
     (engine-hash -> own-hash map per worker); ``mode="direct"`` stores the engine's hashes as they
     are. Non-GPU media go to one index per tier (``tier_index``). Only KV-cache group
     ``group_idx`` is followed. A malformed payload raises ``ValueError`` and changes nothing;
@@ -304,6 +315,8 @@ class KvEventApplier:
         hash_profile: Literal["native", "vllm", "sglang"] = "native",
         seed: str | None = None,
         group_idx: int = 0,
+        hash_algo: Literal["sha256", "sha256_cbor"] | None = None,
+        vllm_version: str | None = None,
     ) -> KvEventApplier: ...
     def apply(self, worker: str, payload: bytes | bytearray | memoryview) -> int:
         """Decodes and applies one batch; returns its number of events (GIL released)."""
@@ -429,6 +442,8 @@ class Router:
         salt: str | None = None,
         hash_seed: str | None = None,
         event_mode: Literal["rehash", "direct"] = "rehash",
+        hash_algo: Literal["sha256", "sha256_cbor"] | None = None,
+        vllm_version: str | None = None,
     ) -> Router: ...
     def route(
         self,

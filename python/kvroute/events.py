@@ -18,6 +18,10 @@ messages and restarts:
 - **Catch-up.** When the first message seen from an engine is not number 0 and a replay endpoint
   is known, the subscriber replays from 0 to learn the blocks stored before it connected
   (``catch_up=False`` turns this off).
+- **Disconnects.** When an engine's event connection drops (the engine stopped or crashed), the
+  worker is cleared at once: a restarted engine's cache is empty, and it publishes nothing before
+  its first request — waiting for its numbering to start again would credit it, meanwhile, with
+  blocks it lost. A ZMQ socket monitor reports the drop.
 - ``AllBlocksCleared`` clears the worker (done by the applier).
 - **Malformed input** — wrong frame count, a sequence frame that is not 8 bytes, a payload the
   decoder refuses — is counted and skipped; nothing crashes and nothing else changes.
@@ -74,12 +78,15 @@ class _Worker:
     """One engine: its sockets, sequence state and counters (touched by the poll thread only,
     read under the subscriber's lock)."""
 
-    def __init__(self, name: str, endpoint: str, replay: str | None) -> None:
+    def __init__(self, name: str, endpoint: str, replay: str | None, bind: bool) -> None:
         self.name = name
         self.endpoint = endpoint
+        self.bind = bind
         self.replay_endpoint = replay
         self.sub: Any = None
         self.dealer: Any = None
+        self.monitor: Any = None
+        self.disconnects = 0
         self.expected: int | None = None  # next sequence number expected
         self.replaying = False
         self.replay_deadline = 0.0
@@ -100,13 +107,18 @@ class KvEventSubscriber:
     """Subscribes to engines' KV events and keeps ``target``'s prefix index in step.
 
     ``target``: a ``kvroute.PrefixIndex`` (a ``KvEventApplier`` is built for it with ``mode``,
-    ``block_size``, ``hash_profile``, ``seed``, ``group_idx``), a ``KvEventApplier`` (used as
+    ``block_size``, ``hash_profile``, ``seed``, ``group_idx``, ``hash_algo``, ``vllm_version``), a
+    ``KvEventApplier`` (used as
     is), or a router-like object: its ``event_applier`` (a ``KvEventApplier``) if it has one,
     else its ``index`` with its ``block_size`` and ``hash_profile`` attributes as defaults; it is
     the freshness sink when it has ``mark_stale``/``mark_fresh``. ``endpoints``:
     ``{worker: "tcp://host:5557"}``; ``replay``: ``{worker: "tcp://host:5558"}`` for the engines
     that run a replay socket. ``topic`` is the
-    SUB prefix filter (vLLM's default topic is ``""``).
+    SUB prefix filter (vLLM's default topic is ``""``). ``bind`` (for all workers, or
+    ``{worker: bool}``): the SUB socket binds the endpoint instead of connecting to it — vLLM's
+    publisher binds only an endpoint with a wildcard host (``tcp://*:5557``), ``ipc://`` or
+    ``inproc://``, and *connects* to one with a concrete host (``tcp://10.0.0.5:5557``), where
+    the subscriber must bind. The replay socket is always bound by the engine.
     """
 
     def __init__(
@@ -121,6 +133,9 @@ class KvEventSubscriber:
         hash_profile: str | None = None,
         seed: str | None = None,
         group_idx: int = 0,
+        hash_algo: str | None = None,
+        vllm_version: str | None = None,
+        bind: bool | Mapping[str, bool] = False,
         freshness: Freshness | None = None,
         catch_up: bool = True,
         replay_timeout: float = 5.0,
@@ -139,7 +154,13 @@ class KvEventSubscriber:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending!r}")
         self._zmq = _zmq()
-        self.applier = self._applier_for(target, mode, block_size, hash_profile, seed, group_idx)
+        binds = {name: bind for name in endpoints} if isinstance(bind, bool) else dict(bind)
+        unknown = sorted(set(binds) - set(endpoints))
+        if unknown:
+            raise KeyError(f"bind given for unknown workers {unknown}")
+        self.applier = self._applier_for(
+            target, mode, block_size, hash_profile, seed, group_idx, hash_algo, vllm_version
+        )
         if freshness is None and hasattr(target, "mark_stale") and hasattr(target, "mark_fresh"):
             freshness = target
         self._freshness = freshness
@@ -149,7 +170,8 @@ class KvEventSubscriber:
         self._max_pending = int(max_pending)
         self._rcvhwm = int(rcvhwm)
         self._workers = {
-            name: _Worker(name, endpoint, replay.get(name)) for name, endpoint in endpoints.items()
+            name: _Worker(name, endpoint, replay.get(name), bool(binds.get(name, False)))
+            for name, endpoint in endpoints.items()
         }
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -159,7 +181,8 @@ class KvEventSubscriber:
         self._ready = threading.Event()
         self._failure: BaseException | None = None
         self._poller: Any = None  # the poll thread's own
-        self._owner: dict[Any, tuple[_Worker, bool]] = {}
+        # socket -> (worker, handler of its frames)
+        self._owner: dict[Any, tuple[_Worker, Any]] = {}
 
     @staticmethod
     def _applier_for(
@@ -169,6 +192,8 @@ class KvEventSubscriber:
         hash_profile: str | None,
         seed: str | None,
         group_idx: int,
+        hash_algo: str | None,
+        vllm_version: str | None,
     ) -> KvEventApplier:
         if isinstance(target, KvEventApplier):
             return target
@@ -203,6 +228,8 @@ class KvEventSubscriber:
             hash_profile=hash_profile or "native",
             seed=seed,
             group_idx=group_idx,
+            hash_algo=hash_algo,
+            vllm_version=vllm_version,
         )
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -285,7 +312,8 @@ class KvEventSubscriber:
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per worker: the applier's counters (batches, events, blocks_stored, blocks_removed,
         skipped_*, …) plus gaps, replays, replay_failures, resets (clears for lost history:
-        unrecoverable gaps and restarts), restarts, malformed (frames and payloads), errors,
+        unrecoverable gaps, restarts and disconnects), restarts, disconnects, malformed (frames and
+        payloads), errors,
         last_seq, stale and seconds_since_event (``None`` before the first message)."""
         now = time.monotonic()
         applied = self.applier.stats()
@@ -302,6 +330,7 @@ class KvEventSubscriber:
                     replay_failures=w.replay_failures,
                     resets=w.resets,
                     restarts=w.restarts,
+                    disconnects=w.disconnects,
                     malformed=payload_malformed + w.malformed_frames,
                     malformed_frames=w.malformed_frames,
                     malformed_payloads=payload_malformed,
@@ -334,9 +363,16 @@ class KvEventSubscriber:
                 sub.setsockopt(zmq.LINGER, 0)
                 sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
                 sub.setsockopt(zmq.SUBSCRIBE, self._topic)
-                sub.connect(w.endpoint)
+                if w.bind:
+                    sub.bind(w.endpoint)
+                else:
+                    sub.connect(w.endpoint)
                 poller.register(sub, zmq.POLLIN)
-                owner[sub] = (w, False)
+                owner[sub] = (w, self._on_frames)
+                monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                w.monitor = monitor
+                poller.register(monitor, zmq.POLLIN)
+                owner[monitor] = (w, self._on_monitor)
                 if w.replay_endpoint is not None:
                     self._new_dealer(w)
         except BaseException as e:
@@ -359,8 +395,7 @@ class KvEventSubscriber:
                             frames = sock.recv_multipart(zmq.NOBLOCK)
                         except zmq.ZMQError:
                             break
-                        w, is_replay = entry
-                        handler = self._on_replay_frames if is_replay else self._on_frames
+                        w, handler = entry
                         self._guarded(handler, w, frames)
                 now = time.monotonic()
                 for w in self._workers.values():
@@ -371,10 +406,12 @@ class KvEventSubscriber:
 
     def _close_all(self, stop: Any) -> None:
         for w in self._workers.values():
-            for s in (w.sub, w.dealer):
+            if w.monitor is not None and w.sub is not None:
+                w.sub.disable_monitor()
+            for s in (w.monitor, w.sub, w.dealer):
                 if s is not None:
                     s.close(linger=0)
-            w.sub = w.dealer = None
+            w.sub = w.dealer = w.monitor = None
         if stop is not None:
             stop.close(linger=0)
         self._owner = {}
@@ -394,7 +431,7 @@ class KvEventSubscriber:
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(w.replay_endpoint)
         self._poller.register(dealer, zmq.POLLIN)
-        self._owner[dealer] = (w, True)
+        self._owner[dealer] = (w, self._on_replay_frames)
 
     def _poll_timeout(self) -> int:
         deadlines = [w.replay_deadline for w in self._workers.values() if w.replaying]
@@ -423,6 +460,23 @@ class KvEventSubscriber:
                 w.errors += 1
 
     # ---- sequence logic (poll thread) -----------------------------------------------------
+
+    def _on_monitor(self, w: _Worker, frames: list[bytes]) -> None:
+        """The event stream's connection dropped (the engine stopped or crashed): what it holds
+        from now on is unknown until its events say, so its blocks are forgotten at once —
+        before a restarted engine's first event, which may come long after its first request."""
+        if len(frames) != 2 or len(frames[0]) < 2:
+            return
+        if int.from_bytes(frames[0][:2], "little") != self._zmq.EVENT_DISCONNECTED:
+            return
+        with self._lock:
+            w.disconnects += 1
+        if w.replaying:
+            w.replaying = False
+            w.pending = []
+            self._new_dealer(w)
+            self._notify(w, False)
+        self._reset(w)
 
     def _on_frames(self, w: _Worker, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:

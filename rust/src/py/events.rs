@@ -67,7 +67,8 @@ fn counters_dict<'py>(py: Python<'py>, c: &WorkerCounters) -> PyResult<Bound<'py
 /// Applies engine KV-event payloads (vLLM / SGLang msgpack), per worker, to a `PrefixIndex`.
 ///
 /// `mode="rehash"` (default) recomputes the router's own block hashes from each event's tokens
-/// with a `BlockHasher(block_size, profile=hash_profile, seed=seed)`, chained from the parent's
+/// with a `BlockHasher(block_size, profile=hash_profile, seed=seed, hash_algo=hash_algo,
+/// vllm_version=vllm_version)`, chained from the parent's
 /// state, and keeps an engine-hash → own-hash map per worker for removals; `mode="direct"` stores
 /// the engine's hashes as they are. Events on a `medium` other than the GPU go to a separate
 /// index per tier (`tier_index(medium)`). Only KV-cache group `group_idx` is followed.
@@ -103,7 +104,8 @@ impl PyKvEventApplier {
 #[pymethods]
 impl PyKvEventApplier {
     #[new]
-    #[pyo3(signature = (index, *, mode = "rehash", block_size = 16, hash_profile = "native", seed = None, group_idx = 0))]
+    #[pyo3(signature = (index, *, mode = "rehash", block_size = 16, hash_profile = "native", seed = None, group_idx = 0, hash_algo = None, vllm_version = None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         index: Bound<'_, PyPrefixIndex>,
         mode: &str,
@@ -111,11 +113,15 @@ impl PyKvEventApplier {
         hash_profile: &str,
         seed: Option<String>,
         group_idx: i64,
+        hash_algo: Option<Name<'_>>,
+        vllm_version: Option<Name<'_>>,
     ) -> PyResult<Self> {
         let config = Config {
             mode: mode.parse::<Mode>()?,
             block_size,
-            profile: hash_profile.parse::<Profile>()?,
+            profile: hash_profile
+                .parse::<Profile>()?
+                .with_vllm(hash_algo.as_deref(), vllm_version.as_deref())?,
             seed,
             group_idx,
         };

@@ -112,7 +112,7 @@ impl PyRouter {
         workers, *, policy = None, block_size = None, hash_profile = None, index = None,
         capacity_blocks = None, ttl = None, queue_weight = None, decode_weight = None,
         load_bound = None, seed = None, stale_half_life = None, tier_weights = None, salt = None,
-        hash_seed = None, event_mode = None
+        hash_seed = None, event_mode = None, hash_algo = None, vllm_version = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -133,6 +133,8 @@ impl PyRouter {
         salt: Option<Name<'_>>,
         hash_seed: Option<Name<'_>>,
         event_mode: Option<&str>,
+        hash_algo: Option<Name<'_>>,
+        vllm_version: Option<Name<'_>>,
     ) -> PyResult<Self> {
         let workers = weighted_names(workers, "workers", "worker")?;
         // Every argument not given keeps the core's default.
@@ -141,7 +143,9 @@ impl PyRouter {
             policy: optional_parse(policy)?.unwrap_or(d.policy),
             block_size: optional(block_size, |b| usize_from_int(b, "block_size"))?
                 .unwrap_or(d.block_size),
-            profile: optional_parse(hash_profile)?.unwrap_or(d.profile),
+            profile: optional_parse(hash_profile)?
+                .unwrap_or(d.profile)
+                .with_vllm(hash_algo.as_deref(), vllm_version.as_deref())?,
             hash_options: Options {
                 salt: salt
                     .map(Name::to_owned_string)
