@@ -496,7 +496,12 @@ def test_metrics(fleet, gw):
 def test_health_and_models_endpoints(fleet, gw):
     h = gw.get("/health")
     assert h.status_code == 200
-    assert h.json() == {"status": "ok", "workers": {u.name: True for u in fleet.upstreams}}
+    assert h.json() == {
+        "status": "ok",
+        "workers": {u.name: True for u in fleet.upstreams},
+        # The byte-level fallback routes: not the engine's tokens, and it says so.
+        "tokenizer": {"name": "bytes", "exact": False, "bytes_per_token": 4},
+    }
     models = gw.get("/v1/models", headers={"authorization": "Bearer sk-globex"}).json()
     assert {m["id"] for m in models["data"]} == {"base-model", "ep-globex"}
 

@@ -80,8 +80,6 @@ from .prompt import (
     RequestError,
     Tokenizer,
     load_tokenizer,
-    prompt_of,
-    render_chat,
 )
 from .stream import ProxyStream, wait_disconnect
 from .upstream import Flight, Upstreams, release
@@ -113,14 +111,14 @@ class Gateway:
         self.config = config
         self.server = config.server
         if router is None:
-            router = build_router(config.workers, config.router)
+            router = build_router(config.workers, config.router, config.events)
             for ep in config.endpoints:
                 router.add_endpoint(
                     ep.id, pool_size=ep.pool_size, reserved_blocks=ep.reserved_blocks, salt=ep.salt
                 )
         self.router = router
         self.tokenizer = tokenizer or load_tokenizer(
-            config.tokenizer.path, config.tokenizer.bytes_per_token
+            config.tokenizer.path, config.tokenizer.bytes_per_token, config.tokenizer.model_dir
         )
         self.workers: dict[str, WorkerConfig] = {w.name: w for w in config.workers}
         self.auth = Auth(config)
@@ -133,7 +131,11 @@ class Gateway:
             set_healthy=self.router.set_healthy,
             probe=lambda w: self.upstreams.probe(w, config.health.path),
         )
-        self.metrics = GatewayMetrics(lambda: self.upstreams.in_flight, self.health.status)
+        self.metrics = GatewayMetrics(
+            lambda: self.upstreams.in_flight,
+            self.health.status,
+            (self.tokenizer.name, self.tokenizer.exact),
+        )
         self.upstreams = Upstreams(config.workers, config.server, self.router, self.metrics)
         self.subscriber: Any = None
         self.app = Starlette(
@@ -166,10 +168,12 @@ class Gateway:
 
             endpoints = {w.name: w.kv_events for w in self.config.workers if w.kv_events}
             replay = {w.name: w.kv_replay for w in self.config.workers if w.kv_replay}
+            bind = {w.name: w.kv_events_bind for w in self.config.workers if w.kv_events}
             self.subscriber = KvEventSubscriber(
                 self.router,
                 endpoints,
                 replay=replay,
+                bind=bind,
                 topic=self.config.events.topic,
                 mode=self.config.events.mode,
             )
@@ -187,11 +191,24 @@ class Gateway:
     async def _metrics(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
+    def _events_health(self) -> dict[str, Any]:
+        """Per worker, the KV-event stream's state (events mode only)."""
+        sub = self.subscriber
+        if sub is None:
+            return {}
+        keys = ("last_seq", "stale", "gaps", "restarts", "disconnects", "resets", "blocks_stored")
+        return {"events": {w: {k: row.get(k) for k in keys} for w, row in sub.stats().items()}}
+
     async def _health(self, request: Request) -> Response:
         workers = self.health.status()
         ok = any(workers.values())
         return JSONResponse(
-            {"status": "ok" if ok else "unavailable", "workers": workers},
+            {
+                "status": "ok" if ok else "unavailable",
+                "workers": workers,
+                "tokenizer": self.tokenizer.describe(),
+                **self._events_health(),
+            },
             status_code=200 if ok else 503,
         )
 
@@ -235,16 +252,14 @@ class Gateway:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def _routing_tokens(self, route: str, payload: dict[str, Any]) -> np.ndarray:
-        if route == CHAT:
-            text: str | np.ndarray = render_chat(payload.get("messages"), payload.get("tools"))
-        else:
-            text = prompt_of(payload.get("prompt"))
-        if isinstance(text, np.ndarray):
-            return text
-        if self.tokenizer.slow and len(text) > OFFLOAD_CHARS:
-            return await asyncio.to_thread(self.tokenizer.encode, text)
-        return self.tokenizer.encode(text)
+    async def _routing_tokens(self, route: str, payload: dict[str, Any], size: int) -> np.ndarray:
+        """The request's routing tokens; a large body (``size`` bytes) is tokenized off the
+        event loop by a slow tokenizer."""
+        tok = self.tokenizer
+        encode = tok.chat_tokens if route == CHAT else tok.completion_tokens
+        if tok.slow and size > OFFLOAD_CHARS:
+            return await asyncio.to_thread(encode, payload)
+        return encode(payload)
 
     async def _handle(self, request: Request, route: str) -> Response:
         started = time.perf_counter()
@@ -265,7 +280,7 @@ class Gateway:
             model = target.name
             self.auth.authorize(bearer(request.headers.get("authorization")), target)
             try:
-                tokens = await self._routing_tokens(route, payload)
+                tokens = await self._routing_tokens(route, payload, len(body))
             except RequestError as e:
                 raise HTTPError(400, str(e), "invalid_request_error") from None
         except HTTPError as e:

@@ -39,7 +39,10 @@ Example (every key shown; only ``[[workers]]`` is required)::
     options = { }                    # more keyword arguments for kvroute.Router
 
     [tokenizer]
-    path = "/models/llama-3-8b/tokenizer.json"   # HF `tokenizers` file; absent: byte-level
+    model_dir = "/models/llama-3-8b"             # the served model's directory: its chat template
+                                                 # and tokenizer.json give the engine's own tokens
+    path = "/models/llama-3-8b/tokenizer.json"   # or only an HF `tokenizers` file (not the
+                                                 # engine's tokens); neither: byte-level
     bytes_per_token = 4                          # byte-level fallback's pseudo-token width
 
     [events]                         # kvroute.events.KvEventSubscriber (index = "events")
@@ -55,6 +58,8 @@ Example (every key shown; only ``[[workers]]`` is required)::
     max_connections = 256
     kv_events = "tcp://10.0.0.1:5557"
     kv_replay = "tcp://10.0.0.1:5558"
+    kv_events_bind = false           # true: the gateway binds kv_events and the engine connects
+                                     # (vLLM connects when its endpoint names a concrete host)
 
     [[endpoints]]
     id = "ep-acme"

@@ -35,6 +35,7 @@ class GatewayMetrics:
         self,
         in_flight: Callable[[], Mapping[str, int]],
         healthy: Callable[[], Mapping[str, bool]],
+        tokenizer: tuple[str, bool] = ("bytes", False),
     ) -> None:
         reg = self.registry = Registry()
         self.requests = reg.add(
@@ -93,6 +94,15 @@ class GatewayMetrics:
                 "Upstream requests begun and not finished.",
                 ("worker",),
                 lambda: (((w,), n) for w, n in in_flight().items()),
+            )
+        )
+        reg.add(
+            Gauge(
+                P + "tokenizer_exact",
+                "1 when requests route by the engine's own tokens (the model directory's chat "
+                "template and tokenizer), 0 for a fallback tokenizer.",
+                ("tokenizer",),
+                lambda: [((tokenizer[0],), 1 if tokenizer[1] else 0)],
             )
         )
         reg.add(

@@ -1,11 +1,35 @@
-"""Prompt → routing tokens: a canonical rendering of the request, then a tokenizer.
+"""Prompt → routing tokens: the engine's own tokens with a model directory, else a canonical
+rendering and a byte-level fallback.
 
-The router needs token ids whose blocks repeat exactly when two requests share a prompt prefix.
-It does not need the engine's own token ids, so nothing here downloads a model or applies a
-model's chat template; what matters is that a shared prefix of the request yields a shared prefix
-of tokens.
+**With ``[tokenizer] model_dir``** (``ModelTokenizer``) the gateway routes by the token ids the
+engine prefills, so exact (events) mode sees the same blocks the engine caches. It reproduces
+vLLM's ``/v1/chat/completions`` preprocessing without transformers or torch:
 
-**Rendering** (``render_chat``). A chat request is rendered to text as the concatenation of
+- the model's chat template (``chat_template.jinja``, else ``tokenizer_config.json``'s
+  ``chat_template``; a named ``tool_use`` template when the request has tools) rendered with
+  jinja2's ``ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)`` and the
+  ``loopcontrols`` extension as Hugging Face's ``apply_chat_template`` does, with HF's ``tojson``
+  (``json.dumps``, non-ASCII kept, keys unsorted), ``raise_exception`` and ``strftime_now``, and a
+  no-op ``{% generation %}`` block;
+- the variables vLLM passes: ``messages``, ``tools``, ``add_generation_prompt`` (the request's,
+  default true), ``continue_final_message``, every special token of the tokenizer config
+  (``bos_token``, ``eos_token``, …) and the request's ``chat_template_kwargs``;
+- messages normalized as vLLM's ``parse_chat_messages`` does: content parts joined with ``"\n"``
+  (``"string"`` content format) or kept as ``[{"type": "text", "text": …}]`` when the template
+  loops over ``message.content`` (``"openai"`` format); ``name``, assistant ``tool_calls`` (their
+  JSON ``arguments`` parsed to objects, as vLLM does), ``reasoning``, tool ``tool_call_id`` kept;
+  ``developer`` messages become ``system`` ones when the template does not name that role;
+- tools as vLLM's request model dumps them: ``{"type", "function": {"name", "description",
+  "parameters"[, "strict"][, "defer_loading"]}}``;
+- the text tokenized by the model's ``tokenizer.json`` (HF ``tokenizers``) with
+  ``add_special_tokens`` = the request's (chat default false, completions default true — vLLM's
+  defaults, so a completions prompt gets its BOS as the engine's does).
+
+Multimodal parts are not expanded (the engine replaces them by placeholder tokens the gateway
+cannot know); their text parts still route.
+
+**Without a model directory.** A chat request is rendered canonically (``render_chat``) as the
+concatenation of
 
 - ``"<|tools|>\\n" + J(tools) + "\\n"`` when ``tools`` is a non-empty list, then for each message
 - ``"<|" + role + "|>\\n" + content + extras + "\\n"``, where ``content`` is the string content,
@@ -23,24 +47,24 @@ A completions request uses its ``prompt``: a string as is, a list of strings by 
 (a batch goes to one worker), and token ids (a list of ints, or a list of such lists: the first)
 directly — they are already what the engine sees.
 
-**Tokenizers.** With ``[tokenizer] path`` a Hugging Face ``tokenizers`` file (``tokenizer.json``)
-is loaded from that local path (``pip install tokenizers``) and encodes the rendered text without
-special tokens. Otherwise the **byte-level fallback** is used: the UTF-8 bytes of the rendered
-text, zero-padded to a multiple of ``bytes_per_token`` (1, 2 or 4; default 4), each group read as a
-little-endian unsigned integer — one pseudo-token per group. Two prompts that share their first
-``n`` bytes share their first ``n // bytes_per_token`` pseudo-tokens, hence ``n // (bytes_per_token
-× block_size)`` full blocks: prefix affinity at byte granularity. Four bytes per pseudo-token is
-close to the usual 3.5–4.5 characters per token of English BPE, so block counts and the load terms
-the router derives from them stay in a realistic range.
+With ``[tokenizer] path`` a Hugging Face ``tokenizers`` file (``tokenizer.json``) encodes the
+rendered text without special tokens. Otherwise the **byte-level fallback** is used: the UTF-8
+bytes of the rendered text, zero-padded to a multiple of ``bytes_per_token`` (1, 2 or 4; default
+4), each group read as a little-endian unsigned integer — one pseudo-token per group. Two prompts
+that share their first ``n`` bytes share their first ``n // bytes_per_token`` pseudo-tokens, hence
+``n // (bytes_per_token × block_size)`` full blocks: prefix affinity at byte granularity. Neither
+is the engine's tokenization: ``/health`` and the metrics say which tokenizer routes
+(``Tokenizer.name``: ``"model"``, ``"hf"`` or ``"bytes"``, and ``exact``).
 
 Token counts reported by an engine (``usage.prompt_tokens``, ``cached_tokens``) are in the engine's
 tokens; ``to_routing_tokens`` converts them to routing tokens by the ratio of the two prompt lengths
-(exact when the gateway and engine tokenize alike, as the tests' upstreams do).
+(the identity with a model directory).
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,6 +72,7 @@ import numpy as np
 __all__ = [
     "ByteTokenizer",
     "HFTokenizer",
+    "ModelTokenizer",
     "RequestError",
     "Tokenizer",
     "canonical_json",
@@ -56,6 +81,17 @@ __all__ = [
     "render_chat",
     "to_routing_tokens",
 ]
+
+#: The named special tokens a chat template sees (``transformers``' ``SPECIAL_TOKENS_ATTRIBUTES``).
+SPECIAL_TOKENS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 #: Prompts longer than this (characters) are tokenized off the event loop by an HF tokenizer.
 OFFLOAD_CHARS = 32_768
@@ -129,14 +165,29 @@ def prompt_of(prompt: Any) -> str | np.ndarray:
 
 
 class Tokenizer:
-    """Text → routing token ids (uint32)."""
+    """A request → routing token ids (uint32)."""
 
     name = "tokenizer"
     #: Whether encoding a long text is worth running off the event loop.
     slow = False
+    #: Whether the ids are the engine's own (chat template and tokenizer of the served model).
+    exact = False
 
     def encode(self, text: str) -> np.ndarray:
         raise NotImplementedError
+
+    def chat_tokens(self, payload: dict[str, Any]) -> np.ndarray:
+        """The routing tokens of a ``/v1/chat/completions`` body."""
+        return self.encode(render_chat(payload.get("messages"), payload.get("tools")))
+
+    def completion_tokens(self, payload: dict[str, Any]) -> np.ndarray:
+        """The routing tokens of a ``/v1/completions`` body."""
+        prompt = prompt_of(payload.get("prompt"))
+        return prompt if isinstance(prompt, np.ndarray) else self.encode(prompt)
+
+    def describe(self) -> dict[str, Any]:
+        """What ``/health`` reports about the tokenizer."""
+        return {"name": self.name, "exact": self.exact}
 
 
 class ByteTokenizer(Tokenizer):
@@ -158,32 +209,144 @@ class ByteTokenizer(Tokenizer):
         tokens = np.frombuffer(data, dtype=self._dtype)
         return tokens if self.bytes_per_token == 4 else tokens.astype(np.uint32)
 
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "bytes_per_token": self.bytes_per_token}
+
+
+def _load_hf(path: str, what: str) -> Any:
+    try:
+        from tokenizers import Tokenizer as _HF
+    except ImportError as e:
+        raise ImportError(
+            f"{what} needs the 'tokenizers' package (pip install 'kvroute[gateway]')"
+        ) from e
+    try:
+        return _HF.from_file(path)
+    except Exception as e:  # tokenizers raises its own Exception type
+        raise ValueError(f"cannot load tokenizer file {path!r}: {e}") from e
+
 
 class HFTokenizer(Tokenizer):
-    """A Hugging Face ``tokenizers`` file loaded from a local path (no download)."""
+    """A Hugging Face ``tokenizers`` file loaded from a local path (no download), encoding the
+    canonical rendering without special tokens."""
 
     name = "hf"
     slow = True
 
     def __init__(self, path: str) -> None:
-        try:
-            from tokenizers import Tokenizer as _HF
-        except ImportError as e:
-            raise ImportError(
-                f"[tokenizer] path = {path!r} needs the 'tokenizers' package "
-                "(pip install tokenizers)"
-            ) from e
-        try:
-            self._tok = _HF.from_file(path)
-        except Exception as e:  # tokenizers raises its own Exception type
-            raise ValueError(f"cannot load tokenizer file {path!r}: {e}") from e
+        self._tok = _load_hf(path, f"[tokenizer] path = {path!r}")
         self.path = path
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
 
 
-def load_tokenizer(path: str | None, bytes_per_token: int = 4) -> Tokenizer:
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer configs spell it: a string or an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _flag(payload: dict[str, Any], key: str, default: bool) -> bool:
+    value = payload.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"{key!r} must be a boolean, got {type(value).__name__}")
+    return value
+
+
+class ModelTokenizer(Tokenizer):
+    """The served model's chat template and tokenizer, from a local model directory: the ids
+    the engine prefills (see the module docs)."""
+
+    name = "model"
+    slow = True
+    exact = True
+
+    def __init__(self, model_dir: str) -> None:
+        from .template import ChatTemplate
+
+        root = Path(model_dir)
+        if not (root / "tokenizer.json").is_file():
+            raise ValueError(
+                f"[tokenizer] model_dir = {model_dir!r} has no tokenizer.json (a Hugging Face "
+                "model directory is expected)"
+            )
+        self._tok = _load_hf(str(root / "tokenizer.json"), f"[tokenizer] model_dir = {model_dir!r}")
+        config: dict[str, Any] = {}
+        config_file = root / "tokenizer_config.json"
+        if config_file.is_file():
+            try:
+                config = json.loads(config_file.read_text(encoding="utf-8"))
+            except ValueError as e:
+                raise ValueError(f"cannot read {config_file}: {e}") from e
+        special: dict[str, str] = {}
+        for source in (root / "special_tokens_map.json", config_file):
+            if not source.is_file():
+                continue
+            data = config if source == config_file else json.loads(source.read_text("utf-8"))
+            for key, value in data.items():
+                text = _token_text(value)
+                if key in SPECIAL_TOKENS and text is not None:
+                    special[key] = text
+        templates: dict[str, str] = {}
+        raw = config.get("chat_template")
+        if isinstance(raw, str):
+            templates["default"] = raw
+        elif isinstance(raw, list):
+            for entry in raw:
+                if isinstance(entry, dict) and isinstance(entry.get("template"), str):
+                    templates[str(entry.get("name", "default"))] = entry["template"]
+        jinja_file = root / "chat_template.jinja"
+        if jinja_file.is_file():
+            templates["default"] = jinja_file.read_text(encoding="utf-8")
+        for extra in sorted((root / "additional_chat_templates").glob("*.jinja")):
+            templates.setdefault(extra.stem, extra.read_text(encoding="utf-8"))
+        if "default" not in templates:
+            raise ValueError(
+                f"[tokenizer] model_dir = {model_dir!r} has no chat template "
+                "(chat_template.jinja or tokenizer_config.json's chat_template)"
+            )
+        self.model_dir = model_dir
+        self.templates = {name: ChatTemplate(text, special) for name, text in templates.items()}
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return np.asarray(ids, dtype=np.uint32)
+
+    def render(self, payload: dict[str, Any]) -> str:
+        """The chat request's prompt text, as the engine renders it."""
+        tools = payload.get("tools")
+        template = self.templates["default"]
+        if tools and "tool_use" in self.templates:
+            template = self.templates["tool_use"]
+        return template.render(payload)
+
+    def chat_tokens(self, payload: dict[str, Any]) -> np.ndarray:
+        text = self.render(payload)
+        return self.encode(text, _flag(payload, "add_special_tokens", False))
+
+    def completion_tokens(self, payload: dict[str, Any]) -> np.ndarray:
+        prompt = prompt_of(payload.get("prompt"))
+        if isinstance(prompt, np.ndarray):
+            return prompt
+        return self.encode(prompt, _flag(payload, "add_special_tokens", True))
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "model_dir": self.model_dir}
+
+
+def load_tokenizer(
+    path: str | None, bytes_per_token: int = 4, model_dir: str | None = None
+) -> Tokenizer:
+    """The tokenizer a config asks for: the model directory's, else a tokenizer file's, else the
+    byte-level fallback."""
+    if model_dir is not None:
+        return ModelTokenizer(model_dir)
     return ByteTokenizer(bytes_per_token) if path is None else HFTokenizer(path)
 
 

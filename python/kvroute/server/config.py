@@ -63,6 +63,9 @@ class WorkerConfig:
     max_connections: int = 256
     kv_events: str | None = None
     kv_replay: str | None = None
+    #: The subscriber binds ``kv_events`` and the engine connects (vLLM's publisher connects
+    #: when its endpoint names a concrete host, and binds only ``*``, ``ipc://``, ``inproc://``).
+    kv_events_bind: bool = False
 
     @property
     def sends_cache_salt(self) -> bool:
@@ -82,6 +85,8 @@ class RouterConfig:
 @dataclass(frozen=True)
 class TokenizerConfig:
     path: str | None = None
+    #: The served model's directory: its chat template and tokenizer.json (engine-exact tokens).
+    model_dir: str | None = None
     bytes_per_token: int = 4
 
 
@@ -229,8 +234,11 @@ def _worker(data: Any, i: int) -> WorkerConfig:
         max_connections=t.positive("max_connections", int, 256),
         kv_events=kv_events,
         kv_replay=kv_replay,
+        kv_events_bind=t.get("kv_events_bind", bool, False),
     )
     t.done()
+    if w.kv_events_bind and kv_events is None:
+        raise ValueError(f"{t.where}.kv_events_bind given without kv_events")
     return w
 
 
@@ -278,6 +286,7 @@ def parse_fleet(top: Table, health: HealthConfig | None = None) -> FleetConfig:
     tk = top.table("tokenizer")
     tokenizer = TokenizerConfig(
         path=tk.get("path", str, None),
+        model_dir=tk.get("model_dir", str, None),
         bytes_per_token=tk.positive("bytes_per_token", int, TokenizerConfig.bytes_per_token),
     )
     tk.done()

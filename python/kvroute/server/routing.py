@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from kvroute import NoWorkerError, Router
 
-from .config import RouterConfig, WorkerConfig
+from .config import EventsConfig, RouterConfig, WorkerConfig
 
 # NoWorkerError (a ValueError) is what ``Router.route`` raises when no candidate is left (none
 # healthy, in the endpoint's pool and not excluded), and only then: the servers' 503. Any other
@@ -19,17 +19,24 @@ from .config import RouterConfig, WorkerConfig
 __all__ = ["NoWorkerError", "build_router"]
 
 
-def build_router(workers: Iterable[WorkerConfig], router: RouterConfig) -> Router:
+def build_router(
+    workers: Iterable[WorkerConfig], router: RouterConfig, events: EventsConfig | None = None
+) -> Router:
     """A Router over the configured workers (weights).
 
     ``[router] options`` are passed as further keyword arguments (``capacity_blocks``, ``ttl``,
-    ``queue_weight``, ``seed`` …); an unknown one raises ``TypeError``.
+    ``queue_weight``, ``seed``, ``hash_algo`` …); an unknown one raises ``TypeError``. In events
+    mode the router's own event applier hashes as ``[events] mode`` says (unless ``options``
+    names an ``event_mode``).
     """
+    options = dict(router.options)
+    if router.index == "events" and events is not None:
+        options.setdefault("event_mode", events.mode)
     return Router(
         {w.name: w.weight for w in workers},
         policy=router.policy,
         block_size=router.block_size,
         hash_profile=router.hash_profile,
         index=router.index,
-        **dict(router.options),
+        **options,
     )
