@@ -63,7 +63,7 @@ FULL = {
         "index": "events",
         "options": {"seed": 7},
     },
-    "tokenizer": {"bytes_per_token": 2},
+    "tokenizer": {"bytes_per_token": 2, "model_dir": "/models/llama"},
     "events": {"topic": "kv", "mode": "direct"},
     "workers": [
         {
@@ -75,6 +75,7 @@ FULL = {
             "max_connections": 16,
             "kv_events": "tcp://10.0.0.1:5557",
             "kv_replay": "tcp://10.0.0.1:5558",
+            "kv_events_bind": True,
         },
         {"name": "gpu-1", "url": "https://gpu1.internal", "kind": "openai"},
     ],
@@ -105,11 +106,13 @@ def test_full_config_from_toml(tmp_path):
     assert c.router.policy == "hash" and c.router.block_size == 32 and c.router.index == "events"
     assert dict(c.router.options) == {"seed": 7}
     assert c.tokenizer.path is None and c.tokenizer.bytes_per_token == 2
+    assert c.tokenizer.model_dir == "/models/llama"
     assert c.events.topic == "kv" and c.events.mode == "direct"
     w0, w1 = c.workers
     assert w0.url == "http://10.0.0.1:8000" and w0.weight == 2.0 and w0.sends_cache_salt
     assert w0.kv_replay == "tcp://10.0.0.1:5558" and w0.max_connections == 16
     assert w1.kind == "openai" and not w1.sends_cache_salt and w1.kv_events is None
+    assert w0.kv_events_bind and not w1.kv_events_bind
     (ep,) = c.endpoints
     assert ep.key_digests == tuple(key_digest(k) for k in ("k1", "k2", "k3"))
     assert ep.salt == "secret-salt" and ep.cache_salt is False and ep.reserved_blocks == 0
@@ -158,6 +161,8 @@ def _with(path, value):
         (_with("workers.0.url", "ftp://x"), "url must be an http\\(s\\) URL, got 'ftp://x'"),
         (_with("workers.0.weight", 0), "weight must be > 0, got 0"),
         (_with("workers.0.kv_replay", "tcp://x:1"), "kv_replay 'tcp://x:1' given without"),
+        (_with("workers.0.kv_events_bind", True), "kv_events_bind given without kv_events"),
+        (_with("workers.0.kv_events_bind", 1), "kv_events_bind must be true or false"),
         (_with("workers.0.kv_events", "tcp://x:1"), "have kv_events but router.index"),
         (_with("router.index", "events"), "needs kv_events on at least one worker"),
         (_with("router.index", "exact"), "router.index must be 'approx' or 'events'"),
@@ -340,3 +345,16 @@ def test_serve_refuses_a_bad_config(tmp_path, capsys, data, message):
     assert main(["serve", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"bad config {path}" in err and message in err
+
+
+def test_events_mode_reaches_the_routers_own_applier():
+    """[events] mode decides how the router's applier hashes (it used to be ignored)."""
+    from kvroute.server.config import EventsConfig, RouterConfig, WorkerConfig
+    from kvroute.server.routing import build_router
+
+    workers = [WorkerConfig("w", "http://127.0.0.1:1", kv_events="tcp://127.0.0.1:2")]
+    events = RouterConfig(index="events", hash_profile="vllm", options={"hash_algo": "sha256"})
+    direct = build_router(workers, events, EventsConfig(mode="direct"))
+    assert direct.event_applier.mode == "direct"
+    assert build_router(workers, events, EventsConfig()).event_applier.mode == "rehash"
+    assert build_router(workers, RouterConfig()).event_applier is None
