@@ -36,7 +36,9 @@ Example (every key shown; only ``[[workers]]`` is required)::
     block_size = 16
     hash_profile = "native"
     index = "approx"                 # "events": fed by the workers' KV events
-    options = { }                    # more keyword arguments for kvroute.Router
+    options = { }                    # more keyword arguments for kvroute.Router, e.g.
+                                     # { hash_algo = "sha256" } with hash_profile = "vllm" to
+                                     # use a default vLLM engine's hashes as they are (direct)
 
     [tokenizer]
     model_dir = "/models/llama-3-8b"             # the served model's directory: its chat template
