@@ -37,8 +37,8 @@ class Engine:
     model: str
     root: Path
     block_size: int = 32
-    num_blocks: int = 160
-    max_model_len: int = 2048
+    num_blocks: int = 320
+    max_model_len: int = 8192
     hash_algo: str = "sha256"
     int_hashes: bool = True
     events_mode: str = "ipc"  # "ipc" (engine binds) or "tcp" (engine connects)

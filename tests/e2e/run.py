@@ -75,6 +75,7 @@ class Fleet:
             model=args.model,
             block_size=args.block_size,
             num_blocks=args.num_blocks,
+            max_model_len=args.max_model_len,
             hash_algo=hash_algo,
         )
         self.engines = [
@@ -105,7 +106,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--tenants", type=int, default=20)
     ap.add_argument("--block-size", type=int, default=32)
-    ap.add_argument("--num-blocks", type=int, default=160)
+    ap.add_argument("--num-blocks", type=int, default=320)
+    ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
     ap.add_argument("--vectors-out", default=None, help="write the chat /tokenize vectors here")
     args = ap.parse_args()

@@ -38,7 +38,7 @@ class Request:
         return "/v1/chat/completions" if self.api == "chat" else "/v1/completions"
 
 
-def tenants(n: int, seed: int, lo: int = 250, hi: int = 700) -> list[str]:
+def tenants(n: int, seed: int, lo: int = 500, hi: int = 1400) -> list[str]:
     rng = random.Random(f"tenants-{seed}")
     return [f"Tenant {i} ({seed}). " + system_prompt(rng, rng.randint(lo, hi)) for i in range(n)]
 
