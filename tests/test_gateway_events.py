@@ -99,6 +99,10 @@ def test_routes_to_where_the_engine_reports_the_prefix(fleet, gw):
     assert h["x-kvroute-worker"] == "up-2"
     cached = done.usage.prompt_tokens_details.cached_tokens
     assert cached > 1500 and int(h["x-kvroute-cached-tokens"]) == cached
+    # /health says what the event stream did for each worker.
+    events = gw.get("/health").json()["events"]
+    assert events["up-2"]["blocks"] == indexed(router, "up-2") > 0
+    assert events["up-2"]["disconnects"] == 0 and events["up-2"]["last_seq"] >= 0
 
 
 def test_endpoint_salt_reaches_the_engine_and_back(fleet, gw):

@@ -179,6 +179,8 @@ def test_stub_defaults_are_the_routers_effective_config():
         "salt": "s",
         "hash_seed": "0",
         "event_mode": "direct",
+        "hash_algo": "sha256",
+        "vllm_version": "0.31",
     }
     assert set(given) == set(shown)
     assert kvroute.Router(["a"], **given).config == given

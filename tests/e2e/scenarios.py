@@ -294,12 +294,13 @@ def scenario_restart(tmp: Path, engines: list[Engine], args: Any) -> dict[str, A
     reqs = requests(140, 8, 21)
     try:
         before = _run(g.url, reqs[:40], settle=SETTLE)
-        held = _health_events(g, e1.name).get("blocks_stored")
+        held = _health_events(g, e1.name).get("blocks")
         e1.stop()
         time.sleep(1.0)
         down = _run(g.url, reqs[40:60], settle=SETTLE)  # served by e0 (failover)
         events = _health_events(g, e1.name)
         detected = (events.get("disconnects") or 0) + (events.get("restarts") or 0) > 0
+        detected = detected and events.get("blocks") == 0  # its blocks were cleared
         e1.start()
         e1.wait_ready()
         time.sleep(2.0)  # the health prober readmits e1
@@ -314,7 +315,7 @@ def scenario_restart(tmp: Path, engines: list[Engine], args: Any) -> dict[str, A
         return {
             "detected": detected,
             "events_after_stop": events,
-            "blocks_stored_before": held,
+            "blocks_before_stop": held,
             "client_errors": sum(r.status != 200 for r in before + down + after),
             "requests_after_restart_on_restarted": len(on_e1),
             "requests_until_exact": until if on_e1 else None,

@@ -197,7 +197,12 @@ class Gateway:
         if sub is None:
             return {}
         keys = ("last_seq", "stale", "gaps", "restarts", "disconnects", "resets", "blocks_stored")
-        return {"events": {w: {k: row.get(k) for k in keys} for w, row in sub.stats().items()}}
+        index = self.router.index
+        out = {}
+        for w, row in sub.stats().items():
+            out[w] = {k: row.get(k) for k in keys}
+            out[w]["blocks"] = index.num_blocks(w) if w in index.workers else 0
+        return {"events": out}
 
     async def _health(self, request: Request) -> Response:
         workers = self.health.status()

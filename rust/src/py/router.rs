@@ -528,6 +528,9 @@ impl PyRouter {
         d.set_item("salt", c.hash_options.salt)?;
         d.set_item("hash_seed", c.hash_options.seed)?;
         d.set_item("event_mode", c.event_mode.name())?;
+        let flavor = c.profile.vllm_flavor();
+        d.set_item("hash_algo", flavor.map(|f| f.algo.name()))?;
+        d.set_item("vllm_version", flavor.map(|f| f.version.to_string()))?;
         Ok(d)
     }
 
