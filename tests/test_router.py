@@ -624,6 +624,126 @@ def test_every_policy_routes_a_request_without_tokens():
                 assert len(r.index) == 10  # only the one prompt's blocks
 
 
+# ---- membership at scale ----------------------------------------------------------------------
+
+
+def check_pools(r, weights: dict[str, float], healthy: set[str], pools: dict[str, int]) -> None:
+    order_of = kvroute.Rendezvous(weights) if weights else None
+    for ep, k in pools.items():
+        order = order_of.preference(ep, len(weights)) if order_of else []
+        want = [n for n in order if n in healthy][:k]
+        assert set(r.endpoint_pool(ep)) == set(want), ep
+        # The pool lists its members in the order they were added.
+        assert r.endpoint_pool(ep) == [n for n in weights if n in set(want)]
+
+
+def test_pools_follow_membership_churn_and_compaction():
+    """Pools against the first healthy workers of kvroute.Rendezvous' order, through joins,
+    departures (past half the fleet: the table compacts), health flaps and weight mixes."""
+    rng = np.random.default_rng(7)
+    weights = {f"w{i}": 1.0 for i in range(300)}
+    healthy = set(weights)
+    r = kvroute.Router(weights, block_size=BS, capacity_blocks=64)
+    pools = {"ep-a": 1, "ep-b": 3, "ep-c": 8}
+    for ep, k in pools.items():
+        r.add_endpoint(ep, pool_size=k, reserved_blocks=4)
+    begun = []
+    for i in range(12):
+        d = r.route(toks(i, 16), now=0.0)
+        r.begin(d)
+        begun.append(d)
+    check_pools(r, weights, healthy, pools)
+    next_name = 300
+    for step in range(500):
+        names = list(weights)
+        # Mostly departures first (down to ~60 workers: compaction), then mostly joins.
+        p_remove = 0.8 if step < 250 else 0.15
+        x = rng.random()
+        if x < p_remove and len(weights) > 10:
+            # Pool members leave more often than their share: the head of the order runs out.
+            members = [n for ep in pools for n in r.endpoint_pool(ep)]
+            w = str(rng.choice(members if rng.random() < 0.5 else names))
+            r.remove_worker(w)
+            del weights[w]
+            healthy.discard(w)
+        elif x < p_remove + 0.5 * (1 - p_remove):
+            name = f"w{next_name}"
+            next_name += 1
+            weight = float(rng.choice([1.0, 1.0, 1.0, 2.0]))  # weights mix, then all equal again
+            r.add_worker(name, weight)
+            weights[name] = weight
+            healthy.add(name)
+        else:
+            w = str(rng.choice(names))
+            ok = bool(rng.random() < 0.6)
+            r.set_healthy(w, ok)
+            (healthy.add if ok else healthy.discard)(w)
+        check_pools(r, weights, healthy, pools)
+        assert r.workers == list(weights)
+    # Decisions made before the churn still finish where their worker is left.
+    for d in begun:
+        r.finish(d, now=1.0)
+    for n in weights:
+        assert r.load(n)["active"] == 0
+    for ep in pools:
+        for _ in range(3):
+            assert r.route(toks(5, 16), endpoint=ep, now=2.0).worker in r.endpoint_pool(ep)
+    r._check_model()
+
+
+def test_uniform_weights_flip_keeps_pools_exact():
+    weights = {f"w{i}": 1.0 for i in range(40)}
+    r = kvroute.Router(weights, block_size=BS)
+    pools = {f"ep{i}": 1 + i % 4 for i in range(10)}
+    for ep, k in pools.items():
+        r.add_endpoint(ep, pool_size=k)
+    for name, weight in (("big", 3.0), ("small", 0.5)):
+        r.add_worker(name, weight)  # the fleet's weights stop being equal
+        weights[name] = weight
+        check_pools(r, weights, set(weights), pools)
+    for name in ("big", "small"):
+        r.remove_worker(name)  # and become equal again
+        del weights[name]
+        check_pools(r, weights, set(weights), pools)
+
+
+def test_a_100k_worker_fleet_builds_and_stays_correct():
+    """No timing here (benches/bench_router_fleet.py measures): a fleet of 100,000 workers
+    builds, takes membership changes at that size, and agrees with the references."""
+    n = 100_000
+    names = [f"gpu-{i:06d}" for i in range(n)]
+    r = kvroute.Router(names, block_size=BS, capacity_blocks=256)
+    assert len(r) == n
+    pools = {f"tenant-{i}": 4 for i in range(5)}
+    for ep, k in pools.items():
+        r.add_endpoint(ep, pool_size=k, reserved_blocks=16)
+    weights = dict.fromkeys(names, 1.0)
+    check_pools(r, weights, set(names), pools)
+    d = r.route(toks(1, 64), endpoint="tenant-0", now=0.0)
+    r.begin(d)
+    # Six in ten leave (the table compacts on the way), members included; a few join back.
+    rng = np.random.default_rng(3)
+    leaving = set(rng.choice(n, size=60_000, replace=False).tolist())
+    leaving |= {names.index(w) for ep in pools for w in r.endpoint_pool(ep)[:2]}
+    for i in sorted(leaving):
+        if names[i] != d.worker:
+            r.remove_worker(names[i])
+            del weights[names[i]]
+    for i in range(1_000):
+        r.add_worker(f"new-{i}")
+        weights[f"new-{i}"] = 1.0
+    unhealthy = set(list(weights)[::7])
+    for w in unhealthy:
+        r.set_healthy(w, False)
+    assert r.workers == list(weights)
+    check_pools(r, weights, set(weights) - unhealthy, pools)
+    r.finish(d, now=1.0)
+    assert r.load(d.worker)["active"] == 0
+    hashed = kvroute.Router(list(weights)[:5_000], policy="hash", block_size=BS)
+    order = kvroute.Rendezvous(dict.fromkeys(list(weights)[:5_000], 1.0)).preference("s", 1)
+    assert hashed.route(key="s").worker == order[0]
+
+
 # ---- state machine ----------------------------------------------------------------------------
 
 

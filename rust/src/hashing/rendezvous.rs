@@ -39,26 +39,43 @@ pub(super) fn fmix64(mut h: u64) -> u64 {
     h ^ (h >> 33)
 }
 
-/// Comparable score: larger wins. Uniform weights compare the 53-bit draw; weighted ones the
-/// logarithmic score.
-#[derive(Clone, Copy, PartialEq, PartialOrd)]
-enum Score {
+/// A node's comparable score for one key: larger wins. Uniform weights compare the 53-bit draw;
+/// weighted ones the logarithmic score (see the module docs). Scores compare only within one
+/// mode (all uniform or all weighted).
+#[derive(Clone, Copy, Debug, PartialEq, PartialOrd)]
+pub enum Score {
+    /// The draw `h >> 11` (every node has the same weight).
     Draw(u64),
+    /// `w / -ln(u)`.
     Weighted(f64),
 }
 
 impl Rendezvous {
+    /// A node's seed: `XXH3-64` of its name.
+    pub fn node_seed(name: &str) -> u64 {
+        xxh3_64(name.as_bytes())
+    }
+
+    /// The score of the node with `seed` and `weight` for the key hashing to `key_hash`;
+    /// `uniform` when every node has the same weight (see the module docs). What a rendezvous
+    /// hasher ranks by, for users (the router) that keep their own table of nodes.
+    #[inline]
+    pub fn node_score(key_hash: u64, seed: u64, weight: f64, uniform: bool) -> Score {
+        let draw = fmix64(key_hash ^ seed) >> 11;
+        if uniform {
+            return Score::Draw(draw);
+        }
+        let u = (draw as f64 + 0.5) * (1.0 / (1u64 << 53) as f64);
+        Score::Weighted(weight / -u.ln())
+    }
+
     /// A rendezvous hasher over `(name, weight)` pairs.
     pub fn new<S: AsRef<str>>(nodes: impl IntoIterator<Item = (S, f64)>) -> Result<Self> {
         Ok(Self::build(NodeSet::from_pairs(nodes)?))
     }
 
     fn build(nodes: NodeSet) -> Self {
-        let seeds = nodes
-            .names()
-            .iter()
-            .map(|n| xxh3_64(n.as_bytes()))
-            .collect();
+        let seeds = nodes.names().iter().map(|n| Self::node_seed(n)).collect();
         let ranks = nodes.name_ranks();
         let uniform = nodes.weights().windows(2).all(|w| w[0] == w[1]);
         Self {
@@ -71,13 +88,9 @@ impl Rendezvous {
 
     #[inline]
     fn score(&self, key_hash: u64, i: usize) -> Score {
-        let draw = fmix64(key_hash ^ self.seeds.get(i).copied().unwrap_or(0)) >> 11;
-        if self.uniform {
-            return Score::Draw(draw);
-        }
-        let u = (draw as f64 + 0.5) * (1.0 / (1u64 << 53) as f64);
+        let seed = self.seeds.get(i).copied().unwrap_or(0);
         let w = self.nodes.weights().get(i).copied().unwrap_or(0.0);
-        Score::Weighted(w / -u.ln())
+        Self::node_score(key_hash, seed, w, self.uniform)
     }
 
     /// Descending score, then ascending name.

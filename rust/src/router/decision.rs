@@ -66,7 +66,7 @@ pub struct Decision {
     /// Approx mode: the prompt's block hashes (the model is updated with them).
     pub(super) hashes: Vec<u64>,
     /// Worker names by slot when the decision was made (for `scores`).
-    pub(super) roster: Arc<[Arc<str>]>,
+    pub(super) roster: Arc<[Option<Arc<str>>]>,
     pub(super) scores: Vec<(u32, f64)>,
     /// Lifecycle flags (a new decision: `Default`, none set).
     pub(super) state: AtomicU8,
@@ -88,7 +88,7 @@ impl Decision {
     pub fn scores(&self) -> impl Iterator<Item = (&Arc<str>, f64)> + '_ {
         self.scores
             .iter()
-            .filter_map(|&(s, v)| self.roster.get(s as usize).map(|n| (n, v)))
+            .filter_map(|&(s, v)| Some((self.roster.get(s as usize)?.as_ref()?, v)))
     }
 
     /// The lifecycle stage.

@@ -1,47 +1,53 @@
 //! Membership: workers joining, leaving, changing health or freshness, and the dedicated
 //! endpoints whose pools follow them (see [`super::endpoints`] for the pool's guarantees).
+//!
+//! Cost: adding, removing or changing the health of a worker is O(1) amortised in the number of
+//! workers (see [`super::workers`] for the table, [`super::endpoints`] for the pools), plus
+//! O(pool) per endpoint; adding an endpoint draws its pool from every worker once, O(n).
 
 use std::sync::Arc;
 
 use crate::error::Result;
-use crate::hashing::ConsistentHash;
 use crate::{key_err, value_err};
 
 use super::approx::Model;
 use super::endpoints::Endpoint;
+use super::workers::WorkerTable;
 use super::{IndexMode, Router};
 
 impl Router {
     /// Adds worker `name` with relative capacity `weight`.
     pub fn add_worker(&mut self, name: &str, weight: f64) -> Result<()> {
         self.workers.check_new(name, weight)?;
-        let mut ring = self.ring.clone();
-        ring.add(name, weight)?;
         let cache = match &self.model {
-            Some(m) => Some(m.new_cache()?),
+            Some(m) => Some(Box::new(m.new_cache()?)),
             None => None,
         };
         let index_id = match self.config.mode {
             IndexMode::Approx => Some(self.index.write().add_worker(name)?),
             IndexMode::Events => None,
         };
+        let uniform = self.workers.uniform();
         let slot = self.workers.push(name, weight)?;
         if let Some(w) = self.workers.get_mut(slot) {
             w.cache = cache;
             w.index_id = index_id;
         }
-        self.ring = ring;
-        self.membership_changed();
+        self.roster_stale = true;
+        let resort = uniform != self.workers.uniform();
+        self.update_pools(|workers, ep| {
+            if resort {
+                ep.resort(workers);
+            }
+            ep.joined(workers, slot) || resort
+        });
         Ok(())
     }
 
     /// Removes worker `name`, its load and its blocks (from the index and every tier index).
     pub fn remove_worker(&mut self, name: &str) -> Result<()> {
-        self.workers.require(name)?;
-        let mut ring = self.ring.clone();
-        ring.remove(name)?;
-        self.workers.remove(name)?;
-        self.ring = ring;
+        let uniform = self.workers.uniform();
+        let (slot, _) = self.workers.remove(name)?;
         // Harmless when it fails: the only error is "unknown worker", i.e. the index holds
         // nothing of it (events mode before its first event, or a tier it never used).
         let _ = self.index.write().remove_worker(name);
@@ -51,14 +57,29 @@ impl Router {
                 let _ = index.write().remove_worker(name);
             }
         }
-        self.membership_changed();
+        self.roster_stale = true;
+        let resort = uniform != self.workers.uniform();
+        self.update_pools(|workers, ep| {
+            if resort {
+                ep.resort(workers);
+            }
+            ep.left(slot) || resort
+        });
+        if let Some(renumber) = self.workers.compact() {
+            for ep in self.endpoints.values_mut() {
+                ep.renumber(&renumber);
+            }
+            self.id_cache.clear();
+        }
         Ok(())
     }
 
     /// Marks worker `name` healthy or not (unhealthy workers are never chosen).
     pub fn set_healthy(&mut self, name: &str, healthy: bool) -> Result<()> {
-        self.workers.named_mut(name)?.healthy = healthy;
-        self.refresh_pools();
+        let (slot, changed) = self.workers.set_healthy(name, healthy)?;
+        if changed {
+            self.update_pools(|_, ep| ep.ranks(slot));
+        }
         Ok(())
     }
 
@@ -83,38 +104,45 @@ impl Router {
         Ok(self.workers.named(name)?.freshness_at(now, half_life))
     }
 
-    fn membership_changed(&mut self) {
-        self.roster = self.workers.iter().map(|w| w.name.clone()).collect();
-        self.id_cache.clear();
-        self.refresh_pools();
-    }
-
-    /// Recomputes every endpoint's pool and, in approx mode, the members' reservations.
-    fn refresh_pools(&mut self) {
+    /// Refreshes the pool of every endpoint for which `touched` (which may update its order
+    /// first) says the change matters and, in approx mode, moves the reservations with the
+    /// members: a worker leaving a pool keeps the endpoint's partition at 0 blocks, one
+    /// joining gets the reservation (as far as its cache has room).
+    fn update_pools(&mut self, mut touched: impl FnMut(&WorkerTable, &mut Endpoint) -> bool) {
         let Router {
             endpoints,
-            ring,
             workers,
             scratch,
             ..
         } = self;
+        let freed = &mut scratch.freed;
+        freed.clear();
         for ep in endpoints.values_mut() {
-            ep.refresh_pool(ring, workers, &mut scratch.order);
-            if let Some(blocks) = ep.reserved_blocks {
-                for slot in 0..workers.len() as u32 {
-                    let member = ep.pool.binary_search(&slot).is_ok();
-                    if let Some(w) = workers.get_mut(slot) {
-                        let holds = w
-                            .cache
-                            .as_ref()
-                            .is_some_and(|c| c.partition(&ep.id).is_ok());
-                        if member || holds {
-                            Model::reserve(w, &ep.id, if member { blocks } else { 0 });
-                        }
+            if !touched(workers, ep) {
+                continue;
+            }
+            let before = std::mem::take(&mut ep.pool);
+            ep.refresh_pool(workers);
+            let Some(blocks) = ep.reserved_blocks else {
+                continue;
+            };
+            for &s in &before {
+                if ep.pool.binary_search(&s).is_err() {
+                    if let Some(w) = workers.get_mut(s) {
+                        Model::reserve(w, &ep.id, 0);
+                        freed.push(s);
+                    }
+                }
+            }
+            for &s in &ep.pool {
+                if before.binary_search(&s).is_err() {
+                    if let Some(w) = workers.get_mut(s) {
+                        Model::reserve(w, &ep.id, blocks);
                     }
                 }
             }
         }
+        top_up(endpoints.values(), workers, freed);
     }
 
     // ---- endpoints --------------------------------------------------------------------------
@@ -137,7 +165,7 @@ impl Router {
         if self.endpoints.contains_key(id) {
             return value_err!("endpoint {id:?} already exists");
         }
-        let healthy = self.workers.iter().filter(|w| w.healthy).count();
+        let healthy = self.workers.healthy();
         if pool_size == 0 || pool_size > healthy {
             return value_err!(
                 "pool_size must be between 1 and the {healthy} healthy workers, got {pool_size}"
@@ -145,7 +173,8 @@ impl Router {
         }
         let salt = isolate.then(|| salt.unwrap_or(id).to_owned());
         let mut ep = Endpoint::new(id, pool_size, reserved_blocks, salt, &self.hasher)?;
-        ep.refresh_pool(&self.ring, &self.workers, &mut self.scratch.order);
+        ep.rank(&self.workers);
+        ep.refresh_pool(&self.workers);
         if let Some(blocks) = reserved_blocks {
             for &s in &ep.pool {
                 if let Some(w) = self.workers.get(s) {
@@ -159,8 +188,14 @@ impl Router {
                 }
             }
         }
+        if let Some(blocks) = reserved_blocks {
+            for &s in &ep.pool {
+                if let Some(w) = self.workers.get_mut(s) {
+                    Model::reserve(w, &ep.id, blocks);
+                }
+            }
+        }
         self.endpoints.insert(ep.id.clone(), ep);
-        self.refresh_pools();
         Ok(())
     }
 
@@ -170,14 +205,13 @@ impl Router {
             return key_err!("unknown endpoint {id:?}");
         };
         if ep.reserved_blocks.is_some() {
-            for w in self.workers.iter_mut() {
-                if w.cache
-                    .as_ref()
-                    .is_some_and(|c| c.partition(&ep.id).is_ok())
-                {
+            // Only members hold more than 0 blocks of it (a worker leaving the pool drops to 0).
+            for &s in &ep.pool {
+                if let Some(w) = self.workers.get_mut(s) {
                     Model::reserve(w, &ep.id, 0);
                 }
             }
+            top_up(self.endpoints.values(), &mut self.workers, &ep.pool);
         }
         Ok(())
     }
@@ -198,5 +232,29 @@ impl Router {
             .iter()
             .filter_map(|&s| self.workers.get(s).map(|w| w.name.clone()))
             .collect())
+    }
+}
+
+/// Gives the members among `slots` of every endpoint the reservation they may have been short
+/// of (their cache had less room unreserved when they joined), now that room was freed there.
+fn top_up<'a>(
+    endpoints: impl Iterator<Item = &'a Endpoint>,
+    workers: &mut WorkerTable,
+    slots: &[u32],
+) {
+    if slots.is_empty() {
+        return;
+    }
+    for ep in endpoints {
+        let Some(blocks) = ep.reserved_blocks else {
+            continue;
+        };
+        for &s in slots {
+            if ep.pool.binary_search(&s).is_ok() {
+                if let Some(w) = workers.get_mut(s) {
+                    Model::reserve(w, &ep.id, blocks);
+                }
+            }
+        }
     }
 }

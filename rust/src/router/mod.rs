@@ -46,6 +46,10 @@
 //!   unknown worker / endpoint names are [`Error::Key`], bad values [`Error::Value`]. A pick
 //!   changes nothing by construction, so a failed route leaves the generator and the
 //!   round-robin state where they were.
+//! - **Scale.** Building a router over n workers is O(n); adding, removing or changing the
+//!   health of a worker is O(1) amortised in n, plus O(pool) per endpoint ([`workers`],
+//!   [`endpoints`]); adding an endpoint draws its pool from every worker once, O(n). A route is
+//!   O(n): it scores every candidate.
 //! - **Time.** Every call that depends on time takes `now` in seconds (any clock, e.g. virtual
 //!   time in a simulator, but one clock for one router): the TTL of idle blocks in approx mode and
 //!   the decay of stale workers use it.
@@ -76,7 +80,7 @@ use parking_lot::RwLock;
 use crate::blocks::{BlockHasher, Options, Profile};
 use crate::error::{Error, Result};
 use crate::events::{Applier, Mode, TierRegistry};
-use crate::hashing::{BoundedLoad, Key, Rendezvous};
+use crate::hashing::{BoundedLoad, Key};
 use crate::index::{PrefixIndex, SharedPrefixIndex, WorkerId};
 use crate::{key_err, value_err};
 
@@ -203,14 +207,16 @@ pub struct Router {
     config: Config,
     hasher: Arc<BlockHasher>,
     workers: WorkerTable,
-    ring: Rendezvous,
     endpoints: HashMap<Arc<str>, Endpoint>,
     index: SharedPrefixIndex,
     tiers: Option<TierRegistry>,
     model: Option<Model>,
     rng: SplitMix64,
     bound: BoundedLoad,
-    roster: Arc<[Arc<str>]>,
+    /// Worker names by slot, shared with decisions (for their scores); rebuilt at the next
+    /// route once `roster_stale`.
+    roster: Arc<[Option<Arc<str>>]>,
+    roster_stale: bool,
     decisions: u64,
     /// Index worker id → (the index's name for it, our slot), validated by pointer.
     id_cache: Vec<Option<(Arc<str>, u32)>>,
@@ -223,8 +229,8 @@ struct Scratch {
     overlap: Vec<u32>,
     credit: Vec<f64>,
     candidates: Vec<u32>,
-    /// Endpoint pool refreshes.
-    order: Vec<u32>,
+    /// Workers whose reservations dropped in a pool update.
+    freed: Vec<u32>,
     pick: policy::Buffers,
     tier_overlap: Vec<(u32, f64)>,
     tier_hits: Vec<(u32, u32, f64)>,
@@ -279,17 +285,19 @@ impl Router {
             config,
             hasher: Arc::new(hasher),
             workers: WorkerTable::default(),
-            ring: Rendezvous::new(std::iter::empty::<(&str, f64)>())?,
             endpoints: HashMap::new(),
             index: Arc::new(RwLock::new(PrefixIndex::new(None)?)),
             tiers: None,
             model,
             bound,
             roster: Arc::from(Vec::new()),
+            roster_stale: false,
             decisions: 0,
             id_cache: Vec::new(),
             scratch: Scratch::default(),
         };
+        let workers = workers.into_iter();
+        router.workers.reserve(workers.size_hint().0);
         for (name, weight) in workers {
             router.add_worker(name.as_ref(), weight)?;
         }
@@ -348,7 +356,9 @@ impl Router {
 
     /// The decision's worker, if it is still in the router.
     fn worker_of(&mut self, d: &Decision) -> Option<&mut Worker> {
-        let slot = self.workers.slot_of_uid(d.worker_uid, d.slot_hint)?;
+        let slot = self
+            .workers
+            .slot_of_uid(&d.worker, d.worker_uid, d.slot_hint)?;
         self.workers.get_mut(slot)
     }
 
@@ -405,7 +415,10 @@ impl Router {
         d.set_finished();
         let index = self.index.clone();
         let partition = self.partition_of(d);
-        let Some(slot) = self.workers.slot_of_uid(d.worker_uid, d.slot_hint) else {
+        let Some(slot) = self
+            .workers
+            .slot_of_uid(&d.worker, d.worker_uid, d.slot_hint)
+        else {
             return Ok(());
         };
         let Some(w) = self.workers.get_mut(slot) else {
@@ -444,7 +457,10 @@ impl Router {
         let observed = (cached_tokens / d.block_size).min(d.prompt_blocks);
         let index = self.index.clone();
         let partition = self.partition_of(d);
-        let Some(slot) = self.workers.slot_of_uid(d.worker_uid, d.slot_hint) else {
+        let Some(slot) = self
+            .workers
+            .slot_of_uid(&d.worker, d.worker_uid, d.slot_hint)
+        else {
             return Ok(());
         };
         let (Some(model), Some(w)) = (self.model.as_mut(), self.workers.get_mut(slot)) else {

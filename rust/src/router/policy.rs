@@ -40,10 +40,10 @@ use std::fmt;
 use std::str::FromStr;
 
 use crate::error::{Error, Result};
-use crate::hashing::{BoundedLoad, ConsistentHash, Key, Rendezvous};
+use crate::hashing::{BoundedLoad, Key, RendezvousScore};
 use crate::value_err;
 
-use super::workers::{Worker, WorkerTable};
+use super::workers::{rendezvous_order, Worker, WorkerTable};
 
 /// A routing policy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -214,9 +214,8 @@ impl SplitMix64 {
 
 /// What a pick reads of the router (a pick never changes it).
 pub(super) struct View<'a> {
+    /// The workers (their rendezvous scores give the `hash` order and the tie-breaks).
     pub workers: &'a WorkerTable,
-    /// Rendezvous over every worker (node id = slot): `hash` order and tie-breaks.
-    pub ring: &'a Rendezvous,
     /// The generator's current state (`random`, `power_of_two` draw from a copy).
     pub rng: SplitMix64,
     pub bound: BoundedLoad,
@@ -240,6 +239,7 @@ pub(super) struct Request<'a> {
 /// Reused buffers of a pick (nothing is kept in them between picks).
 #[derive(Default)]
 pub(super) struct Buffers {
+    scored: Vec<(RendezvousScore, u32)>,
     order: Vec<u32>,
     loads: Vec<u64>,
     shares: Vec<f64>,
@@ -344,7 +344,7 @@ pub(super) fn pick(
         }
         Policy::LeastLoaded => {
             let scores: Vec<(u32, f64)> = req.candidates.iter().map(|&s| (s, load(s))).collect();
-            let chosen = argmin(&scores, view.ring, req.tie_key, &mut buf.order)?;
+            let chosen = argmin(&scores, workers, req.tie_key)?;
             Ok(Pick::new(chosen, Reason::LeastLoaded, scores))
         }
         Policy::PowerOfTwo => {
@@ -384,7 +384,7 @@ pub(super) fn pick(
                     ))
                 })
                 .collect();
-            let chosen = argmin(&scores, view.ring, req.tie_key, &mut buf.order)?;
+            let chosen = argmin(&scores, workers, req.tie_key)?;
             let credit = req.credit.get(chosen as usize).copied().unwrap_or(0.0);
             let reason = if credit > 0.0 {
                 Reason::Prefix
@@ -425,66 +425,94 @@ fn no_candidate() -> Error {
 }
 
 /// The slot with the lowest value; ties (within 1e-9 relative) broken by the rendezvous order of
-/// `tie_key`.
-fn argmin(
-    scores: &[(u32, f64)],
-    ring: &Rendezvous,
-    tie_key: Key<'_>,
-    order: &mut Vec<u32>,
-) -> Result<u32> {
+/// `tie_key` (the first of the tied in that order).
+fn argmin(scores: &[(u32, f64)], workers: &WorkerTable, tie_key: Key<'_>) -> Result<u32> {
     let Some(min) = scores.iter().map(|&(_, v)| v).reduce(f64::min) else {
         return Err(no_candidate());
     };
     let tol = 1e-9 * min.abs().max(1.0);
-    let tied = |v: f64| v - min <= tol;
-    let mut first_tied = None;
-    let mut ties = 0;
-    for &(s, v) in scores {
-        if tied(v) {
-            ties += 1;
-            first_tied.get_or_insert(s);
+    let mut tied = scores
+        .iter()
+        .filter(|&&(_, v)| v - min <= tol)
+        .map(|&(s, _)| s);
+    let Some(first) = tied.next() else {
+        return Err(no_candidate());
+    };
+    let mut rest = tied.peekable();
+    if rest.peek().is_none() {
+        return Ok(first);
+    }
+    let k = tie_key.hash64();
+    let scored = |s: u32| workers.get(s).map(|w| (workers.rendezvous(w, k), w));
+    let mut best = (first, scored(first));
+    for s in rest {
+        let x = scored(s);
+        let better = match (x, best.1) {
+            (Some(a), Some(b)) => rendezvous_order(a, b).is_lt(),
+            (a, b) => a.is_some() && b.is_none(),
+        };
+        if better {
+            best = (s, x);
         }
     }
-    let first_tied = first_tied.unwrap_or(0);
-    if ties == 1 {
-        return Ok(first_tied);
-    }
-    ring.preference_into(tie_key, ring.len(), order)?;
-    for &s in order.iter() {
-        if scores.iter().any(|&(c, v)| c == s && tied(v)) {
-            return Ok(s);
-        }
-    }
-    Ok(first_tied)
+    Ok(best.0)
 }
 
+/// `hash`: the candidates in the rendezvous order of the hash key, walked with bounded loads.
+/// The order is sorted only when its first worker is over the bound.
 fn pick_hash(view: &View<'_>, req: &Request<'_>, buf: &mut Buffers) -> Result<Pick> {
-    // The rendezvous order over every worker, restricted to the candidates: the order a
-    // rendezvous hasher over the candidates alone would give. Position k of `loads`/`shares`
-    // is the k-th candidate in that order; `probe` is that order itself.
-    let (ring, workers) = (view.ring, view.workers);
-    ring.preference_into(req.hash_key, ring.len(), &mut buf.order)?;
-    buf.order
-        .retain(|s| req.candidates.binary_search(s).is_ok() && workers.get(*s).is_some());
+    let workers = view.workers;
+    let k = req.hash_key.hash64();
+    // Position i of `scored`, `loads`, `shares` is the i-th candidate.
+    buf.scored.clear();
     buf.loads.clear();
     buf.shares.clear();
-    for &s in buf.order.iter() {
+    for &s in req.candidates {
         if let Some(w) = workers.get(s) {
+            buf.scored.push((workers.rendezvous(w, k), s));
             buf.loads.push(w.active);
             buf.shares.push(w.weight);
         }
     }
-    let probe: Vec<u32> = (0..buf.order.len() as u32).collect();
-    let picked = view.bound.pick(&probe, &buf.loads, Some(&buf.shares))?;
-    let Some(&chosen) = buf.order.get(picked.node as usize) else {
+    let order = |&(a, sa): &(RendezvousScore, u32), &(b, sb): &(RendezvousScore, u32)| match (
+        workers.get(sa),
+        workers.get(sb),
+    ) {
+        (Some(wa), Some(wb)) => rendezvous_order((a, wa), (b, wb)),
+        _ => sa.cmp(&sb),
+    };
+    let Some(first) = (0..buf.scored.len() as u32).reduce(|a, b| {
+        match (buf.scored.get(a as usize), buf.scored.get(b as usize)) {
+            (Some(x), Some(y)) if order(y, x).is_lt() => b,
+            _ => a,
+        }
+    }) else {
+        return Err(no_candidate());
+    };
+    let mut picked = view.bound.pick(&[first], &buf.loads, Some(&buf.shares))?;
+    buf.order.clear();
+    buf.order.push(first);
+    if !picked.within_bound {
+        buf.order.clear();
+        buf.order.extend(0..buf.scored.len() as u32);
+        let scored = &buf.scored;
+        buf.order.sort_unstable_by(|&a, &b| {
+            match (scored.get(a as usize), scored.get(b as usize)) {
+                (Some(x), Some(y)) => order(x, y),
+                _ => a.cmp(&b),
+            }
+        });
+        picked = view.bound.pick(&buf.order, &buf.loads, Some(&buf.shares))?;
+    }
+    let slot_at = |i: u32| buf.scored.get(i as usize).map(|&(_, s)| s);
+    let Some(chosen) = slot_at(picked.node) else {
         return Err(no_candidate());
     };
     let scores = buf
         .order
         .iter()
-        .zip(buf.loads.iter())
         .take(picked.probes)
-        .map(|(&s, &l)| (s, l as f64))
+        .filter_map(|&i| Some((slot_at(i)?, *buf.loads.get(i as usize)? as f64)))
         .collect();
     let reason = if picked.probes == 1 {
         Reason::Hash

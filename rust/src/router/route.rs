@@ -90,7 +90,6 @@ impl Router {
         } = &mut self.scratch;
         let view = View {
             workers: &self.workers,
-            ring: &self.ring,
             rng: self.rng,
             bound: self.bound,
             weights: self.config.weights,
@@ -131,6 +130,10 @@ impl Router {
             &mut self.rng,
         );
         drop(index);
+        if self.roster_stale {
+            self.roster = self.workers.roster();
+            self.roster_stale = false;
+        }
         self.decisions += 1;
         let cached_blocks = self.scratch.overlap.get(pick.slot as usize).copied();
         Ok(Decision {
@@ -177,10 +180,9 @@ impl Router {
             Some(ep) => candidates.extend_from_slice(&ep.pool),
             None => candidates.extend(
                 self.workers
-                    .iter()
-                    .enumerate()
+                    .iter_slots()
                     .filter(|(_, w)| w.healthy)
-                    .map(|(s, _)| s as u32),
+                    .map(|(s, _)| s),
             ),
         }
         for name in exclude {
@@ -190,7 +192,7 @@ impl Router {
         if !candidates.is_empty() {
             return Ok(());
         }
-        let healthy = self.workers.iter().filter(|w| w.healthy).count();
+        let healthy = self.workers.healthy();
         Err(Error::NoWorker(format!(
             "no worker to route to: {} workers, {healthy} healthy{}{}",
             self.workers.len(),
@@ -221,7 +223,7 @@ impl Router {
     /// `scratch.credit` (freshness × the overlap, or the tiered sum in events mode).
     fn credit(&mut self, index: &PrefixIndex, hashes: &[u64], now: f64) {
         let scratch = &mut self.scratch;
-        let n = self.workers.len();
+        let n = self.workers.slot_count();
         scratch.overlap.clear();
         scratch.overlap.resize(n, 0);
         index.match_into(hashes, &mut scratch.matches);
@@ -246,9 +248,11 @@ impl Router {
             );
         }
         let half_life = self.config.stale_half_life;
-        for (credit, w) in scratch.credit.iter_mut().zip(self.workers.iter()) {
+        for (slot, w) in self.workers.iter_slots() {
             if !matches!(w.freshness, Freshness::Fresh) {
-                *credit *= w.freshness_at(now, half_life);
+                if let Some(credit) = scratch.credit.get_mut(slot as usize) {
+                    *credit *= w.freshness_at(now, half_life);
+                }
             }
         }
     }

@@ -110,3 +110,72 @@ fn tiered_credit_counts_each_block_at_its_best_tier() {
     // A slower tier that holds less adds nothing.
     assert_eq!(tiered_credit(&mut [(1, 0.5), (3, 1.0)]), 3.0);
 }
+
+#[test]
+fn a_pick_changes_nothing_until_its_effect_is_committed() {
+    use super::policy::{self, Buffers, Effect, View};
+    let mut r = router(Policy::RoundRobin, &["a", "b", "c"]);
+    let candidates = [0u32, 1, 2];
+    let credit = [0.0; 3];
+    let request = policy::Request {
+        candidates: &candidates,
+        prompt_blocks: 0,
+        credit: &credit,
+        hash_key: Key::Int(1),
+        tie_key: Key::Int(1),
+    };
+    for policy in [Policy::RoundRobin, Policy::Random, Policy::PowerOfTwo] {
+        let view = View {
+            workers: &r.workers,
+            rng: r.rng,
+            bound: r.bound,
+            weights: r.config.weights,
+        };
+        let mut buf = Buffers::default();
+        let first = policy::pick(policy, &view, &request, &mut buf).unwrap();
+        let again = policy::pick(policy, &view, &request, &mut buf).unwrap();
+        assert_eq!((first.slot, &first.scores), (again.slot, &again.scores));
+        assert_eq!(first.effect, again.effect);
+        assert_ne!(first.effect, Effect::None);
+        policy::commit(
+            first.effect,
+            first.slot,
+            &candidates,
+            &mut r.workers,
+            &mut r.rng,
+        );
+    }
+    // Round robin moved once (a chose: it lost the total), the generator twice.
+    let rr: Vec<f64> = r.workers.iter().map(|w| w.rr_current).collect();
+    assert_eq!(rr, vec![-2.0, 1.0, 1.0]);
+    assert_ne!(r.rng, SplitMix64(0));
+}
+
+#[test]
+fn removed_workers_leave_vacancies_until_the_table_compacts() {
+    let names: Vec<String> = (0..200).map(|i| format!("w{i}")).collect();
+    let mut r = router(Policy::LeastLoaded, &[]);
+    for n in &names {
+        r.add_worker(n, 1.0).unwrap();
+    }
+    let d = r.route_tokens(&tokens(1, 8), None, None, 0.0).unwrap();
+    r.begin(&d).unwrap();
+    let keep = &d.worker;
+    // 120 leave: vacancies outnumber the 80 left (and 64) once 101 are gone, so the table
+    // compacts; slots stay in the order added.
+    for n in names.iter().filter(|n| n.as_str() != &**keep).take(120) {
+        r.remove_worker(n).unwrap();
+    }
+    assert_eq!(r.workers().len(), 80);
+    assert!(r.workers().slot_count() < 200, "compacted");
+    let order: Vec<&str> = r.workers().iter().map(|w| &*w.name).collect();
+    let mut sorted = order.clone();
+    sorted.sort_by_key(|n| n[1..].parse::<u32>().unwrap());
+    assert_eq!(order, sorted);
+    for (slot, w) in r.workers().iter_slots() {
+        assert_eq!(r.workers().slot(&w.name), Some(slot));
+    }
+    // The decision still finds its worker (by name and uid, its slot hint is stale).
+    r.finish(&d, 1.0).unwrap();
+    assert_eq!(r.workers().named(keep).unwrap().active, 0);
+}

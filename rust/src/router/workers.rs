@@ -1,26 +1,34 @@
 //! The worker table: names, weights, health, load counters and index freshness.
 //!
 //! Invariants:
-//! - Slots are dense (`0..len`) in the order workers were added; removing a worker shifts later
-//!   slots down by one, so a slot is only meaningful for the table state that produced it. Every
-//!   worker also has a `uid`, never reused, which is what a [`super::Decision`] remembers.
+//! - **Slots.** A worker keeps its slot while it is in the table; slots ascend in the order
+//!   workers were added. A removed worker leaves a vacancy, never reused; when vacancies
+//!   outnumber the workers the table is compacted (order kept) and the router renumbers what it
+//!   keeps by slot. So adding, removing or changing a worker costs O(1) (amortised), and a slot
+//!   is only meaningful for the table state that produced it. Every worker also has a `uid`,
+//!   never reused, which is what a [`super::Decision`] remembers.
 //! - Load counters are exact sums over the decisions begun on the worker and not yet finished:
 //!   `active` requests, `prefill_blocks` (blocks those requests still have to prefill: prompt
 //!   blocks minus the blocks predicted cached, until [`super::Router::prefilled`] or `finish`),
 //!   and `decode_blocks` (the prompt blocks they hold while they run: the KV memory their decode
 //!   steps read). A removed worker's counters leave with it.
+//! - **Rendezvous.** Each worker's rendezvous seed is `XXH3-64(name)`; the table knows whether
+//!   every worker has the same weight, so its scores ([`WorkerTable::rendezvous`]) rank exactly
+//!   as a [`crate::hashing::Rendezvous`] over the same workers does, ties to the name sorting
+//!   first.
 //! - Freshness is 1 for a worker whose index stream is trusted. [`WorkerTable::mark_stale`] at time
 //!   `s` makes it `0.5^((now - s) / half_life)`, decaying continuously from 1 towards 0;
 //!   [`WorkerTable::mark_fresh`] makes it 1 again; [`WorkerTable::set_freshness`] pins it to a
 //!   given value in `[0, 1]` until the next mark.
 
+use std::cmp::Ordering;
 use std::sync::Arc;
 
 use hashbrown::HashMap;
 
 use crate::cache::BlockCache;
 use crate::error::{Error, Result};
-use crate::hashing::check_weight;
+use crate::hashing::{check_weight, Rendezvous, RendezvousScore};
 use crate::index::WorkerId;
 
 /// How a worker's freshness is currently set.
@@ -45,6 +53,8 @@ pub struct Worker {
     pub weight: f64,
     /// Unhealthy workers are never chosen.
     pub healthy: bool,
+    /// Rendezvous seed: `XXH3-64(name)`.
+    pub(super) seed: u64,
     /// Requests begun and not finished.
     pub active: u64,
     /// Blocks the active requests still have to prefill.
@@ -56,7 +66,7 @@ pub struct Worker {
     /// Smooth weighted round robin: the worker's current weight.
     pub(super) rr_current: f64,
     /// Approx mode: the model of the worker's KV cache.
-    pub(super) cache: Option<BlockCache>,
+    pub(super) cache: Option<Box<BlockCache>>,
     /// Approx mode: no modelled block can pass the TTL before this time.
     pub(super) idle_deadline: f64,
     /// Approx mode: the worker's id in the router's index.
@@ -86,41 +96,66 @@ impl Worker {
     }
 }
 
-/// The workers, in the order they were added.
+/// The workers, in the order they were added (see the module docs).
 #[derive(Default)]
 pub struct WorkerTable {
-    workers: Vec<Worker>,
+    /// By slot; `None` is a vacancy left by a removed worker.
+    slots: Vec<Option<Worker>>,
     by_name: HashMap<Arc<str>, u32>,
+    healthy: usize,
+    /// Workers per distinct weight (its bits): rendezvous is uniform with at most one entry.
+    weights: HashMap<u64, usize>,
     next_uid: u64,
 }
+
+/// Vacancies tolerated before [`WorkerTable::compact`] renumbers: at least this many, and more
+/// than the workers.
+const MIN_VACANCIES: usize = 64;
 
 impl WorkerTable {
     /// Number of workers.
     pub fn len(&self) -> usize {
-        self.workers.len()
+        self.by_name.len()
     }
 
     /// True when there is no worker.
     pub fn is_empty(&self) -> bool {
-        self.workers.is_empty()
+        self.by_name.is_empty()
     }
 
-    /// The workers, by slot.
-    pub fn iter(&self) -> impl ExactSizeIterator<Item = &Worker> + '_ {
-        self.workers.iter()
+    /// Number of healthy workers.
+    pub fn healthy(&self) -> usize {
+        self.healthy
+    }
+
+    /// One past the largest slot (what per-slot buffers must cover).
+    pub fn slot_count(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// The workers, in slot order.
+    pub fn iter(&self) -> impl Iterator<Item = &Worker> + '_ {
+        self.slots.iter().flatten()
+    }
+
+    /// `(slot, worker)`, in slot order.
+    pub fn iter_slots(&self) -> impl Iterator<Item = (u32, &Worker)> + '_ {
+        (0u32..)
+            .zip(&self.slots)
+            .filter_map(|(s, w)| w.as_ref().map(|w| (s, w)))
     }
 
     /// The worker in `slot`.
     pub fn get(&self, slot: u32) -> Option<&Worker> {
-        self.workers.get(slot as usize)
+        self.slots.get(slot as usize)?.as_ref()
     }
 
     pub(super) fn get_mut(&mut self, slot: u32) -> Option<&mut Worker> {
-        self.workers.get_mut(slot as usize)
+        self.slots.get_mut(slot as usize)?.as_mut()
     }
 
     pub(super) fn iter_mut(&mut self) -> impl Iterator<Item = &mut Worker> + '_ {
-        self.workers.iter_mut()
+        self.slots.iter_mut().flatten()
     }
 
     /// The slot of worker `name`.
@@ -145,15 +180,20 @@ impl WorkerTable {
         self.get_mut(slot).ok_or_else(|| unknown(name))
     }
 
-    /// The slot of the worker with `uid` (`hint` is tried first).
-    pub fn slot_of_uid(&self, uid: u64, hint: u32) -> Option<u32> {
+    /// The slot of the worker `name` with `uid` (`hint` is tried first); `None` once that
+    /// worker was removed (even if the name was added again since).
+    pub fn slot_of_uid(&self, name: &str, uid: u64, hint: u32) -> Option<u32> {
         if self.get(hint).is_some_and(|w| w.uid == uid) {
             return Some(hint);
         }
-        self.workers
-            .iter()
-            .position(|w| w.uid == uid)
-            .map(|s| s as u32)
+        let slot = self.slot(name)?;
+        self.get(slot).is_some_and(|w| w.uid == uid).then_some(slot)
+    }
+
+    /// Makes room for `n` more workers.
+    pub(super) fn reserve(&mut self, n: usize) {
+        self.slots.reserve(n);
+        self.by_name.reserve(n);
     }
 
     /// Checks that `name` could be added with `weight`.
@@ -170,14 +210,17 @@ impl WorkerTable {
     /// Appends a worker (checked with [`WorkerTable::check_new`]); returns its slot.
     pub(super) fn push(&mut self, name: &str, weight: f64) -> Result<u32> {
         self.check_new(name, weight)?;
-        let slot = self.workers.len() as u32;
+        let Ok(slot) = u32::try_from(self.slots.len()) else {
+            return crate::value_err!("too many workers");
+        };
         let name: Arc<str> = Arc::from(name);
         self.next_uid += 1;
-        self.workers.push(Worker {
+        self.slots.push(Some(Worker {
             name: name.clone(),
             uid: self.next_uid,
             weight,
             healthy: true,
+            seed: Rendezvous::node_seed(&name),
             active: 0,
             prefill_blocks: 0,
             decode_blocks: 0,
@@ -186,22 +229,90 @@ impl WorkerTable {
             cache: None,
             idle_deadline: f64::INFINITY,
             index_id: None,
-        });
+        }));
         self.by_name.insert(name, slot);
+        self.healthy += 1;
+        *self.weights.entry(weight.to_bits()).or_default() += 1;
         Ok(slot)
     }
 
-    /// Removes worker `name`; returns it. Later slots shift down by one.
-    pub(super) fn remove(&mut self, name: &str) -> Result<Worker> {
+    /// Removes worker `name`, leaving a vacancy; returns its slot and the worker.
+    pub(super) fn remove(&mut self, name: &str) -> Result<(u32, Worker)> {
         let slot = self.require(name)?;
-        let worker = self.workers.remove(slot as usize);
+        let Some(worker) = self.slots.get_mut(slot as usize).and_then(Option::take) else {
+            return Err(unknown(name));
+        };
         self.by_name.remove(name);
-        for s in self.by_name.values_mut() {
-            if *s > slot {
-                *s -= 1;
+        if worker.healthy {
+            self.healthy -= 1;
+        }
+        let bits = worker.weight.to_bits();
+        if let Some(n) = self.weights.get_mut(&bits) {
+            *n -= 1;
+            if *n == 0 {
+                self.weights.remove(&bits);
             }
         }
-        Ok(worker)
+        Ok((slot, worker))
+    }
+
+    /// Sets worker `name`'s health; returns its slot and whether the health changed.
+    pub(super) fn set_healthy(&mut self, name: &str, healthy: bool) -> Result<(u32, bool)> {
+        let slot = self.require(name)?;
+        let w = self.get_mut(slot).ok_or_else(|| unknown(name))?;
+        let changed = w.healthy != healthy;
+        w.healthy = healthy;
+        if changed {
+            if healthy {
+                self.healthy += 1;
+            } else {
+                self.healthy -= 1;
+            }
+        }
+        Ok((slot, changed))
+    }
+
+    /// When vacancies outnumber the workers (and [`MIN_VACANCIES`]), renumbers the workers
+    /// densely, keeping their order; returns the new slot of each old slot (`None`: vacant).
+    pub(super) fn compact(&mut self) -> Option<Vec<Option<u32>>> {
+        let vacant = self.slots.len() - self.len();
+        if vacant < MIN_VACANCIES || vacant <= self.len() {
+            return None;
+        }
+        let mut renumber = Vec::with_capacity(self.slots.len());
+        let mut next = 0u32;
+        for w in &self.slots {
+            renumber.push(w.as_ref().map(|_| {
+                next += 1;
+                next - 1
+            }));
+        }
+        self.slots.retain(Option::is_some);
+        for (slot, w) in (0u32..).zip(self.slots.iter().flatten()) {
+            if let Some(s) = self.by_name.get_mut(&w.name) {
+                *s = slot;
+            }
+        }
+        Some(renumber)
+    }
+
+    /// Worker names by slot (`None`: vacant).
+    pub(super) fn roster(&self) -> Arc<[Option<Arc<str>>]> {
+        self.slots
+            .iter()
+            .map(|w| w.as_ref().map(|w| w.name.clone()))
+            .collect()
+    }
+
+    /// True when every worker has the same weight (rendezvous compares raw draws then).
+    pub fn uniform(&self) -> bool {
+        self.weights.len() <= 1
+    }
+
+    /// The rendezvous score of worker `w` for the key hashing to `key_hash` (see the module
+    /// docs); order with [`rendezvous_order`].
+    pub(super) fn rendezvous(&self, w: &Worker, key_hash: u64) -> RendezvousScore {
+        Rendezvous::node_score(key_hash, w.seed, w.weight, self.uniform())
     }
 
     /// Marks `name`'s index stream stale since `now` (its overlap credit starts decaying).
@@ -229,6 +340,17 @@ impl WorkerTable {
         self.named_mut(name)?.freshness = Freshness::Fixed(value);
         Ok(())
     }
+}
+
+/// Rendezvous order of two scored workers: `Less` when `a` comes first (the higher score, then
+/// the name sorting first).
+pub(super) fn rendezvous_order(
+    a: (RendezvousScore, &Worker),
+    b: (RendezvousScore, &Worker),
+) -> Ordering {
+    b.0.partial_cmp(&a.0)
+        .unwrap_or(Ordering::Equal)
+        .then_with(|| a.1.name.cmp(&b.1.name))
 }
 
 fn unknown(name: &str) -> Error {
