@@ -159,6 +159,8 @@ impl Model {
             return;
         };
         self.dropped.clear();
+        // An error means the index no longer knows the worker (its router index was written to,
+        // against the contract): nothing of it is credited, so there is nothing to forget.
         if index.remove_id_into(id, first, &mut self.dropped).is_ok() {
             self.evicted.clear();
             let removed = cache.remove_into(&self.dropped, &mut self.evicted);

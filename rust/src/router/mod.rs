@@ -487,6 +487,7 @@ impl Router {
         index.check_invariants()?;
         for w in self.workers.iter() {
             if let (Some(cache), Some(_)) = (&w.cache, w.index_id) {
+                // A worker the index does not know holds nothing there.
                 let held = index.num_blocks(&w.name).unwrap_or(0) as usize;
                 if held != cache.len() {
                     return Err(format!(
