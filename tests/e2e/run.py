@@ -142,6 +142,15 @@ def main() -> int:
         )
         report["vllm_version"] = ver.stdout.strip()
         check("block_hashes_vs_vllm_code", *check_hashes(args.vllm_python))
+        # The offline test oracle (tests/test_gateway_template.py) stays the engine's only while
+        # the committed tokenizer files are the ones model.py builds.
+        data = ROOT / "tests" / "data" / "tiny_llama"
+        differ = sorted(
+            f.name
+            for f in data.iterdir()
+            if f.read_bytes() != (Path(args.model) / f.name).read_bytes()
+        )
+        check("tokenizer_files_match_test_data", not differ, {"differ": differ})
 
         # Phase 1: vLLM's default hash algorithm (sha256, pickle-based).
         fleet = Fleet(args, tmp / "sha256", "sha256")
