@@ -112,7 +112,7 @@ def build_tokenizer(out: Path, vocab_size: int = 2048) -> int:
         "bos_token": SPECIAL[0],
         "eos_token": SPECIAL[4],
         "pad_token": SPECIAL[1],
-        "model_max_length": 4096,
+        "model_max_length": 8192,
         "clean_up_tokenization_spaces": False,
         "added_tokens_decoder": {
             str(tok.token_to_id(s)): {
@@ -146,7 +146,7 @@ def build_model(out: Path, vocab_size: int, bos: int, eos: int) -> None:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=4096,
+        max_position_embeddings=8192,
         bos_token_id=bos,
         eos_token_id=eos,
         tie_word_embeddings=True,
