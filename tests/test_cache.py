@@ -33,15 +33,17 @@ class CacheMachine(RuleBasedStateMachine):
     @initialize(
         capacity=st.integers(0, 14),
         shares=st.lists(st.integers(0, 4), max_size=len(NAMES)),
+        track_idle=st.booleans(),
     )
-    def setup(self, capacity, shares):
+    def setup(self, capacity, shares, track_idle):
         reserved, left = {}, capacity
         for name, blocks in zip(NAMES, shares, strict=False):
             blocks = min(blocks, left)
             reserved[name] = blocks
             left -= blocks
-        self.cache = kvroute.BlockCache(capacity, reserved=reserved)
-        self.model = CacheModel(capacity, reserved)
+        self.cache = kvroute.BlockCache(capacity, reserved=reserved, track_idle=track_idle)
+        self.model = CacheModel(capacity, reserved, track_idle)
+        assert self.cache.track_idle == track_idle
         self.partitions = [None, *reserved]
         self.now = 0.0
 
@@ -177,6 +179,58 @@ class CacheMachine(RuleBasedStateMachine):
     def expire(self):
         assert self.cache.expire(now=self.now) == self.model.expire(self.now)
 
+    @rule(max_idle=st.sampled_from([0.0, 0.5, 1.0, 2.0, 5.0, -1.0, float("nan")]))
+    def expire_idle(self, max_idle):
+        try:
+            want = self.model.expire_idle(self.now, max_idle)
+        except ModelError as e:
+            with pytest.raises(e.kind):
+                self.cache.expire_idle(max_idle, now=self.now)
+            return
+        dropped, oldest = self.cache.expire_idle(max_idle, now=self.now)
+        assert dropped.dtype == np.uint64
+        assert (dropped.tolist(), oldest) == want
+
+    @rule(name=st.sampled_from([*NAMES, "d", "e"]), blocks=st.integers(0, 6))
+    def add_partition(self, name, blocks):
+        try:
+            self.model.add_partition(name, blocks)
+        except ModelError as e:
+            with pytest.raises(e.kind):
+                self.cache.add_partition(name, blocks)
+            return
+        self.cache.add_partition(name, blocks)
+        self.partitions.append(name)
+
+    @rule(name=st.sampled_from([*NAMES, "d", "e"]), blocks=st.integers(0, 8))
+    def set_reserved(self, name, blocks):
+        try:
+            self.model.set_reserved(name, blocks)
+        except ModelError as e:
+            with pytest.raises(e.kind):
+                self.cache.set_reserved(name, blocks)
+            return
+        self.cache.set_reserved(name, blocks)
+
+    @rule(data=st.data(), hashes=hashes_st)
+    def remove(self, data, hashes):
+        if data.draw(st.booleans()):
+            # Leaves first, as a caller that knows the chains lists them: usually valid.
+            hashes = sorted(self.model.blocks, key=lambda h: -self.depth(h))[: len(hashes) + 1]
+        try:
+            want = self.model.remove(hashes)
+        except ModelError as e:
+            with pytest.raises(e.kind):
+                self.cache.remove(as_array(hashes))
+            return
+        assert self.cache.remove(as_array(hashes)).tolist() == want
+
+    def depth(self, h: int) -> int:
+        d = 0
+        while (h := self.model.blocks[h].parent) is not None:
+            d += 1
+        return d
+
     @rule(data=st.data())
     def bad_input_changes_nothing(self, data):
         cached = sorted(self.model.blocks)
@@ -191,6 +245,12 @@ class CacheMachine(RuleBasedStateMachine):
             (TypeError, lambda: self.cache.match(np.zeros(3, dtype=np.float64))),
             (TypeError, lambda: self.cache.insert([1], partition=3)),
             (ValueError, lambda: self.cache.insert([1, -(2**64)])),
+            (KeyError, lambda: self.cache.set_reserved("nope", 0)),
+            (ValueError, lambda: self.cache.add_partition("x", self.cache.capacity + 1)),
+            (ValueError, lambda: self.cache.add_partition("y", -1)),
+            (TypeError, lambda: self.cache.add_partition(3, 0)),
+            (ValueError, lambda: self.cache.expire_idle(-1.0, now=self.now)),
+            (ValueError, lambda: self.cache.expire_idle(1.0, now=float("nan"))),
         ]
         if absent:
             missing = data.draw(st.sampled_from(absent))
@@ -219,6 +279,7 @@ class CacheMachine(RuleBasedStateMachine):
             block = model.blocks.get(h)
             assert (h in cache) == (block is not None), h
             if block is not None:
+                assert cache.last_touch(h) == model.last_touch(h), h
                 assert cache.pins(h) == block.pins, h
                 assert cache.lease_end(h) == (block.lease[0] if block.lease else None), h
                 # A cached block's parent is cached.
@@ -227,6 +288,7 @@ class CacheMachine(RuleBasedStateMachine):
             model.usage(q) for q in self.partitions
         ]
         assert sum(cache.usage(q) for q in self.partitions) == len(cache)
+        assert cache.reserved == {q: r for q, r in model.reserved.items() if q is not None}
 
 
 CacheMachine.TestCase.settings = settings(

@@ -19,6 +19,7 @@ def test_readme_python_examples_run():
     # The values the comments promise.
     assert ns["hashes"].shape == (256,)
     assert ns["idx"].match(ns["hashes"]) == {"gpu-0": 256, "gpu-1": 100}
-    assert ns["cache"].match(ns["hashes"]) == 256
+    assert ns["cache"].match(ns["hashes"]) == 256 - 100  # the last 100 blocks were removed
+    assert len(ns["dropped"]) == 0  # nothing was idle for 10 minutes
     assert ns["d"].worker in {"gpu-0", "gpu-1", "gpu-2", "gpu-3"}
     assert ns["ring"].preference("ep-0042", 2)[0] == ns["ring"].get("ep-0042")

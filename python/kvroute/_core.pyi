@@ -249,7 +249,9 @@ class BlockCache:
     every call, or on none). Invalid input raises and changes nothing.
     """
 
-    def __new__(cls, capacity: int, *, reserved: dict[str, int] | None = None) -> BlockCache: ...
+    def __new__(
+        cls, capacity: int, *, reserved: dict[str, int] | None = None, track_idle: bool = False
+    ) -> BlockCache: ...
     def insert(
         self,
         block_hashes: _U64Array,
@@ -280,6 +282,32 @@ class BlockCache:
     def usage(self, partition: str | None = None) -> int:
         """Blocks that belong to ``partition`` (None: the shared pool)."""
 
+    def expire_idle(
+        self, max_idle: float, *, now: float | None = None
+    ) -> tuple[npt.NDArray[np.uint64], float | None]:
+        """Drop the evictable blocks idle for more than ``max_idle`` seconds at ``now`` (needs
+        ``track_idle=True``), leaves first, least recently used first within each partition.
+        Returns (dropped hashes in that order, last touch of the least recently used evictable
+        block left or None): nothing expires before that time plus ``max_idle``, unless an
+        eviction or a pin release intervenes."""
+
+    def last_touch(self, block_hash: int) -> float | None:
+        """The cache's clock (largest ``now`` passed so far) at the block's last touch, or None
+        without ``track_idle``; KeyError if not cached."""
+
+    def add_partition(self, name: str, reserved: int) -> None:
+        """Declare partition ``name`` reserving ``reserved`` blocks (0: none); the reservations
+        must fit in the capacity. ValueError if already declared."""
+
+    def set_reserved(self, name: str, blocks: int) -> None:
+        """Change a declared partition's reservation; lowering it evicts nothing (the blocks
+        above it become borrowers). KeyError if undeclared, ValueError past the capacity."""
+
+    def remove(self, block_hashes: _U64Array, /) -> npt.NDArray[np.uint64]:
+        """Take the listed cached blocks out, in order (uncached ones ignored); each must be
+        unpinned, without a lease, with no cached child left (list descendants first), else
+        ValueError and nothing changes. Not a touch. Returns the removed hashes."""
+
     def pins(self, block_hash: int) -> int:
         """References held by ``pin`` (leases not counted); KeyError if not cached."""
 
@@ -290,6 +318,8 @@ class BlockCache:
     def capacity(self) -> int: ...
     @property
     def reserved(self) -> dict[str, int]: ...
+    @property
+    def track_idle(self) -> bool: ...
     def __len__(self) -> int: ...
     def __contains__(self, block_hash: object, /) -> bool: ...
 

@@ -475,6 +475,11 @@ impl BlockCache {
         self.order.track_times();
     }
 
+    /// Whether [`track_idle`](Self::track_idle) is on.
+    pub fn tracks_idle(&self) -> bool {
+        self.order.tracks_times()
+    }
+
     /// The cache's clock: the largest `now` passed so far (`-inf` before any).
     pub fn clock(&self) -> f64 {
         self.order.now()

@@ -45,6 +45,10 @@ fn hash_array<'py>(obj: &Bound<'py, PyAny>) -> PyResult<U64Slice<'py>> {
 ///   `now + s` instead, released (lazily) by the first `insert`/`pin`/`unpin`/`expire` whose
 ///   `now` is at or past its end. `now` defaults to `time.monotonic()`: pass it on every call
 ///   (virtual time) or on none.
+/// - `track_idle=True` stamps each touch with the cache's clock (the largest `now` passed so
+///   far) so that `expire_idle(max_idle)` can drop the evictable blocks idle longer than that.
+/// - `add_partition` / `set_reserved` declare and resize partitions later; `remove` takes
+///   blocks out explicitly (descendants first).
 /// - Invalid input raises (KeyError, ValueError, TypeError) and changes nothing.
 ///
 /// The Rust module `kvroute::cache` states the semantics in full. Safe to share between threads.
@@ -74,11 +78,12 @@ fn partition_id(core: &BlockCache, name: Option<&str>) -> crate::Result<Partitio
 #[pymethods]
 impl PyBlockCache {
     #[new]
-    #[pyo3(signature = (capacity, *, reserved=None))]
+    #[pyo3(signature = (capacity, *, reserved=None, track_idle=false))]
     fn new(
         py: Python<'_>,
         capacity: &Bound<'_, PyAny>,
         reserved: Option<&Bound<'_, PyAny>>,
+        track_idle: bool,
     ) -> PyResult<Self> {
         let capacity = usize_from_int(capacity, "capacity")?;
         let mut shares: Vec<(String, usize)> = Vec::new();
@@ -92,8 +97,12 @@ impl PyBlockCache {
                 shares.push((name, blocks));
             }
         }
+        let mut core = BlockCache::with_reserved(capacity, &shares)?;
+        if track_idle {
+            core.track_idle();
+        }
         Ok(PyBlockCache {
-            core: Mutex::new(BlockCache::with_reserved(capacity, &shares)?),
+            core: Mutex::new(core),
             clock: MonotonicClock::new(py)?,
         })
     }
@@ -183,6 +192,94 @@ impl PyBlockCache {
         let now = self.clock.now(now);
         // Releasing many leases is long work: always release the GIL.
         Ok(self.run(py, usize::MAX, |c| c.expire(now))?)
+    }
+
+    /// Drops every block idle for more than `max_idle` seconds at `now` (needs
+    /// `track_idle=True`): last touched before `now - max_idle`, unpinned, without a lease
+    /// (leases ended at `now` are released first) and without a cached child once its idle
+    /// descendants are gone — leaves first, least recently used first within each partition.
+    /// Returns `(dropped hashes in that order, last touch of the least recently used evictable
+    /// block left, or None)`: nothing expires before that time plus `max_idle`, unless an
+    /// eviction or a pin release intervenes.
+    #[pyo3(signature = (max_idle, *, now=None))]
+    fn expire_idle<'py>(
+        &self,
+        py: Python<'py>,
+        max_idle: f64,
+        now: Option<f64>,
+    ) -> PyResult<(Bound<'py, numpy::PyArray1<u64>>, Option<f64>)> {
+        let now = self.clock.now(now);
+        let mut dropped = Vec::new();
+        let oldest = self.run(py, usize::MAX, |c| {
+            c.expire_idle_into(now, max_idle, &mut dropped)
+        })?;
+        Ok((u64_array(py, dropped), oldest))
+    }
+
+    /// When `block_hash` was last touched (the cache's clock then: the largest `now` passed so
+    /// far), or None without `track_idle`; KeyError if not cached.
+    fn last_touch(&self, py: Python<'_>, block_hash: &Bound<'_, PyAny>) -> PyResult<Option<f64>> {
+        let h = block_hash_from_py(block_hash, "block_hash")?;
+        let (cached, t) = self.run(py, 0, |c| (c.contains(h), c.last_touch(h)));
+        if cached {
+            Ok(t)
+        } else {
+            Err(PyKeyError::new_err(format!("block {h:#x} is not cached")))
+        }
+    }
+
+    /// Declares partition `name` with `reserved` blocks (0: a name to insert under, with no
+    /// reservation); the reservations must still fit in the capacity. ValueError if `name` is
+    /// declared already.
+    fn add_partition(
+        &self,
+        py: Python<'_>,
+        name: Name<'_>,
+        reserved: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let blocks = usize_from_int(reserved, "reserved")?;
+        let name = &*name;
+        self.run(py, 0, |c| c.add_partition(name, blocks))?;
+        Ok(())
+    }
+
+    /// Sets declared partition `name`'s reservation to `blocks`. Lowering it evicts nothing:
+    /// the blocks above it become borrowers. KeyError if undeclared; ValueError if the
+    /// reservations would exceed the capacity.
+    fn set_reserved(
+        &self,
+        py: Python<'_>,
+        name: Name<'_>,
+        blocks: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let blocks = usize_from_int(blocks, "blocks")?;
+        let name = &*name;
+        Ok(self.run(py, 0, |c| {
+            c.partition(name).and_then(|p| c.set_reserved(p, blocks))
+        })?)
+    }
+
+    /// Takes the listed cached blocks out (what the engine reported gone), in list order;
+    /// hashes not cached are ignored. Each must be unpinned, without a lease, and have no cached
+    /// child when its turn comes (list descendants first); otherwise ValueError naming the
+    /// block, and nothing changes. Not a touch. Returns the removed hashes, in order.
+    #[pyo3(signature = (block_hashes, /))]
+    fn remove<'py>(
+        &self,
+        py: Python<'py>,
+        block_hashes: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, numpy::PyArray1<u64>>> {
+        let hashes = hash_array(block_hashes)?;
+        let slice = hashes.as_slice();
+        let mut removed = Vec::new();
+        self.run(py, slice.len(), |c| c.remove_into(slice, &mut removed))?;
+        Ok(u64_array(py, removed))
+    }
+
+    /// Whether last-touch times are recorded (`track_idle=True`).
+    #[getter]
+    fn track_idle(&self, py: Python<'_>) -> bool {
+        self.run(py, 0, |c| c.tracks_idle())
     }
 
     /// Blocks that belong to `partition` (None: the shared pool).
