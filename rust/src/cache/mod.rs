@@ -381,7 +381,11 @@ impl BlockCache {
                 }
             }
         }
+        // Validated. The ended leases go first (a block they leave unpinned is touched), then
+        // the pins are added.
+        self.add_pins(&blocks, -1);
         self.expire(now)?;
+        self.add_pins(&blocks, 1);
         for &i in &blocks {
             self.order.hold(i);
         }
@@ -438,7 +442,10 @@ impl BlockCache {
             }
             e.pins -= 1;
         }
+        // Validated. The ended leases go first (with the pins still held), then the pins.
+        self.add_pins(&blocks, 1);
         self.expire(now)?;
+        self.add_pins(&blocks, -1);
         for &i in &blocks {
             if self.order.get(i).is_some_and(|e| e.pins == 0) {
                 self.order.touch(i);

@@ -563,3 +563,21 @@ mod table {
         assert_eq!(table.len, model.len());
     }
 }
+
+/// The documented order of a call that takes `now`: ended leases are released first (a block
+/// left with no pin is touched at `now`), then the call's own work. Pinning a block whose lease
+/// ended releases the lease (a touch) before adding the pin.
+#[test]
+fn leases_end_before_a_pin_or_unpin_does_its_work() {
+    let mut c = BlockCache::new(4).unwrap();
+    c.track_idle();
+    c.insert(&[1], PartitionId::SHARED, None, 0.0).unwrap();
+    c.lease(&[1], 1.0, 0.0).unwrap();
+    c.pin(&[1], 5.0).unwrap();
+    assert_eq!(c.last_touch(1), Some(5.0));
+    assert_eq!(c.pins(1), Some(1));
+    c.lease(&[1], 1.0, 5.0).unwrap();
+    c.unpin(&[1], 7.0).unwrap();
+    assert_eq!(c.last_touch(1), Some(7.0));
+    assert_eq!(c.pins(1), Some(0));
+}
