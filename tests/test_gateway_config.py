@@ -55,6 +55,21 @@ FULL = {
         "health_interval": 0.5,
         "eject_seconds": 0.0,
         "eject_after": 5,
+        "max_ejected_fraction": 0.25,
+        "header_timeout": 3,
+        "body_timeout": 7.5,
+        "max_connections": 99,
+        "max_response_bytes": 1000,
+        "max_event_bytes": 500,
+        "admin_host": "0.0.0.0",
+        "admin_port": 9100,
+        "admin_api_keys": ["sk-admin"],
+        "key_requests_per_minute": 60,
+        "key_tokens_per_minute": 6000,
+        "max_in_flight": 40,
+        "max_in_flight_per_worker": 8,
+        "prefill_tokens_per_second": 5000,
+        "cache_usage_fields": False,
     },
     "router": {
         "policy": "hash",
@@ -89,6 +104,9 @@ FULL = {
             "api_key_sha256": [hashlib.sha256(b"k3").hexdigest()],
             "salt": "secret-salt",
             "cache_salt": False,
+            "requests_per_minute": 10,
+            "tokens_per_minute": 100,
+            "weight": 3,
         }
     ],
 }
@@ -116,6 +134,16 @@ def test_full_config_from_toml(tmp_path):
     (ep,) = c.endpoints
     assert ep.key_digests == tuple(key_digest(k) for k in ("k1", "k2", "k3"))
     assert ep.salt == "secret-salt" and ep.cache_salt is False and ep.reserved_blocks == 0
+    assert (ep.requests_per_minute, ep.tokens_per_minute, ep.weight) == (10, 100, 3.0)
+    s = c.server
+    assert (s.header_timeout, s.body_timeout, s.max_connections) == (3.0, 7.5, 99)
+    assert (s.max_response_bytes, s.max_event_bytes) == (1000, 500)
+    assert (s.admin_host, s.admin_port) == ("0.0.0.0", 9100)
+    assert s.admin_key_digests == (key_digest("sk-admin"),)
+    assert (s.key_requests_per_minute, s.key_tokens_per_minute) == (60, 6000)
+    assert (s.max_in_flight, s.max_in_flight_per_worker) == (40, 8)
+    assert s.prefill_tokens_per_second == 5000.0 and s.cache_usage_fields is False
+    assert c.health.max_ejected_fraction == 0.25
     assert c.worker("gpu-1") is w1
     with pytest.raises(KeyError, match="nope"):
         c.worker("nope")
@@ -155,6 +183,11 @@ def _with(path, value):
         (_with("gateway.routing_headers", 1), "routing_headers must be true or false, got 1"),
         (_with("gateway.max_body_bytes", True), "max_body_bytes must be an integer, got True"),
         (_with("gateway.health_path", "health"), "health_path must start with '/'"),
+        (_with("gateway.admin_port", 70000), "admin_port must be in 0..65535"),
+        (_with("gateway.max_ejected_fraction", 1.5), "max_ejected_fraction must be in"),
+        (_with("gateway.header_timeout", 0), "header_timeout must be > 0"),
+        (_with("endpoints.0.weight", -1), "weight must be > 0"),
+        (_with("gateway.admin_api_key_sha256", ["xyz"]), "admin_api_key_sha256 entries"),
         (_with("gateway.api_keys", [""]), "api_keys must hold non-empty strings"),
         (_with("gateway.api_key_sha256", ["abc"]), "64 hex digits, got 'abc'"),
         (_with("workers.0.kind", "tgi"), "kind must be one of .*got 'tgi'"),

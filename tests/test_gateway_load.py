@@ -166,7 +166,7 @@ def servers(tmp_path_factory):
     try:
         ports = json.loads(up.stdout.readline())
         config = {
-            "gateway": {"max_attempts": 2},
+            "gateway": {"max_attempts": 2, "admin_api_keys": ["sk-admin"]},
             "router": {"policy": "kv_aware", "block_size": 16},
             "workers": [
                 {"name": f"up-{i}", "url": f"http://127.0.0.1:{p}", "kind": "vllm"}
@@ -262,7 +262,11 @@ def test_load_no_request_lost_or_duplicated(servers):
     assert set(served) == {s["id"] for s in specs}
     assert set(served.values()) == {1}
 
-    metrics = httpx.get(servers["gateway"] + "/metrics", trust_env=False).text
+    metrics = httpx.get(
+        servers["gateway"] + "/metrics",
+        headers={"authorization": "Bearer sk-admin"},
+        trust_env=False,
+    ).text
     assert "kvroute_gateway_retries_total 0" in metrics
     assert all(
         line.endswith(" 0")

@@ -3,15 +3,25 @@ under uvicorn on 127.0.0.1, ephemeral ports) and the official OpenAI client poin
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
+import socket
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 from kvroute.gateway import Gateway, parse_config
+from kvroute.gateway.listener import uvicorn_config
+from prometheus_client import parser as prometheus_parser
 
 from support.gateway_upstream import ServerThread, Upstream
+
+ADMIN_KEY = "sk-admin"
 
 LONG_SYSTEM = "You are the support assistant of ACME Rockets. Policy handbook follows. " + " ".join(
     f"Rule {i}: rockets of model R{i} must be fuelled with mixture M{i % 7}." for i in range(120)
@@ -60,6 +70,7 @@ def config_dict(fleet: Fleet, **sections: Any) -> dict[str, Any]:
         "read_timeout": 10.0,
         "health_interval": 0.05,
         "eject_seconds": 0.2,
+        "admin_api_keys": [ADMIN_KEY],
     }
     gateway.update(sections.pop("gateway", {}))
     data: dict[str, Any] = {
@@ -88,8 +99,16 @@ class GatewayServer:
     """A ``Gateway`` served by uvicorn in a thread."""
 
     def __init__(self, config: dict[str, Any]) -> None:
-        self.gateway = Gateway(parse_config(config))
-        self.server = ServerThread(self.gateway.app)
+        self.gateway = g = Gateway(parse_config(config))
+        uvicorn = uvicorn_config(
+            g.app,
+            g.guard,
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=1,
+        )
+        self.server = ServerThread(g.app, config=uvicorn)
         self.url = self.server.url
 
     def client(self, key: str | None = "sk-acme", **kw: Any) -> openai.OpenAI:
@@ -99,6 +118,8 @@ class GatewayServer:
         )
 
     def get(self, path: str, **kw: Any) -> httpx.Response:
+        """``GET path``, with the admin key unless ``headers`` are given."""
+        kw.setdefault("headers", {"authorization": f"Bearer {ADMIN_KEY}"})
         return httpx.get(self.url + path, timeout=10, trust_env=False, **kw)
 
     def metrics(self) -> str:
@@ -166,6 +187,20 @@ def wait_for(predicate: Any, what: str, timeout: float = 10.0) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def messages(question: str, system: str = LONG_SYSTEM) -> list[dict]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def metric_samples(text: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of a Prometheus exposition, parsed by prometheus_client (the oracle of the
+    text format): ``{(name, sorted label pairs): value}``."""
+    out = {}
+    for family in prometheus_parser.text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
 def chat(client: openai.OpenAI, model: str, question: str, system: str = LONG_SYSTEM, **kw: Any):
     """One chat call; returns (parsed completion, response headers)."""
     raw = client.chat.completions.with_raw_response.create(
@@ -174,3 +209,37 @@ def chat(client: openai.OpenAI, model: str, question: str, system: str = LONG_SY
         **kw,
     )
     return raw.parse(), raw.headers
+
+
+@contextlib.contextmanager
+def cli_serve(config: dict[str, Any], tmp_path: Any) -> Iterator[tuple[str, list[bytes]]]:
+    """``kvroute serve --config FILE`` in a subprocess, up and answering ``/health``: yields
+    (its base URL, a list that receives its output once it has stopped). Stopped with SIGINT,
+    which it must survive with exit status 0."""
+    path = tmp_path / "gw.toml"
+    path.write_text(toml_text(config))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(path), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(url + "/health", trust_env=False).is_success
+        except httpx.HTTPError:
+            return False
+
+    output: list[bytes] = []
+    try:
+        wait_for(up, "kvroute serve", timeout=30)
+        yield url, output
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=20)
+        output.append(out)
+    assert proc.returncode == 0, out.decode()

@@ -8,10 +8,12 @@ gateway's code): a prompt's full blocks are matched (``cached_tokens`` = matched
 at most the blocks before the prompt's last token, which vLLM always recomputes), then inserted.
 ``cache_salt`` starts a separate chain (``BlockHasher(salt=...)``), as in vLLM.
 
-Each upstream records every request it receives (the ``x-request-id`` header, path, salt, model,
-whether it streamed) and which streams ended early (the client went away), and can be told to
-fail with a status, to stall before answering, or to stream slowly. The reply's content is
-``"<upstream name> <request id>"`` so a caller can check it got its own answer.
+Each upstream records every request it receives (the ``x-request-id`` header as ``upstream_id``,
+and as ``id`` the caller's id in it — the gateway sends ``<16 hex digits>-<caller's id>`` — path,
+salt, model, whether it streamed) and which streams ended early (the client went away), and can be
+told to fail with a status (always, or for prompts containing ``poison``), to stall before
+answering, or to stream slowly. The reply's content is ``"<upstream name> <caller's request id>"``
+so a caller can check it got its own answer.
 
 Run as a script it serves N upstreams in one process and prints their ports as JSON
 (``python tests/support/gateway_upstream.py 4``), with ``/_test/records`` for the load test.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 import socket
 import struct
 import sys
@@ -37,6 +40,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 BLOCK = 16
+_PREFIXED_ID = re.compile(r"[0-9a-f]{16}-(.+)")
 _ARRIVALS = itertools.count()  # orders records across the upstreams of one process
 
 
@@ -117,6 +121,8 @@ class Upstream:
             self.abandoned: list[str] = []  # callers that went away while we stalled
             self.fail_status: int | None = None
             self.fail_times = 0  # < 0: always
+            self.poison: str | None = None  # prompts containing it are answered 500
+            self.report_cached = True  # usage.prompt_tokens_details.cached_tokens (vLLM's flag)
             self.stall = 0.0
             self.chunks = 3
             self.chunk_delay = 0.0
@@ -188,12 +194,15 @@ class Upstream:
         chat: bool,
         tokens: list[int] | None = None,
     ) -> Response:
-        rid = request.headers.get("x-request-id", "")
+        upstream_id = request.headers.get("x-request-id", "")
+        prefixed = _PREFIXED_ID.fullmatch(upstream_id)
+        rid = prefixed.group(1) if prefixed else upstream_id
         salt = body.get("cache_salt")
         stream = body.get("stream") is True
         record = {
             "seq": next(_ARRIVALS),
             "id": rid,
+            "upstream_id": upstream_id,
             "path": request.url.path,
             "model": body.get("model"),
             "cache_salt": salt,
@@ -204,6 +213,8 @@ class Upstream:
         with self.lock:
             self.records.append(record)
         status = self._failing()
+        if self.poison is not None and self.poison in (text or ""):
+            status = 500
         if self.stall:
             deadline = time.monotonic() + self.stall
             while time.monotonic() < deadline:
@@ -234,6 +245,8 @@ class Upstream:
             "total_tokens": len(tokens) + self.chunks,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
+        if not self.report_cached:
+            del usage["prompt_tokens_details"]
         content = f"{self.name} {rid}"
         kind = "chat.completion" if chat else "text_completion"
         if not stream:
@@ -306,20 +319,21 @@ class ServerThread:
     """Serves an ASGI app with uvicorn on 127.0.0.1 in a daemon thread (ephemeral port unless
     given: a restart may reuse the port)."""
 
-    def __init__(self, app: Any, port: int = 0) -> None:
+    def __init__(self, app: Any, port: int = 0, config: Any = None) -> None:
         self.app = app
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", port))
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(
-            app,
-            log_level="warning",
-            access_log=False,
-            lifespan="auto",
-            timeout_graceful_shutdown=1,
-            timeout_keep_alive=60,
-        )
+        if config is None:
+            config = uvicorn.Config(
+                app,
+                log_level="warning",
+                access_log=False,
+                lifespan="auto",
+                timeout_graceful_shutdown=1,
+                timeout_keep_alive=60,
+            )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [sock]}, daemon=True

@@ -1,8 +1,9 @@
 """``kvroute serve``: an OpenAI-compatible gateway that routes with ``kvroute.Router``.
 
 ``POST /v1/chat/completions`` and ``/v1/completions`` (streamed or not), ``GET /v1/models``,
-``/health`` and ``/metrics`` (Prometheus), in front of a fleet of vLLM / SGLang / other
-OpenAI-compatible servers named in a TOML file (``kvroute.gateway.config``). Requests for an
+``/health`` and ``/metrics`` (Prometheus; on the admin listener or behind an admin key), in
+front of a fleet of vLLM / SGLang / other OpenAI-compatible servers named in a TOML file
+(``kvroute.gateway.config``). Requests for an
 endpoint (``model: "ep-..."``) stay inside its sticky worker pool, behind its own API keys, with
 its blocks (and, on vLLM/SGLang, the engine's cache) salted apart from every other tenant; the
 upstream's reported ``cached_tokens`` feed back into the router. What the gateway guarantees —
@@ -39,17 +40,55 @@ def serve(
     access_log: bool = False,
     log_level: str = "info",
 ) -> None:
-    """Runs the gateway under uvicorn until interrupted (one process, one event loop)."""
-    import uvicorn
+    """Runs the gateway (and its admin listener, with ``admin_port``) under uvicorn until
+    interrupted: one process, one event loop (uvloop when installed)."""
+    import asyncio
+    import logging
+
+    from .listener import raise_open_file_limit, run_servers, uvicorn_config
 
     gateway = config if isinstance(config, Gateway) else Gateway(config)
-    server = gateway.config.server
-    uvicorn.run(
-        gateway.app,
-        host=host if host is not None else server.host,
-        port=port if port is not None else server.port,
-        access_log=access_log,
-        log_level=log_level,
-        lifespan="on",
-        timeout_keep_alive=server.keep_alive_timeout,
-    )
+    s = gateway.config.server
+    limit = raise_open_file_limit()
+    upstream = sum(w.max_connections for w in gateway.config.workers)
+    room = limit - upstream - 64  # the admin listener, event sockets, files
+    if room < gateway.guard.max_connections:
+        gateway.guard.max_connections = max(room, 16)
+        logging.getLogger("kvroute.gateway").warning(
+            "max_connections lowered to %d: the open-file limit is %d and the workers may take %d",
+            gateway.guard.max_connections,
+            limit,
+            upstream,
+        )
+    common = {"access_log": access_log, "log_level": log_level}
+    configs = [
+        uvicorn_config(
+            gateway.app,
+            gateway.guard,
+            host=host if host is not None else s.host,
+            port=port if port is not None else s.port,
+            lifespan="on",
+            **common,
+        )
+    ]
+    if s.admin_port is not None:
+        configs.append(
+            uvicorn_config(
+                gateway.admin_app,
+                None,
+                host=s.admin_host,
+                port=s.admin_port,
+                lifespan="off",
+                **common,
+            )
+        )
+    try:
+        import uvloop
+
+        run = uvloop.run
+    except ImportError:
+        run = asyncio.run
+    try:
+        run(run_servers(configs))
+    except KeyboardInterrupt:  # uvicorn re-raises the signal it handled once it has shut down
+        pass

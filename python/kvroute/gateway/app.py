@@ -1,51 +1,57 @@
-"""The gateway: an ASGI (Starlette) app that routes OpenAI-style requests with ``kvroute.Router``.
+"""The gateway: an ASGI app that routes OpenAI-style requests with ``kvroute.Router``.
 
 Request path (``POST /v1/chat/completions``, ``POST /v1/completions``):
 
-1. The body is read up to ``max_body_bytes`` (413 past it, before reading further when
-   ``Content-Length`` says so), parsed as a JSON object (400 otherwise).
-2. ``model`` names an endpoint (``[[endpoints]] id``) or a directly served model
-   (``gateway.models``); anything else is 404. The caller's bearer key is checked against the
-   target's keys: missing → 401, wrong → 403 (SHA-256 digests compared with
-   ``hmac.compare_digest`` against every configured key, so neither timing nor length tells which
-   byte differed). The caller's key is never sent upstream; a worker's own ``api_key`` is.
-3. The prompt is rendered and tokenized for routing (``kvroute.gateway.prompt``), and
-   ``router.route(tokens=..., endpoint=...)`` picks the worker.
-4. The body goes upstream with ``model`` replaced by the real model name. For an endpoint with
-   ``cache_salt = true`` and a ``vllm``/``sglang`` worker, ``cache_salt`` is set to the router's
-   salt of that endpoint (``Router.endpoint_salt``), so the engine's prefix cache is partitioned
-   per endpoint exactly as the router's block hashes are (and, in events mode, the engine's KV
-   events carry the same salt). A ``cache_salt`` sent by the caller is never forwarded: it would
-   let one tenant name another's cache partition and probe it by timing.
-5. ``router.begin(d)`` when the upstream request starts; ``router.prefilled(d)`` when a stream's
-   first bytes arrive (the prompt is prefilled); ``router.finish(d)`` exactly once when the
-   response or stream has ended, failed, or the client went away. When the upstream reports
-   ``usage.prompt_tokens_details.cached_tokens`` (the final usage chunk of a stream; the gateway
-   asks for it with ``stream_options.include_usage`` and strips that chunk again when the caller
-   did not ask for it), ``router.observe(d, cached)`` is called first, in routing tokens.
+1. The caller's bearer key is checked from the headers (``kvroute.gateway.auth``): a caller that
+   can open no target is answered 401 before its body is read.
+2. The body is read within ``body_timeout`` (408 past it) and up to ``max_body_bytes`` (413 past
+   it, before reading when ``Content-Length`` says so), and parsed as a JSON object (400
+   otherwise: invalid JSON, nesting too deep for the parser, lone UTF-16 surrogates, a
+   ``stream`` that is not a boolean). A client that goes away meanwhile is counted as 499.
+3. ``model`` names a target the caller may use; anything else is answered alike (404 for a
+   caller with a valid key, 401 without one), whether the model exists or not.
+4. The prompt is rendered and tokenized for routing (``kvroute.gateway.prompt``).
+5. Limits and admission (``kvroute.gateway.limits``, ``kvroute.gateway.admission``): the key's
+   and endpoint's token buckets, the fleet's bound with weighted fair share, the per-worker
+   bounds, the request's ``x-slo-ttft-ms`` — 429 with ``Retry-After`` when any refuses.
+6. ``router.route(tokens=..., endpoint=..., exclude=...)`` picks the worker, and the body goes
+   upstream with ``model`` replaced by the real model name. For an endpoint with ``cache_salt =
+   true`` and a ``vllm``/``sglang`` worker, ``cache_salt`` is set to the router's salt of that
+   endpoint (``Router.endpoint_salt``), so the engine's prefix cache is partitioned per endpoint
+   exactly as the router's block hashes are. A ``cache_salt`` sent by the caller is never
+   forwarded: it would let one tenant name another's cache partition and probe it by timing.
+   The upstream's ``x-request-id`` is the caller's prefixed by 16 random hex digits (engines use
+   it as their request id: two tenants choosing the same id must not collide); the reply carries
+   the caller's own.
+7. Load accounting (``kvroute.gateway.upstream``): ``router.begin`` when the upstream request
+   starts, ``router.prefilled`` at its first output, ``router.observe`` with the reported cached
+   tokens and ``router.finish`` exactly once when it ended, failed, or the client went away.
 
 Failover: each upstream failure is looked up in one table (``kvroute.gateway.errors``), which
 says how it is answered, whether the request moves on to the router's next choice among the
-workers not yet tried for it (``route(..., exclude=tried)``, up to ``max_attempts`` attempts) and
-what the health model (``kvroute.server.health``) is told: a worker that cannot be reached is
-ejected at once, one that fails ``eject_after`` requests in a row is ejected, and an ejected worker
-is readmitted when its ``health_path`` answers 200 again. 4xx answers pass through untouched.
-After the first response byte nothing is retried: a stream that breaks is ended.
+workers not yet tried for it (up to ``max_attempts``; past an endpoint's pool when none of its
+members is left untried) and what the health model
+(``kvroute.server.health``) is told. A worker that cannot be reached is ejected at once. Other
+failures are attributed when the request is over: to the failing workers when another worker then
+served the request, to the request itself when it failed on two or more workers (its content made
+them fail, most likely: no worker is charged, so one tenant's poison request cannot eject the
+fleet, but each is health-probed at once and ejected if the probe fails), and to the one worker
+when only one was tried. ``eject_after`` charged failures in a row eject a worker.
+Nothing reaches the caller before the upstream's answer is known: a non-streamed reply is read
+whole (up to ``max_response_bytes``), a stream's first event is awaited, so a failure before
+either is retried or answered 502, never a 200 with an empty body. 4xx answers pass through.
 
-Streams are passed through as the upstream's SSE events arrive (each complete event is forwarded
-at once; only the usage chunk the gateway itself asked for is removed). A client that disconnects
-cancels the upstream request (its connection is closed) whether or not the response had started.
-
-Replies carry ``x-request-id`` (the caller's, or a new one; also sent upstream) and, with
-``routing_headers``, ``x-kvroute-worker``, ``x-kvroute-cached-tokens`` (predicted, routing
-tokens) and ``x-kvroute-attempts``.
+Replies carry ``x-request-id`` and, with ``routing_headers``, ``x-kvroute-worker``,
+``x-kvroute-cached-tokens`` (predicted, routing tokens) and ``x-kvroute-attempts``. ``/metrics``
+and ``/health`` with worker names are served on the admin listener (``admin_port``) or to callers
+with an admin key; the public ``/health`` says only whether any worker is up.
 
 Modules: ``auth`` (targets and keys), ``upstream`` (connection pools, in-flight accounting),
-``stream`` (the SSE pass-through), ``errors`` (the failure table), ``metrics`` (the series),
-``prompt`` (routing tokens); ``kvroute.server`` holds what every kvroute server shares.
-
-The app keeps all mutable state on its event loop (one uvicorn worker process); the Router is
-thread-safe and the KV-event subscriber feeds it from its own thread.
+``stream`` (the SSE pass-through), ``errors`` (the failure table), ``limits`` and ``admission``,
+``usage`` (cache fields), ``listener`` (connection deadlines and cap), ``metrics`` (the series),
+``prompt`` (routing tokens); ``kvroute.server`` holds what every kvroute server shares. The app
+keeps all mutable state on its event loop (one uvicorn process); the Router is thread-safe and the
+KV-event subscriber feeds it from its own thread.
 """
 
 from __future__ import annotations
@@ -55,34 +61,42 @@ import contextlib
 import json
 import logging
 import re
+import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
 import numpy as np
-from starlette.applications import Starlette
-from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from kvroute import Decision, Router
 from kvroute.server.health import Health
 from kvroute.server.routing import NoWorkerError, build_router
 
-from .auth import Auth, Target, bearer
+from .admission import Admission, Shed
+from .auth import Access, Auth, Target
 from .config import GatewayConfig, WorkerConfig
-from .errors import BODY_FAILURES, SEND_FAILURES, STATUS_5XX, HTTPError, UpstreamFailure, classify
-from .metrics import GatewayMetrics
-from .prompt import (
-    OFFLOAD_CHARS,
-    RequestError,
-    Tokenizer,
-    load_tokenizer,
+from .errors import (
+    BAD_STATUS,
+    BODY_FAILURES,
+    EMPTY_STREAM,
+    SEND_FAILURES,
+    STATUS_5XX,
+    TOO_LARGE,
+    HTTPError,
+    UpstreamFailure,
+    classify,
 )
-from .stream import ProxyStream, wait_disconnect
-from .upstream import Flight, Upstreams, release
+from .limits import RateLimits
+from .listener import ConnectionGuard
+from .metrics import GatewayMetrics
+from .prompt import OFFLOAD_CHARS, RequestError, Tokenizer, load_tokenizer
+from .stream import EventTooLarge, ProxyStream, SseScanner, first_events, wait_disconnect
+from .upstream import Flight, ReplyTooLarge, Upstreams, read_body, release
+from .usage import with_cache_fields_body
 
 __all__ = ["Gateway"]
 
@@ -93,12 +107,62 @@ COMPLETIONS = "/v1/completions"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _FORWARDED_RESPONSE_HEADERS = ("content-type", "cache-control")
 
+Handler = Callable[["Incoming"], Awaitable[Response]]
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was read."""
+
+
+class Incoming:
+    """One HTTP request as the gateway sees it: the ASGI scope and its headers."""
+
+    __slots__ = ("after", "headers", "receive", "scope")
+
+    def __init__(self, scope: Scope, receive: Receive) -> None:
+        self.scope = scope
+        self.receive = receive
+        self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        self.after: list[Callable[[], None]] = []  # run once the response has been sent
+
+
+class Call:
+    """One completion request on its way: who, what, and what it has used."""
+
+    __slots__ = (
+        "digest",
+        "flight",
+        "rid",
+        "route",
+        "slo",
+        "started",
+        "target",
+        "tenant",
+        "upstream_rid",
+    )
+
+    def __init__(self, route: str, rid: str, upstream_rid: str, started: float) -> None:
+        self.route = route
+        self.rid = rid
+        self.upstream_rid = upstream_rid
+        self.started = started
+        self.target: Target | None = None
+        self.digest: bytes | None = None
+        self.tenant = "-"
+        self.slo: float | None = None
+        self.flight: Flight | None = None  # the attempt that answered
+
+
+def _not_found(req: Incoming) -> HTTPError:
+    return HTTPError(404, "not found", "invalid_request_error", "not_found")
+
 
 class Gateway:
     """An OpenAI-compatible gateway over a fleet, routing with ``kvroute.Router``.
 
-    ``Gateway(config).app`` is the ASGI app (serve it with uvicorn: ``kvroute serve``). ``router``
-    and ``tokenizer`` may be given to share or replace the ones built from the config.
+    ``Gateway(config).app`` is the ASGI app and ``admin_app`` the admin listener's (serve them
+    with ``kvroute.gateway.serve``: ``kvroute serve``). ``router`` and ``tokenizer`` may be given to
+    share or replace the ones built from the config.
     """
 
     def __init__(
@@ -109,7 +173,7 @@ class Gateway:
         tokenizer: Tokenizer | None = None,
     ) -> None:
         self.config = config
-        self.server = config.server
+        s = self.server = config.server
         if router is None:
             router = build_router(config.workers, config.router, config.events)
             for ep in config.endpoints:
@@ -136,33 +200,109 @@ class Gateway:
             self.health.status,
             (self.tokenizer.name, self.tokenizer.exact),
         )
-        self.upstreams = Upstreams(config.workers, config.server, self.router, self.metrics)
-        self.subscriber: Any = None
-        self.app = Starlette(
-            routes=[
-                Route(CHAT, self._chat, methods=["POST"]),
-                Route(COMPLETIONS, self._completions, methods=["POST"]),
-                Route("/v1/models", self._models, methods=["GET"]),
-                Route("/health", self._health, methods=["GET"]),
-                Route("/metrics", self._metrics, methods=["GET"]),
-            ],
-            lifespan=self._lifespan,
+        self.upstreams = Upstreams(config.workers, s, self.router, self.metrics)
+        self.limits = RateLimits(
+            ((ep.id, ep.requests_per_minute, ep.tokens_per_minute) for ep in config.endpoints),
+            {d for t in self.auth.targets.values() for d in t.key_digests},
+            s.key_requests_per_minute,
+            s.key_tokens_per_minute,
         )
+        self.admission = Admission(
+            self.router,
+            self.upstreams.bounds,
+            s.max_in_flight,
+            {ep.id: ep.weight for ep in config.endpoints},
+            s.prefill_tokens_per_second,
+        )
+        if not s.prefill_tokens_per_second:
+            self.upstreams.on_prefilled = self.admission.observe_prefill
+        self.guard = ConnectionGuard(
+            header_timeout=s.header_timeout,
+            keep_alive_timeout=s.keep_alive_timeout,
+            max_connections=s.max_connections,
+        )
+        self.subscriber: Any = None
+        self.routes: dict[str, dict[str, Handler]] = {
+            CHAT: {"POST": self._chat},
+            COMPLETIONS: {"POST": self._completions},
+            "/v1/models": {"GET": self._models},
+            "/health": {"GET": self._public_health},
+            "/metrics": {"GET": self._public_metrics},
+        }
+        self.admin_routes: dict[str, dict[str, Handler]] = {
+            "/health": {"GET": self._admin_only(self._health)},
+            "/metrics": {"GET": self._admin_only(self._metrics)},
+        }
+
+    # ---- ASGI --------------------------------------------------------------------------------
+
+    async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The public ASGI app (runs the gateway's lifespan)."""
+        if scope["type"] == "http":
+            client = scope.get("client")
+            self.guard.request_started(client)
+            try:
+                await self._dispatch(self.routes, scope, receive, send)
+            finally:
+                self.guard.request_ended(client)
+        elif scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def admin_app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The admin listener's ASGI app: ``/metrics`` and ``/health`` with worker names."""
+        if scope["type"] == "http":
+            await self._dispatch(self.admin_routes, scope, receive, send)
+        elif scope["type"] == "lifespan":  # the public app's lifespan runs the gateway
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+
+    async def _dispatch(
+        self, routes: dict[str, dict[str, Handler]], scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        req = Incoming(scope, receive)
+        methods = routes.get(scope["path"])
+        handler = methods.get(scope["method"]) if methods is not None else None
+        if handler is None:
+            if methods is None:
+                error = _not_found(req)
+            else:
+                error = HTTPError(
+                    405, f"use {' or '.join(methods)} on {scope['path']}", code="method_not_allowed"
+                )
+            response: Response = error.response()
+        else:
+            response = await handler(req)
+        try:
+            await response(scope, receive, send)
+        finally:
+            for done in req.after:
+                done()
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.start()
+                except Exception as e:
+                    log.exception("the gateway failed to start")
+                    await send({"type": "lifespan.startup.failed", "message": repr(e)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
 
     # ---- lifecycle -------------------------------------------------------------------------
-
-    @contextlib.asynccontextmanager
-    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        await self.start()
-        try:
-            yield
-        finally:
-            await self.stop()
 
     async def start(self) -> None:
         """Opens the upstream connection pools, the health prober and the KV-event subscriber."""
         self.upstreams.start()
         self.health.start()
+        if not self.server.admin_port and not self.auth.admin:
+            log.info("/metrics is off: set gateway.admin_port or gateway.admin_api_keys")
         if self.config.router.index == "events":
             from kvroute.events import KvEventSubscriber
 
@@ -186,9 +326,17 @@ class Gateway:
             self.subscriber = None
         await self.upstreams.stop()
 
-    # ---- simple routes ---------------------------------------------------------------------
+    # ---- health, metrics, models -------------------------------------------------------------
 
-    async def _metrics(self, request: Request) -> Response:
+    def _admin_only(self, handler: Handler) -> Handler:
+        async def guarded(req: Incoming) -> Response:
+            if self.auth.admin and not self.auth.is_admin(req.headers.get("authorization")):
+                return _not_found(req).response()
+            return await handler(req)
+
+        return guarded
+
+    async def _metrics(self, req: Incoming) -> Response:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
     def _events_health(self) -> dict[str, Any]:
@@ -204,7 +352,7 @@ class Gateway:
             out[w]["blocks"] = index.num_blocks(w) if w in index.workers else 0
         return {"events": out}
 
-    async def _health(self, request: Request) -> Response:
+    async def _health(self, req: Incoming) -> Response:
         workers = self.health.status()
         ok = any(workers.values())
         return JSONResponse(
@@ -217,45 +365,87 @@ class Gateway:
             status_code=200 if ok else 503,
         )
 
-    async def _models(self, request: Request) -> Response:
-        key = bearer(request.headers.get("authorization"))
+    async def _public_metrics(self, req: Incoming) -> Response:
+        if self.auth.is_admin(req.headers.get("authorization")):
+            return await self._metrics(req)
+        return _not_found(req).response()
+
+    async def _public_health(self, req: Incoming) -> Response:
+        if self.auth.is_admin(req.headers.get("authorization")):
+            return await self._health(req)
+        ok = self.health.any_in()
+        return JSONResponse(
+            {"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503
+        )
+
+    async def _models(self, req: Incoming) -> Response:
         data = [
             {"id": t.name, "object": "model", "created": 0, "owned_by": "kvroute"}
-            for t in self.auth.visible(key)
+            for t in self.auth.visible(req.headers.get("authorization"))
         ]
         return JSONResponse({"object": "list", "data": data})
 
     # ---- request handling ------------------------------------------------------------------
 
-    async def _chat(self, request: Request) -> Response:
-        return await self._handle(request, CHAT)
+    async def _chat(self, req: Incoming) -> Response:
+        return await self._handle(req, CHAT)
 
-    async def _completions(self, request: Request) -> Response:
-        return await self._handle(request, COMPLETIONS)
+    async def _completions(self, req: Incoming) -> Response:
+        return await self._handle(req, COMPLETIONS)
 
-    async def _read_body(self, request: Request) -> bytes:
+    async def _read_body(self, req: Incoming) -> bytes:
         limit = self.server.max_body_bytes
-        declared = request.headers.get("content-length")
+        declared = req.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise HTTPError(
-                413,
-                f"request body of {declared} bytes exceeds {limit}",
-                "invalid_request_error",
-                "request_too_large",
+                413, f"request body of {declared} bytes exceeds {limit}", code="request_too_large"
             )
         chunks = []
         size = 0
-        async for chunk in request.stream():
+        while True:
+            message = await req.receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
                 raise HTTPError(
-                    413,
-                    f"request body exceeds {limit} bytes",
-                    "invalid_request_error",
-                    "request_too_large",
+                    413, f"request body exceeds {limit} bytes", code="request_too_large"
                 )
             chunks.append(chunk)
-        return b"".join(chunks)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _payload(self, req: Incoming) -> tuple[dict[str, Any], int]:
+        """The request's JSON object and the size of its body."""
+        timeout = self.server.body_timeout
+        try:
+            body = await asyncio.wait_for(self._read_body(req), timeout)
+        except asyncio.TimeoutError:
+            raise HTTPError(
+                408, f"request body not received within {timeout:g} s", code="request_timeout"
+            ) from None
+        try:
+            payload = json.loads(body)
+        except RecursionError:
+            raise HTTPError(
+                400, "request body is nested too deeply", code="nested_too_deeply"
+            ) from None
+        except ValueError as e:
+            raise HTTPError(
+                400, f"request body is not valid JSON: {e}", code="invalid_json"
+            ) from None
+        if not isinstance(payload, dict):
+            raise HTTPError(400, "request body must be a JSON object", code="invalid_body")
+        stream = payload.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise HTTPError(
+                400, f"'stream' must be true or false, got {stream!r:.40}", code="invalid_stream"
+            )
+        options = payload.get("stream_options")
+        if options is not None and not isinstance(options, dict):
+            raise HTTPError(400, "'stream_options' must be an object", code="invalid_stream")
+        return payload, len(body)
 
     async def _routing_tokens(self, route: str, payload: dict[str, Any], size: int) -> np.ndarray:
         """The request's routing tokens; a large body (``size`` bytes) is tokenized off the
@@ -266,34 +456,110 @@ class Gateway:
             return await asyncio.to_thread(encode, payload)
         return encode(payload)
 
-    async def _handle(self, request: Request, route: str) -> Response:
+    def _slo(self, req: Incoming) -> float | None:
+        value = req.headers.get("x-slo-ttft-ms")
+        if value is None:
+            return None
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = -1.0
+        if not ms > 0 or ms == float("inf"):
+            raise HTTPError(
+                400, f"x-slo-ttft-ms must be a positive number, got {value!r:.40}", code="bad_slo"
+            )
+        return ms / 1e3
+
+    def _rejected(self, call: Call, model: str, error: HTTPError) -> Response:
+        """A request answered without reaching an upstream: counted, logged in one line."""
+        self.metrics.done(call.route, model, error.status, call.started)
+        self.metrics.rejected.inc(str(error.code))
+        log.info("rejected %s %s: %d %s", call.route, call.rid, error.status, error)
+        return error.response({"x-request-id": call.rid})
+
+    async def _handle(self, req: Incoming, route: str) -> Response:
         started = time.perf_counter()
-        given = request.headers.get("x-request-id")
-        rid = given if given and _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        given = req.headers.get("x-request-id")
+        if given and _REQUEST_ID.fullmatch(given):
+            call = Call(route, given, f"{secrets.token_hex(8)}-{given}", started)
+        else:
+            rid = uuid.uuid4().hex
+            call = Call(route, rid, rid, started)
         model = "-"
         try:
-            body = await self._read_body(request)
-            try:
-                payload = json.loads(body)
-            except ValueError as e:
-                raise HTTPError(
-                    400, f"request body is not valid JSON: {e}", "invalid_request_error"
-                ) from None
-            if not isinstance(payload, dict):
-                raise HTTPError(400, "request body must be a JSON object", "invalid_request_error")
-            target = self.auth.target(payload.get("model"))
+            access: Access = self.auth.access(req.headers.get("authorization"))
+            call.slo = self._slo(req)
+            payload, size = await self._payload(req)
+            target = call.target = access.target(payload.get("model"))
+            call.digest = access.digest
             model = target.name
-            self.auth.authorize(bearer(request.headers.get("authorization")), target)
+            call.tenant = target.endpoint or "-"
             try:
-                tokens = await self._routing_tokens(route, payload, len(body))
+                tokens = await self._routing_tokens(route, payload, size)
             except RequestError as e:
-                raise HTTPError(400, str(e), "invalid_request_error") from None
+                raise HTTPError(400, str(e), code="invalid_prompt") from None
+            upstream = self._upstream_body(target, payload)
+            shed = self.admission.admit(call.tenant)
+            if shed is not None:
+                raise self._shed(shed)
+            limited = self.limits.admit(target.endpoint, access.digest, len(tokens))
+            if limited is not None:
+                self.admission.release(call.tenant)
+                self.metrics.rate_limited.inc(limited.scope, limited.limit)
+                raise HTTPError(
+                    429,
+                    f"rate limit of the {limited.scope} reached ({limited.limit} per minute); "
+                    f"retry after {limited.retry_after_header} s",
+                    "rate_limit_error",
+                    "rate_limited",
+                    {"retry-after": limited.retry_after_header},
+                )
+        except ClientGone:
+            self.metrics.done(route, model, 499, started)
+            self.metrics.rejected.inc("client_gone")
+            log.info("rejected %s %s: the client went away while sending its body", route, call.rid)
+            return Response(status_code=499)
         except HTTPError as e:
-            self.metrics.done(route, model, e.status, started)
-            return e.response({"x-request-id": rid})
+            return self._rejected(call, model, e)
+        except (UnicodeError, RecursionError) as e:
+            # A lone surrogate ("\ud800") cannot be encoded as UTF-8 by the tokenizer or for the
+            # upstream; a structure nested this deep cannot be rendered.
+            what = (
+                "contains a lone UTF-16 surrogate (not valid Unicode)"
+                if isinstance(e, UnicodeError)
+                else "is nested too deeply"
+            )
+            return self._rejected(
+                call, model, HTTPError(400, f"the request {what}", code="invalid_text")
+            )
+        req.after.append(lambda: self._ended(call))
+        return await self._answer(req, call, payload, tokens, upstream)
 
-        forward = asyncio.ensure_future(self._forward(route, target, payload, tokens, rid, started))
-        watch = asyncio.ensure_future(wait_disconnect(request.receive))
+    def _ended(self, call: Call) -> None:
+        """The response was sent (or the client went away): the fleet slot is free again and the
+        completion's tokens are taken from the token buckets."""
+        self.admission.release(call.tenant)
+        usage = call.flight.usage if call.flight is not None else None
+        completion = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        if isinstance(completion, int) and call.target is not None:
+            self.limits.charge(call.target.endpoint, call.digest, completion)
+
+    def _shed(self, shed: Shed) -> HTTPError:
+        self.metrics.shed.inc(shed.reason)
+        return HTTPError(429, shed.message, "rate_limit_error", shed.reason, {"retry-after": "1"})
+
+    async def _answer(
+        self,
+        req: Incoming,
+        call: Call,
+        payload: dict[str, Any],
+        tokens: np.ndarray,
+        upstream: tuple[bytes, bytes, bool],
+    ) -> Response:
+        """Forwards the request; the client going away cancels it (answered 499)."""
+        assert call.target is not None
+        forward = asyncio.ensure_future(self._forward(call, payload, tokens, upstream))
+        watch = asyncio.ensure_future(wait_disconnect(req.receive))
         try:
             await asyncio.wait((forward, watch), return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -303,28 +569,20 @@ class Gateway:
                 with contextlib.suppress(asyncio.CancelledError):
                     await forward  # its cleanup: the upstream closed, the flight finished
         if forward.cancelled():
-            self.metrics.done(route, model, 499, started)
+            self.metrics.done(call.route, call.target.name, 499, call.started)
             return Response(status_code=499)
         return forward.result()
 
-    def _upstream_body(
-        self,
-        target: Target,
-        payload: dict[str, Any],
-        stream: bool,
-    ) -> tuple[bytes, bytes, bool]:
+    def _upstream_body(self, target: Target, payload: dict[str, Any]) -> tuple[bytes, bytes, bool]:
         """(body for salting workers, body for others, whether the usage chunk is ours)."""
         body = dict(payload)
         body["model"] = target.upstream_model
         body.pop("cache_salt", None)
         strip_usage = False
-        if stream:
+        if payload.get("stream") is True:
             options = body.get("stream_options")
             if not (isinstance(options, dict) and options.get("include_usage")):
-                body["stream_options"] = {
-                    **(options if isinstance(options, dict) else {}),
-                    "include_usage": True,
-                }
+                body["stream_options"] = {**(options or {}), "include_usage": True}
                 strip_usage = True
         plain = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
         salt = self.salts.get(target.endpoint) if target.salted and target.endpoint else None
@@ -334,165 +592,196 @@ class Gateway:
         salted = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
         return salted, plain, strip_usage
 
-    def _failed(self, failure: UpstreamFailure, worker: str, error: BaseException | None) -> None:
-        """Counts an upstream failure and tells the health model what the table says."""
+    # ---- upstream attempts -------------------------------------------------------------------
+
+    def _choose(self, call: Call, tokens: np.ndarray, tried: list[str]) -> Decision | HTTPError:
+        """The router's choice among the workers neither tried for this request nor full."""
+        assert call.target is not None
+        full = self.upstreams.full
+        exclude = [*tried, *full] if full else tried
+        endpoint = call.target.endpoint
+        try:
+            d = self.router.route(tokens=tokens, endpoint=endpoint, exclude=exclude)
+        except NoWorkerError:
+            d = None
+        if d is None and endpoint is not None and tried:
+            # The endpoint's pool has no untried member left: this one request spills over to
+            # the router's choice outside the pool (still salted upstream); nobody is ejected.
+            with contextlib.suppress(NoWorkerError):
+                d = self.router.route(tokens=tokens, exclude=exclude)
+        if d is None:
+            if full and not tried:
+                return self._shed(
+                    Shed("worker_queue", "every worker that can serve this request is full")
+                )
+            return HTTPError(
+                503, "no upstream worker available", "service_unavailable", "no_worker"
+            )
+        shed = self.admission.check_slo(d, call.slo)
+        return self._shed(shed) if shed is not None else d
+
+    def _failed(self, failure: UpstreamFailure, worker: str, error: object) -> None:
+        """Counts an upstream failure; a worker that cannot be reached is ejected at once."""
         self.metrics.errors.inc(worker, failure.kind)
         if failure.health == "down":
             self.health.down(worker, f"{failure.kind}: {error!r}")
-        elif failure.health == "count":
-            self.health.failed(worker, f"{failure.kind}: {error!r}")
         else:
-            log.warning("upstream %s: %s: %r", worker, failure.kind, error)
+            log.warning("upstream %s: %s: %s", worker, failure.kind, error)
+
+    def _settle(self, call: Call, served_by: str | None, suspects: list[str]) -> None:
+        """Charges the request's failures to workers when it is over (see the module docs)."""
+        if served_by is not None:
+            for worker in suspects:
+                self.health.failed(worker, "failed a request another worker then served")
+            self.health.succeeded(served_by)
+        elif len(set(suspects)) == 1:
+            self.health.failed(suspects[0], "failed a request only it was tried for")
+            self.health.suspect(suspects[0], f"request {call.rid} failed there")
+        elif suspects:
+            log.warning(
+                "request %s failed on %d workers: charged to none (its content, most likely); "
+                "probing them",
+                call.rid,
+                len(set(suspects)),
+            )
+            for worker in dict.fromkeys(suspects):
+                self.health.suspect(worker, f"request {call.rid} failed there and elsewhere")
 
     async def _forward(
         self,
-        route: str,
-        target: Target,
+        call: Call,
         payload: dict[str, Any],
         tokens: np.ndarray,
-        rid: str,
-        started: float,
+        upstream: tuple[bytes, bytes, bool],
     ) -> Response:
+        target = call.target
+        assert target is not None
+        salted_body, plain_body, strip_usage = upstream
         stream = payload.get("stream") is True
-        salted_body, plain_body, strip_usage = self._upstream_body(target, payload, stream)
-        failure: HTTPError | None = None
+        error: HTTPError | None = None
         failed_response: tuple[int, bytes, str] | None = None
         tried: list[str] = []
+        suspects: list[str] = []
         for attempt in range(1, self.server.max_attempts + 1):
-            d = self._route(tokens, target.endpoint, tried)
-            if d is None:
-                if failure is None and failed_response is None:
-                    failure = HTTPError(
-                        503, "no upstream worker available", "service_unavailable", "no_worker"
-                    )
+            d = self._choose(call, tokens, tried)
+            if isinstance(d, HTTPError):
+                if attempt == 1:  # later, the failures so far are the better answer
+                    error, failed_response = d, None
                 break
             if attempt > 1:
                 self.metrics.retries.inc()
             worker = d.worker
+            tried.append(worker)
             self.metrics.decisions.inc(d.policy, d.reason, worker)
-            wcfg = self.workers[worker]
-            headers = [("content-type", "application/json"), ("x-request-id", rid)]
-            if self.server.routing_headers:
-                reply_headers = {
-                    "x-request-id": rid,
-                    "x-kvroute-worker": worker,
-                    "x-kvroute-cached-tokens": str(d.cached_tokens),
-                    "x-kvroute-attempts": str(attempt),
-                }
-            else:
-                reply_headers = {"x-request-id": rid}
+            headers = [
+                ("content-type", "application/json"),
+                ("x-request-id", call.upstream_rid),
+            ]
             flight = self.upstreams.begin(d, len(tokens))
-            req = flight.connections.request(
-                "POST", route, headers, salted_body if wcfg.sends_cache_salt else plain_body
-            )
-            try:
-                resp = await flight.send(req)
-            except httpx.HTTPError as e:
-                flight.close()
-                kind = classify(e, SEND_FAILURES)
-                if kind is None:
-                    raise
-                self._failed(kind, worker, e)
-                failure = kind.error(worker)
-                if not kind.retry:
-                    break
-                tried.append(worker)
-                continue
-            except BaseException:
-                flight.close()
-                raise
-            if resp.status_code >= 500:
-                try:
-                    data = await resp.aread()
-                except httpx.HTTPError:
-                    data = b""
-                finally:
-                    await release(resp, flight)
-                tried.append(worker)
-                self._failed(STATUS_5XX, worker, None)
-                failed_response = (
-                    resp.status_code,
-                    data,
-                    resp.headers.get("content-type", "application/json"),
-                )
-                failure = None
-                continue
-            self.health.succeeded(worker)
-            for name in _FORWARDED_RESPONSE_HEADERS:
-                value = resp.headers.get(name)
-                if value is not None:
-                    reply_headers[name] = value
-            if stream and resp.status_code == 200:
-                return ProxyStream(
-                    self.metrics,
-                    route,
-                    target.name,
-                    resp,
-                    flight,
-                    strip_usage,
-                    reply_headers,
-                    started,
-                )
-            return await self._whole(route, target.name, resp, flight, reply_headers, started)
-
-        if failed_response is not None and failure is None:
+            body = salted_body if self.workers[worker].sends_cache_salt else plain_body
+            outcome = await self._attempt(call, flight, headers, body, stream, strip_usage)
+            if isinstance(outcome, Response):
+                call.flight = flight
+                self._settle(call, worker, suspects)
+                if self.server.routing_headers:
+                    outcome.headers["x-kvroute-worker"] = worker
+                    outcome.headers["x-kvroute-cached-tokens"] = str(d.cached_tokens)
+                    outcome.headers["x-kvroute-attempts"] = str(attempt)
+                outcome.headers["x-request-id"] = call.rid
+                return outcome
+            failure, detail, answered = outcome
+            self._failed(failure, worker, detail)
+            if failure.health == "count":
+                suspects.append(worker)
+            error, failed_response = failure.error(worker), answered
+            if not failure.retry:
+                break
+        self._settle(call, None, suspects)
+        headers = {"x-request-id": call.rid}
+        if failed_response is not None:
             status, data, ctype = failed_response
-            self.metrics.done(route, target.name, status, started)
-            return Response(
-                data, status_code=status, media_type=ctype, headers={"x-request-id": rid}
-            )
-        assert failure is not None
-        self.metrics.done(route, target.name, failure.status, started)
-        return failure.response({"x-request-id": rid})
+            self.metrics.done(call.route, target.name, status, call.started)
+            return Response(data, status_code=status, media_type=ctype, headers=headers)
+        assert error is not None
+        self.metrics.done(call.route, target.name, error.status, call.started)
+        return error.response(headers)
 
-    async def _whole(
+    async def _attempt(
         self,
-        route: str,
-        model: str,
-        resp: httpx.Response,
+        call: Call,
         flight: Flight,
-        headers: dict[str, str],
-        started: float,
-    ) -> Response:
-        """A non-streamed (or failed) upstream response, read whole and passed on."""
+        headers: list[tuple[str, str]],
+        body: bytes,
+        stream: bool,
+        strip_usage: bool,
+    ) -> Response | tuple[UpstreamFailure, object, tuple[int, bytes, str] | None]:
+        """One upstream attempt: the response to send, or (failure, detail, the upstream's own
+        5xx answer if any). The flight is closed unless a ``ProxyStream`` takes it over."""
+        assert call.target is not None
+        req = flight.connections.request("POST", call.route, headers, body)
+        try:
+            resp = await flight.send(req)
+        except BaseException as e:
+            flight.close()
+            failure = classify(e, SEND_FAILURES) if isinstance(e, httpx.HTTPError) else None
+            if failure is None:
+                raise
+            return failure, e, None
+        handed_over = False
         usage = None
         try:
-            data = await resp.aread()
-            if resp.status_code == 200:
-                with contextlib.suppress(ValueError):
-                    parsed = json.loads(data)
-                    usage = parsed.get("usage") if isinstance(parsed, dict) else None
+            status = resp.status_code
+            if not 100 <= status <= 599:
+                return BAD_STATUS, f"status {status}", None
+            limit = self.server.max_response_bytes
+            if status >= 500:
+                try:
+                    data = await read_body(resp, limit)
+                except (httpx.HTTPError, ReplyTooLarge):
+                    data = b""
+                ctype = resp.headers.get("content-type", "application/json")
+                return STATUS_5XX, f"status {status}", (status, data, ctype)
+            reply_headers = {
+                n: v for n in _FORWARDED_RESPONSE_HEADERS if (v := resp.headers.get(n)) is not None
+            }
+            if stream and status == 200:
+                scanner = SseScanner(self.server.max_event_bytes)
+                chunks = resp.aiter_raw()
+                first = await first_events(chunks, scanner, flight.prefilled)
+                if not first:
+                    return EMPTY_STREAM, "no event before the end", None
+                handed_over = True
+                return ProxyStream(
+                    self.metrics,
+                    call.route,
+                    call.target.name,
+                    resp,
+                    chunks,
+                    scanner,
+                    first,
+                    flight,
+                    strip_usage=strip_usage,
+                    cache_fields=self.server.cache_usage_fields,
+                    headers=reply_headers,
+                    started=call.started,
+                )
+            data = await read_body(resp, limit)
+            if status == 200:
+                with contextlib.suppress(ValueError, RecursionError):
+                    reply = json.loads(data)
+                    usage = reply.get("usage") if isinstance(reply, dict) else None
+                    if self.server.cache_usage_fields:
+                        data = with_cache_fields_body(reply, data)
+            self.metrics.first_byte.observe(time.perf_counter() - call.started, call.route)
+            self.metrics.done(call.route, call.target.name, status, call.started)
+            return Response(data, status_code=status, headers=reply_headers)
+        except (ReplyTooLarge, EventTooLarge) as e:
+            return TOO_LARGE, e, None
         except httpx.HTTPError as e:
-            kind = classify(e, BODY_FAILURES)
-            if kind is None:
+            failure = classify(e, BODY_FAILURES)
+            if failure is None:
                 raise
-            self._failed(kind, flight.worker, e)
-            self.metrics.done(route, model, kind.status, started)
-            return kind.error(flight.worker).response(headers)
+            return failure, e, None
         finally:
-            await release(resp, flight, usage)
-        self.metrics.first_byte.observe(time.perf_counter() - started, route)
-        self.metrics.done(route, model, resp.status_code, started)
-        return Response(data, status_code=resp.status_code, headers=headers)
-
-    # ---- routing -----------------------------------------------------------------------------
-
-    def _route(self, tokens: np.ndarray, endpoint: str | None, tried: list[str]) -> Decision | None:
-        """The router's choice among the workers not yet tried for this request, or None.
-
-        When an endpoint's pool has no untried member left, the members that failed this request
-        are ejected, so the pool's next workers in rendezvous order step in (the pool returns to
-        its members when they are readmitted).
-        """
-        try:
-            return self.router.route(tokens=tokens, endpoint=endpoint, exclude=tried or None)
-        except NoWorkerError:
-            fresh = [w for w in dict.fromkeys(tried) if self.health.is_in(w)]
-            if endpoint is None or not fresh:
-                return None
-        for worker in fresh:
-            self.health.eject(worker, "its endpoint's pool has no untried member left")
-        try:
-            return self.router.route(tokens=tokens, endpoint=endpoint, exclude=tried)
-        except NoWorkerError:
-            return None
+            if not handed_over:
+                await release(resp, flight, usage)

@@ -1,21 +1,28 @@
 """Who may call what: the targets a request's ``model`` can name, and their API keys.
 
 A target is an endpoint (``[[endpoints]] id``: a sticky worker pool, its own keys, its salt) or a
-directly served model (``gateway.models``, behind ``gateway.api_keys``). A caller's bearer key is
-compared as a SHA-256 digest with ``hmac.compare_digest`` against every key of the target, so
-neither timing nor length tells which byte differed; the caller's key is never sent upstream.
+directly served model (``gateway.models``, behind ``gateway.api_keys``). The caller's bearer key is
+checked **from the headers, before the body is read**: the key's SHA-256 digest selects the
+targets it opens (``Access``), together with the open targets (those without keys). A caller that
+can open nothing is answered 401 at once, so an unauthenticated client never makes the gateway
+buffer a body.
+
+Answers never reveal which endpoints exist beyond the caller's own: a model the caller may not
+use is answered exactly like a model that does not exist — 404 for a caller with a valid key, 401
+for one without. Keys are looked up by their SHA-256 digest (a dict of digests: the time taken
+depends on the digest of the caller's key, never on a stored key's bytes, and digests cannot be
+steered toward a stored one). The caller's key is never sent upstream.
 """
 
 from __future__ import annotations
 
-import hmac
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .config import GatewayConfig, key_digest
 from .errors import HTTPError
 
-__all__ = ["Auth", "Target", "bearer"]
+__all__ = ["Access", "Auth", "Target", "bearer"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +36,34 @@ class Target:
     salted: bool
 
 
+@dataclass(frozen=True)
+class Access:
+    """What one caller may use: its key's digest (None without a valid key) and its targets."""
+
+    digest: bytes | None
+    targets: dict[str, Target]
+
+    def target(self, model: object) -> Target:
+        """The target ``model`` names, or the one answer for unknown and forbidden models."""
+        target = self.targets.get(model) if isinstance(model, str) else None
+        if target is not None:
+            return target
+        shown = model if isinstance(model, str) and len(model) <= 256 else "(invalid)"
+        if self.digest is None:
+            raise HTTPError(
+                401,
+                f"missing or invalid API key for model {shown!r} (Authorization: Bearer ...)",
+                "invalid_request_error",
+                "invalid_api_key",
+            )
+        raise HTTPError(
+            404,
+            f"the model {shown!r} does not exist or you do not have access to it",
+            "invalid_request_error",
+            "model_not_found",
+        )
+
+
 def bearer(authorization: str | None) -> str | None:
     """The token of an ``Authorization: Bearer <token>`` header, or None."""
     if not authorization:
@@ -39,7 +74,7 @@ def bearer(authorization: str | None) -> str | None:
 
 
 class Auth:
-    """The configured targets and the check of a caller's key against them."""
+    """The configured targets, and what each key opens."""
 
     def __init__(self, config: GatewayConfig) -> None:
         self.targets: dict[str, Target] = {}
@@ -47,53 +82,36 @@ class Auth:
             self.targets[ep.id] = Target(ep.id, ep.model, ep.id, ep.key_digests, ep.cache_salt)
         for model in config.server.models:
             self.targets[model] = Target(model, model, None, config.server.key_digests, False)
+        self.open = {n: t for n, t in self.targets.items() if not t.key_digests}
+        self._anonymous = Access(None, self.open)
+        by_digest: dict[bytes, dict[str, Target]] = {}
+        for name, t in self.targets.items():
+            for digest in t.key_digests:
+                by_digest.setdefault(digest, dict(self.open))[name] = t
+        self._by_digest = {d: Access(d, targets) for d, targets in by_digest.items()}
+        self.admin = frozenset(config.server.admin_key_digests)
 
-    def target(self, model: object) -> Target:
-        """The target a request's ``model`` names (404 when none)."""
-        target = self.targets.get(model) if isinstance(model, str) else None
-        if target is None:
-            raise HTTPError(
-                404,
-                f"the model {model!r} does not exist",
-                "invalid_request_error",
-                "model_not_found",
-            )
-        return target
-
-    @staticmethod
-    def key_matches(key: str, target: Target) -> bool:
-        digest = key_digest(key)
-        ok = False
-        for expected in target.key_digests:  # no early exit: every key is compared
-            ok |= hmac.compare_digest(digest, expected)
-        return ok
-
-    def authorize(self, key: str | None, target: Target) -> None:
-        """Raises 401 (no key) or 403 (a key the target does not accept)."""
-        if not target.key_digests:
-            return
-        if key is None:
+    def access(self, authorization: str | None) -> Access:
+        """What the caller with this ``Authorization`` header may use; 401 when nothing."""
+        key = bearer(authorization)
+        access = self._by_digest.get(key_digest(key)) if key is not None else None
+        if access is not None:
+            return access
+        if not self.open:
             raise HTTPError(
                 401,
-                "missing API key (Authorization: Bearer ...)",
-                "invalid_request_error",
-                "missing_api_key",
-            )
-        if not self.key_matches(key, target):
-            raise HTTPError(
-                403,
-                f"the API key is not valid for model {target.name!r}",
+                "missing or invalid API key (Authorization: Bearer ...)",
                 "invalid_request_error",
                 "invalid_api_key",
             )
+        return self._anonymous
 
-    def visible(self, key: str | None) -> Iterable[Target]:
-        """The targets a caller with ``key`` may use (``GET /v1/models``)."""
-        return (
-            t
-            for t in self.targets.values()
-            if not t.key_digests or (key is not None and self.key_matches(key, t))
-        )
+    def is_admin(self, authorization: str | None) -> bool:
+        key = bearer(authorization)
+        return key is not None and key_digest(key) in self.admin
 
-    def endpoints(self) -> Mapping[str, Target]:
-        return {n: t for n, t in self.targets.items() if t.endpoint is not None}
+    def visible(self, authorization: str | None) -> Iterable[Target]:
+        """The targets a caller may use (``GET /v1/models``)."""
+        key = bearer(authorization)
+        access = self._by_digest.get(key_digest(key)) if key is not None else None
+        return (access or self._anonymous).targets.values()

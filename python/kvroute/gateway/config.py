@@ -25,6 +25,22 @@ Example (every key shown; only ``[[workers]]`` is required)::
     upstream_keepalive = 4.0         # idle upstream connections closed after (below the
                                      # upstream's own keep-alive: uvicorn's default is 5 s)
     keep_alive_timeout = 75.0        # idle client connections closed after
+    header_timeout = 10.0            # a request's line and headers must arrive within (else 408)
+    body_timeout = 30.0              # a request's body must arrive within (else 408)
+    max_connections = 1024           # open client connections (past it the longest-waiting idle
+                                     # one is closed; none idle: the new one is refused)
+    max_response_bytes = 33554432    # a larger non-streamed upstream reply is answered 502
+    max_event_bytes = 8388608        # a larger SSE event (no blank line) ends the stream with an
+                                     # error event
+    admin_host = "127.0.0.1"         # the admin listener (/metrics, /health with worker names) …
+    admin_port = 9100                # … only when a port is given
+    admin_api_keys = ["sk-admin"]    # bearer keys for /metrics and /health details (any listener)
+    key_requests_per_minute = 600    # per configured API key (callers without one share one)
+    key_tokens_per_minute = 2000000  # prompt routing tokens + reported completion tokens
+    max_in_flight = 1024             # fleet bound; past it tenants get their weighted fair share
+    max_in_flight_per_worker = 64    # default: the worker's max_connections
+    prefill_tokens_per_second = 20000  # for x-slo-ttft-ms shedding; default: learned from streams
+    cache_usage_fields = true        # add prompt_cache_hit_tokens / _miss_tokens to usage
     health_path = "/health"          # probed on ejected workers until it answers 200
     health_interval = 1.0
     eject_seconds = 2.0              # minimum time a failed worker stays out
@@ -73,6 +89,9 @@ Example (every key shown; only ``[[workers]]`` is required)::
     salt = "…"                       # the endpoint's block-hash salt (default: its id); a
                                      # secret salt keeps engines' caches unguessable too
     cache_salt = true                # send the endpoint's salt upstream to vllm/sglang workers
+    requests_per_minute = 120        # the endpoint's own limits (token buckets, 429 + Retry-After)
+    tokens_per_minute = 500000
+    weight = 1.0                     # its fair share of the fleet under overload
 """
 
 from __future__ import annotations
@@ -122,6 +141,9 @@ class EndpointConfig:
     key_digests: tuple[bytes, ...] = ()
     salt: str | None = None
     cache_salt: bool = True
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    weight: float = 1.0
 
     @property
     def open(self) -> bool:
@@ -144,6 +166,20 @@ class ServerConfig:
     pool_timeout: float = 5.0
     upstream_keepalive: float = 4.0
     keep_alive_timeout: float = 75.0
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    max_connections: int = 1024
+    max_response_bytes: int = 32 * 1024 * 1024
+    max_event_bytes: int = 8 * 1024 * 1024
+    admin_host: str = "127.0.0.1"
+    admin_port: int | None = None
+    admin_key_digests: tuple[bytes, ...] = ()
+    key_requests_per_minute: int | None = None
+    key_tokens_per_minute: int | None = None
+    max_in_flight: int | None = None
+    max_in_flight_per_worker: int | None = None
+    prefill_tokens_per_second: float | None = None
+    cache_usage_fields: bool = True
 
 
 @dataclass(frozen=True)
@@ -173,6 +209,9 @@ def _endpoint(data: Any, i: int) -> EndpointConfig:
         key_digests=t.digests(),
         salt=t.get("salt", str, None) or None,
         cache_salt=t.get("cache_salt", bool, True),
+        requests_per_minute=t.positive("requests_per_minute", int, None),
+        tokens_per_minute=t.positive("tokens_per_minute", int, None),
+        weight=t.positive("weight", float, 1.0),
     )
     if not ep.id or not ep.model:
         raise ValueError(f"{t.where}: id and model must not be empty")
@@ -196,9 +235,24 @@ def _server(g: Table) -> ServerConfig:
         pool_timeout=g.positive("pool_timeout", float, d.pool_timeout),
         upstream_keepalive=g.positive("upstream_keepalive", float, d.upstream_keepalive),
         keep_alive_timeout=g.positive("keep_alive_timeout", float, d.keep_alive_timeout),
+        header_timeout=g.positive("header_timeout", float, d.header_timeout),
+        body_timeout=g.positive("body_timeout", float, d.body_timeout),
+        max_connections=g.positive("max_connections", int, d.max_connections),
+        max_response_bytes=g.positive("max_response_bytes", int, d.max_response_bytes),
+        max_event_bytes=g.positive("max_event_bytes", int, d.max_event_bytes),
+        admin_host=g.get("admin_host", str, d.admin_host),
+        admin_port=g.get("admin_port", int, None),
+        admin_key_digests=g.digests("admin_"),
+        key_requests_per_minute=g.positive("key_requests_per_minute", int, None),
+        key_tokens_per_minute=g.positive("key_tokens_per_minute", int, None),
+        max_in_flight=g.positive("max_in_flight", int, None),
+        max_in_flight_per_worker=g.positive("max_in_flight_per_worker", int, None),
+        prefill_tokens_per_second=g.positive("prefill_tokens_per_second", float, None),
+        cache_usage_fields=g.get("cache_usage_fields", bool, d.cache_usage_fields),
     )
-    if not 0 <= server.port < 65536:
-        raise ValueError(f"gateway.port must be in 0..65535, got {server.port!r}")
+    for name, port in (("port", server.port), ("admin_port", server.admin_port)):
+        if port is not None and not 0 <= port < 65536:
+            raise ValueError(f"gateway.{name} must be in 0..65535, got {port!r}")
     return server
 
 

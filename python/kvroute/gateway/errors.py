@@ -19,9 +19,12 @@ import httpx
 from starlette.responses import JSONResponse, Response
 
 __all__ = [
+    "BAD_STATUS",
     "BODY_FAILURES",
+    "EMPTY_STREAM",
     "SEND_FAILURES",
     "STATUS_5XX",
+    "TOO_LARGE",
     "HTTPError",
     "UpstreamFailure",
     "classify",
@@ -31,17 +34,29 @@ __all__ = [
 class HTTPError(Exception):
     """An error answered to the client as an OpenAI-style error object."""
 
-    def __init__(self, status: int, message: str, kind: str, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.kind = kind
         self.code = code
+        self.headers = headers
 
-    def response(self, headers: dict[str, str] | None = None) -> Response:
-        body = {
+    def body(self) -> dict[str, object]:
+        return {
             "error": {"message": str(self), "type": self.kind, "param": None, "code": self.code}
         }
-        return JSONResponse(body, status_code=self.status, headers=headers)
+
+    def response(self, headers: dict[str, str] | None = None) -> Response:
+        if self.headers:
+            headers = {**self.headers, **(headers or {})}
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 @dataclass(frozen=True)
@@ -72,8 +87,37 @@ TIMEOUT = UpstreamFailure(
 RESET = UpstreamFailure(
     "reset", 502, "upstream_reset", "upstream {worker} closed the connection", True, "count"
 )
+#: The body broke before anything was sent to the caller: retried (nothing was committed).
 BROKEN = UpstreamFailure(
-    "protocol", 502, "upstream_broken", "upstream {worker} failed mid-response", False, "none"
+    "protocol", 502, "upstream_broken", "upstream {worker} failed mid-response", True, "count"
+)
+#: A stream that ended or broke before its first event: retried.
+EMPTY_STREAM = UpstreamFailure(
+    "broken_stream",
+    502,
+    "upstream_broken",
+    "upstream {worker} ended its stream before any event",
+    True,
+    "count",
+)
+#: A status outside 100..599 (HTTP allows three digits; nothing above 599 is defined).
+BAD_STATUS = UpstreamFailure(
+    "bad_status",
+    502,
+    "upstream_bad_status",
+    "upstream {worker} answered an invalid HTTP status",
+    True,
+    "count",
+)
+#: A reply past ``max_response_bytes`` (or an SSE event past ``max_event_bytes``): not retried,
+#: as another worker would most likely answer the same request as largely.
+TOO_LARGE = UpstreamFailure(
+    "too_large",
+    502,
+    "upstream_reply_too_large",
+    "the reply of upstream {worker} exceeds the gateway's size limit",
+    False,
+    "none",
 )
 #: A 5xx answer: retried; the upstream's own answer is passed on if no attempt succeeds.
 STATUS_5XX = UpstreamFailure(
@@ -93,7 +137,7 @@ SEND_FAILURES: tuple[Row, ...] = (
     ((httpx.TimeoutException,), TIMEOUT),
     ((httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError), RESET),
 )
-#: Reading a response body.
+#: Reading a response body (or a stream's first event) before anything was sent to the caller.
 BODY_FAILURES: tuple[Row, ...] = (
     ((httpx.TimeoutException,), TIMEOUT),
     ((httpx.HTTPError,), BROKEN),

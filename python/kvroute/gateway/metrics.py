@@ -2,7 +2,8 @@
 
 Series (``kvroute_gateway_`` prefix):
 
-- ``requests_total{route,model,status}`` — answered requests (status 499: client went away).
+- ``requests_total{route,model,status}`` — answered requests by outcome (499: the client went
+  away; a stream that broke after its 200 was sent counts as 502).
 - ``request_duration_seconds{route}`` — histogram, request received → response (or stream) ended.
 - ``time_to_first_byte_seconds{route}`` — histogram, request received → first body byte sent.
 - ``routing_decisions_total{policy,reason,worker}`` — one per upstream attempt.
@@ -12,6 +13,12 @@ Series (``kvroute_gateway_`` prefix):
 - ``upstream_errors_total{worker,kind}`` — kind ``connect``, ``pool_timeout``, ``reset``,
   ``status_5xx``, ``timeout``, ``broken_stream``, ``protocol``.
 - ``retries_total`` — upstream attempts after the first.
+- ``rejected_total{reason}`` — requests answered without reaching an upstream, by error code
+  (``invalid_json``, ``request_timeout``, ``client_gone``, ``invalid_api_key`` …).
+- ``rate_limited_total{scope,limit}`` — 429s of the token buckets (scope ``endpoint``/``key``,
+  limit ``requests``/``tokens``).
+- ``shed_total{reason}`` — 429s of admission control (``worker_queue``, ``fleet_queue``,
+  ``fair_share``, ``slo``).
 - ``in_flight{worker}`` — upstream requests begun and not finished.
 - ``worker_healthy{worker}`` — 1 when the router may choose the worker.
 """
@@ -88,6 +95,21 @@ class GatewayMetrics:
             Counter(P + "upstream_errors_total", "Upstream failures.", ("worker", "kind"))
         )
         self.retries = reg.add(Counter(P + "retries_total", "Upstream attempts after the first."))
+        self.rejected = reg.add(
+            Counter(
+                P + "rejected_total",
+                "Requests answered without reaching an upstream.",
+                ("reason",),
+            )
+        )
+        self.rate_limited = reg.add(
+            Counter(
+                P + "rate_limited_total", "Requests refused by a rate limit.", ("scope", "limit")
+            )
+        )
+        self.shed = reg.add(
+            Counter(P + "shed_total", "Requests shed by admission control.", ("reason",))
+        )
         reg.add(
             Gauge(
                 P + "in_flight",

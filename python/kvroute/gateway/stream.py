@@ -1,9 +1,20 @@
 """An upstream SSE stream passed through to the caller event by event.
 
-Each complete event (up to a blank line) is forwarded as soon as it arrives; only the usage chunk
-the gateway itself asked for (``stream_options.include_usage``, added when the caller did not ask)
-is removed, after its ``usage`` was recorded for the router. A client that disconnects cancels the
-upstream request (its connection is closed). The flight ends exactly once, whatever happens.
+The gateway commits the caller's 200 only once the upstream's **first complete event** has
+arrived (``first_events``): a stream that fails before it is an upstream failure like any other
+(retried on another worker, or answered 502). From then on each complete event (up to a blank
+line) is forwarded as soon as it arrives. The usage chunk gets the cache fields
+(``kvroute.gateway.usage``) and, when the gateway itself asked for it
+(``stream_options.include_usage`` added because the caller did not), is removed after its
+``usage`` was recorded for the router.
+
+A stream that breaks after the 200 — the connection lost, bad chunked encoding, an event larger
+than ``max_event_bytes``, or an end without ``data: [DONE]`` — is ended with an error event
+(``data: {"error": {...}}``, which the OpenAI SDKs raise as an error) and counted as status 502
+in ``requests_total`` and as ``broken_stream`` in ``upstream_errors_total``. Scanning is linear:
+each byte is searched for an event boundary at most once, and an unfinished event is bounded by
+``max_event_bytes``. A client that disconnects cancels the upstream request (its connection is
+closed). The flight ends exactly once, whatever happens.
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -22,12 +34,52 @@ from starlette.types import Receive, Scope, Send
 
 from .metrics import GatewayMetrics
 from .upstream import Flight, release
+from .usage import with_cache_fields
 
-__all__ = ["ProxyStream", "wait_disconnect"]
+__all__ = ["EventTooLarge", "ProxyStream", "SseScanner", "wait_disconnect"]
 
 log = logging.getLogger("kvroute.gateway")
 
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
+_DONE = re.compile(rb"^data:\s*\[DONE\]", re.MULTILINE)
+
+
+class EventTooLarge(Exception):
+    """An SSE event grew past ``max_event_bytes`` without its blank line."""
+
+
+class SseScanner:
+    """Splits a byte stream into complete SSE events, scanning each byte once."""
+
+    __slots__ = ("buf", "limit", "scanned")
+
+    def __init__(self, limit: int) -> None:
+        self.buf = bytearray()
+        self.limit = limit
+        self.scanned = 0  # bytes of buf already searched for a boundary
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        buf = self.buf
+        buf += chunk
+        events = []
+        start = 0
+        pos = max(self.scanned - 3, 0)  # a boundary (up to 4 bytes) may straddle two chunks
+        while True:
+            m = _EVENT_END.search(buf, pos)
+            if m is None:
+                break
+            events.append(bytes(buf[start : m.end()]))
+            start = pos = m.end()
+        if start:
+            del buf[:start]
+        self.scanned = len(buf)
+        if len(buf) > self.limit:
+            raise EventTooLarge(f"an SSE event exceeds {self.limit} bytes")
+        return events
+
+    @property
+    def pending(self) -> bytes:
+        return bytes(self.buf)
 
 
 async def wait_disconnect(receive: Receive) -> None:
@@ -38,8 +90,29 @@ async def wait_disconnect(receive: Receive) -> None:
             return
 
 
+async def first_events(
+    chunks: AsyncIterator[bytes], scanner: SseScanner, on_first_byte: Callable[[], None]
+) -> list[bytes]:
+    """Reads until the first complete event; [] when the stream ended before one. Raises what
+    reading raises (``httpx.HTTPError``, ``EventTooLarge``)."""
+    first = True
+    async for chunk in chunks:
+        if first:
+            first = False
+            on_first_byte()
+        events = scanner.feed(chunk)
+        if events:
+            return events
+    return []
+
+
+def error_event(message: str, code: str) -> bytes:
+    body = {"error": {"message": message, "type": "upstream_error", "param": None, "code": code}}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
 class ProxyStream(Response):
-    """An upstream SSE stream passed through event by event; ends the flight exactly once."""
+    """An upstream SSE stream (its first events already read) passed through event by event."""
 
     def __init__(
         self,
@@ -47,8 +120,13 @@ class ProxyStream(Response):
         route: str,
         model: str,
         upstream: httpx.Response,
+        chunks: AsyncIterator[bytes],
+        scanner: SseScanner,
+        first: list[bytes],
         flight: Flight,
+        *,
         strip_usage: bool,
+        cache_fields: bool,
         headers: dict[str, str],
         started: float,
     ) -> None:
@@ -60,10 +138,16 @@ class ProxyStream(Response):
         self.route = route
         self.model = model
         self.upstream = upstream
+        self.chunks = chunks
+        self.scanner = scanner
+        self.first = first
         self.flight = flight
         self.strip_usage = strip_usage
+        self.cache_fields = cache_fields
         self.started = started
         self.usage: Any = None
+        self.done = False  # data: [DONE] seen
+        self.outcome = 200  # what requests_total counts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         status = self.status_code
@@ -78,13 +162,24 @@ class ProxyStream(Response):
             if pump.done():
                 broken = pump.result()
                 if broken is not None:
-                    self.metrics.errors.inc(self.flight.worker, "broken_stream")
-                    log.warning("stream from %s broke: %r", self.flight.worker, broken)
+                    self.outcome = 502
+                    worker = self.flight.worker
+                    self.metrics.errors.inc(worker, "broken_stream")
+                    log.warning("stream from %s broke after its first event: %s", worker, broken)
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "body": error_event(
+                                f"upstream {worker} failed mid-stream: {broken}", "upstream_broken"
+                            ),
+                            "more_body": True,
+                        }
+                    )
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             else:
-                status = 499
+                self.outcome = 499
         except OSError:  # the client's socket is gone
-            status = 499
+            self.outcome = 499
         finally:
             for task in (pump, watch):
                 if task is not None:
@@ -95,54 +190,62 @@ class ProxyStream(Response):
             try:
                 await release(self.upstream, self.flight, self.usage)
             finally:
-                self.metrics.done(self.route, self.model, status, self.started)
+                self.metrics.done(self.route, self.model, self.outcome, self.started)
 
-    async def _pump(self, send: Send) -> BaseException | None:
-        """Forwards complete SSE events; returns the error that broke the stream, if any."""
-        buf = b""
-        first = True
+    def _forwardable(self, events: list[bytes]) -> bytes:
+        out = []
+        for event in events:
+            if b'"prompt_tokens"' in event:
+                event = self._usage_event(event)
+                if not event:
+                    continue
+            elif not self.done and _DONE.search(event):
+                self.done = True
+            out.append(event)
+        return b"".join(out)
+
+    async def _pump(self, send: Send) -> str | None:
+        """Forwards complete SSE events; returns why the stream broke, if it did."""
+        first = self._forwardable(self.first)
+        self.first = []
+        self.metrics.first_byte.observe(time.perf_counter() - self.started, self.route)
+        if first:
+            await send({"type": "http.response.body", "body": first, "more_body": True})
         try:
-            async for chunk in self.upstream.aiter_raw():
-                if first:
-                    self.flight.prefilled()
-                buf += chunk
-                out = []
-                start = 0
-                while True:
-                    m = _EVENT_END.search(buf, start)
-                    if m is None:
-                        break
-                    event = buf[start : m.end()]
-                    start = m.end()
-                    if b'"prompt_tokens"' in event and self._is_usage(event):
-                        continue
-                    out.append(event)
-                buf = buf[start:]
-                if out:
-                    if first:
-                        first = False
-                        self.metrics.first_byte.observe(
-                            time.perf_counter() - self.started, self.route
-                        )
-                    await send(
-                        {"type": "http.response.body", "body": b"".join(out), "more_body": True}
-                    )
+            async for chunk in self.chunks:
+                body = self._forwardable(self.scanner.feed(chunk))
+                if body:
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
         except httpx.HTTPError as e:
-            return e
-        if buf:
-            await send({"type": "http.response.body", "body": buf, "more_body": True})
+            return f"{type(e).__name__}: {e}"
+        except EventTooLarge as e:
+            return str(e)
+        if self.scanner.buf:
+            return f"the stream ended inside an event ({len(self.scanner.buf)} bytes)"
+        if not self.done:
+            return "the stream ended without data: [DONE]"
         return None
 
-    def _is_usage(self, event: bytes) -> bool:
-        """Records a usage chunk; True when it is to be dropped (the gateway asked for it)."""
-        for line in event.splitlines():
+    def _usage_event(self, event: bytes) -> bytes:
+        """Records a usage chunk; returns the event to forward (b"" to drop it)."""
+        lines = event.split(b"\n")
+        for i, line in enumerate(lines):
             if not line.startswith(b"data:"):
                 continue
             try:
                 chunk = json.loads(line[5:])
             except ValueError:
-                return False
-            if isinstance(chunk, dict) and isinstance(chunk.get("usage"), dict):
-                self.usage = chunk["usage"]
-                return self.strip_usage and not chunk.get("choices")
-        return False
+                return event
+            if not (isinstance(chunk, dict) and isinstance(chunk.get("usage"), dict)):
+                return event
+            self.usage = chunk["usage"]
+            if self.strip_usage and not chunk.get("choices"):
+                return b""
+            if self.cache_fields:
+                usage = with_cache_fields(self.usage)
+                if usage is not self.usage:
+                    chunk["usage"] = usage
+                    lines[i] = b"data: " + json.dumps(chunk, ensure_ascii=False).encode()
+                    return b"\n".join(lines)
+            return event
+        return event

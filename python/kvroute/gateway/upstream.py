@@ -5,12 +5,16 @@ begun and not finished. ``Upstreams.begin(decision, ...)`` starts one attempt as
 ``router.begin(decision)`` at once; ``prefilled()`` when the upstream's first output arrives;
 ``close(usage)`` exactly once whatever happens — the response read, the stream ended or broken, the
 client gone, the attempt failed or cancelled — reporting the upstream's ``cached_tokens`` to
-``router.observe`` first (in routing tokens) and then calling ``router.finish``.
+``router.observe`` first (in routing tokens) and then calling ``router.finish``. A worker with
+``max_in_flight_per_worker`` attempts in flight is in ``Upstreams.full`` (the router's choice
+skips it) until one of them ends.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -20,8 +24,9 @@ from kvroute import Decision, Router
 from .config import ServerConfig, WorkerConfig
 from .metrics import GatewayMetrics
 from .prompt import to_routing_tokens
+from .usage import cached_tokens
 
-__all__ = ["Connections", "Flight", "Upstreams", "cached_tokens", "release"]
+__all__ = ["Connections", "Flight", "ReplyTooLarge", "Upstreams", "read_body", "release"]
 
 log = logging.getLogger("kvroute.gateway")
 
@@ -139,6 +144,11 @@ class Upstreams:
         self.metrics = metrics
         self.connections: dict[str, Connections] = {}
         self.in_flight: dict[str, int] = dict.fromkeys(self.workers, 0)
+        bound = server.max_in_flight_per_worker
+        self.bounds = {w.name: bound or w.max_connections for w in workers}
+        self.full: set[str] = set()  # workers at their in-flight bound
+        #: Called with (prefill tokens, seconds) when a flight's first output arrives.
+        self.on_prefilled: Callable[[float, float], None] | None = None
 
     def start(self) -> None:
         s = self.server
@@ -160,6 +170,13 @@ class Upstreams:
     def begin(self, decision: Decision, routing_prompt: int) -> Flight:
         return Flight(self, decision, routing_prompt)
 
+    def _count(self, worker: str, by: int) -> None:
+        n = self.in_flight[worker] = self.in_flight[worker] + by
+        if n >= self.bounds[worker]:
+            self.full.add(worker)
+        else:
+            self.full.discard(worker)
+
     async def probe(self, worker: str, path: str) -> bool:
         """Whether ``GET path`` on the worker answers 200."""
         connections = self.connections.get(worker)
@@ -176,13 +193,16 @@ class Flight:
     """One upstream attempt's load accounting: ``begin`` at creation, ``finish`` exactly once."""
 
     __slots__ = (
+        "begun",
         "closed",
         "connections",
         "decision",
         "prefill_done",
+        "queued",
         "routing_prompt",
         "shard",
         "upstreams",
+        "usage",
         "worker",
     )
 
@@ -193,22 +213,34 @@ class Flight:
         self.routing_prompt = routing_prompt
         self.closed = False
         self.prefill_done = False
+        self.usage: Any = None
         self.connections = upstreams.connections[self.worker]
         self.shard = self.connections.acquire()
+        self.queued = 0.0
+        if upstreams.on_prefilled is not None:
+            load = upstreams.router.load(self.worker)
+            self.queued = load["prefill_blocks"] * upstreams.router.block_size
         upstreams.router.begin(decision)
-        upstreams.in_flight[self.worker] += 1
+        upstreams._count(self.worker, 1)
+        self.begun = time.perf_counter()
 
     def prefilled(self) -> None:
         """The upstream produced its first output: the prompt's prefill is done."""
         if not self.prefill_done and not self.closed:
             self.prefill_done = True
-            self.upstreams.router.prefilled(self.decision)
+            u = self.upstreams
+            u.router.prefilled(self.decision)
+            if u.on_prefilled is not None:
+                d = self.decision
+                work = self.queued + max(d.prompt_tokens - d.cached_tokens, 0)
+                u.on_prefilled(work, time.perf_counter() - self.begun)
 
     def close(self, usage: Any = None) -> None:
         """Reports the upstream's usage (if it has cached tokens) and finishes; idempotent."""
         if self.closed:
             return
         self.closed = True
+        self.usage = usage
         u = self.upstreams
         try:
             cached = cached_tokens(usage)
@@ -225,7 +257,7 @@ class Flight:
         except Exception:  # a bad report must never skip finish()
             log.exception("observe failed for worker %s", self.worker)
         finally:
-            u.in_flight[self.worker] -= 1
+            u._count(self.worker, -1)
             self.connections.release(self.shard)
             u.router.finish(self.decision)
 
@@ -233,17 +265,24 @@ class Flight:
         return await self.connections.send(self.shard, request)
 
 
-def cached_tokens(usage: Any) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens`` when it is a count, else None."""
-    if not isinstance(usage, dict):
-        return None
-    details = usage.get("prompt_tokens_details")
-    if not isinstance(details, dict):
-        return None
-    cached = details.get("cached_tokens")
-    if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
-        return cached
-    return None
+class ReplyTooLarge(Exception):
+    """A non-streamed upstream reply grew past ``max_response_bytes``."""
+
+
+async def read_body(resp: httpx.Response, limit: int) -> bytes:
+    """The whole body of a response, refusing (``ReplyTooLarge``) past ``limit`` bytes — checked
+    on ``Content-Length`` first, then while reading."""
+    declared = resp.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ReplyTooLarge(f"the reply declares {declared} bytes, over {limit}")
+    chunks = []
+    size = 0
+    async for chunk in resp.aiter_bytes():
+        size += len(chunk)
+        if size > limit:
+            raise ReplyTooLarge(f"the reply exceeds {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def release(resp: httpx.Response, flight: Flight, usage: Any = None) -> None:

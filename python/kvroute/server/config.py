@@ -173,13 +173,15 @@ class Table:
         """A sub-table (empty when absent)."""
         return Table(self.get(key, dict, {}), key if self.root else f"{self.where}.{key}")
 
-    def digests(self) -> tuple[bytes, ...]:
-        """``api_keys`` (hashed here) and ``api_key_sha256`` (hex digests), deduplicated."""
-        digests = [key_digest(k) for k in self.strings("api_keys")]
-        for hexed in self.strings("api_key_sha256"):
+    def digests(self, prefix: str = "") -> tuple[bytes, ...]:
+        """``<prefix>api_keys`` (hashed here) and ``<prefix>api_key_sha256`` (hex digests),
+        deduplicated."""
+        digests = [key_digest(k) for k in self.strings(prefix + "api_keys")]
+        for hexed in self.strings(prefix + "api_key_sha256"):
             if not re.fullmatch(r"[0-9a-fA-F]{64}", hexed):
                 raise ValueError(
-                    f"{self.where}.api_key_sha256 entries must be 64 hex digits, got {hexed!r}"
+                    f"{self.where}.{prefix}api_key_sha256 entries must be 64 hex digits, "
+                    f"got {hexed!r}"
                 )
             digests.append(bytes.fromhex(hexed))
         return tuple(dict.fromkeys(digests))

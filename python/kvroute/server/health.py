@@ -12,6 +12,10 @@ It is ejected
   ``max_ejected_fraction`` of the fleet is out through failures (Envoy's ``max_ejection_percent``):
   past that, failing workers stay in and callers see the failures, not a fleet-wide 503.
 
+A worker under suspicion (``suspect``: it failed a request that also failed elsewhere, so the
+request's content may be the cause) is probed at once, at most once per ``interval``: it is
+ejected if its health endpoint does not answer, and left alone otherwise.
+
 An ejected worker is readmitted when, at least ``eject_seconds`` after its ejection, its health
 endpoint answers (``probe``, every ``interval`` seconds); its failure count starts again at 0.
 State changes happen on the server's event loop; the router is told through ``set_healthy``.
@@ -52,6 +56,8 @@ class Health:
         self.ejected: dict[str, float] = {}  # worker -> clock() at ejection
         self.failures: dict[str, int] = {}  # worker -> failures in a row
         self._task: asyncio.Task[None] | None = None
+        self._suspected: dict[str, float] = {}  # worker -> clock() of its last suspicion probe
+        self._probes: set[asyncio.Task[None]] = set()
 
     # ---- state -------------------------------------------------------------------------------
 
@@ -96,6 +102,27 @@ class Health:
         self.failures[worker] = self.failures.get(worker, 0) + 1
         self.eject(worker, why)
 
+    def suspect(self, worker: str, why: str) -> None:
+        """Probes the worker now (at most once per ``interval``); ejects it if the probe fails."""
+        now = self._clock()
+        if (
+            worker in self.ejected
+            or now - self._suspected.get(worker, -1e18) < self.config.interval
+        ):
+            return
+        self._suspected[worker] = now
+        task = asyncio.get_running_loop().create_task(self._check(worker, why))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _check(self, worker: str, why: str) -> None:
+        try:
+            ok = await self._probe(worker)
+        except Exception:
+            ok = False
+        if ok is not True:
+            self.eject(worker, f"{why}, and its health probe failed")
+
     def eject(self, worker: str, why: str) -> None:
         if worker not in self.ejected:
             log.warning("ejecting upstream %s: %s", worker, why)
@@ -135,8 +162,10 @@ class Health:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="kvroute-health")
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
+        tasks = [*self._probes, *([self._task] if self._task is not None else [])]
+        self._task = None
+        for task in tasks:
             task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task

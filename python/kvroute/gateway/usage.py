@@ -1,0 +1,60 @@
+"""DeepSeek-style prompt-cache fields in ``usage``: ``prompt_cache_hit_tokens`` and
+``prompt_cache_miss_tokens``.
+
+Scripts written against DeepSeek's API read how much of the prompt was served from the cache from
+``usage.prompt_cache_hit_tokens`` (and the rest from ``usage.prompt_cache_miss_tokens``); vLLM,
+SGLang and OpenAI report ``usage.prompt_tokens_details.cached_tokens``. With
+``cache_usage_fields = true`` (the default) the gateway adds the two fields, derived from the
+engine's report — hit = ``cached_tokens``, miss = ``prompt_tokens − cached_tokens`` — to
+non-streamed replies and to the final usage chunk of streams, and keeps the OpenAI field as it is.
+When the engine reports no ``cached_tokens`` (vLLM without ``--enable-prompt-tokens-details``,
+SGLang without ``--enable-cache-report``) both fields stay absent: nothing is known, and 0 would
+claim a cold cache.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+__all__ = ["cached_tokens", "with_cache_fields", "with_cache_fields_body"]
+
+
+def cached_tokens(usage: Any) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` when it is a count, else None."""
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, dict):
+        return None
+    cached = details.get("cached_tokens")
+    if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
+        return cached
+    return None
+
+
+def with_cache_fields(usage: Any) -> Any:
+    """``usage`` with the hit/miss fields added (a new dict), or ``usage`` itself when the engine
+    reported no cached tokens (or the fields are there already)."""
+    cached = cached_tokens(usage)
+    if cached is None or "prompt_cache_hit_tokens" in usage:
+        return usage
+    prompt = usage.get("prompt_tokens")
+    out = dict(usage)
+    out["prompt_cache_hit_tokens"] = cached
+    if isinstance(prompt, int) and not isinstance(prompt, bool) and prompt >= cached:
+        out["prompt_cache_miss_tokens"] = prompt - cached
+    return out
+
+
+def with_cache_fields_body(reply: Any, data: bytes) -> bytes:
+    """A non-streamed reply's body with the fields added to its ``usage`` (``reply`` is ``data``
+    parsed); ``data`` itself when there is nothing to add."""
+    if not isinstance(reply, dict):
+        return data
+    usage = reply.get("usage")
+    fields = with_cache_fields(usage)
+    if fields is usage:
+        return data
+    reply["usage"] = fields
+    return json.dumps(reply, ensure_ascii=False, separators=(",", ":")).encode()

@@ -1,0 +1,252 @@
+"""Broken upstreams and tenants that hurt each other (issue 14, items 2, 4, 5 and 6).
+
+Faults a real engine cannot be made to show on demand come from ``gateway_faults.FaultServer``
+(a raw HTTP/1.1 server that writes scripted bytes); everything else from the OpenAI-compatible
+test upstreams. Callers are the official OpenAI client and raw httpx.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("starlette")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from support.gateway_faults import (  # noqa: E402
+    SSE_HEAD,
+    FaultServer,
+    chunk,
+    delta,
+    reply,
+)
+from support.gateway_fleet import (  # noqa: E402
+    ADMIN_KEY,
+    Fleet,
+    GatewayServer,
+    chat,
+    config_dict,
+    messages,
+    metric_samples,
+)
+
+
+def fleet_config(urls: list[str], **gateway) -> dict:
+    """A gateway over the given upstream URLs (workers w-0, w-1, …), one open model "m"."""
+    return {
+        "gateway": {
+            "models": ["m"],
+            "connect_timeout": 1.0,
+            "read_timeout": 5.0,
+            "health_interval": 0.05,
+            "eject_seconds": 30.0,
+            "admin_api_keys": [ADMIN_KEY],
+            **gateway,
+        },
+        "router": {"policy": "round_robin"},
+        "workers": [{"name": f"w-{i}", "url": url, "kind": "openai"} for i, url in enumerate(urls)],
+    }
+
+
+@pytest.fixture
+def faults():
+    servers: list[FaultServer] = []
+
+    def make(script) -> FaultServer:
+        s = FaultServer(script)
+        servers.append(s)
+        return s
+
+    yield make
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture
+def good():
+    f = Fleet(1)
+    yield f
+    f.close()
+
+
+def stream_text(client, **kw) -> str:
+    stream = client.chat.completions.create(
+        model="m", messages=messages("q", system="s"), stream=True, **kw
+    )
+    return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+
+def post_chat(gw) -> httpx.Response:
+    return httpx.post(
+        gw.url + "/v1/chat/completions",
+        json={"model": "m", "messages": messages("q")},
+        trust_env=False,
+        timeout=10,
+    )
+
+
+def counted(gw, name: str, **labels) -> float:
+    key = (f"kvroute_gateway_{name}", tuple(sorted(labels.items())))
+    return metric_samples(gw.metrics()).get(key, 0.0)
+
+
+# ---- item 4: nothing is committed before the upstream's first event -------------------------
+
+CLOSED_BEFORE_FIRST_EVENT = {
+    "closed": lambda body: [SSE_HEAD],
+    "bad chunked encoding": lambda body: [SSE_HEAD, b"zz\r\nnot a chunk\r\n"],
+    "clean end, no event": lambda body: [SSE_HEAD, b"0\r\n\r\n"],
+}
+
+
+@pytest.mark.parametrize(
+    "script", CLOSED_BEFORE_FIRST_EVENT.values(), ids=list(CLOSED_BEFORE_FIRST_EVENT)
+)
+def test_stream_failing_before_its_first_event_is_retried(faults, good, script):
+    bad = faults(script)
+    cfg = fleet_config([bad.url, f"http://127.0.0.1:{good.ports[0]}"], max_attempts=2)
+    with GatewayServer(cfg) as gw:
+        client = gw.client(None)
+        for _ in range(4):  # round robin: half of them try the broken worker first
+            assert stream_text(client).startswith("up-0 ")
+        assert bad.requests  # it was tried
+        assert (
+            counted(gw, "requests_total", route="/v1/chat/completions", model="m", status="200")
+            == 4
+        )
+
+
+@pytest.mark.parametrize(
+    "script", CLOSED_BEFORE_FIRST_EVENT.values(), ids=list(CLOSED_BEFORE_FIRST_EVENT)
+)
+def test_stream_failing_everywhere_before_its_first_event_is_502(faults, script):
+    bad = faults(script)
+    with GatewayServer(fleet_config([bad.url], max_attempts=1)) as gw:
+        with pytest.raises(openai.APIStatusError) as e:
+            stream_text(gw.client(None))
+        assert e.value.status_code == 502
+        assert (
+            counted(gw, "requests_total", route="/v1/chat/completions", model="m", status="502")
+            == 1
+        )
+
+
+BROKEN_AFTER_FIRST_EVENT = {
+    "connection lost": lambda body: [SSE_HEAD, chunk(delta("one ") + delta("two ")), 0.05],
+    "no [DONE] at the end": lambda body: [SSE_HEAD, chunk(delta("one ")), b"0\r\n\r\n"],
+    "cut inside an event": lambda body: [SSE_HEAD, chunk(delta("one ") + b"data: {"), b"0\r\n\r\n"],
+}
+
+
+@pytest.mark.parametrize(
+    "script", BROKEN_AFTER_FIRST_EVENT.values(), ids=list(BROKEN_AFTER_FIRST_EVENT)
+)
+def test_stream_broken_after_its_first_event_ends_with_an_error_event(faults, script):
+    bad = faults(script)
+    with GatewayServer(fleet_config([bad.url], max_attempts=1)) as gw:
+        pieces = []
+        with pytest.raises(openai.APIError) as e:
+            stream = gw.client(None).chat.completions.create(
+                model="m", messages=messages("q", system="s"), stream=True
+            )
+            for c in stream:
+                pieces.append(c.choices[0].delta.content)
+        assert pieces[0] == "one "
+        assert "failed mid-stream" in str(e.value)
+        assert (
+            counted(gw, "requests_total", route="/v1/chat/completions", model="m", status="502")
+            == 1
+        )
+        assert (
+            counted(gw, "requests_total", route="/v1/chat/completions", model="m", status="200")
+            == 0
+        )
+        assert counted(gw, "upstream_errors_total", worker="w-0", kind="broken_stream") == 1
+        assert counted(gw, "in_flight", worker="w-0") == 0
+
+
+def test_non_streamed_reply_cut_mid_body_is_retried(faults, good):
+    cut = lambda body: [reply(200, b'{"choices": []}' + b" " * 1000)[:-900], 0.05]  # noqa: E731
+    bad = faults(cut)
+    cfg = fleet_config([bad.url, f"http://127.0.0.1:{good.ports[0]}"], max_attempts=2)
+    with GatewayServer(cfg) as gw:
+        for i in range(4):
+            done, _ = chat(gw.client(None), "m", f"q{i}", system="s")
+            assert done.choices[0].message.content.startswith("up-0 ")
+        assert bad.requests
+
+
+# ---- item 5: an upstream status of 600 or more ------------------------------------------------
+
+
+def test_upstream_status_600_is_answered_502(faults):
+    bad = faults(lambda body: [reply(600, b"{}")])
+    with GatewayServer(fleet_config([bad.url], max_attempts=1)) as gw:
+        r = post_chat(gw)
+        assert r.status_code == 502
+        assert r.json()["error"]["code"] == "upstream_bad_status"
+        assert counted(gw, "upstream_errors_total", worker="w-0", kind="bad_status") == 1
+        statuses = {
+            dict(labels)["status"]
+            for (name, labels) in metric_samples(gw.metrics())
+            if name == "kvroute_gateway_requests_total"
+        }
+        assert statuses == {"502"}
+
+
+# ---- item 6: upstream output is bounded ------------------------------------------------------
+
+
+def test_sse_without_event_boundaries_is_cut_off(faults):
+    flood = [chunk(b"x" * 8192) for _ in range(64)]  # 512 KiB, no blank line
+    bad = faults(lambda body: [SSE_HEAD, chunk(delta("one ")), *flood, b"0\r\n\r\n"])
+    cfg = fleet_config([bad.url], max_attempts=1, max_event_bytes=65536)
+    with GatewayServer(cfg) as gw:
+        with pytest.raises(openai.APIError) as e:
+            for _ in gw.client(None).chat.completions.create(
+                model="m", messages=messages("q"), stream=True
+            ):
+                pass
+        assert "exceeds 65536 bytes" in str(e.value)
+        assert counted(gw, "upstream_errors_total", worker="w-0", kind="broken_stream") == 1
+
+
+def test_non_streamed_reply_is_bounded(faults):
+    big = b'{"choices": [], "x": "' + b"y" * (3 << 20) + b'"}'
+    bad = faults(lambda body: [reply(200, big)])
+    cfg = fleet_config([bad.url], max_attempts=2, max_response_bytes=1 << 20)
+    with GatewayServer(cfg) as gw:
+        r = post_chat(gw)
+        assert r.status_code == 502
+        assert r.json()["error"]["code"] == "upstream_reply_too_large"
+        assert len(bad.requests) == 1  # not retried: another worker would answer as largely
+
+
+# ---- item 2: one tenant's requests must not eject the fleet ----------------------------------
+
+
+def test_poison_requests_eject_no_worker():
+    """An endpoint over a pool of two workers; its requests containing POISON make both engines
+    answer 500. They fail (the caller gets the engine's 500), but no worker is ejected, and the
+    other tenant on the same workers is served throughout."""
+    fleet = Fleet(2)
+    try:
+        for u in fleet.upstreams:
+            u.poison = "POISON"
+        cfg = config_dict(fleet, gateway={"eject_seconds": 30.0})  # max_attempts 3
+        cfg["endpoints"] = [
+            {"id": "ep-bad", "model": "m", "pool_size": 2, "api_keys": ["sk-bad"]},
+            {"id": "ep-victim", "model": "m", "pool_size": 2, "api_keys": ["sk-victim"]},
+        ]
+        with GatewayServer(cfg) as gw:
+            for i in range(8):
+                with pytest.raises(openai.InternalServerError):
+                    chat(gw.client("sk-bad"), "ep-bad", f"POISON {i}")
+                done, _ = chat(gw.client("sk-victim"), "ep-victim", f"fine {i}")
+                assert done.choices
+            time.sleep(0.3)  # the suspicion probes have answered
+            assert all(gw.get("/health").json()["workers"].values())
+    finally:
+        fleet.close()
