@@ -97,6 +97,25 @@ def test_slow_headers_are_cut_off(fleet):
         assert done.choices
 
 
+def test_header_deadline_ends_when_the_request_starts(fleet):
+    """A request that takes longer than header_timeout upstream is not cut off, whatever the
+    caller says in X-Forwarded-For (the guard finds its connection by the socket's address)."""
+    with GatewayServer(config_dict(fleet, gateway={"header_timeout": 0.3})) as gw:
+        for u in fleet.upstreams:
+            u.stall = 1.0
+        try:
+            done, _ = chat(
+                gw.client("sk-acme"),
+                "ep-acme",
+                "slow upstream",
+                extra_headers={"x-forwarded-for": "203.0.113.9", "x-forwarded-proto": "https"},
+            )
+            assert done.choices
+        finally:
+            for u in fleet.upstreams:
+                u.stall = 0.0
+
+
 def test_a_connection_that_sends_nothing_is_closed(fleet):
     with GatewayServer(config_dict(fleet, gateway={"header_timeout": 0.3})) as gw:
         s = connect(gw)

@@ -259,6 +259,10 @@ def uvicorn_config(app: Any, guard: ConnectionGuard | None, **options: Any) -> A
         options["http"] = guarded_protocol(AutoHTTPProtocol, guard)
         options.setdefault("timeout_keep_alive", guard.keep_alive_timeout)
     options.setdefault("interface", "asgi3")
+    # The scope's client address must stay the connection's own: the guard finds connections by
+    # it (and a caller's X-Forwarded-For would otherwise rewrite it).
+    options["proxy_headers"] = False
+    options.setdefault("server_header", False)
     return uvicorn.Config(app, **options)
 
 
