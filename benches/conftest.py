@@ -54,3 +54,11 @@ def pytest_terminal_summary(terminalreporter, config):
                 f"{group}: {peer.extra_info.get('impl')} {_per_op(peer) * 1e9:,.1f} ns/op, "
                 f"kvroute {_per_op(best) * 1e9:,.1f} ns/op -> {ratio:,.1f}x"
             )
+        cpu = {b.extra_info.get("impl"): b.extra_info.get("cpu_s_per_op") for b in items}
+        if cpu.get("kvroute"):
+            for impl, value in sorted(cpu.items()):
+                if impl != "kvroute" and value:
+                    terminalreporter.write_line(
+                        f"{group}: CPU per op {impl} {value * 1e3:,.3f} ms, kvroute "
+                        f"{cpu['kvroute'] * 1e3:,.3f} ms -> {value / cpu['kvroute']:,.2f}x"
+                    )

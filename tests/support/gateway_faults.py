@@ -95,12 +95,21 @@ class FaultServer:
                         writer.write(step)
                         await writer.drain()
             await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
             pass
         finally:
             writer.close()
 
+    async def _shutdown(self) -> None:
+        self.server.close()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.loop.stop()
+
     def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.server.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        """Closes the listener and every connection, then ends the thread."""
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop)
         self.thread.join(10)
+        self.loop.close()

@@ -20,8 +20,8 @@ One gateway process holds one router. In approx mode the router's model of every
 lives in that process, so several gateway processes behind a load balancer each learn only their
 own traffic; in events mode they all follow the engines' own reports and agree.
 
-Needs the ``gateway`` extra (``pip install 'kvroute[gateway]'``: starlette, uvicorn, httpx, and
-tomli before Python 3.11); an HF ``tokenizers`` file is optional.
+Needs the ``gateway`` extra (``pip install 'kvroute[gateway]'``: starlette, uvicorn, httptools,
+uvloop, and tomli before Python 3.11); an HF ``tokenizers`` file is optional.
 """
 
 from __future__ import annotations

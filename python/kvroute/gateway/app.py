@@ -67,7 +67,6 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import httpx
 import numpy as np
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
@@ -78,6 +77,7 @@ from kvroute.server.routing import NoWorkerError, build_router
 
 from .admission import Admission, Shed
 from .auth import Access, Auth, Target
+from .client import BodyTooLarge, UpstreamError
 from .config import GatewayConfig, WorkerConfig
 from .errors import (
     BAD_STATUS,
@@ -95,7 +95,7 @@ from .listener import ConnectionGuard
 from .metrics import GatewayMetrics
 from .prompt import OFFLOAD_CHARS, RequestError, Tokenizer, load_tokenizer
 from .stream import EventTooLarge, ProxyStream, SseScanner, first_events, wait_disconnect
-from .upstream import Flight, ReplyTooLarge, Upstreams, read_body, release
+from .upstream import Flight, Upstreams, release
 from .usage import with_cache_fields_body
 
 __all__ = ["Gateway"]
@@ -105,7 +105,7 @@ log = logging.getLogger("kvroute.gateway")
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
-_FORWARDED_RESPONSE_HEADERS = ("content-type", "cache-control")
+_FORWARDED_RESPONSE_HEADERS = ("content-type", "content-encoding", "cache-control")
 
 Handler = Callable[["Incoming"], Awaitable[Response]]
 
@@ -124,6 +124,28 @@ class Incoming:
         self.receive = receive
         self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         self.after: list[Callable[[], None]] = []  # run once the response has been sent
+
+
+class UpstreamBody:
+    """The body sent upstream, encoded once for salting workers and once for the others, each
+    only when a worker of that kind is tried; and whether the usage chunk is the gateway's."""
+
+    __slots__ = ("body", "encoded", "salt", "strip_usage")
+
+    def __init__(self, body: dict[str, Any], salt: str | None, strip_usage: bool) -> None:
+        self.body = body
+        self.salt = salt
+        self.strip_usage = strip_usage
+        self.encoded: dict[bool, bytes] = {}
+
+    def get(self, salting: bool) -> bytes:
+        salted = salting and self.salt is not None
+        data = self.encoded.get(salted)
+        if data is None:
+            body = {**self.body, "cache_salt": self.salt} if salted else self.body
+            data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+            self.encoded[salted] = data
+        return data
 
 
 class Call:
@@ -151,6 +173,13 @@ class Call:
         self.tenant = "-"
         self.slo: float | None = None
         self.flight: Flight | None = None  # the attempt that answered
+
+
+def _uncancel(task: asyncio.Task[Any]) -> None:
+    """Withdraws a cancellation this handler made and handled (Python >= 3.11 counts them)."""
+    uncancel = getattr(task, "uncancel", None)
+    if uncancel is not None:
+        uncancel()
 
 
 def _not_found(req: Incoming) -> HTTPError:
@@ -419,12 +448,27 @@ class Gateway:
     async def _payload(self, req: Incoming) -> tuple[dict[str, Any], int]:
         """The request's JSON object and the size of its body."""
         timeout = self.server.body_timeout
+        task = asyncio.current_task()
+        expired = False
+
+        def expire() -> None:  # a timer, not wait_for: no task per request
+            nonlocal expired
+            expired = True
+            if task is not None:
+                task.cancel()
+
+        timer = asyncio.get_running_loop().call_later(timeout, expire)
         try:
-            body = await asyncio.wait_for(self._read_body(req), timeout)
-        except asyncio.TimeoutError:
+            body = await self._read_body(req)
+        except asyncio.CancelledError:
+            if not expired or task is None:
+                raise
+            _uncancel(task)
             raise HTTPError(
                 408, f"request body not received within {timeout:g} s", code="request_timeout"
             ) from None
+        finally:
+            timer.cancel()
         try:
             payload = json.loads(body)
         except RecursionError:
@@ -554,27 +598,34 @@ class Gateway:
         call: Call,
         payload: dict[str, Any],
         tokens: np.ndarray,
-        upstream: tuple[bytes, bytes, bool],
+        upstream: UpstreamBody,
     ) -> Response:
         """Forwards the request; the client going away cancels it (answered 499)."""
         assert call.target is not None
-        forward = asyncio.ensure_future(self._forward(call, payload, tokens, upstream))
+        task = asyncio.current_task()
+        state = {"active": True, "gone": False}
+
+        def client_gone(watch: asyncio.Future[None]) -> None:
+            if state["active"] and not watch.cancelled() and task is not None:
+                state["gone"] = True
+                task.cancel()
+
         watch = asyncio.ensure_future(wait_disconnect(req.receive))
+        watch.add_done_callback(client_gone)
         try:
-            await asyncio.wait((forward, watch), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not forward.done():  # the client went away, or this handler is cancelled
-                forward.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await forward  # its cleanup: the upstream closed, the flight finished
-        if forward.cancelled():
+            return await self._forward(call, payload, tokens, upstream)
+        except asyncio.CancelledError:
+            if not state["gone"]:
+                raise  # this handler itself is being cancelled
+            if task is not None:
+                _uncancel(task)
             self.metrics.done(call.route, call.target.name, 499, call.started)
             return Response(status_code=499)
-        return forward.result()
+        finally:
+            state["active"] = False
+            watch.cancel()
 
-    def _upstream_body(self, target: Target, payload: dict[str, Any]) -> tuple[bytes, bytes, bool]:
-        """(body for salting workers, body for others, whether the usage chunk is ours)."""
+    def _upstream_body(self, target: Target, payload: dict[str, Any]) -> UpstreamBody:
         body = dict(payload)
         body["model"] = target.upstream_model
         body.pop("cache_salt", None)
@@ -584,13 +635,10 @@ class Gateway:
             if not (isinstance(options, dict) and options.get("include_usage")):
                 body["stream_options"] = {**(options or {}), "include_usage": True}
                 strip_usage = True
-        plain = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
         salt = self.salts.get(target.endpoint) if target.salted and target.endpoint else None
-        if salt is None:
-            return plain, plain, strip_usage
-        body["cache_salt"] = salt
-        salted = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
-        return salted, plain, strip_usage
+        upstream = UpstreamBody(body, salt, strip_usage)
+        upstream.get(True)  # encoded now: a text that cannot be encoded is the caller's 400
+        return upstream
 
     # ---- upstream attempts -------------------------------------------------------------------
 
@@ -652,11 +700,10 @@ class Gateway:
         call: Call,
         payload: dict[str, Any],
         tokens: np.ndarray,
-        upstream: tuple[bytes, bytes, bool],
+        upstream: UpstreamBody,
     ) -> Response:
         target = call.target
         assert target is not None
-        salted_body, plain_body, strip_usage = upstream
         stream = payload.get("stream") is True
         error: HTTPError | None = None
         failed_response: tuple[int, bytes, str] | None = None
@@ -673,13 +720,10 @@ class Gateway:
             worker = d.worker
             tried.append(worker)
             self.metrics.decisions.inc(d.policy, d.reason, worker)
-            headers = [
-                ("content-type", "application/json"),
-                ("x-request-id", call.upstream_rid),
-            ]
+            headers = f"content-type: application/json\r\nx-request-id: {call.upstream_rid}\r\n"
             flight = self.upstreams.begin(d, len(tokens))
-            body = salted_body if self.workers[worker].sends_cache_salt else plain_body
-            outcome = await self._attempt(call, flight, headers, body, stream, strip_usage)
+            body = upstream.get(self.workers[worker].sends_cache_salt)
+            outcome = await self._attempt(call, flight, headers, body, stream, upstream.strip_usage)
             if isinstance(outcome, Response):
                 call.flight = flight
                 self._settle(call, worker, suspects)
@@ -710,7 +754,7 @@ class Gateway:
         self,
         call: Call,
         flight: Flight,
-        headers: list[tuple[str, str]],
+        headers: str,
         body: bytes,
         stream: bool,
         strip_usage: bool,
@@ -718,12 +762,11 @@ class Gateway:
         """One upstream attempt: the response to send, or (failure, detail, the upstream's own
         5xx answer if any). The flight is closed unless a ``ProxyStream`` takes it over."""
         assert call.target is not None
-        req = flight.connections.request("POST", call.route, headers, body)
         try:
-            resp = await flight.send(req)
+            resp = await flight.send(call.route, headers, body)
         except BaseException as e:
             flight.close()
-            failure = classify(e, SEND_FAILURES) if isinstance(e, httpx.HTTPError) else None
+            failure = classify(e, SEND_FAILURES) if isinstance(e, UpstreamError) else None
             if failure is None:
                 raise
             return failure, e, None
@@ -736,8 +779,8 @@ class Gateway:
             limit = self.server.max_response_bytes
             if status >= 500:
                 try:
-                    data = await read_body(resp, limit)
-                except (httpx.HTTPError, ReplyTooLarge):
+                    data = await resp.read(limit)
+                except (UpstreamError, BodyTooLarge):
                     data = b""
                 ctype = resp.headers.get("content-type", "application/json")
                 return STATUS_5XX, f"status {status}", (status, data, ctype)
@@ -746,7 +789,7 @@ class Gateway:
             }
             if stream and status == 200:
                 scanner = SseScanner(self.server.max_event_bytes)
-                chunks = resp.aiter_raw()
+                chunks = resp.__aiter__()
                 first = await first_events(chunks, scanner, flight.prefilled)
                 if not first:
                     return EMPTY_STREAM, "no event before the end", None
@@ -765,7 +808,7 @@ class Gateway:
                     headers=reply_headers,
                     started=call.started,
                 )
-            data = await read_body(resp, limit)
+            data = await resp.read(limit)
             if status == 200:
                 with contextlib.suppress(ValueError, RecursionError):
                     reply = json.loads(data)
@@ -775,9 +818,9 @@ class Gateway:
             self.metrics.first_byte.observe(time.perf_counter() - call.started, call.route)
             self.metrics.done(call.route, call.target.name, status, call.started)
             return Response(data, status_code=status, headers=reply_headers)
-        except (ReplyTooLarge, EventTooLarge) as e:
+        except (BodyTooLarge, EventTooLarge) as e:
             return TOO_LARGE, e, None
-        except httpx.HTTPError as e:
+        except UpstreamError as e:
             failure = classify(e, BODY_FAILURES)
             if failure is None:
                 raise

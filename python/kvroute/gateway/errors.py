@@ -15,8 +15,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import httpx
 from starlette.responses import JSONResponse, Response
+
+from .client import (
+    ConnectFailed,
+    ConnectionLost,
+    ConnectTimeout,
+    PoolTimeout,
+    ProtocolError,
+    ReadTimeout,
+    UpstreamError,
+    WriteTimeout,
+)
 
 __all__ = [
     "BAD_STATUS",
@@ -126,21 +136,21 @@ STATUS_5XX = UpstreamFailure(
 
 Row = tuple[tuple[type[BaseException], ...], UpstreamFailure]
 
-#: Sending the request and reading the response head (first match wins: order matters, as
-#: ``ConnectTimeout`` and ``PoolTimeout`` are also ``TimeoutException``). A reset before any
-#: response byte is retried although the upstream may have read the request (a keep-alive
-#: connection it closed at that moment, typically): completions have no side effects, so at worst
-#: it computed twice. Read timeouts are not retried: the upstream may still be computing.
+#: Sending the request and reading the response head (``kvroute.gateway.client``'s errors). A
+#: reset before any response byte is retried although the upstream may have read the request (a
+#: keep-alive connection it closed at that moment, typically): completions have no side effects,
+#: so at worst it computed twice. Read timeouts are not retried: the upstream may still be
+#: computing.
 SEND_FAILURES: tuple[Row, ...] = (
-    ((httpx.ConnectError, httpx.ConnectTimeout), CONNECT),
-    ((httpx.PoolTimeout,), POOL_TIMEOUT),
-    ((httpx.TimeoutException,), TIMEOUT),
-    ((httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError), RESET),
+    ((ConnectFailed, ConnectTimeout), CONNECT),
+    ((PoolTimeout,), POOL_TIMEOUT),
+    ((ReadTimeout, WriteTimeout), TIMEOUT),
+    ((ConnectionLost, ProtocolError), RESET),
 )
 #: Reading a response body (or a stream's first event) before anything was sent to the caller.
 BODY_FAILURES: tuple[Row, ...] = (
-    ((httpx.TimeoutException,), TIMEOUT),
-    ((httpx.HTTPError,), BROKEN),
+    ((ReadTimeout,), TIMEOUT),
+    ((UpstreamError,), BROKEN),
 )
 
 

@@ -28,10 +28,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from .client import Response as UpstreamResponse
+from .client import UpstreamError
 from .metrics import GatewayMetrics
 from .upstream import Flight, release
 from .usage import with_cache_fields
@@ -94,7 +95,7 @@ async def first_events(
     chunks: AsyncIterator[bytes], scanner: SseScanner, on_first_byte: Callable[[], None]
 ) -> list[bytes]:
     """Reads until the first complete event; [] when the stream ended before one. Raises what
-    reading raises (``httpx.HTTPError``, ``EventTooLarge``)."""
+    reading raises (``UpstreamError``, ``EventTooLarge``)."""
     first = True
     async for chunk in chunks:
         if first:
@@ -119,7 +120,7 @@ class ProxyStream(Response):
         metrics: GatewayMetrics,
         route: str,
         model: str,
-        upstream: httpx.Response,
+        upstream: UpstreamResponse,
         chunks: AsyncIterator[bytes],
         scanner: SseScanner,
         first: list[bytes],
@@ -216,7 +217,7 @@ class ProxyStream(Response):
                 body = self._forwardable(self.scanner.feed(chunk))
                 if body:
                     await send({"type": "http.response.body", "body": body, "more_body": True})
-        except httpx.HTTPError as e:
+        except UpstreamError as e:
             return f"{type(e).__name__}: {e}"
         except EventTooLarge as e:
             return str(e)
