@@ -16,6 +16,9 @@ from typing import Any
 import httpx
 from engines import Engine, free_port
 
+#: The admin key of the gateways the e2e run starts (``/health`` details, ``/metrics``).
+ADMIN_KEY = "sk-e2e-admin"
+
 
 def _toml(value: Any) -> str:
     if isinstance(value, bool):
@@ -67,6 +70,7 @@ def config_text(
         "health_interval = 0.5",
         "eject_seconds = 1.0",
         "eject_after = 1",
+        f"admin_api_keys = [{_toml(ADMIN_KEY)}]",  # /health's worker and event details
         "",
         "[router]",
         *(f"{k} = {_toml(v)}" for k, v in router.items()),
@@ -142,7 +146,9 @@ class Gateway:
         return "\n".join(p.read_text(errors="replace").splitlines()[-n:]) if p.exists() else ""
 
     def health(self) -> dict[str, Any]:
-        return httpx.get(self.url + "/health", timeout=5.0).json()
+        """``/health`` with the worker and KV-event details (the admin key's view)."""
+        headers = {"authorization": f"Bearer {ADMIN_KEY}"}
+        return httpx.get(self.url + "/health", timeout=5.0, headers=headers).json()
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
