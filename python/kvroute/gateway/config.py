@@ -103,15 +103,16 @@ from typing import Any
 
 from kvroute.server.config import (
     WORKER_KINDS,
+    EndpointConfig,
     EventsConfig,
     HealthConfig,
     RouterConfig,
     Table,
     TokenizerConfig,
     WorkerConfig,
-    duplicates,
     key_digest,
     load_toml,
+    parse_endpoints,
     parse_fleet,
     parse_health,
 )
@@ -130,25 +131,6 @@ __all__ = [
     "load_config",
     "parse_config",
 ]
-
-
-@dataclass(frozen=True)
-class EndpointConfig:
-    id: str
-    model: str
-    pool_size: int = 1
-    reserved_blocks: int | None = None
-    key_digests: tuple[bytes, ...] = ()
-    salt: str | None = None
-    cache_salt: bool = True
-    requests_per_minute: int | None = None
-    tokens_per_minute: int | None = None
-    weight: float = 1.0
-
-    @property
-    def open(self) -> bool:
-        """True when no API key is configured (anyone may call it)."""
-        return not self.key_digests
 
 
 @dataclass(frozen=True)
@@ -199,26 +181,6 @@ class GatewayConfig:
         raise KeyError(f"unknown worker {name!r}")
 
 
-def _endpoint(data: Any, i: int) -> EndpointConfig:
-    t = Table(data, f"endpoints[{i}]")
-    ep = EndpointConfig(
-        id=t.require("id", str),
-        model=t.require("model", str),
-        pool_size=t.positive("pool_size", int, 1),
-        reserved_blocks=t.positive("reserved_blocks", int, None, zero=True),
-        key_digests=t.digests(),
-        salt=t.get("salt", str, None) or None,
-        cache_salt=t.get("cache_salt", bool, True),
-        requests_per_minute=t.positive("requests_per_minute", int, None),
-        tokens_per_minute=t.positive("tokens_per_minute", int, None),
-        weight=t.positive("weight", float, 1.0),
-    )
-    if not ep.id or not ep.model:
-        raise ValueError(f"{t.where}: id and model must not be empty")
-    t.done()
-    return ep
-
-
 def _server(g: Table) -> ServerConfig:
     d = ServerConfig()
     server = ServerConfig(
@@ -265,20 +227,8 @@ def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
     g.done()
     fleet = parse_fleet(top, health)
 
-    endpoints = tuple(_endpoint(e, i) for i, e in enumerate(top.get("endpoints", list, [])))
-    ids = [e.id for e in endpoints]
-    dup = duplicates(ids)
-    if dup:
-        raise ValueError(f"duplicate endpoint id(s): {dup}")
-    clash = sorted(set(ids) & set(server.models))
-    if clash:
-        raise ValueError(f"endpoint id(s) {clash} are also listed in gateway.models")
-    for e in endpoints:
-        if e.pool_size > len(fleet.workers):
-            raise ValueError(
-                f"endpoint {e.id!r}: pool_size {e.pool_size} exceeds the {len(fleet.workers)} "
-                "workers"
-            )
+    endpoints = parse_endpoints(top, server.models, "gateway.models", len(fleet.workers))
+    top.get("epp", dict, {})  # kvroute epp's section of a shared file (kvroute.epp.config)
     top.done()
     return GatewayConfig(
         workers=fleet.workers,

@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 __all__ = [
     "SALTING_KINDS",
     "WORKER_KINDS",
+    "EndpointConfig",
     "EventsConfig",
     "FleetConfig",
     "HealthConfig",
@@ -36,6 +37,7 @@ __all__ = [
     "duplicates",
     "key_digest",
     "load_toml",
+    "parse_endpoints",
     "parse_fleet",
     "parse_health",
 ]
@@ -105,6 +107,27 @@ class HealthConfig:
     eject_seconds: float = 2.0  # minimum time an ejected worker stays out
     eject_after: int = 3  # failures in a row (across requests) that eject a worker
     max_ejected_fraction: float = 0.5  # failure-based ejection never takes out more of the fleet
+
+
+@dataclass(frozen=True)
+class EndpointConfig:
+    """A dedicated endpoint (``[[endpoints]]``): a sticky worker pool, its keys and its salt."""
+
+    id: str
+    model: str
+    pool_size: int = 1
+    reserved_blocks: int | None = None
+    key_digests: tuple[bytes, ...] = ()
+    salt: str | None = None
+    cache_salt: bool = True
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    weight: float = 1.0
+
+    @property
+    def open(self) -> bool:
+        """True when no API key is configured (anyone may call it)."""
+        return not self.key_digests
 
 
 @dataclass(frozen=True)
@@ -244,6 +267,47 @@ def _worker(data: Any, i: int) -> WorkerConfig:
     return w
 
 
+def _endpoint(data: Any, i: int) -> EndpointConfig:
+    t = Table(data, f"endpoints[{i}]")
+    ep = EndpointConfig(
+        id=t.require("id", str),
+        model=t.require("model", str),
+        pool_size=t.positive("pool_size", int, 1),
+        reserved_blocks=t.positive("reserved_blocks", int, None, zero=True),
+        key_digests=t.digests(),
+        salt=t.get("salt", str, None) or None,
+        cache_salt=t.get("cache_salt", bool, True),
+        requests_per_minute=t.positive("requests_per_minute", int, None),
+        tokens_per_minute=t.positive("tokens_per_minute", int, None),
+        weight=t.positive("weight", float, 1.0),
+    )
+    if not ep.id or not ep.model:
+        raise ValueError(f"{t.where}: id and model must not be empty")
+    t.done()
+    return ep
+
+
+def parse_endpoints(
+    top: Table, models: tuple[str, ...], models_key: str, workers: int | None
+) -> tuple[EndpointConfig, ...]:
+    """``[[endpoints]]``: unique ids, none also a directly served model (``models``, read from
+    ``models_key``), no pool larger than the ``workers`` (None: a fleet that is discovered)."""
+    endpoints = tuple(_endpoint(e, i) for i, e in enumerate(top.get("endpoints", list, [])))
+    ids = [e.id for e in endpoints]
+    dup = duplicates(ids)
+    if dup:
+        raise ValueError(f"duplicate endpoint id(s): {dup}")
+    clash = sorted(set(ids) & set(models))
+    if clash:
+        raise ValueError(f"endpoint id(s) {clash} are also listed in {models_key}")
+    for e in endpoints:
+        if workers is not None and e.pool_size > workers:
+            raise ValueError(
+                f"endpoint {e.id!r}: pool_size {e.pool_size} exceeds the {workers} workers"
+            )
+    return endpoints
+
+
 def parse_health(t: Table) -> HealthConfig:
     """The worker-health keys of a server's own section (``health_path``, ``eject_after`` …)."""
     d = HealthConfig()
@@ -259,10 +323,16 @@ def parse_health(t: Table) -> HealthConfig:
     return health
 
 
-def parse_fleet(top: Table, health: HealthConfig | None = None) -> FleetConfig:
-    """``[[workers]]``, ``[router]``, ``[tokenizer]`` and ``[events]`` of a parsed document."""
-    workers_raw = top.get("workers", list, None)
-    if not workers_raw:
+def parse_fleet(
+    top: Table, health: HealthConfig | None = None, *, discovered: str | None = None
+) -> FleetConfig:
+    """``[[workers]]``, ``[router]``, ``[tokenizer]`` and ``[events]`` of a parsed document.
+
+    ``discovered`` names where more workers come from at run time (``kvroute epp``'s
+    ``[epp.pool]``): then ``[[workers]]`` may be empty, and ``index = "events"`` is not checked
+    against the static workers' ``kv_events``."""
+    workers_raw = top.get("workers", list, [])
+    if not workers_raw and discovered is None:
         raise ValueError("config needs at least one [[workers]] entry")
     workers = tuple(_worker(w, i) for i, w in enumerate(workers_raw))
     dup = duplicates([w.name for w in workers])
@@ -304,7 +374,7 @@ def parse_fleet(top: Table, health: HealthConfig | None = None) -> FleetConfig:
     )
     ev.done()
     with_events = [w.name for w in workers if w.kv_events]
-    if router.index == "events" and not with_events:
+    if router.index == "events" and not with_events and discovered is None:
         raise ValueError("router.index = 'events' needs kv_events on at least one worker")
     if router.index != "events" and with_events:
         raise ValueError(
