@@ -217,6 +217,26 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _epp(args: argparse.Namespace) -> int:
+    """Run the ext_proc endpoint picker (needs the `epp` extra)."""
+    import logging
+
+    try:
+        from .epp import EppServer
+        from .epp.config import load_config
+    except ImportError as e:
+        print(f"kvroute epp needs the epp extra (pip install 'kvroute[epp]'): {e}", file=sys.stderr)
+        return 2
+    try:
+        server = EppServer(load_config(args.config))  # builds the router: validates everything
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        print(f"kvroute epp: bad config {args.config}: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    server.run()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvroute", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -343,6 +363,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     serve.set_defaults(func=_serve)
+
+    epp = sub.add_parser(
+        "epp",
+        help="run the Gateway API Inference Extension endpoint picker (Envoy ext_proc)",
+    )
+    epp.add_argument("--config", required=True, help="the TOML file (kvroute serve's, plus [epp])")
+    epp.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    epp.set_defaults(func=_epp)
     return parser
 
 

@@ -5,7 +5,9 @@
 - ``routing`` — the Router built from that configuration, and what ``route`` raises when no
   worker is left;
 - ``health`` — the health model: ejection on failures, readmission by probing;
+- ``events`` — the KV-event subscriber of a server in events mode;
 - ``metrics`` — Prometheus counters, gauges and histograms on one registry.
 
-Nothing here imports an HTTP, gRPC or NATS library: a server brings its own transport.
+Nothing here imports an HTTP, gRPC or NATS library (zmq only when events mode starts): a server
+brings its own transport.
 """
