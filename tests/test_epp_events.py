@@ -1,0 +1,50 @@
+"""``kvroute epp`` in events mode: the engines' KV events (published over ZMQ like SGLang's) feed
+the router's index, so the picker sends a prompt where an engine reports holding it — including a
+prompt that never went through the picker."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+from support.epp_client import EnvoyClient, EppThread, epp_config
+from support.gateway_fleet import LONG_SYSTEM, Fleet, chat, wait_for
+from test_gateway_events import PublishingUpstream, indexed
+
+
+@pytest.fixture
+def fleet():
+    f = Fleet(3, factory=PublishingUpstream)
+    yield f
+    f.close()
+    for u in f.upstreams:
+        u.close()
+
+
+def test_the_pick_follows_the_engines_kv_events(fleet):
+    cfg = epp_config(fleet, router={"policy": "kv_aware", "index": "events"})
+    for w, u in zip(cfg["workers"], fleet.upstreams, strict=True):
+        w["kv_events"] = u.events_endpoint
+    with EppThread(cfg) as epp:
+        for u in fleet.upstreams:
+            u.wait_subscribed()
+        direct = openai.OpenAI(base_url=f"http://127.0.0.1:{fleet.ports[2]}/v1", api_key="x")
+        chat(direct, "base-model", "asked directly")  # bypasses the picker: only events tell
+        wait_for(lambda: indexed(epp.router, "up-2") > 0, "up-2's KV events")
+
+        async def ask() -> object:
+            client = EnvoyClient(epp.port)
+            try:
+                messages = [
+                    {"role": "system", "content": LONG_SYSTEM},
+                    {"role": "user", "content": "asked through the picker"},
+                ]
+                return await client.exchange({"model": "base-model", "messages": messages})
+            finally:
+                await client.close()
+
+        r = asyncio.run(ask())
+        assert r.status == 200 and r.picked == epp.address("up-2")
+        assert fleet["up-2"].records[-1]["cached_tokens"] > 1500
+        assert epp.server.subscriber.stats()["up-2"]["malformed"] == 0
