@@ -26,10 +26,24 @@ uvloop, and tomli before Python 3.11); an HF ``tokenizers`` file is optional.
 
 from __future__ import annotations
 
-from .app import Gateway
+from typing import TYPE_CHECKING, Any
+
 from .config import GatewayConfig, load_config, parse_config
 
+if TYPE_CHECKING:
+    from .app import Gateway
+
 __all__ = ["Gateway", "GatewayConfig", "load_config", "parse_config", "serve"]
+
+
+def __getattr__(name: str) -> Any:
+    # The app needs the `gateway` extra (starlette, httpx); `kvroute.gateway.prompt` and `.config`
+    # do not, so the integrations can render prompts without it.
+    if name == "Gateway":
+        from .app import Gateway
+
+        return Gateway
+    raise AttributeError(f"module 'kvroute.gateway' has no attribute {name!r}")
 
 
 def serve(
@@ -45,6 +59,7 @@ def serve(
     import asyncio
     import logging
 
+    from .app import Gateway
     from .listener import raise_open_file_limit, run_servers, uvicorn_config
 
     gateway = config if isinstance(config, Gateway) else Gateway(config)
