@@ -1,11 +1,15 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 DATA = Path(__file__).parent / "data"
+
+# LiteLLM fetches its model cost map over the network at import unless told to use its bundled copy.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 
 def load_vectors(name: str) -> dict:

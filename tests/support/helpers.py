@@ -36,3 +36,31 @@ def paper_jump(key: int, n: int) -> int:
         key = (key * 2862933555777941757 + 1) % 2**64
         j = int((b + 1) * (float(1 << 31) / float((key >> 33) + 1)))
     return b
+
+
+def tenant_system_prompts(tenants: int = 20, rules: int = 180) -> list[str]:
+    """Long, distinct system prompts (~8 kB, ~2,000 routing tokens each), one per tenant."""
+    return [
+        f"Tenant {t} support policy. "
+        + " ".join(f"Rule {i}: item {t}-{i} costs {i * t % 97} credits." for i in range(rules))
+        for t in range(tenants)
+    ]
+
+
+def tenant_requests(count: int, tenants: int = 20, seed: int = 0) -> list[tuple[int, str]]:
+    """``count`` (tenant, question) pairs, tenants drawn uniformly in a fixed random order."""
+    import random
+
+    rng = random.Random(seed)
+    return [(rng.randrange(tenants), f"question {q}") for q in range(count)]
+
+
+def hit_rate(usages: list[Any]) -> float:
+    """Cached ÷ prompt tokens over OpenAI ``usage`` objects or dicts (the engines' own report)."""
+
+    def field(obj: Any, name: str) -> Any:
+        return obj[name] if isinstance(obj, dict) else getattr(obj, name)
+
+    prompt = sum(field(u, "prompt_tokens") for u in usages)
+    cached = sum(field(field(u, "prompt_tokens_details"), "cached_tokens") for u in usages)
+    return cached / prompt

@@ -1,0 +1,392 @@
+"""kvroute as LiteLLM's routing strategy: ``KvRouteStrategy(router, ...).install()``.
+
+Tested with ``litellm==1.110.2`` (``pip install 'kvroute[litellm]'``). ``install()`` registers the
+strategy with ``Router.register_plugin`` (what ``set_custom_routing_strategy`` became in LiteLLM
+1.110) and a callback object on ``litellm.callbacks``; ``close()`` removes the callback.
+
+**What it decides.** For every pick LiteLLM asks ``async_get_available_deployment`` for, the model
+group's own ``kvroute.Router`` (workers: the group's deployments by ``model_info.id``, weighted by
+``litellm_params.weight``; re-read whenever LiteLLM's registry changes) routes the request's prompt,
+rendered and tokenized as ``kvroute serve`` does (``kvroute.integrations.common``).
+
+**What LiteLLM keeps.** The candidates are what LiteLLM's own filter chain leaves
+(``Router.select(kind="healthy")``: cooldowns, pre-call checks such as context windows and rpm/tpm
+limits with ``enable_pre_call_checks``, tag filtering): a deployment in cooldown is marked unhealthy
+in the kvroute router (so a dedicated endpoint's pool re-forms without it), one filtered out for
+this request only is excluded from this pick. When LiteLLM has no candidate its own error propagates
+unchanged, so retries, model-group fallbacks (each group routed by its own kvroute router), timeouts
+and cooldown accounting all behave as without the strategy. What the strategy replaces is the pick
+itself: ``routing_strategy`` (simple-shuffle, least-busy, usage- and latency-based) no longer
+chooses among the candidates, for every model group of this router.
+
+**Feedback, exactly once per attempt.** An attempt is begun (``Router.begin``) when LiteLLM starts
+it (``async_pre_call_deployment_hook``) and finished when it ends: on the deployment success or
+failure hook, at the end of a stream (the success event), or — for a call cancelled or a stream
+abandoned, where LiteLLM calls no hook — when LiteLLM drops the request's logging object. Before
+finishing, the engine's ``usage.prompt_tokens_details.cached_tokens`` is passed to
+``Router.observe``. For streams the strategy asks the engine for usage
+(``extra_body.stream_options.include_usage``); LiteLLM does not forward that chunk to a client that
+did not ask for it (``request_usage=False`` turns this off for engines that reject the field).
+
+**Dedicated endpoints.** ``endpoints={"ep-acme": {"pool_size": 2, "reserved_blocks": 4096}}`` adds
+each endpoint (``Router.add_endpoint`` keywords) to every model group's router; a request names its
+endpoint through ``endpoint_of(request_kwargs)``, by default ``metadata={"kvroute_endpoint": ...}``
+(an unknown name raises ``KeyError``; to map OpenAI's ``user`` instead, pass
+``endpoint_of=lambda kw: kw.get("user")``). Isolated endpoints send their ``cache_salt`` to the
+engine in ``extra_body`` (vLLM's per-request cache salt; ``cache_salt=False`` turns this off).
+
+**Limits.** LiteLLM's sync API (``Router.completion``) is routed the same way, among the
+deployments not in cooldown (LiteLLM has no synchronous filter chain), but without load accounting
+or feedback: its sync path has no per-attempt hooks. ``specific_deployment=True`` calls go to the
+named deployment, unaccounted. LiteLLM's proxy cannot load a deployment picker from its config
+(``router_settings.plugins`` are ``RoutingPlugin`` objects that narrow model names, not
+deployments), so embed the strategy where a ``litellm.Router`` is built in Python.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import litellm
+from litellm.integrations.custom_logger import CustomLogger
+from litellm.types.router import CustomRoutingStrategyBase
+
+from kvroute import Decision, Router
+
+from .common import TokenizerSpec, make_tokenizer, observed_tokens, routing_tokens_async
+from .common import routing_tokens as _routing_tokens
+
+__all__ = ["KvRouteStrategy", "metadata_endpoint"]
+
+log = logging.getLogger("kvroute.integrations.litellm")
+
+#: The request ``metadata`` key naming the attempts this strategy routed (a list of tokens).
+ATTEMPTS_KEY = "kvroute_attempts"
+#: Seconds a routed attempt LiteLLM never started is remembered (it holds no load meanwhile).
+ROUTED_TTL = 120.0
+_INSTANCES = itertools.count()
+
+
+def metadata_endpoint(request_kwargs: Mapping[str, Any]) -> str | None:
+    """The default ``endpoint_of``: ``metadata["kvroute_endpoint"]`` of the request, if any."""
+    metadata = request_kwargs.get("metadata")
+    value = metadata.get("kvroute_endpoint") if isinstance(metadata, Mapping) else None
+    return value if isinstance(value, str) else None
+
+
+@dataclass
+class _Attempt:
+    router: Router
+    decision: Decision
+    routing_prompt: int
+    routed_at: float
+    begun: bool = False
+    done: bool = False
+
+
+def _metadata(kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
+    for holder in (kwargs, kwargs.get("litellm_params")):
+        if isinstance(holder, Mapping):
+            md = holder.get("metadata")
+            if isinstance(md, Mapping):
+                return md
+    return {}
+
+
+def _deployment_id(kwargs: Mapping[str, Any]) -> str | None:
+    for holder in (kwargs, kwargs.get("litellm_params")):
+        if isinstance(holder, Mapping):
+            info = holder.get("model_info")
+            if isinstance(info, Mapping) and isinstance(info.get("id"), str):
+                return info["id"]
+    return None
+
+
+def _payload(request: Mapping[str, Any], messages: Any, input: Any) -> dict[str, Any]:
+    """The LiteLLM call as the body the prompt is rendered from (a model directory's template also
+    reads ``chat_template_kwargs``, ``add_generation_prompt`` …)."""
+    return {
+        **request,
+        "messages": messages if messages is not None else request.get("messages"),
+        "input": input if input is not None else request.get("input"),
+    }
+
+
+def _deployment_ids(deployments: Any) -> list[str]:
+    return [d["model_info"]["id"] for d in deployments or ()]
+
+
+class KvRouteStrategy(CustomRoutingStrategyBase):
+    """A LiteLLM custom routing strategy backed by one ``kvroute.Router`` per model group.
+
+    ``router_options`` go to every ``kvroute.Router`` (``policy``, ``block_size``,
+    ``capacity_blocks``, ``queue_weight`` …). ``tokenizer`` renders every group's prompts
+    (a ``kvroute.gateway.prompt.Tokenizer``, a ``tokenizer.json`` path, or None for
+    ``kvroute serve``'s byte-level default); ``tokenizers`` overrides it per model group.
+    """
+
+    def __init__(
+        self,
+        router: Any,
+        *,
+        tokenizer: TokenizerSpec = None,
+        tokenizers: Mapping[str, TokenizerSpec] | None = None,
+        endpoints: Mapping[str, Mapping[str, Any]] | None = None,
+        endpoint_of: Callable[[Mapping[str, Any]], str | None] = metadata_endpoint,
+        request_usage: bool = True,
+        cache_salt: bool = True,
+        **router_options: Any,
+    ) -> None:
+        self.litellm_router = router
+        self.tokenizer = make_tokenizer(tokenizer)
+        self.tokenizers = {g: make_tokenizer(t) for g, t in (tokenizers or {}).items()}
+        self.endpoints = {e: dict(opts) for e, opts in (endpoints or {}).items()}
+        self.endpoint_of = endpoint_of
+        self.request_usage = request_usage
+        self.cache_salt = cache_salt
+        self.router_options = router_options
+        Router([], **router_options)  # bad options fail here, not on the first request
+        self.routers: dict[str, Router] = {}
+        self._versions: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._prefix = f"{next(_INSTANCES)}:"
+        self._tokens = itertools.count()
+        self._routed: OrderedDict[str, _Attempt] = OrderedDict()
+        self._active: dict[str, _Attempt] = {}
+        self.feedback = _Feedback(self, f"kvroute-{self._prefix}")
+
+    # ---- installation ------------------------------------------------------------------------
+
+    def install(self) -> KvRouteStrategy:
+        """Makes this the router's strategy and registers the feedback callbacks."""
+        self.litellm_router.register_plugin(self)
+        litellm.logging_callback_manager.add_litellm_callback(self.feedback)
+        return self
+
+    def close(self) -> None:
+        """Removes the feedback callbacks (the router keeps the strategy until its
+        ``routing_strategy`` is set again)."""
+        litellm.logging_callback_manager.remove_callback_from_all_lists(self.feedback)
+
+    # ---- per model group ---------------------------------------------------------------------
+
+    def router_for(self, model_group: str) -> Router:
+        """The group's kvroute router, its workers in step with LiteLLM's registry."""
+        registry = self.litellm_router.registry()
+        version = registry.version
+        with self._lock:
+            router = self.routers.get(model_group)
+            if router is not None and self._versions.get(model_group) == version:
+                return router
+            deployments = registry.deployments(model_group) or []
+            weights = {
+                d["model_info"]["id"]: float(d["litellm_params"].get("weight") or 1.0)
+                for d in deployments
+            }
+            if router is None:
+                router = Router(weights, **self.router_options)
+                self.routers[model_group] = router
+            else:
+                for name in router.workers:
+                    if name not in weights:
+                        router.remove_worker(name)
+                for name, weight in weights.items():
+                    if name not in router.workers:
+                        router.add_worker(name, weight)
+            for endpoint, opts in self.endpoints.items():
+                if endpoint not in router.endpoints and router.workers:
+                    opts = {**opts, "pool_size": min(opts["pool_size"], len(router.workers))}
+                    router.add_endpoint(endpoint, **opts)
+            self._versions[model_group] = version
+            return router
+
+    def _sync_health(self, router: Router, group_ids: list[str]) -> None:
+        cooled = {
+            cid
+            for cid, _ in self.litellm_router.health().cooldowns.get_active_cooldowns(
+                group_ids, None
+            )
+        }
+        for name in router.workers:
+            ok = name not in cooled
+            if router.is_healthy(name) != ok:
+                router.set_healthy(name, ok)
+
+    # ---- picks -------------------------------------------------------------------------------
+
+    async def async_get_available_deployment(
+        self,
+        model: str,
+        messages: list[dict[str, Any]] | None = None,
+        input: Any = None,
+        specific_deployment: bool | None = False,
+        request_kwargs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        request = request_kwargs if request_kwargs is not None else {}
+        if specific_deployment:
+            return self._specific(model)
+        healthy = await self.litellm_router.select(
+            model, dict(request), kind="healthy", messages=messages
+        )
+        tokens = await routing_tokens_async(
+            _payload(request, messages, input), self._tokenizer(model)
+        )
+        return self._route(model, request, tokens, _deployment_ids(healthy), healthy)
+
+    def get_available_deployment(
+        self,
+        model: str,
+        messages: list[dict[str, Any]] | None = None,
+        input: Any = None,
+        specific_deployment: bool | None = False,
+        request_kwargs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        request = request_kwargs if request_kwargs is not None else {}
+        if specific_deployment:
+            return self._specific(model)
+        tokens = _routing_tokens(_payload(request, messages, input), self._tokenizer(model))
+        deployments = self.litellm_router.registry().deployments(model) or []
+        return self._route(model, request, tokens, None, deployments, account=False)
+
+    def _tokenizer(self, model_group: str) -> Any:
+        return self.tokenizers.get(model_group, self.tokenizer)
+
+    def _specific(self, deployment_id: str) -> dict[str, Any]:
+        found = self.litellm_router.registry().deployment_dict(deployment_id)
+        if found is None:
+            raise ValueError(f"no deployment with id {deployment_id!r}")
+        return found
+
+    def _route(
+        self,
+        model: str,
+        request: dict[str, Any],
+        tokens: Any,
+        allowed: list[str] | None,
+        deployments: Any,
+        *,
+        account: bool = True,
+    ) -> dict[str, Any]:
+        router = self.router_for(model)
+        group_ids = list(router.workers)
+        self._sync_health(router, group_ids)
+        exclude = [] if allowed is None else [w for w in group_ids if w not in set(allowed)]
+        endpoint = self.endpoint_of(request)
+        decision = router.route(tokens=tokens, endpoint=endpoint, exclude=exclude)
+        chosen = next(d for d in deployments if d["model_info"]["id"] == decision.worker)
+        if not account:
+            return chosen
+        now = time.monotonic()
+        token = f"{self._prefix}{next(self._tokens)}"
+        with self._lock:
+            while self._routed:
+                oldest = next(iter(self._routed.values()))
+                if now - oldest.routed_at < ROUTED_TTL:
+                    break
+                self._routed.popitem(last=False)
+            self._routed[token] = _Attempt(router, decision, len(tokens), now)
+        metadata = request.get("metadata")
+        if not isinstance(metadata, dict):
+            metadata = request["metadata"] = {}
+        metadata.setdefault(ATTEMPTS_KEY, []).append(token)
+        extra = dict(request.get("extra_body") or {})
+        salt = router.endpoint_salt(endpoint) if endpoint is not None else None
+        if self.cache_salt and salt is not None:
+            extra["cache_salt"] = salt
+        options = request.get("stream_options")
+        wants_usage = isinstance(options, Mapping) and options.get("include_usage")
+        if self.request_usage and request.get("stream") and not wants_usage:
+            extra["stream_options"] = {**(extra.get("stream_options") or {}), "include_usage": True}
+        if extra:
+            request["extra_body"] = extra
+        return chosen
+
+    # ---- attempt lifecycle (called by the feedback callbacks) ---------------------------------
+
+    def _current(self, kwargs: Mapping[str, Any]) -> str | None:
+        """The attempt this hook is about: the last one this strategy routed for the request."""
+        attempts = _metadata(kwargs).get(ATTEMPTS_KEY)
+        if isinstance(attempts, list) and attempts and isinstance(attempts[-1], str):
+            token = attempts[-1]
+            return token if token.startswith(self._prefix) else None
+        return None
+
+    def _begin(self, kwargs: Mapping[str, Any]) -> None:
+        token = self._current(kwargs)
+        if token is None:
+            return
+        with self._lock:
+            attempt = self._routed.pop(token, None)
+            if attempt is None or _deployment_id(kwargs) not in (None, attempt.decision.worker):
+                return
+            attempt.router.begin(attempt.decision)
+            attempt.begun = True
+            self._active[token] = attempt
+        logging_obj = kwargs.get("litellm_logging_obj")
+        if logging_obj is not None:
+            weakref.finalize(logging_obj, self._end, token, None)
+
+    def _end(self, token: str | None, usage: Any) -> None:
+        """Finishes the attempt (after observing ``usage``'s cached tokens); once."""
+        if token is None:
+            return
+        with self._lock:
+            attempt = self._active.pop(token, None)
+            if attempt is None or attempt.done:
+                return
+            attempt.done = True
+        try:
+            cached = observed_tokens(usage, attempt.routing_prompt)
+            if cached is not None:
+                attempt.router.observe(attempt.decision, cached)
+        except Exception:  # a bad report must never skip finish()
+            log.exception("observe failed for deployment %s", attempt.decision.worker)
+        finally:
+            attempt.router.finish(attempt.decision)
+
+    def in_flight(self) -> int:
+        """Attempts begun and not yet finished."""
+        with self._lock:
+            return len(self._active)
+
+
+class _Feedback(CustomLogger):
+    """LiteLLM callbacks that begin, observe and finish the strategy's attempts."""
+
+    def __init__(self, strategy: KvRouteStrategy, name: str) -> None:
+        super().__init__()
+        self.strategy = strategy
+        # LiteLLM keeps one callback per class and public scalar attributes: this makes it ours.
+        self.name = name
+
+    async def async_pre_call_deployment_hook(self, kwargs: dict[str, Any], call_type: Any) -> None:
+        self.strategy._begin(kwargs)
+        return None
+
+    async def async_post_call_success_deployment_hook(
+        self, request_data: dict[str, Any], response: Any, call_type: Any
+    ) -> None:
+        if not request_data.get("stream"):
+            self.strategy._end(
+                self.strategy._current(request_data), getattr(response, "usage", None)
+            )
+        return None
+
+    async def async_post_call_failure_deployment_hook(
+        self, request_data: Mapping[str, Any], exception: Exception, call_type: Any, *args: Any
+    ) -> None:
+        self.strategy._end(self.strategy._current(request_data), None)
+
+    async def async_log_success_event(
+        self, kwargs: dict[str, Any], response_obj: Any, start_time: Any, end_time: Any
+    ) -> None:
+        # Streams end here (their deployment success hook does not run).
+        self.strategy._end(self.strategy._current(kwargs), getattr(response_obj, "usage", None))

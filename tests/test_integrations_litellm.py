@@ -1,0 +1,255 @@
+"""KvRouteStrategy inside a real ``litellm.Router`` over this project's OpenAI-compatible test
+upstreams (``gateway_upstream.Upstream``: a vLLM-like prefix cache per upstream, on 127.0.0.1).
+
+Hit rates are what the upstreams reported (``usage.prompt_tokens_details.cached_tokens``);
+LiteLLM's own strategies serve the same requests in the same run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+
+import litellm
+import pytest
+from gateway_fleet import Fleet
+from helpers import hit_rate, tenant_requests, tenant_system_prompts
+from kvroute.integrations.litellm import KvRouteStrategy
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+UPSTREAMS = 4
+CAPACITY = 600  # blocks per upstream: ~6 of the 20 tenants' system prompts; the fleet holds all
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    f = Fleet(UPSTREAMS, capacity=CAPACITY)
+    yield f
+    f.close()
+
+
+def model_list(fleet: Fleet, group: str = "base-model") -> list[dict]:
+    return [
+        {
+            "model_name": group,
+            "litellm_params": {
+                "model": "openai/base-model",
+                "api_base": f"http://127.0.0.1:{port}/v1",
+                "api_key": "sk-test",
+            },
+            "model_info": {"id": u.name},
+        }
+        for u, port in zip(fleet.upstreams, fleet.ports)
+    ]
+
+
+def fresh(fleet: Fleet) -> None:
+    for u in fleet.upstreams:
+        u.reset()
+
+
+def chat(tenant: int, question: str) -> list[dict]:
+    return [
+        {"role": "system", "content": tenant_system_prompts()[tenant]},
+        {"role": "user", "content": question},
+    ]
+
+
+async def drive(router, jobs, concurrency: int = 16):
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(tenant: int, question: str):
+        async with gate:
+            return await router.acompletion(model="base-model", messages=chat(tenant, question))
+
+    started = asyncio.get_running_loop().time()
+    answers = await asyncio.gather(*(one(t, q) for t, q in jobs))
+    return answers, asyncio.get_running_loop().time() - started
+
+
+async def settle(strategy: KvRouteStrategy) -> None:
+    for _ in range(500):
+        if strategy.in_flight() == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{strategy.in_flight()} attempts never finished")
+
+
+def test_hit_rate_against_litellms_strategies(fleet):
+    jobs = tenant_requests(300)
+    rates = {}
+
+    async def run(name: str) -> None:
+        fresh(fleet)
+        shuffle = name in ("kvroute", "simple-shuffle")
+        router = litellm.Router(
+            model_list=model_list(fleet), routing_strategy="simple-shuffle" if shuffle else name
+        )
+        strategy = (
+            KvRouteStrategy(router, capacity_blocks=CAPACITY).install()
+            if name == "kvroute"
+            else None
+        )
+        try:
+            answers, seconds = await drive(router, jobs)
+            assert len(answers) == len(jobs)
+            rates[name] = hit_rate([a.usage for a in answers])
+            served = sum(len(u.records) for u in fleet.upstreams)
+            assert served == len(jobs)
+            print(f"{name:>15}: hit {rates[name]:6.1%}  {len(jobs) / seconds:5.1f} req/s")
+            if strategy is not None:
+                await settle(strategy)
+                kv = strategy.routers["base-model"]
+                assert all(kv.load(w)["active"] == 0 for w in kv.workers)
+        finally:
+            if strategy is not None:
+                strategy.close()
+
+    async def main() -> None:
+        for name in ("simple-shuffle", "least-busy", "kvroute"):
+            await run(name)
+
+    asyncio.run(main())
+    assert rates["kvroute"] >= 2 * rates["simple-shuffle"]
+    assert rates["kvroute"] >= 2 * rates["least-busy"]
+
+
+def test_deployment_in_cooldown_gets_no_traffic(fleet):
+    async def main() -> None:
+        fresh(fleet)
+        router = litellm.Router(model_list=model_list(fleet), num_retries=0)
+        strategy = KvRouteStrategy(router).install()
+        try:
+            answers, _ = await drive(router, [(0, f"warm {i}") for i in range(5)])
+            home = answers[0].choices[0].message.content.split()[0]  # tenant 0's upstream
+            router.health().cooldowns.add_deployment_to_cooldown(
+                home, RuntimeError("down"), 500, 60
+            )
+            before = len(fleet[home].records)
+            answers, _ = await drive(router, [(0, f"q {i}") for i in range(20)])
+            assert len(fleet[home].records) == before
+            assert all(a.choices[0].message.content.split()[0] != home for a in answers)
+            assert not strategy.routers["base-model"].is_healthy(home)
+            await settle(strategy)
+        finally:
+            strategy.close()
+
+    asyncio.run(main())
+
+
+def test_failing_deployment_is_cooled_down_and_retried_elsewhere(fleet):
+    async def main() -> None:
+        fresh(fleet)
+        router = litellm.Router(model_list=model_list(fleet), num_retries=3, allowed_fails=1)
+        strategy = KvRouteStrategy(router).install()
+        try:
+            answers, _ = await drive(router, [(1, "warm")])
+            home = answers[0].choices[0].message.content.split()[0]
+            fleet[home].fail(500)
+            answers, _ = await drive(router, [(1, f"q {i}") for i in range(10)], concurrency=1)
+            assert all(a.choices[0].message.content.split()[0] != home for a in answers)
+            assert len(fleet[home].records) <= 1 + 2  # the warm-up, then failures until cooldown
+            await settle(strategy)
+            kv = strategy.routers["base-model"]
+            assert all(kv.load(w)["active"] == 0 for w in kv.workers)
+        finally:
+            strategy.close()
+
+    asyncio.run(main())
+
+
+def test_streaming_is_observed_and_finished(fleet):
+    async def main() -> None:
+        fresh(fleet)
+        router = litellm.Router(model_list=model_list(fleet))
+        strategy = KvRouteStrategy(router).install()
+        try:
+            for i in range(3):
+                stream = await router.acompletion(
+                    model="base-model", messages=chat(2, f"q {i}"), stream=True
+                )
+                chunks = [c async for c in stream]
+                text = "".join(c.choices[0].delta.content or "" for c in chunks)
+                assert text.startswith("up-")
+                assert all(c.choices for c in chunks)  # the usage chunk is not forwarded
+            await settle(strategy)
+            records = [r for u in fleet.upstreams for r in u.records]
+            assert len(records) == 3 and all(r["stream"] for r in records)
+            assert all(r["stream_options"] == {"include_usage": True} for r in records)
+            assert len({r["id"] for r in records}) <= 3
+            assert sum(r["cached_tokens"] for r in records) > 0  # same upstream, prefix reused
+            kv = strategy.routers["base-model"]
+            assert all(kv.load(w)["active"] == 0 for w in kv.workers)
+        finally:
+            strategy.close()
+
+    asyncio.run(main())
+
+
+def test_500_concurrent_calls_none_lost(fleet):
+    async def main() -> None:
+        fresh(fleet)
+        router = litellm.Router(model_list=model_list(fleet))
+        strategy = KvRouteStrategy(router).install()
+        try:
+            jobs = tenant_requests(500, seed=3)
+            answers, _ = await drive(router, jobs, concurrency=500)
+            assert len(answers) == 500
+            served = [r for u in fleet.upstreams for r in u.records]
+            assert len(served) == 500
+            await settle(strategy)
+        finally:
+            strategy.close()
+
+    asyncio.run(main())
+
+
+def test_dedicated_endpoint_is_sticky_and_salted(fleet):
+    async def main() -> None:
+        fresh(fleet)
+        router = litellm.Router(model_list=model_list(fleet))
+        strategy = KvRouteStrategy(router, endpoints={"ep-acme": {"pool_size": 1}}).install()
+        try:
+            replies = []
+            for i in range(6):
+                r = await router.acompletion(
+                    model="base-model",
+                    messages=chat(i, "hello"),
+                    metadata={"kvroute_endpoint": "ep-acme"},
+                )
+                replies.append(r.choices[0].message.content.split()[0])
+            kv = strategy.routers["base-model"]
+            assert set(replies) == set(kv.endpoint_pool("ep-acme"))
+            salt = kv.endpoint_salt("ep-acme")
+            salts = {r["cache_salt"] for u in fleet.upstreams for r in u.records}
+            assert salt and salts == {salt}
+            with pytest.raises(Exception, match="ep-nope"):
+                await router.acompletion(
+                    model="base-model",
+                    messages=chat(0, "x"),
+                    metadata={"kvroute_endpoint": "ep-nope"},
+                )
+            await settle(strategy)
+        finally:
+            strategy.close()
+
+    asyncio.run(main())
+
+
+def test_readme_example_routes_through_the_fleet(fleet):
+    """The README's LiteLLM example, pointed at the test upstreams, serves calls."""
+    text = README.read_text()
+    section = text[text.index("### LiteLLM") :]
+    block = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    for i, port in enumerate(fleet.ports):
+        block = block.replace(f"http://10.0.0.{i + 1}:8000/v1", f"http://127.0.0.1:{port}/v1")
+    assert "10.0.0." not in block
+    fresh(fleet)
+    ns: dict = {}
+    exec(compile(block, str(README), "exec"), ns)
+    try:
+        answer = asyncio.run(ns["router"].acompletion(model="llama", messages=chat(3, "hi")))
+        assert answer.choices[0].message.content.startswith("up-")
+    finally:
+        ns["strategy"].close()
