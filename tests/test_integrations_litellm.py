@@ -13,9 +13,9 @@ from pathlib import Path
 
 import litellm
 import pytest
-from gateway_fleet import Fleet
-from helpers import hit_rate, tenant_requests, tenant_system_prompts
 from kvroute.integrations.litellm import KvRouteStrategy
+from support.gateway_fleet import Fleet
+from support.helpers import hit_rate, tenant_requests, tenant_system_prompts
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 UPSTREAMS = 4
@@ -40,7 +40,7 @@ def model_list(fleet: Fleet, group: str = "base-model") -> list[dict]:
             },
             "model_info": {"id": u.name},
         }
-        for u, port in zip(fleet.upstreams, fleet.ports)
+        for u, port in zip(fleet.upstreams, fleet.ports, strict=True)
     ]
 
 

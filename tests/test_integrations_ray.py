@@ -1,7 +1,8 @@
 """KvRequestRouter inside a real local Ray Serve (CPU only, replicas with ``num_cpus=0``).
 
-The replicas model an engine's prefix cache (``ray_replicas.CacheReplica``) and report the cached
-tokens of every request; hit rates are what the replicas reported, latencies what the caller saw.
+The replicas model an engine's prefix cache (``support.ray_replicas.CacheReplica``) and report
+the cached tokens of every request; hit rates are what the replicas reported, latencies what the
+caller saw.
 Ray's default router and ``PrefixCacheAffinityRouter`` serve the same requests in the same run.
 One Ray instance serves the whole module.
 """
@@ -17,10 +18,10 @@ from typing import Any
 
 import pytest
 import ray
-from helpers import hit_rate, tenant_requests, tenant_system_prompts
 from kvroute.integrations.ray_serve import KvRequestRouter
 from ray import serve
 from ray.serve.config import RequestRouterConfig
+from support.helpers import hit_rate, tenant_requests, tenant_system_prompts
 
 TESTS = Path(__file__).resolve().parent
 KV = "kvroute.integrations.ray_serve:KvRequestRouter"
@@ -63,7 +64,7 @@ def cluster():
 
 def deploy(name: str, router: str, **kwargs: Any):
     """The app ``name``: ``REPLICAS`` cache replicas behind ``router`` (``kwargs``)."""
-    from ray_replicas import CacheReplica
+    from support.ray_replicas import CacheReplica
 
     config = RequestRouterConfig(
         request_router_class=router,
@@ -170,7 +171,7 @@ def test_hit_rate_and_latency_against_rays_routers(cluster):
 
 
 def test_replica_published_unhealthy_gets_no_traffic(cluster):
-    from ray_replicas import SICK
+    from support.ray_replicas import SICK
 
     handle = deploy("stats", KV)
     router = kv_router(handle)

@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 #: A tokenizer, the path of a Hugging Face ``tokenizer.json``, or None (the byte-level fallback).
-TokenizerSpec = Union[Tokenizer, str, None]
+TokenizerSpec = Union[Tokenizer, str, None]  # noqa: UP007 (a runtime alias)
 
 #: Policies whose ``Decision.scores`` prefer larger values (the rest prefer smaller ones).
 _HIGHER_WINS = frozenset({"random", "round_robin"})

@@ -14,9 +14,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from gateway_upstream import BLOCK, reference_render, reference_tokens
 from kvroute import BlockCache, BlockHasher
 from ray import serve
+
+from support.gateway_upstream import BLOCK, reference_render, reference_tokens
 
 SICK = "kvroute-test: report yourself unhealthy"
 
