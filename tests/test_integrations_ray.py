@@ -9,7 +9,9 @@ One Ray instance serves the whole module.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -18,12 +20,14 @@ from typing import Any
 
 import pytest
 import ray
-from kvroute.integrations.ray_serve import KvRequestRouter
+from kvroute.integrations.ray_serve import KvRequestRouter, ResubmittingHandle, replica_died
 from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 from ray.serve.config import RequestRouterConfig
 from support.helpers import hit_rate, tenant_requests, tenant_system_prompts
 
 TESTS = Path(__file__).resolve().parent
+README = TESTS.parent / "README.md"
 KV = "kvroute.integrations.ray_serve:KvRequestRouter"
 DEFAULT = "ray.serve._private.request_router.pow_2_router:PowerOfTwoChoicesRequestRouter"
 # The public path (ray.serve.llm.request_router) imports vLLM; the class itself does not.
@@ -34,6 +38,7 @@ PREFIX = (
 REPLICAS = 3
 CAPACITY = 800  # blocks per replica: ~7 of the 20 tenants' system prompts, the fleet holds all
 PREFILL_S = 20e-6  # seconds per uncached token
+PROMPTS = tenant_system_prompts()
 
 
 @dataclass
@@ -62,21 +67,48 @@ def cluster():
     ray.shutdown()
 
 
-def deploy(name: str, router: str, **kwargs: Any):
-    """The app ``name``: ``REPLICAS`` cache replicas behind ``router`` (``kwargs``)."""
+#: The module's cache-replica apps: name -> (request router, its kwargs). ``kvroute`` serves the
+#: hit-rate comparison first, then the tests of replica stats and of a replica killed (last).
+APPS = {
+    "kvroute": (KV, {"capacity_blocks": CAPACITY}),
+    "ray-default": (DEFAULT, {}),
+    "ray-prefix-cache-affinity": (PREFIX, {}),
+}
+
+
+def readme_example() -> dict[str, Any]:
+    """The namespace the README's Ray Serve example leaves."""
+    text = README.read_text()
+    section = text[text.index("### Ray Serve") :]
+    block = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    ns: dict[str, Any] = {}
+    exec(compile(block, str(README), "exec"), ns)
+    return ns
+
+
+@pytest.fixture(scope="module")
+def apps(cluster) -> dict[str, Any]:
+    """Every app of the module, deployed at once so their replicas start side by side (starting
+    replicas is most of this module's time): name -> handle. ``readme`` is the README's example on
+    this small cluster (2 replicas, no CPUs reserved)."""
     from support.ray_replicas import CacheReplica
 
-    config = RequestRouterConfig(
-        request_router_class=router,
-        request_router_kwargs=kwargs,
-        request_routing_stats_period_s=0.2,
-    )
-    app = CacheReplica.options(
-        name=name,
-        num_replicas=REPLICAS,
-        request_router_config=config,
-    ).bind(CAPACITY, PREFILL_S)
-    return serve.run(app, name=name, route_prefix=None)
+    targets = []
+    for name, (router, kwargs) in APPS.items():
+        config = RequestRouterConfig(
+            request_router_class=router,
+            request_router_kwargs=kwargs,
+            request_routing_stats_period_s=0.2,
+        )
+        app = CacheReplica.options(
+            name=name, num_replicas=REPLICAS, request_router_config=config
+        ).bind(CAPACITY, PREFILL_S)
+        targets.append(serve.RunTarget(app, name=name, route_prefix=None))
+    engine = readme_example()["Engine"]
+    app = engine.options(num_replicas=2, ray_actor_options={"num_cpus": 0}).bind()
+    targets.append(serve.RunTarget(app, name="readme", route_prefix=None))
+    handles = serve.run_many(targets)
+    return dict(zip([*APPS, "readme"], handles, strict=True))
 
 
 def kv_router(handle: Any) -> KvRequestRouter:
@@ -87,12 +119,29 @@ def kv_router(handle: Any) -> KvRequestRouter:
     return router
 
 
-def drive(handle: Any, jobs: list[tuple[int, str]], *, threads: int = 6, on_done=None):
-    """Sends ``jobs`` through the handle from ``threads`` callers; returns (answers, latencies,
-    seconds). ``on_done(n)`` runs after the n-th answer."""
-    prompts = tenant_system_prompts()
-    answers: list[dict[str, Any]] = []
-    latencies: list[float] = []
+@dataclass
+class Run:
+    """What ``drive`` saw: per answer, when its call was sent (perf_counter) and the answer."""
+
+    sent: list[float]
+    answers: list[dict[str, Any]]
+    latencies: list[float]  # sorted
+    seconds: float
+
+
+def chat(tenant: int, question: str) -> Chat:
+    return Chat(
+        [
+            {"role": "system", "content": PROMPTS[tenant]},
+            {"role": "user", "content": question},
+        ]
+    )
+
+
+def drive(handle: Any, jobs: list[tuple[int, str]], *, threads: int = 6, on_done=None) -> Run:
+    """Sends ``jobs`` through the handle from ``threads`` callers. ``on_done(n)`` runs in the
+    caller of the n-th answer, after it."""
+    run = Run([], [], [], 0.0)
     lock = threading.Lock()
     todo = iter(jobs)
 
@@ -102,19 +151,13 @@ def drive(handle: Any, jobs: list[tuple[int, str]], *, threads: int = 6, on_done
                 job = next(todo, None)
             if job is None:
                 return
-            tenant, question = job
-            body = Chat(
-                [
-                    {"role": "system", "content": prompts[tenant]},
-                    {"role": "user", "content": question},
-                ]
-            )
-            started = time.perf_counter()
-            answer = handle.remote(body).result(timeout_s=120)
+            sent = time.perf_counter()
+            answer = handle.remote(chat(*job)).result(timeout_s=120)
             with lock:
-                latencies.append(time.perf_counter() - started)
-                answers.append(answer)
-                n = len(answers)
+                run.latencies.append(time.perf_counter() - sent)
+                run.sent.append(sent)
+                run.answers.append(answer)
+                n = len(run.answers)
             if on_done is not None:
                 on_done(n)
 
@@ -126,7 +169,9 @@ def drive(handle: Any, jobs: list[tuple[int, str]], *, threads: int = 6, on_done
         t.start()
     for t in pool:
         t.join()
-    return answers, sorted(latencies), time.perf_counter() - started
+    run.seconds = time.perf_counter() - started
+    run.latencies.sort()
+    return run
 
 
 def wait_idle(router: KvRequestRouter) -> None:
@@ -139,41 +184,35 @@ def wait_idle(router: KvRequestRouter) -> None:
     assert all(router.router.load(w)["active"] == 0 for w in router.router.workers)
 
 
-def summary(name: str, answers: list[dict[str, Any]], latencies: list[float], seconds: float):
-    rate = hit_rate([a["usage"] for a in answers])
-    p50, p99 = latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.99)]
+def summary(name: str, run: Run) -> float:
+    rate = hit_rate([a["usage"] for a in run.answers])
+    lat = run.latencies
+    p50, p99 = lat[len(lat) // 2], lat[int(len(lat) * 0.99)]
     print(
         f"{name:>28}: hit {rate:6.1%}  p50 {p50 * 1e3:5.0f} ms  p99 {p99 * 1e3:5.0f} ms  "
-        f"{len(answers) / seconds:5.1f} req/s"
+        f"{len(lat) / run.seconds:5.1f} req/s"
     )
-    return rate, p50
+    return rate
 
 
-def test_hit_rate_and_latency_against_rays_routers(cluster):
+def test_hit_rate_and_latency_against_rays_routers(apps):
     jobs = tenant_requests(300)
-    results = {}
-    for name, router, kwargs in [
-        ("kvroute", KV, {"capacity_blocks": CAPACITY}),
-        ("ray-default", DEFAULT, {}),
-        ("ray-prefix-cache-affinity", PREFIX, {}),
-    ]:
-        handle = deploy(name, router, **kwargs)
-        answers, latencies, seconds = drive(handle, jobs)
-        assert len(answers) == len(jobs)
-        results[name] = summary(name, answers, latencies, seconds)
-        if name == "kvroute":
-            router = kv_router(handle)
-            wait_idle(router)
-            served = {a["replica"] for a in answers}
-            assert served == set(router.router.workers)
-        serve.delete(name)
-    assert results["kvroute"][0] >= 1.5 * results["ray-default"][0]
+    runs = {
+        name: drive(apps[name], jobs)
+        for name in ("kvroute", "ray-default", "ray-prefix-cache-affinity")
+    }
+    rates = {name: summary(name, run) for name, run in runs.items()}
+    assert all(len(run.answers) == len(jobs) for run in runs.values())
+    router = kv_router(apps["kvroute"])
+    wait_idle(router)
+    assert {a["replica"] for a in runs["kvroute"].answers} == set(router.router.workers)
+    assert rates["kvroute"] >= 1.5 * rates["ray-default"]
 
 
-def test_replica_published_unhealthy_gets_no_traffic(cluster):
+def test_replica_published_unhealthy_gets_no_traffic(apps):
     from support.ray_replicas import SICK
 
-    handle = deploy("stats", KV)
+    handle = apps["kvroute"]
     router = kv_router(handle)
     sick = handle.remote(Chat([{"role": "user", "content": SICK}])).result(timeout_s=60)["replica"]
     deadline = time.monotonic() + 30
@@ -182,31 +221,91 @@ def test_replica_published_unhealthy_gets_no_traffic(cluster):
         if stats.get(sick) == {"healthy": False}:
             break
         time.sleep(0.1)
-    answers, _, _ = drive(handle, tenant_requests(60, seed=1), threads=3)
-    assert len(answers) == 60
-    assert sick not in {a["replica"] for a in answers}
+    # More callers than the healthy replicas' 2 × 4 slots: the sick one is no overflow either.
+    run = drive(handle, tenant_requests(60, seed=1), threads=12)
+    assert len(run.answers) == 60
+    assert sick not in {a["replica"] for a in run.answers}
     assert not router.router.is_healthy(sick)
-    serve.delete("stats")
 
 
-def test_replica_killed_mid_run_loses_no_request(cluster):
-    handle = deploy("killed", KV, capacity_blocks=CAPACITY)
-    router = kv_router(handle)
-    jobs = tenant_requests(200, seed=2)
-    victim: dict[str, str] = {}
+def test_readme_example_serves(apps):
+    handle = readme_example()["ResubmittingHandle"](apps["readme"])
+    body = {"messages": [{"role": "user", "content": "hello"}]}
+    answers = [handle.remote(body).result(timeout_s=60) for _ in range(3)]
+    assert all(a["usage"]["prompt_tokens_details"] == {"cached_tokens": 0} for a in answers)
+    with pytest.raises(KeyError, match="ep-nope"):  # an unknown endpoint fails, never waits
+        handle.remote({**body, "kvroute_endpoint": "ep-nope"}).result(timeout_s=60)
+    router = kv_router(handle.handle)
+    wait_idle(router)
+    assert len(router.router.workers) == 2
+
+
+def test_only_a_dead_replica_is_a_reason_to_resubmit():
+    assert replica_died(ActorDiedError())
+    assert replica_died(ActorUnavailableError("unreachable", b"\0" * 16))
+    # An upstream actor's death, reported by the replica that depended on it: the replica's error.
+    assert not replica_died(RayTaskError("f", "tb", ActorDiedError()).as_instanceof_cause())
+    assert not replica_died(ValueError("bad request"))
+
+
+def test_replica_killed_mid_run_loses_no_request(apps, tmp_path):
+    """Ray resends a request only until a replica accepts it; requests executing on a replica
+    that dies fail in the caller (ActorDiedError) unless resubmitted — ResubmittingHandle's job.
+    Two held requests make sure some are executing on the victim when it is killed."""
+    from support.ray_replicas import FAIL, HOLD
+
+    raw = apps["kvroute"]
+    router = kv_router(raw)
+    handle = ResubmittingHandle(raw)
+    # What the replica raised is the answer: not resubmitted.
+    failing = handle.remote(Chat([{"role": "user", "content": FAIL}]))
+    with pytest.raises(ValueError, match="was asked to fail"):
+        failing.result(timeout_s=60)
+    assert failing.submitted == 1
+    with pytest.raises(ValueError, match="streaming"):
+        ResubmittingHandle(raw.options(stream=True))
+    held: list[dict[str, Any]] = []
+    victim: dict[str, Any] = {}
+
+    def hold(awaited: bool) -> None:
+        body = Chat([{"role": "user", "content": HOLD + str(tmp_path)}])
+        if awaited:  # the asyncio path: ``await`` the response
+
+            async def call() -> dict[str, Any]:
+                return await asyncio.wait_for(handle.remote(body), 120)
+
+            held.append(asyncio.run(call()))
+        else:
+            held.append(handle.remote(body).result(timeout_s=120))
 
     def kill_one(n: int) -> None:
-        if n == 50:
-            name = sorted(router.router.workers)[0]
-            actors = ray.util.list_named_actors(all_namespaces=True)
-            actor = next(a for a in actors if a["name"].endswith(f"#{name}"))
-            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
-            victim["name"] = name
+        if n != 50:
+            return
+        holders = [threading.Thread(target=hold, args=(a,)) for a in (False, True)]
+        for t in holders:
+            t.start()
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        name = sorted(tmp_path.iterdir())[0].name.rpartition(".")[0]  # a replica holding one
+        actors = ray.util.list_named_actors(all_namespaces=True)
+        actor = next(a for a in actors if a["name"].endswith(f"#{name}"))
+        ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+        while name in router.router.workers and time.monotonic() < deadline:
+            time.sleep(0.01)
+        victim.update(name=name, gone=time.perf_counter())
+        (tmp_path / "release").touch()
+        for t in holders:
+            t.join()
 
-    answers, _, _ = drive(handle, jobs, on_done=kill_one)
-    assert len(answers) == len(jobs)
-    late = answers[60:]
-    assert victim["name"] not in {a["replica"] for a in late}
-    assert victim["name"] not in router.router.workers
+    run = drive(handle, tenant_requests(200, seed=2), on_done=kill_one)
+    assert len(run.answers) == 200
+    name = victim["name"]
+    assert name not in router.router.workers
+    # The held requests were executing on the victim when it died, and were answered elsewhere.
+    assert any(f.name.startswith(f"{name}.") for f in tmp_path.iterdir())
+    assert len(held) == 2 and name not in {a["replica"] for a in held}
+    # No request sent after the victim was removed went to it.
+    late = [a for sent, a in zip(run.sent, run.answers, strict=True) if sent > victim["gone"]]
+    assert late and name not in {a["replica"] for a in late}
     wait_idle(router)
-    serve.delete("killed")

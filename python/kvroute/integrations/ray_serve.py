@@ -21,19 +21,38 @@ OpenAI-style chat/completions body: a mapping, or an object (a pydantic model, a
 unrenderable one) is routed on load alone, still accounted.
 
 **Ranking.** ``choose_replicas`` routes the request once (a retry round after every replica was
-full reuses that decision) and returns every candidate as its own rank, best first: the
-decision's replica, then the others in the policy's order. Ray tries the ranks in order and takes
-the first replica whose queue is not full, so the router's choice stands unless that replica is at
-``max_ongoing_requests``. Ray's locality and model-multiplexing preferences are not applied.
+full reuses that decision) and returns, each as its own rank, the replicas the router could have
+chosen (healthy; in the endpoint's pool for an endpoint's request), best first: the decision's
+replica, then the others in the policy's order. Ray tries the ranks in order and takes the first
+replica whose queue is not full, so the router's choice stands unless that replica is at
+``max_ongoing_requests``; when all are, the request waits for one of them. Only when every replica
+reports itself unhealthy is Ray's own order used. A request that cannot be routed fails in the
+caller with the reason (an unknown endpoint: ``KeyError``; a ``prompt_of`` hook's error) rather
+than waiting in Ray's queue. Ray's locality and model-multiplexing preferences are not applied.
 
 **Load accounting in step with Ray's.** A request is begun (``Router.begin``) when Ray reports
 the replica accepted it (``on_request_routed``) — on the replica Ray actually chose; if that is
-not the decision's, the request is routed again restricted to it — and finished in
-``on_request_completed``, which Ray calls exactly once for every dispatched request, whatever its
-outcome. A replica that dies is removed (``on_replica_actor_died``, ``update_replicas``), and its
-in-flight requests are retried by Ray on the others and routed anew. For a unary response, the
-returned body's ``usage.prompt_tokens_details.cached_tokens`` (a mapping or an object) is passed to
+not the decision's, the request is routed again restricted to it (one the router cannot route to
+runs unaccounted) — and finished in ``on_request_completed``, which Ray calls exactly once for
+every dispatched request, whatever its outcome. Ray reports acceptance only under its strict
+``max_ongoing_requests`` protocol (the default; not through Ray Client, where requests are routed
+but not accounted). A replica that dies is removed (``on_replica_actor_died``,
+``update_replicas``). For a unary response, the returned body's
+``usage.prompt_tokens_details.cached_tokens`` (a mapping or an object) is passed to
 ``Router.observe`` when the result is ready; streamed responses are not observed.
+
+**A replica that dies.** Ray Serve 2.60 resends a request by itself only while no replica has
+accepted it (a replica that rejects it, or is found dead or unreachable before accepting). Once a
+replica has accepted a request, its death reaches the caller as ``ActorDiedError`` (or
+``ActorUnavailableError`` on the gRPC transport): Serve's replicas are never restarted in place and
+their calls carry no task retries. ``ResubmittingHandle(handle)`` closes that gap for unary calls:
+its ``remote(...).result()`` / ``await`` resubmits the call when the replica executing it died, up
+to ``attempts`` times in all (a request that kills every replica it reaches is not resubmitted
+forever), and the resubmitted call is routed anew among the live replicas. Errors the replica
+raised, including those of an upstream call it depended on, are not resubmitted. The call may
+have partly run on the dead replica; the caller gets one answer. Streams are refused (their
+chunks cannot be taken back), and requests through Serve's HTTP proxy are retried by the HTTP
+client.
 
 **Replica-published stats** (a deployment's ``record_routing_stats()``, read from
 ``replica.routing_stats``): ``healthy: False`` excludes the replica; ``waiting`` (requests queued in
@@ -58,9 +77,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from kvroute import Decision, Router
+from kvroute import Decision, NoWorkerError, Router
 
 from .common import (
     RequestError,
@@ -70,7 +91,13 @@ from .common import (
     routing_tokens_async,
 )
 
-__all__ = ["KvRequestRouter", "openai_body"]
+__all__ = [
+    "KvRequestRouter",
+    "ResubmittingHandle",
+    "ResubmittingResponse",
+    "openai_body",
+    "replica_died",
+]
 
 log = logging.getLogger("kvroute.integrations.ray_serve")
 
@@ -195,7 +222,15 @@ class KvRequestRouter(RequestRouter):
                 self.router.set_healthy(name, ok)
         exclude = [w for w in self.router.workers if w not in candidates]
         decision = self.router.route(tokens=tokens, endpoint=endpoint, exclude=exclude)
-        return _Routed(decision, ranked(decision, candidates), tokens, endpoint)
+        # The fallbacks are the replicas the router could have chosen: healthy, in the pool.
+        pool = set(self.router.endpoint_pool(endpoint)) if endpoint is not None else None
+        eligible = [
+            w
+            for w in candidates
+            if (pool is None or w in pool)
+            and (w not in self.router.workers or self.router.is_healthy(w))
+        ]
+        return _Routed(decision, ranked(decision, eligible), tokens, endpoint)
 
     async def choose_replicas(
         self,
@@ -213,12 +248,16 @@ class KvRequestRouter(RequestRouter):
                 self._forget_stale()
             try:
                 routed = await self._route(pending_request, candidates)
-            except ValueError as e:  # every candidate unhealthy or outside the endpoint's pool
-                log.warning("kvroute found no replica (%s); Ray's order is used", e)
+            except NoWorkerError as e:  # every candidate reports itself unhealthy
+                log.warning("kvroute found no healthy replica (%s); Ray's order is used", e)
                 return [candidate_replicas]
+            except Exception as e:  # e.g. an unknown endpoint (KeyError): fail it, never hang
+                log.warning("kvroute cannot route %s: %r", rid, e)
+                if not pending_request.future.done():
+                    pending_request.future.set_exception(e)
+                return [candidate_replicas]  # Ray sees the request done and stops routing it
             self._requests[rid] = routed
         order = [candidates[w] for w in routed.ranking if w in candidates]
-        order += [r for name, r in candidates.items() if name not in routed.ranking]
         order.sort(key=self._saturated)  # stable: saturated replicas after the others
         return [[r] for r in order]
 
@@ -227,17 +266,24 @@ class KvRequestRouter(RequestRouter):
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
-        routed = self._requests.get(pending_request.metadata.internal_request_id)
+        rid = pending_request.metadata.internal_request_id
+        routed = self._requests.get(rid)
         if routed is None or routed.begun:
             return
         name = replica_id.unique_id
         if routed.decision.worker != name:
-            if name not in self.router.workers:
-                return
+            # Ray chose another replica: the request is routed again, restricted to that one. A
+            # replica the router cannot route to (unhealthy: Ray's own order was used; or gone)
+            # runs the request unaccounted.
             others = [w for w in self.router.workers if w != name]
-            routed.decision = self.router.route(
-                tokens=routed.tokens, endpoint=routed.endpoint, exclude=others
-            )
+            try:
+                routed.decision = self.router.route(
+                    tokens=routed.tokens, endpoint=routed.endpoint, exclude=others
+                )
+            except (NoWorkerError, KeyError) as e:
+                log.debug("%s runs on %s unaccounted: %s", rid, name, e)
+                del self._requests[rid]
+                return
         self.router.begin(routed.decision)
         routed.begun = True
         if not pending_request.metadata.is_streaming:
@@ -277,3 +323,93 @@ def _usage_of(value: Any) -> Any:
     if isinstance(value, Mapping):
         return value.get("usage")
     return getattr(value, "usage", None)
+
+
+# ---- resubmitting calls whose replica died ---------------------------------------------------
+
+
+def replica_died(error: BaseException) -> bool:
+    """True when ``error`` says the replica executing the call died or became unreachable (not
+    that the replica, or a call it depended on, raised)."""
+    if isinstance(error, RayTaskError):
+        return False
+    return isinstance(error, (ActorDiedError, ActorUnavailableError))
+
+
+class ResubmittingHandle:
+    """A ``DeploymentHandle`` whose unary calls are resubmitted when their replica dies (see the
+    module docs). ``attempts`` counts every submission of a call, the first included."""
+
+    def __init__(self, handle: DeploymentHandle, *, attempts: int = 3) -> None:
+        if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
+            raise ValueError(f"attempts must be an int >= 1, got {attempts!r}")
+        if handle.handle_options.stream:
+            raise ValueError("a streaming handle cannot be resubmitted: its chunks were delivered")
+        self.handle = handle
+        self.attempts = attempts
+
+    def options(self, **options: Any) -> ResubmittingHandle:
+        """``handle.options(**options)``, resubmitting."""
+        return ResubmittingHandle(self.handle.options(**options), attempts=self.attempts)
+
+    def remote(self, *args: Any, **kwargs: Any) -> ResubmittingResponse:
+        """Submits the call (``handle.remote(*args, **kwargs)``)."""
+        return ResubmittingResponse(self.handle, args, kwargs, self.attempts)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.handle, name)  # ``handle.method`` is a handle for that method
+        return (
+            ResubmittingHandle(value, attempts=self.attempts)
+            if isinstance(value, DeploymentHandle)
+            else value
+        )
+
+
+class ResubmittingResponse:
+    """One call through a ``ResubmittingHandle``: ``result()`` or ``await`` it."""
+
+    def __init__(
+        self, handle: DeploymentHandle, args: tuple[Any, ...], kwargs: dict[str, Any], attempts: int
+    ) -> None:
+        self._handle, self._args, self._kwargs = handle, args, kwargs
+        self.attempts = attempts
+        self.submitted = 1
+        self.response = handle.remote(*args, **kwargs)
+
+    def _resubmit(self, error: BaseException) -> None:
+        if not replica_died(error) or self.submitted >= self.attempts:
+            raise error
+        log.warning(
+            "resubmitting %s (submission %d of %d): its replica died: %s",
+            self.response.request_id,
+            self.submitted + 1,
+            self.attempts,
+            type(error).__name__,
+        )
+        self.submitted += 1
+        self.response = self._handle.remote(*self._args, **self._kwargs)
+
+    def result(self, *, timeout_s: float | None = None) -> Any:
+        """The call's result, blocking; ``timeout_s`` bounds the whole call, resubmissions
+        included (``TimeoutError``; calling again waits on)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            try:
+                return self.response.result(timeout_s=left)
+            except (ActorDiedError, ActorUnavailableError) as e:
+                self._resubmit(e)
+
+    async def _result_async(self) -> Any:
+        while True:
+            try:
+                return await self.response
+            except (ActorDiedError, ActorUnavailableError) as e:
+                self._resubmit(e)
+
+    def __await__(self):
+        return self._result_async().__await__()
+
+    def cancel(self) -> None:
+        """Cancels the call's current submission."""
+        self.response.cancel()
