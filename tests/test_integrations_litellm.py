@@ -8,8 +8,10 @@ LiteLLM's own strategies serve the same requests in the same run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 from pathlib import Path
+from typing import Any
 
 import litellm
 import pytest
@@ -47,6 +49,19 @@ def model_list(fleet: Fleet, group: str = "base-model") -> list[dict]:
 def fresh(fleet: Fleet) -> None:
     for u in fleet.upstreams:
         u.reset()
+
+
+@contextlib.contextmanager
+def installed(fleet: Fleet, *, router: dict | None = None, **strategy: Any):
+    """A fresh fleet behind a ``litellm.Router`` (``router`` keywords) with a ``KvRouteStrategy``
+    (``strategy`` keywords) installed; yields both, removes the strategy's callbacks after."""
+    fresh(fleet)
+    llm = litellm.Router(model_list=model_list(fleet), **(router or {}))
+    kv = KvRouteStrategy(llm, **strategy).install()
+    try:
+        yield llm, kv
+    finally:
+        kv.close()
 
 
 def chat(tenant: int, question: str) -> list[dict]:
@@ -117,10 +132,7 @@ def test_hit_rate_against_litellms_strategies(fleet):
 
 def test_deployment_in_cooldown_gets_no_traffic(fleet):
     async def main() -> None:
-        fresh(fleet)
-        router = litellm.Router(model_list=model_list(fleet), num_retries=0)
-        strategy = KvRouteStrategy(router).install()
-        try:
+        with installed(fleet, router={"num_retries": 0}) as (router, strategy):
             answers, _ = await drive(router, [(0, f"warm {i}") for i in range(5)])
             home = answers[0].choices[0].message.content.split()[0]  # tenant 0's upstream
             router.health().cooldowns.add_deployment_to_cooldown(
@@ -132,18 +144,13 @@ def test_deployment_in_cooldown_gets_no_traffic(fleet):
             assert all(a.choices[0].message.content.split()[0] != home for a in answers)
             assert not strategy.routers["base-model"].is_healthy(home)
             await settle(strategy)
-        finally:
-            strategy.close()
 
     asyncio.run(main())
 
 
 def test_failing_deployment_is_cooled_down_and_retried_elsewhere(fleet):
     async def main() -> None:
-        fresh(fleet)
-        router = litellm.Router(model_list=model_list(fleet), num_retries=3, allowed_fails=1)
-        strategy = KvRouteStrategy(router).install()
-        try:
+        with installed(fleet, router={"num_retries": 3, "allowed_fails": 1}) as (router, strategy):
             answers, _ = await drive(router, [(1, "warm")])
             home = answers[0].choices[0].message.content.split()[0]
             fleet[home].fail(500)
@@ -153,18 +160,13 @@ def test_failing_deployment_is_cooled_down_and_retried_elsewhere(fleet):
             await settle(strategy)
             kv = strategy.routers["base-model"]
             assert all(kv.load(w)["active"] == 0 for w in kv.workers)
-        finally:
-            strategy.close()
 
     asyncio.run(main())
 
 
 def test_streaming_is_observed_and_finished(fleet):
     async def main() -> None:
-        fresh(fleet)
-        router = litellm.Router(model_list=model_list(fleet))
-        strategy = KvRouteStrategy(router).install()
-        try:
+        with installed(fleet) as (router, strategy):
             for i in range(3):
                 stream = await router.acompletion(
                     model="base-model", messages=chat(2, f"q {i}"), stream=True
@@ -181,36 +183,26 @@ def test_streaming_is_observed_and_finished(fleet):
             assert sum(r["cached_tokens"] for r in records) > 0  # same upstream, prefix reused
             kv = strategy.routers["base-model"]
             assert all(kv.load(w)["active"] == 0 for w in kv.workers)
-        finally:
-            strategy.close()
 
     asyncio.run(main())
 
 
 def test_500_concurrent_calls_none_lost(fleet):
     async def main() -> None:
-        fresh(fleet)
-        router = litellm.Router(model_list=model_list(fleet))
-        strategy = KvRouteStrategy(router).install()
-        try:
+        with installed(fleet) as (router, strategy):
             jobs = tenant_requests(500, seed=3)
             answers, _ = await drive(router, jobs, concurrency=500)
             assert len(answers) == 500
             served = [r for u in fleet.upstreams for r in u.records]
             assert len(served) == 500
             await settle(strategy)
-        finally:
-            strategy.close()
 
     asyncio.run(main())
 
 
 def test_dedicated_endpoint_is_sticky_and_salted(fleet):
     async def main() -> None:
-        fresh(fleet)
-        router = litellm.Router(model_list=model_list(fleet))
-        strategy = KvRouteStrategy(router, endpoints={"ep-acme": {"pool_size": 1}}).install()
-        try:
+        with installed(fleet, endpoints={"ep-acme": {"pool_size": 1}}) as (router, strategy):
             replies = []
             for i in range(6):
                 r = await router.acompletion(
@@ -231,8 +223,6 @@ def test_dedicated_endpoint_is_sticky_and_salted(fleet):
                     metadata={"kvroute_endpoint": "ep-nope"},
                 )
             await settle(strategy)
-        finally:
-            strategy.close()
 
     asyncio.run(main())
 
