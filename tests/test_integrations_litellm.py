@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +91,14 @@ async def settle(strategy: KvRouteStrategy) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"{strategy.in_flight()} attempts never finished")
+
+
+def test_prompt_rendering_needs_no_gateway_extra():
+    """The adapters render prompts with kvroute.gateway.prompt, which loads without the gateway
+    extra (the app is imported lazily)."""
+    blocked = "; ".join(f"sys.modules[{m!r}] = None" for m in ("starlette", "uvicorn", "httpx"))
+    code = f"import sys; {blocked}; import kvroute.gateway, kvroute.integrations.common"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_hit_rate_against_litellms_strategies(fleet):
