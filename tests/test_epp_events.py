@@ -9,17 +9,14 @@ import asyncio
 import openai
 import pytest
 from support.epp_client import EnvoyClient, EppThread, epp_config
-from support.gateway_fleet import LONG_SYSTEM, Fleet, chat, wait_for
-from test_gateway_events import PublishingUpstream, indexed
+from support.gateway_fleet import LONG_SYSTEM, chat, wait_for
+from support.publishing_upstream import indexed, publishing_fleet
 
 
 @pytest.fixture
 def fleet():
-    f = Fleet(3, factory=PublishingUpstream)
-    yield f
-    f.close()
-    for u in f.upstreams:
-        u.close()
+    with publishing_fleet(3) as f:
+        yield f
 
 
 def test_the_pick_follows_the_engines_kv_events(fleet):

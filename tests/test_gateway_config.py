@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import math
 
+import kvroute
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,6 +25,7 @@ from kvroute.gateway.prompt import (
     to_routing_tokens,
 )
 from kvroute.server.metrics import Counter, Gauge, Histogram, Registry
+from kvroute.server.routing import build_router
 from support.gateway_fleet import toml_text
 from support.gateway_upstream import reference_render, reference_tokens
 
@@ -152,7 +154,12 @@ def test_full_config_from_toml(tmp_path):
 def test_defaults():
     c = parse_config(minimal())
     assert c.server.max_attempts == 3 and c.server.routing_headers
-    assert c.router.policy == "kv_aware" and c.router.index == "approx"
+    # [router] left out: the Router's own defaults, which the config does not repeat.
+    assert (c.router.policy, c.router.block_size, c.router.index) == (None, None, None)
+    built = build_router(c.workers, c.router).config
+    defaults = kvroute.Router(["w"]).config
+    for key in ("policy", "block_size", "hash_profile", "index"):
+        assert built[key] == defaults[key]
     assert c.workers[0].kind == "vllm" and c.endpoints == ()
 
 

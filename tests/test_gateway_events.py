@@ -5,77 +5,20 @@ gateway, and endpoint prompts salted by the ``cache_salt`` the gateway sent upst
 
 from __future__ import annotations
 
-import itertools
-import threading
-
 import pytest
 
 pytest.importorskip("starlette")
 zmq = pytest.importorskip("zmq")
 openai = pytest.importorskip("openai")
 
-from support import events_payloads as P  # noqa: E402
-from support.gateway_fleet import Fleet, GatewayServer, chat, config_dict, wait_for  # noqa: E402
-from support.gateway_upstream import BLOCK, Upstream  # noqa: E402
-
-
-class PublishingUpstream(Upstream):
-    """An upstream that publishes its cache changes like SGLang (engine hashes = its own
-    ``BlockHasher`` values as signed int64, token ids of the stored blocks, the salt)."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.ctx = zmq.Context()
-        self.pub = self.ctx.socket(zmq.XPUB)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
-        self.events_endpoint = f"tcp://127.0.0.1:{port}"
-        self.seq = itertools.count()
-        self.zlock = threading.Lock()
-
-    def wait_subscribed(self) -> None:
-        self.pub.setsockopt(zmq.RCVTIMEO, 10_000)
-        self.pub.recv()  # the subscriber's subscription message
-
-    def on_cache_change(self, hashes, matched, stored, evicted, tokens, salt) -> None:
-        events = []
-        if len(evicted):
-            events.append(P.sglang_removed([_signed(h) for h in evicted]))
-        if stored > matched:
-            new = [_signed(h) for h in hashes[matched:stored]]
-            parent = _signed(hashes[matched - 1]) if matched else None
-            events.append(
-                P.sglang_stored(
-                    new, parent, tokens[matched * BLOCK : stored * BLOCK], BLOCK, cache_salt=salt
-                )
-            )
-        if events:
-            with self.zlock:
-                seq = next(self.seq).to_bytes(8, "big")
-                self.pub.send_multipart([b"", seq, P.batch(events)])
-
-    def close(self) -> None:
-        self.pub.close(0)
-        self.ctx.term()
-
-
-def indexed(router, worker: str) -> int:
-    """Blocks the router's index holds for ``worker`` (0 before its first event)."""
-    return router.index.num_blocks(worker) if worker in router.index.workers else 0
-
-
-def _signed(h) -> int:
-    h = int(h)
-    return h - (1 << 64) if h >= 1 << 63 else h
+from support.gateway_fleet import GatewayServer, chat, config_dict, wait_for  # noqa: E402
+from support.publishing_upstream import indexed, publishing_fleet  # noqa: E402
 
 
 @pytest.fixture
 def fleet():
-    f = Fleet(3, factory=PublishingUpstream)
-    yield f
-    f.close()
-    for u in f.upstreams:
-        u.close()
+    with publishing_fleet(3) as f:
+        yield f
 
 
 @pytest.fixture

@@ -168,12 +168,11 @@ def parse_config(data: Mapping[str, Any]) -> EppConfig:
     e.done()
     discovered = "epp.pool" if pool is not None else None
     fleet = parse_fleet(top, health, discovered=discovered)
-    if pool is not None and pool.kv_events_port is not None and fleet.router.index != "events":
+    if pool is not None and pool.kv_events_port is not None and not fleet.router.events:
         raise ValueError(
-            f"epp.pool.kv_events_port is set but router.index is {fleet.router.index!r}: "
-            "set index = 'events'"
+            "epp.pool.kv_events_port is set but router.index is not 'events': set index = 'events'"
         )
-    if fleet.router.index == "events" and pool is not None and pool.kv_events_port is None:
+    if fleet.router.events and pool is not None and pool.kv_events_port is None:
         if not any(w.kv_events for w in fleet.workers):
             raise ValueError("router.index = 'events' needs epp.pool.kv_events_port")
     workers = None if pool is not None else len(fleet.workers)

@@ -59,7 +59,7 @@ from ..gateway.prompt import (
     to_routing_tokens,
 )
 from ..gateway.stream import SseScanner
-from ..gateway.usage import cached_tokens
+from ..gateway.usage import cached_tokens, usage_event
 from ..server.config import WorkerConfig, duplicates
 from ..server.routing import NoWorkerError, build_router
 from .config import EppConfig
@@ -508,16 +508,8 @@ class ResponseScanner:
 
     def _drop(self, event: bytes) -> bool:
         """Records a usage chunk; True when it is to be dropped (the picker asked for it)."""
-        if b'"prompt_tokens"' not in event:
+        found = usage_event(event)
+        if found is None:
             return False
-        for line in event.splitlines():
-            if not line.startswith(b"data:"):
-                continue
-            try:
-                chunk = json.loads(line[5:])
-            except ValueError:
-                return False
-            if isinstance(chunk, dict) and isinstance(chunk.get("usage"), dict):
-                self.usage = chunk["usage"]
-                return self.strip and not chunk.get("choices")
-        return False
+        self.usage = found.usage
+        return self.strip and found.usage_only

@@ -72,6 +72,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from kvroute import Decision, Router
+from kvroute.server.events import event_subscriber
 from kvroute.server.health import Health
 from kvroute.server.routing import NoWorkerError, build_router
 
@@ -332,20 +333,9 @@ class Gateway:
         self.health.start()
         if not self.server.admin_port and not self.auth.admin:
             log.info("/metrics is off: set gateway.admin_port or gateway.admin_api_keys")
-        if self.config.router.index == "events":
-            from kvroute.events import KvEventSubscriber
-
-            endpoints = {w.name: w.kv_events for w in self.config.workers if w.kv_events}
-            replay = {w.name: w.kv_replay for w in self.config.workers if w.kv_replay}
-            bind = {w.name: w.kv_events_bind for w in self.config.workers if w.kv_events}
-            self.subscriber = KvEventSubscriber(
-                self.router,
-                endpoints,
-                replay=replay,
-                bind=bind,
-                topic=self.config.events.topic,
-                mode=self.config.events.mode,
-            )
+        c = self.config
+        self.subscriber = event_subscriber(self.router, c.workers, c.router, c.events)
+        if self.subscriber is not None:
             await self.subscriber.__aenter__()
 
     async def stop(self) -> None:

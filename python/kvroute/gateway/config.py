@@ -47,7 +47,8 @@ Example (every key shown; only ``[[workers]]`` is required)::
     eject_after = 3                  # failed requests in a row (5xx, reset) that eject a worker
     max_ejected_fraction = 0.5       # failures (not unreachability) never eject more of the fleet
 
-    [router]                         # kvroute.Router(...)
+    [router]                         # kvroute.Router(...); a key left out takes the Router's
+                                     # default (shown here; Router.config has those in effect)
     policy = "kv_aware"
     block_size = 16
     hash_profile = "native"

@@ -35,7 +35,7 @@ from .client import Response as UpstreamResponse
 from .client import UpstreamError
 from .metrics import GatewayMetrics
 from .upstream import Flight, release
-from .usage import with_cache_fields
+from .usage import UsageEvent, usage_event, with_cache_fields
 
 __all__ = ["EventTooLarge", "ProxyStream", "SseScanner", "wait_disconnect"]
 
@@ -196,8 +196,9 @@ class ProxyStream(Response):
     def _forwardable(self, events: list[bytes]) -> bytes:
         out = []
         for event in events:
-            if b'"prompt_tokens"' in event:
-                event = self._usage_event(event)
+            found = usage_event(event)
+            if found is not None:
+                event = self._usage_event(event, found)
                 if not event:
                     continue
             elif not self.done and _DONE.search(event):
@@ -227,26 +228,13 @@ class ProxyStream(Response):
             return "the stream ended without data: [DONE]"
         return None
 
-    def _usage_event(self, event: bytes) -> bytes:
+    def _usage_event(self, event: bytes, found: UsageEvent) -> bytes:
         """Records a usage chunk; returns the event to forward (b"" to drop it)."""
-        lines = event.split(b"\n")
-        for i, line in enumerate(lines):
-            if not line.startswith(b"data:"):
-                continue
-            try:
-                chunk = json.loads(line[5:])
-            except ValueError:
-                return event
-            if not (isinstance(chunk, dict) and isinstance(chunk.get("usage"), dict)):
-                return event
-            self.usage = chunk["usage"]
-            if self.strip_usage and not chunk.get("choices"):
-                return b""
-            if self.cache_fields:
-                usage = with_cache_fields(self.usage)
-                if usage is not self.usage:
-                    chunk["usage"] = usage
-                    lines[i] = b"data: " + json.dumps(chunk, ensure_ascii=False).encode()
-                    return b"\n".join(lines)
-            return event
+        self.usage = found.usage
+        if self.strip_usage and found.usage_only:
+            return b""
+        if self.cache_fields:
+            usage = with_cache_fields(self.usage)
+            if usage is not self.usage:
+                return found.with_usage(usage)
         return event

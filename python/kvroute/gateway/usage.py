@@ -17,7 +17,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["cached_tokens", "with_cache_fields", "with_cache_fields_body"]
+__all__ = [
+    "UsageEvent",
+    "cached_tokens",
+    "usage_event",
+    "with_cache_fields",
+    "with_cache_fields_body",
+]
 
 
 def cached_tokens(usage: Any) -> int | None:
@@ -30,6 +36,54 @@ def cached_tokens(usage: Any) -> int | None:
     cached = details.get("cached_tokens")
     if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
         return cached
+    return None
+
+
+class UsageEvent:
+    """An SSE event that carries a chunk with ``usage``: the parsed chunk and the event's lines
+    (``lines[line]`` is the chunk's ``data:`` line), to rewrite it."""
+
+    __slots__ = ("chunk", "line", "lines")
+
+    def __init__(self, chunk: dict[str, Any], lines: list[bytes], line: int) -> None:
+        self.chunk = chunk
+        self.lines = lines
+        self.line = line
+
+    @property
+    def usage(self) -> dict[str, Any]:
+        return self.chunk["usage"]
+
+    @property
+    def usage_only(self) -> bool:
+        """A chunk with no choices: the one ``stream_options.include_usage`` adds at the end."""
+        return not self.chunk.get("choices")
+
+    def with_usage(self, usage: dict[str, Any]) -> bytes:
+        """The event with its chunk's ``usage`` replaced."""
+        self.chunk["usage"] = usage
+        lines = list(self.lines)
+        lines[self.line] = b"data: " + json.dumps(self.chunk, ensure_ascii=False).encode()
+        return b"\n".join(lines)
+
+
+def usage_event(event: bytes) -> UsageEvent | None:
+    """The usage chunk an SSE event carries (its first ``data:`` line: a JSON object whose
+    ``usage`` is an object), or None. Cheap for every other event: only an event mentioning
+    ``"prompt_tokens"`` is parsed."""
+    if b'"prompt_tokens"' not in event:
+        return None
+    lines = event.split(b"\n")
+    for i, line in enumerate(lines):
+        if not line.startswith(b"data:"):
+            continue
+        try:
+            chunk = json.loads(line[5:])
+        except (ValueError, RecursionError):
+            return None
+        if isinstance(chunk, dict) and isinstance(chunk.get("usage"), dict):
+            return UsageEvent(chunk, lines, i)
+        return None
     return None
 
 

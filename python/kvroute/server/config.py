@@ -77,11 +77,19 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    policy: str = "kv_aware"
-    block_size: int = 16
-    hash_profile: str = "native"
-    index: str = "approx"
+    """``[router]``: what the file says, None where it says nothing — the Router's own defaults
+    (``router::Config::default`` in the core; ``Router.config`` shows the values in effect)."""
+
+    policy: str | None = None
+    block_size: int | None = None
+    hash_profile: str | None = None
+    index: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def events(self) -> bool:
+        """Whether the index is fed by engine KV events (``index = "events"``)."""
+        return self.index == "events"
 
 
 @dataclass(frozen=True)
@@ -340,16 +348,15 @@ def parse_fleet(
         raise ValueError(f"duplicate worker name(s): {dup}")
 
     r = top.table("router")
-    d = RouterConfig()
     router = RouterConfig(
-        policy=r.get("policy", str, d.policy),
-        block_size=r.positive("block_size", int, d.block_size),
-        hash_profile=r.get("hash_profile", str, d.hash_profile),
-        index=r.get("index", str, d.index),
+        policy=r.get("policy", str, None),
+        block_size=r.positive("block_size", int, None),
+        hash_profile=r.get("hash_profile", str, None),
+        index=r.get("index", str, None),
         options=dict(r.get("options", dict, {})),
     )
     r.done()
-    if router.index not in ("approx", "events"):
+    if router.index not in (None, "approx", "events"):
         raise ValueError(f"router.index must be 'approx' or 'events', got {router.index!r}")
     reserved = {"policy", "block_size", "hash_profile", "index"} & set(router.options)
     if reserved:
@@ -374,11 +381,11 @@ def parse_fleet(
     )
     ev.done()
     with_events = [w.name for w in workers if w.kv_events]
-    if router.index == "events" and not with_events and discovered is None:
+    if router.events and not with_events and discovered is None:
         raise ValueError("router.index = 'events' needs kv_events on at least one worker")
-    if router.index != "events" and with_events:
+    if not router.events and with_events:
         raise ValueError(
-            f"workers {with_events} have kv_events but router.index is {router.index!r}: "
+            f"workers {with_events} have kv_events but router.index is not 'events': "
             "set index = 'events'"
         )
     return FleetConfig(

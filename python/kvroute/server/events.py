@@ -23,7 +23,7 @@ def event_subscriber(
 ) -> Any:
     """The subscriber feeding ``router`` from ``workers``' KV events, or None (see the module)."""
     workers = [w for w in workers if w.kv_events]
-    if config.index != "events" or not workers:
+    if not config.events or not workers:
         return None
     from kvroute.events import KvEventSubscriber
 

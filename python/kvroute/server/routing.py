@@ -22,7 +22,8 @@ __all__ = ["NoWorkerError", "build_router"]
 def build_router(
     workers: Iterable[WorkerConfig], router: RouterConfig, events: EventsConfig | None = None
 ) -> Router:
-    """A Router over the configured workers (weights).
+    """A Router over the configured workers (weights); ``[router]`` keys left out take the
+    Router's defaults (read the values in effect from ``router.config``).
 
     ``[router] options`` are passed as further keyword arguments (``capacity_blocks``, ``ttl``,
     ``queue_weight``, ``seed``, ``hash_algo`` …); an unknown one raises ``TypeError``. In events
@@ -30,8 +31,9 @@ def build_router(
     names an ``event_mode``).
     """
     options = dict(router.options)
-    if router.index == "events" and events is not None:
+    if router.events and events is not None:
         options.setdefault("event_mode", events.mode)
+    # None (not in the file) is the Router's own default: the core's Config::default.
     return Router(
         {w.name: w.weight for w in workers},
         policy=router.policy,
