@@ -341,6 +341,27 @@ def test_endpoint_salting_isolates_tenants():
     assert r.route(block_hashes=plain, now=0.0).cached_blocks == 0
 
 
+def test_endpoint_priority_goes_on_its_decisions():
+    r = kvroute.Router(["a", "b", "c"], block_size=BS)
+    r.add_endpoint("gold", pool_size=2, priority=5)
+    r.add_endpoint("plain", pool_size=1, isolate=None, priority=None)  # None: the defaults
+    assert (r.endpoint_priority("gold"), r.endpoint_priority("plain")) == (5, 0)
+    assert r.endpoint_salt("plain") == "plain"
+    assert r.route(toks(40, 12), endpoint="gold", now=0.0).priority == 5
+    assert r.route(toks(40, 12), endpoint="plain", now=0.0).priority == 0
+    assert r.route(toks(40, 12), now=0.0).priority == 0
+    # Bad priorities raise, naming the value, and add nothing.
+    with pytest.raises(ValueError, match=r"priority = 2147483648 is outside"):
+        r.add_endpoint("x", pool_size=1, priority=2**31)
+    with pytest.raises(TypeError, match="priority must be an int"):
+        r.add_endpoint("x", pool_size=1, priority=True)
+    with pytest.raises(TypeError, match="priority must be an int"):
+        r.add_endpoint("x", pool_size=1, priority=1.5)
+    assert r.endpoints == ["gold", "plain"]
+    with pytest.raises(KeyError, match="x"):
+        r.endpoint_priority("x")
+
+
 def test_reserved_blocks_protect_an_endpoint_from_noisy_neighbours():
     r = kvroute.Router(["a", "b"], block_size=BS, capacity_blocks=30)
     r.add_endpoint("ep", pool_size=1, reserved_blocks=12)

@@ -431,6 +431,10 @@ class Decision:
     @property
     def endpoint(self) -> str | None: ...
     @property
+    def priority(self) -> int:
+        """The scheduling priority to ask the engine for: the endpoint's, 0 without one."""
+
+    @property
     def id(self) -> int: ...
     @property
     def stage(self) -> Literal["routed", "active", "finished"]: ...
@@ -514,9 +518,15 @@ class Router:
         pool_size: int,
         reserved_blocks: int | None = None,
         salt: str | None = None,
-        isolate: bool = True,
+        isolate: bool | None = None,
+        priority: int | None = None,
     ) -> None:
-        """A dedicated endpoint: a sticky pool, its own block-hash salt, reserved blocks."""
+        """A dedicated endpoint: a sticky pool, its own block-hash salt (``isolate``, default
+        True), reserved blocks, and the scheduling ``priority`` of its requests (default 0;
+        higher is served first; ``Decision.priority``)."""
+
+    def endpoint_priority(self, endpoint_id: str) -> int:
+        """The scheduling priority of the endpoint's requests (higher first)."""
 
     def remove_endpoint(self, endpoint_id: str) -> None: ...
     def endpoint_pool(self, endpoint_id: str) -> list[str]: ...

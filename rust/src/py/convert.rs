@@ -183,6 +183,19 @@ pub fn u64_from_int(obj: &Bound<'_, PyAny>, what: &str, at: Option<usize>) -> Py
     })
 }
 
+/// A signed 32-bit integer from a Python `int` (`bool` is refused), naming `what` on error.
+pub fn i32_from_int(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<i32> {
+    if obj.is_instance_of::<PyBool>() || !obj.is_instance_of::<PyInt>() {
+        return Err(type_error(obj, format_args!("{what} must be an int")));
+    }
+    obj.extract::<i32>().map_err(|_| {
+        PyValueError::new_err(format!(
+            "{what} = {} is outside -2**31..2**31-1",
+            describe(obj)
+        ))
+    })
+}
+
 /// A count or size from a Python `int` in `0..2**64` (see [`u64_from_int`]), saturating at
 /// `usize::MAX` (the core refuses what it cannot hold).
 pub fn usize_from_int(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {

@@ -12,16 +12,16 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::convert::{
-    name_item, names_from_py, optional, tokens_from_py, type_error, typed, u64_array, u64_from_int,
-    u64_slice, usize_from_int, weighted_names, with_key, MonotonicClock, Name, Negative,
-    NoWorkerError, Tokens,
+    i32_from_int, name_item, names_from_py, optional, tokens_from_py, type_error, typed, u64_array,
+    u64_from_int, u64_slice, usize_from_int, weighted_names, with_key, MonotonicClock, Name,
+    Negative, NoWorkerError, Tokens,
 };
 use super::events::PyKvEventApplier;
 use super::index::PyPrefixIndex;
 use super::with_mutex;
 use crate::blocks::{ChainState, Options};
 use crate::hashing::Key;
-use crate::router::{Config, CostWeights, Decision, IndexMode, RouteRequest, Router};
+use crate::router::{Config, CostWeights, Decision, EndpointSpec, IndexMode, RouteRequest, Router};
 
 /// Prompts of at least this many tokens (or blocks) are routed with the GIL released.
 const DETACH_MIN_TOKENS: usize = 512;
@@ -364,8 +364,13 @@ impl PyRouter {
     /// Adds a dedicated endpoint: a pool of `pool_size` workers chosen by rendezvous hashing of
     /// `endpoint_id` over the healthy workers. Its requests are salted with `salt` (default: the
     /// endpoint id; `isolate=False`: not salted). `reserved_blocks` (approx mode) reserves that
-    /// many blocks for it in each member's modelled cache.
-    #[pyo3(signature = (endpoint_id, *, pool_size, reserved_blocks = None, salt = None, isolate = true))]
+    /// many blocks for it in each member's modelled cache. `priority` (default 0; higher is
+    /// served first) goes on its decisions, for a gateway to pass to the engine.
+    #[pyo3(signature = (
+        endpoint_id, *, pool_size, reserved_blocks = None, salt = None, isolate = None,
+        priority = None
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn add_endpoint(
         &self,
         py: Python<'_>,
@@ -373,14 +378,26 @@ impl PyRouter {
         pool_size: &Bound<'_, PyAny>,
         reserved_blocks: Option<&Bound<'_, PyAny>>,
         salt: Option<Name<'_>>,
-        isolate: bool,
+        isolate: Option<bool>,
+        priority: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let pool_size = usize_from_int(pool_size, "pool_size")?;
-        let reserved = optional(reserved_blocks, |o| usize_from_int(o, "reserved_blocks"))?;
-        let (id, salt) = (&*endpoint_id, salt.as_deref());
-        Ok(self.run(py, false, |r| {
-            r.add_endpoint(id, pool_size, reserved, salt, isolate)
-        })?)
+        // Every argument not given keeps the core's default.
+        let d = EndpointSpec::default();
+        let spec = EndpointSpec {
+            pool_size: usize_from_int(pool_size, "pool_size")?,
+            reserved_blocks: optional(reserved_blocks, |o| usize_from_int(o, "reserved_blocks"))?,
+            salt: salt.as_deref(),
+            isolate: isolate.unwrap_or(d.isolate),
+            priority: optional(priority, |o| i32_from_int(o, "priority"))?.unwrap_or(d.priority),
+        };
+        let id = &*endpoint_id;
+        Ok(self.run(py, false, |r| r.add_endpoint(id, spec))?)
+    }
+
+    /// The scheduling priority of endpoint `endpoint_id`'s requests (higher first).
+    fn endpoint_priority(&self, py: Python<'_>, endpoint_id: Name<'_>) -> PyResult<i32> {
+        let id = &*endpoint_id;
+        Ok(self.run(py, true, |r| r.endpoint(id).map(|e| e.priority))?)
     }
 
     /// Removes endpoint `endpoint_id`.
@@ -625,6 +642,13 @@ impl PyDecision {
     #[getter]
     fn endpoint(&self) -> Option<&str> {
         self.inner.endpoint.as_deref()
+    }
+
+    /// The scheduling priority to ask the engine for: the endpoint's, 0 without one (higher is
+    /// served first).
+    #[getter]
+    fn priority(&self) -> i32 {
+        self.inner.priority
     }
 
     /// Unique per router (1, 2, …).

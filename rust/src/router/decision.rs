@@ -63,6 +63,9 @@ pub struct Decision {
     pub cached_blocks: usize,
     /// The endpoint the request was routed for.
     pub endpoint: Option<Arc<str>>,
+    /// The scheduling priority to ask the engine for: the endpoint's (0 without one); higher is
+    /// served first (see [`super::endpoints`]).
+    pub priority: i32,
     /// Approx mode: the prompt's block hashes (the model is updated with them).
     pub(super) hashes: Vec<u64>,
     /// Worker names by slot when the decision was made (for `scores`).

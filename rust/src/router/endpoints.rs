@@ -28,6 +28,11 @@
 //!   pool keeps the partition with a reservation of 0 (its blocks become ordinary borrowers), and a
 //!   replacement gets as much of the reservation as its cache has unreserved (never more than the
 //!   capacity).
+//! - **Priority.** Every decision routed for an endpoint carries the endpoint's scheduling
+//!   priority ([`super::Decision::priority`]; 0 for requests without an endpoint), for a gateway
+//!   to ask the engine for (vLLM `priority` with `--scheduling-policy priority`, SGLang `priority`
+//!   with `--enable-priority-scheduling`). kvroute's convention is SGLang's default: a higher
+//!   value is served first. The router itself does not order requests.
 
 use std::sync::Arc;
 
@@ -41,6 +46,35 @@ use crate::hashing::{hash_key, RendezvousScore};
 
 use super::workers::{rendezvous_order, WorkerTable};
 
+/// How an endpoint is declared to [`super::Router::add_endpoint`] (build it as a struct literal
+/// with `..EndpointSpec::default()`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EndpointSpec<'a> {
+    /// Workers in the endpoint's pool (default 1).
+    pub pool_size: usize,
+    /// Blocks reserved in each member's modelled cache, approx mode (default none).
+    pub reserved_blocks: Option<usize>,
+    /// The endpoint's hash namespace (default: the endpoint id).
+    pub salt: Option<&'a str>,
+    /// Whether the endpoint has its own namespace (default true); `false` shares the router's.
+    pub isolate: bool,
+    /// Scheduling priority of the endpoint's requests, higher first (default 0, as requests
+    /// without an endpoint).
+    pub priority: i32,
+}
+
+impl Default for EndpointSpec<'_> {
+    fn default() -> Self {
+        EndpointSpec {
+            pool_size: 1,
+            reserved_blocks: None,
+            salt: None,
+            isolate: true,
+            priority: 0,
+        }
+    }
+}
+
 /// One dedicated endpoint.
 pub struct Endpoint {
     /// The endpoint id.
@@ -51,6 +85,8 @@ pub struct Endpoint {
     pub reserved_blocks: Option<usize>,
     /// The endpoint's salt (`None`: not isolated, shares the router's namespace).
     pub salt: Option<String>,
+    /// Scheduling priority of its requests (higher first; see the module docs).
+    pub priority: i32,
     /// The hasher of the endpoint's namespace.
     pub(super) hasher: Arc<BlockHasher>,
     /// Seed deriving salted hashes from given block hashes.
@@ -67,13 +103,8 @@ pub struct Endpoint {
 
 impl Endpoint {
     /// A new endpoint (its pool is computed by the router).
-    pub(super) fn new(
-        id: &str,
-        pool_size: usize,
-        reserved_blocks: Option<usize>,
-        salt: Option<String>,
-        base: &BlockHasher,
-    ) -> Result<Self> {
+    pub(super) fn new(id: &str, spec: &EndpointSpec<'_>, base: &BlockHasher) -> Result<Self> {
+        let salt = spec.isolate.then(|| spec.salt.unwrap_or(id).to_owned());
         let hasher = match &salt {
             None => base.clone(),
             Some(s) => {
@@ -87,10 +118,11 @@ impl Endpoint {
             ranked: Vec::new(),
             complete: true,
             id: Arc::from(id),
-            pool_size,
-            reserved_blocks,
+            pool_size: spec.pool_size,
+            reserved_blocks: spec.reserved_blocks,
             salt_seed: salt.as_ref().map(|s| hash_key(s.as_bytes())),
             salt,
+            priority: spec.priority,
             hasher: Arc::new(hasher),
             pool: Vec::new(),
         })

@@ -11,7 +11,7 @@ use crate::error::Result;
 use crate::{key_err, value_err};
 
 use super::approx::Model;
-use super::endpoints::Endpoint;
+use super::endpoints::{Endpoint, EndpointSpec};
 use super::workers::WorkerTable;
 use super::{IndexMode, Router};
 
@@ -147,35 +147,28 @@ impl Router {
 
     // ---- endpoints --------------------------------------------------------------------------
 
-    /// Adds a dedicated endpoint with a pool of `pool_size` workers. `salt`: the endpoint's hash
-    /// namespace (`None`: the endpoint id); `isolate = false` shares the router's namespace
-    /// instead. `reserved_blocks` (approx mode) reserves that many blocks in each member's
-    /// modelled cache.
+    /// Adds dedicated endpoint `id` as `spec` declares it: a pool of `spec.pool_size` workers;
+    /// `salt`: the endpoint's hash namespace (`None`: the endpoint id); `isolate = false` shares
+    /// the router's namespace instead; `reserved_blocks` (approx mode) reserves that many blocks
+    /// in each member's modelled cache; `priority` goes on its decisions.
     ///
     /// Errors: the id exists (`Value`), `pool_size` is 0 or above the healthy workers, a
     /// reservation does not fit in a member's cache (`Value`).
-    pub fn add_endpoint(
-        &mut self,
-        id: &str,
-        pool_size: usize,
-        reserved_blocks: Option<usize>,
-        salt: Option<&str>,
-        isolate: bool,
-    ) -> Result<()> {
+    pub fn add_endpoint(&mut self, id: &str, spec: EndpointSpec<'_>) -> Result<()> {
         if self.endpoints.contains_key(id) {
             return value_err!("endpoint {id:?} already exists");
         }
         let healthy = self.workers.healthy();
+        let pool_size = spec.pool_size;
         if pool_size == 0 || pool_size > healthy {
             return value_err!(
                 "pool_size must be between 1 and the {healthy} healthy workers, got {pool_size}"
             );
         }
-        let salt = isolate.then(|| salt.unwrap_or(id).to_owned());
-        let mut ep = Endpoint::new(id, pool_size, reserved_blocks, salt, &self.hasher)?;
+        let mut ep = Endpoint::new(id, &spec, &self.hasher)?;
         ep.rank(&self.workers);
         ep.refresh_pool(&self.workers);
-        if let Some(blocks) = reserved_blocks {
+        if let Some(blocks) = spec.reserved_blocks {
             for &s in &ep.pool {
                 if let Some(w) = self.workers.get(s) {
                     if !Model::can_reserve(w, blocks) {
@@ -188,7 +181,7 @@ impl Router {
                 }
             }
         }
-        if let Some(blocks) = reserved_blocks {
+        if let Some(blocks) = spec.reserved_blocks {
             for &s in &ep.pool {
                 if let Some(w) = self.workers.get_mut(s) {
                     Model::reserve(w, &ep.id, blocks);

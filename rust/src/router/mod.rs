@@ -85,7 +85,7 @@ use crate::index::{PrefixIndex, SharedPrefixIndex, WorkerId};
 use crate::{key_err, value_err};
 
 pub use decision::{Decision, Stage};
-pub use endpoints::Endpoint;
+pub use endpoints::{Endpoint, EndpointSpec};
 pub use policy::{CostWeights, Policy, Reason, SplitMix64};
 pub use workers::{Freshness, Worker, WorkerTable};
 

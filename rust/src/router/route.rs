@@ -65,9 +65,12 @@ impl Router {
     pub fn route(&mut self, req: RouteRequest<'_>) -> Result<Decision> {
         // 1. Check the request and gather the candidates.
         let prompt_tokens = self.check_request(&req)?;
-        let endpoint = match req.endpoint {
-            Some(id) => Some(self.endpoint(id)?.id.clone()),
-            None => None,
+        let (endpoint, priority) = match req.endpoint {
+            Some(id) => {
+                let ep = self.endpoint(id)?;
+                (Some(ep.id.clone()), ep.priority)
+            }
+            None => (None, 0),
         };
         self.gather_candidates(endpoint.as_ref(), req.exclude)?;
 
@@ -149,6 +152,7 @@ impl Router {
             prompt_blocks,
             cached_blocks: cached_blocks.unwrap_or(0) as usize,
             endpoint,
+            priority,
             hashes,
             roster: self.roster.clone(),
             scores: pick.scores,

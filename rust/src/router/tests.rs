@@ -179,3 +179,34 @@ fn removed_workers_leave_vacancies_until_the_table_compacts() {
     r.finish(&d, 1.0).unwrap();
     assert_eq!(r.workers().named(keep).unwrap().active, 0);
 }
+
+#[test]
+fn endpoint_decisions_carry_the_endpoint_priority() {
+    let mut r = router(Policy::KvAware, &["a", "b", "c", "d"]);
+    let spec = EndpointSpec {
+        pool_size: 2,
+        priority: 7,
+        ..EndpointSpec::default()
+    };
+    r.add_endpoint("gold", spec).unwrap();
+    r.add_endpoint("plain", EndpointSpec::default()).unwrap();
+    let d = r
+        .route_tokens(&tokens(6, 32), None, Some("gold"), 0.0)
+        .unwrap();
+    assert_eq!(d.priority, 7);
+    assert_eq!(r.endpoint("gold").unwrap().priority, 7);
+    let plain = r
+        .route_tokens(&tokens(6, 32), None, Some("plain"), 0.0)
+        .unwrap();
+    assert_eq!(plain.priority, 0);
+    let public = r.route_tokens(&tokens(6, 32), None, None, 0.0).unwrap();
+    assert_eq!(public.priority, 0);
+    // A refused endpoint is not added, whatever its priority.
+    let too_big = EndpointSpec {
+        pool_size: 5,
+        priority: -3,
+        ..EndpointSpec::default()
+    };
+    assert!(r.add_endpoint("big", too_big).is_err());
+    assert!(r.endpoint("big").is_err());
+}
