@@ -560,6 +560,35 @@ def test_openai_kind_gets_no_cache_salt(fleet):
         assert fleet[h["x-kvroute-worker"]].records[-1]["cache_salt"] is None
 
 
+def test_endpoint_priority_goes_upstream_in_each_engines_direction(fleet):
+    cfg = config_dict(fleet)
+    kinds = ["vllm", "sglang", "openai", "vllm"]
+    for w, kind in zip(cfg["workers"], kinds, strict=True):
+        w["kind"] = kind
+    cfg["endpoints"][1]["pool_size"] = 4
+    cfg["endpoints"][1]["priority"] = 3
+    with GatewayServer(cfg) as gw:
+        assert gw.gateway.router.endpoint_priority("ep-globex") == 3
+        seen = {}
+        client = gw.client("sk-globex")
+        for _ in kinds:  # each worker of the pool in turn: the one just used is set aside
+            _, h = chat(client, "ep-globex", "Which fuel?", extra_body={"priority": -9})
+            worker = h["x-kvroute-worker"]
+            seen[worker] = fleet[worker].records[-1]["priority"]
+            gw.gateway.router.set_healthy(worker, False)
+        for w in seen:
+            gw.gateway.router.set_healthy(w, True)
+        # vLLM serves lower values first (-3), SGLang higher (3); an openai upstream gets none.
+        want = {"vllm": -3, "sglang": 3, "openai": None}
+        kind_of = {u.name: k for u, k in zip(fleet.upstreams, kinds, strict=True)}
+        assert seen == {w: want[kind_of[w]] for w in seen}
+        assert {kind_of[w] for w in seen} == {"vllm", "sglang", "openai"}
+        # Priority 0 (ep-acme, the public model) is never sent, nor is the caller's own.
+        for model, key in (("ep-acme", "sk-acme"), ("base-model", None)):
+            _, h = chat(gw.client(key), model, "hi", extra_body={"priority": 5})
+            assert fleet[h["x-kvroute-worker"]].records[-1]["priority"] is None
+
+
 @pytest.mark.skipif(os.name != "posix", reason="subprocess signals")
 def test_cli_serve(fleet, tmp_path):
     """`kvroute serve --config FILE` in a subprocess answers the OpenAI client."""

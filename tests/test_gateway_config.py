@@ -109,6 +109,7 @@ FULL = {
             "requests_per_minute": 10,
             "tokens_per_minute": 100,
             "weight": 3,
+            "priority": -2,
         }
     ],
 }
@@ -146,6 +147,7 @@ def test_full_config_from_toml(tmp_path):
     assert (s.max_in_flight, s.max_in_flight_per_worker) == (40, 8)
     assert s.prefill_tokens_per_second == 5000.0 and s.cache_usage_fields is False
     assert c.health.max_ejected_fraction == 0.25
+    assert ep.priority == -2
     assert c.worker("gpu-1") is w1
     with pytest.raises(KeyError, match="nope"):
         c.worker("nope")
@@ -211,6 +213,8 @@ def _with(path, value):
         (_with("endpoints.0.pool_size", 2), "pool_size 2 exceeds the 1 workers"),
         (_with("endpoints.0.id", "m"), r"endpoint id\(s\) \['m'\] are also listed"),
         (_with("endpoints.0.model", ""), "id and model must not be empty"),
+        (_with("endpoints.0.priority", 2**31), r"priority must be in -2\*\*31..2\*\*31-1"),
+        (_with("endpoints.0.priority", 1.5), "priority must be"),
         (
             minimal(workers=[{"name": "a", "url": "http://x"}, {"name": "a", "url": "http://y"}]),
             r"duplicate worker name\(s\): \['a'\]",

@@ -206,6 +206,7 @@ class Upstream:
             "path": request.url.path,
             "model": body.get("model"),
             "cache_salt": salt,
+            "priority": body.get("priority"),
             "stream": stream,
             "stream_options": body.get("stream_options"),
             "authorization": request.headers.get("authorization"),

@@ -20,6 +20,9 @@ Request path (``POST /v1/chat/completions``, ``POST /v1/completions``):
    endpoint (``Router.endpoint_salt``), so the engine's prefix cache is partitioned per endpoint
    exactly as the router's block hashes are. A ``cache_salt`` sent by the caller is never
    forwarded: it would let one tenant name another's cache partition and probe it by timing.
+   An endpoint's ``priority`` (``Router.add_endpoint(..., priority=)``) goes to ``vllm`` /
+   ``sglang`` workers in each engine's own direction (``kvroute.server.config.engine_fields``);
+   a caller's ``priority`` is never forwarded either: it would let anyone jump the queues.
    The upstream's ``x-request-id`` is the caller's prefixed by 16 random hex digits (engines use
    it as their request id: two tenants choosing the same id must not collide); the reply carries
    the caller's own.
@@ -72,6 +75,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from kvroute import Decision, Router
+from kvroute.server.config import engine_fields
 from kvroute.server.events import event_subscriber
 from kvroute.server.health import Health
 from kvroute.server.routing import NoWorkerError, build_router
@@ -128,24 +132,29 @@ class Incoming:
 
 
 class UpstreamBody:
-    """The body sent upstream, encoded once for salting workers and once for the others, each
-    only when a worker of that kind is tried; and whether the usage chunk is the gateway's."""
+    """The body sent upstream, encoded once for each set of engine fields a worker kind gets
+    (``cache_salt``, ``priority``: ``kvroute.server.config.engine_fields``), each only when a
+    worker of that kind is tried; and whether the usage chunk is the gateway's."""
 
-    __slots__ = ("body", "encoded", "salt", "strip_usage")
+    __slots__ = ("body", "encoded", "priority", "salt", "strip_usage")
 
-    def __init__(self, body: dict[str, Any], salt: str | None, strip_usage: bool) -> None:
+    def __init__(
+        self, body: dict[str, Any], salt: str | None, priority: int, strip_usage: bool
+    ) -> None:
         self.body = body
         self.salt = salt
+        self.priority = priority
         self.strip_usage = strip_usage
-        self.encoded: dict[bool, bytes] = {}
+        self.encoded: dict[tuple[tuple[str, Any], ...], bytes] = {}
 
-    def get(self, salting: bool) -> bytes:
-        salted = salting and self.salt is not None
-        data = self.encoded.get(salted)
+    def get(self, kind: str) -> bytes:
+        extra = engine_fields(kind, self.salt, self.priority)
+        key = tuple(extra.items())
+        data = self.encoded.get(key)
         if data is None:
-            body = {**self.body, "cache_salt": self.salt} if salted else self.body
+            body = {**self.body, **extra} if extra else self.body
             data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
-            self.encoded[salted] = data
+            self.encoded[key] = data
         return data
 
 
@@ -208,7 +217,11 @@ class Gateway:
             router = build_router(config.workers, config.router, config.events)
             for ep in config.endpoints:
                 router.add_endpoint(
-                    ep.id, pool_size=ep.pool_size, reserved_blocks=ep.reserved_blocks, salt=ep.salt
+                    ep.id,
+                    pool_size=ep.pool_size,
+                    reserved_blocks=ep.reserved_blocks,
+                    salt=ep.salt,
+                    priority=ep.priority,
                 )
         self.router = router
         self.tokenizer = tokenizer or load_tokenizer(
@@ -219,6 +232,7 @@ class Gateway:
         self.salts = {
             ep.id: self.router.endpoint_salt(ep.id) for ep in config.endpoints if ep.cache_salt
         }
+        self.priorities = {ep.id: self.router.endpoint_priority(ep.id) for ep in config.endpoints}
         self.health = Health(
             self.workers,
             config.health,
@@ -619,6 +633,7 @@ class Gateway:
         body = dict(payload)
         body["model"] = target.upstream_model
         body.pop("cache_salt", None)
+        body.pop("priority", None)
         strip_usage = False
         if payload.get("stream") is True:
             options = body.get("stream_options")
@@ -626,8 +641,9 @@ class Gateway:
                 body["stream_options"] = {**(options or {}), "include_usage": True}
                 strip_usage = True
         salt = self.salts.get(target.endpoint) if target.salted and target.endpoint else None
-        upstream = UpstreamBody(body, salt, strip_usage)
-        upstream.get(True)  # encoded now: a text that cannot be encoded is the caller's 400
+        priority = self.priorities.get(target.endpoint, 0) if target.endpoint else 0
+        upstream = UpstreamBody(body, salt, priority, strip_usage)
+        upstream.get("vllm")  # encoded now: a text that cannot be encoded is the caller's 400
         return upstream
 
     # ---- upstream attempts -------------------------------------------------------------------
@@ -712,7 +728,7 @@ class Gateway:
             self.metrics.decisions.inc(d.policy, d.reason, worker)
             headers = f"content-type: application/json\r\nx-request-id: {call.upstream_rid}\r\n"
             flight = self.upstreams.begin(d, len(tokens))
-            body = upstream.get(self.workers[worker].sends_cache_salt)
+            body = upstream.get(self.workers[worker].kind)
             outcome = await self._attempt(call, flight, headers, body, stream, upstream.strip_usage)
             if isinstance(outcome, Response):
                 call.flight = flight

@@ -93,6 +93,10 @@ Example (every key shown; only ``[[workers]]`` is required)::
     requests_per_minute = 120        # the endpoint's own limits (token buckets, 429 + Retry-After)
     tokens_per_minute = 500000
     weight = 1.0                     # its fair share of the fleet under overload
+    priority = 1                     # engine scheduling priority of its requests, higher first
+                                     # (others: 0); sent to vllm workers as -1 (vLLM: lower
+                                     # first; needs --scheduling-policy priority) and to sglang
+                                     # workers as 1 (needs --enable-priority-scheduling)
 """
 
 from __future__ import annotations

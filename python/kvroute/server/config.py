@@ -35,6 +35,7 @@ __all__ = [
     "TokenizerConfig",
     "WorkerConfig",
     "duplicates",
+    "engine_fields",
     "key_digest",
     "load_toml",
     "parse_endpoints",
@@ -48,6 +49,24 @@ __all__ = [
 #: is sent no engine-specific fields.
 WORKER_KINDS = ("vllm", "sglang", "openai")
 SALTING_KINDS = frozenset({"vllm", "sglang"})
+
+
+def engine_fields(kind: str, cache_salt: str | None, priority: int) -> dict[str, Any]:
+    """The engine-specific body fields a kvroute server sends a worker of ``kind`` for a request
+    with this ``cache_salt`` (None: none) and kvroute ``priority`` (higher is served first; 0 is
+    the default): ``cache_salt`` to vllm and sglang workers; ``priority`` in the engine's own
+    direction — vLLM serves *lower* values first (``--scheduling-policy priority``), so it gets
+    ``-priority``; SGLang serves higher values first by default (``--enable-priority-scheduling``),
+    so it gets ``priority``. Priority 0 is never sent (vLLM refuses any other value unless it
+    schedules by priority); ``openai`` workers get nothing."""
+    fields: dict[str, Any] = {}
+    if kind not in SALTING_KINDS:
+        return fields
+    if cache_salt is not None:
+        fields["cache_salt"] = cache_salt
+    if priority:
+        fields["priority"] = -priority if kind == "vllm" else priority
+    return fields
 
 
 def key_digest(key: str) -> bytes:
@@ -131,6 +150,8 @@ class EndpointConfig:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     weight: float = 1.0
+    #: Scheduling priority of its requests, higher first (see :func:`engine_fields`).
+    priority: int = 0
 
     @property
     def open(self) -> bool:
@@ -288,9 +309,12 @@ def _endpoint(data: Any, i: int) -> EndpointConfig:
         requests_per_minute=t.positive("requests_per_minute", int, None),
         tokens_per_minute=t.positive("tokens_per_minute", int, None),
         weight=t.positive("weight", float, 1.0),
+        priority=t.get("priority", int, 0),
     )
     if not ep.id or not ep.model:
         raise ValueError(f"{t.where}: id and model must not be empty")
+    if not -(2**31) <= ep.priority < 2**31:
+        raise ValueError(f"{t.where}.priority must be in -2**31..2**31-1, got {ep.priority}")
     t.done()
     return ep
 
