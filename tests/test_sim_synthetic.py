@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvroute.sim import SCENARIOS, agent_scenario, endpoint_scenario, rag_scenario
-from kvroute.sim.synthetic import segment_block_hashes
+from kvroute.sim.synthetic import segment_block_hashes, segment_block_hashes_many
 
 segments = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 9)), min_size=1, max_size=6)
 
@@ -20,12 +20,19 @@ def _tokens(segs: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 @settings(max_examples=200)
-@given(st.lists(segments, min_size=1, max_size=5), st.integers(1, 5))
+@given(st.lists(st.one_of(st.just([]), segments), min_size=1, max_size=5), st.integers(1, 5))
 def test_block_hashes_are_equal_iff_token_prefixes_are_equal(prompts, block_size):
-    hashes = [
+    # All prompts in one batched pass; each prompt alone gives the same hashes.
+    flat = [seg for p in prompts for seg in p]
+    batch, offsets = segment_block_hashes_many(
+        [s for s, _ in flat], [n for _, n in flat], [len(p) for p in prompts], block_size, salt=7
+    )
+    hashes = [batch[offsets[k] : offsets[k + 1]].tolist() for k in range(len(prompts))]
+    alone = [
         segment_block_hashes([s for s, _ in p], [n for _, n in p], block_size, salt=7).tolist()
         for p in prompts
     ]
+    assert hashes == alone
     toks = [_tokens(p) for p in prompts]
     for h, t in zip(hashes, toks, strict=True):
         assert len(h) == len(t) // block_size  # full blocks only
@@ -50,6 +57,8 @@ def test_salt_separates_workloads_and_inputs_are_checked():
         segment_block_hashes([1], [-4], 4)
     with pytest.raises(ValueError, match="equal length"):
         segment_block_hashes([1, 2], [4], 4)
+    with pytest.raises(ValueError, match="sum to the number of segments"):
+        segment_block_hashes_many([1, 2], [4, 4], [1], 4)
 
 
 def test_a_long_prompt_is_cheap():

@@ -32,6 +32,7 @@ __all__ = [
     "endpoint_scenario",
     "rag_scenario",
     "segment_block_hashes",
+    "segment_block_hashes_many",
 ]
 
 _U64 = np.uint64
@@ -56,39 +57,78 @@ def segment_block_hashes(
     common length); ``segment_lengths[i] >= 0`` is its token count. Returns ``uint64`` hashes,
     one per full block (see the module docs for the guarantees).
     """
+    ids = np.asarray(segment_ids, dtype=_U64)
+    hashes, _ = segment_block_hashes_many(ids, segment_lengths, [ids.shape[0]], block_size, salt)
+    return hashes
+
+
+def segment_block_hashes_many(
+    segment_ids: np.ndarray,
+    segment_lengths: np.ndarray,
+    segments_per_prompt: np.ndarray,
+    block_size: int,
+    salt: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`segment_block_hashes` of many prompts in one pass: prompt ``p`` is made of the
+    next ``segments_per_prompt[p]`` entries of ``segment_ids`` / ``segment_lengths``. Returns the
+    hashes of every prompt back to back and their ``offsets`` (``int64``, one more than prompts):
+    prompt ``p``'s hashes are ``hashes[offsets[p]:offsets[p + 1]]``, equal to
+    ``segment_block_hashes`` of its segments. Every step is one NumPy operation over all prompts."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     ids = np.asarray(segment_ids, dtype=_U64)
     lens = np.asarray(segment_lengths, dtype=np.int64)
-    if ids.shape != lens.shape or ids.ndim != 1:
+    counts = np.asarray(segments_per_prompt, dtype=np.int64)
+    if ids.shape != lens.shape or ids.ndim != 1 or counts.ndim != 1:
         raise ValueError("segment_ids and segment_lengths must be 1-D and of equal length")
+    if int(counts.sum()) != ids.shape[0] or np.any(counts < 0):
+        raise ValueError("segments_per_prompt must be >= 0 and sum to the number of segments")
     if np.any(lens < 0):
         raise ValueError("segment lengths must be >= 0")
+    prompts = counts.shape[0]
+    prompt_of = np.repeat(np.arange(prompts), counts)
     keep = lens > 0
-    ids, lens = ids[keep], lens[keep]
+    ids, lens, prompt_of = ids[keep], lens[keep], prompt_of[keep]
+    totals = np.bincount(prompt_of, weights=lens, minlength=prompts).astype(np.int64)
+    n_blocks = totals // block_size
+    offsets = np.zeros(prompts + 1, dtype=np.int64)
+    np.cumsum(n_blocks, out=offsets[1:])
+    total_blocks = int(offsets[-1])
+    if total_blocks == 0:
+        return np.empty(0, dtype=_U64), offsets
+    # Each prompt, cut to its full blocks, in one token space: prompt p starts at token
+    # offsets[p] × block_size, so global block boundaries are every prompt's own.
     ends = np.cumsum(lens)
-    total = int(ends[-1]) if ends.size else 0
-    n_blocks = total // block_size
-    if n_blocks == 0:
-        return np.empty(0, dtype=_U64)
-    limit = n_blocks * block_size
-    seg_starts = ends - lens
-    bounds = np.union1d(seg_starts[seg_starts < limit], np.arange(n_blocks) * block_size)
-    piece_len = np.diff(np.append(bounds, limit))
-    seg_of = np.searchsorted(ends, bounds, side="right")
+    first_seg = np.searchsorted(prompt_of, np.arange(prompts), side="left")
+    before = np.concatenate([[0], ends])[first_seg]  # tokens of earlier prompts, uncut
+    local_start = ends - lens - before[prompt_of]
+    limit = (n_blocks * block_size)[prompt_of]
+    inside = local_start < limit
+    base = (offsets[:-1] * block_size)[prompt_of]
+    ids, start = ids[inside], (base + local_start)[inside]
+    end = (base + np.minimum(local_start + lens, limit))[inside]
+    # Piece boundaries: segment and block starts (two sorted runs; sorted unique union).
+    bounds = np.concatenate([start, np.arange(total_blocks, dtype=np.int64) * block_size])
+    bounds.sort(kind="stable")
+    bounds = bounds[np.concatenate([[True], bounds[1:] != bounds[:-1]])]
+    piece_len = np.diff(np.append(bounds, total_blocks * block_size))
+    seg_of = np.searchsorted(end, bounds, side="right")
     block_of = bounds // block_size
-    in_seg = (bounds - seg_starts[seg_of]).astype(_U64)
+    in_seg = (bounds - start[seg_of]).astype(_U64)
     in_block = (bounds - block_of * block_size).astype(_U64)
     piece = mix64(
         mix64(ids[seg_of])
         ^ mix64((in_seg << _U64(24)) ^ (piece_len.astype(_U64) << _U64(2)) ^ _U64(1))
         ^ mix64((in_block << _U64(8)) ^ _U64(3))
     )
-    first_piece = np.searchsorted(block_of, np.arange(n_blocks), side="left")
+    first_piece = np.searchsorted(block_of, np.arange(total_blocks), side="left")
     content = np.add.reduceat(piece, first_piece)
-    keyed = mix64(content ^ mix64(np.arange(n_blocks, dtype=_U64) ^ _U64(0x5BD1E995)))
-    prefix = np.cumsum(keyed, dtype=_U64)
-    return mix64(prefix ^ _U64(salt & ((1 << 64) - 1)))
+    local = (np.arange(total_blocks) - np.repeat(offsets[:-1], n_blocks)).astype(_U64)
+    keyed = mix64(content ^ mix64(local ^ _U64(0x5BD1E995)))
+    running = np.cumsum(keyed, dtype=_U64)
+    start_sum = np.concatenate([np.zeros(1, dtype=_U64), running])[offsets[:-1]]
+    prefix = running - np.repeat(start_sum, n_blocks)  # wraps modulo 2^64, as the sum does
+    return mix64(prefix ^ _U64(salt & ((1 << 64) - 1))), offsets
 
 
 def _lognormal(rng: np.random.Generator, mean: float, sigma: float, size, lo: int, hi: int):
@@ -129,7 +169,7 @@ def _check_positive(**kw: float) -> None:
 def endpoint_scenario(
     *,
     seed: int = 0,
-    duration: float = 600.0,
+    duration: float = 1800.0,
     block_size: int = 64,
     tenant: str = "ep-tenant",
     tenant_system_tokens: int = 4000,
@@ -142,7 +182,9 @@ def endpoint_scenario(
     noise_user_mean: float = 3000.0,
     output_mean: float = 200.0,
 ) -> Workload:
-    """One tenant endpoint with a long system prompt among noisy neighbours.
+    """One tenant endpoint with a long system prompt among noisy neighbours, for ``duration``
+    seconds (default 1800: about 180 tenant requests, so that the tenant's TTFT p99 is not just
+    its slowest request).
 
     - The tenant (``tenant``; its requests carry it as ``Request.tenant``) sends Poisson
       arrivals at ``tenant_rate`` req/s (default 0.1: a question every 10 s), the first at 0.5 s.
@@ -179,13 +221,14 @@ def endpoint_scenario(
     t_times = np.concatenate([[0.5], 0.5 + _poisson_times(rng, tenant_rate, 0.0, duration - 0.5)])
     t_q = rng.integers(lo_q, hi_q + 1, size=t_times.shape[0])
     t_out = _lognormal(rng, output_mean, 0.8, t_times.shape[0], 1, 4096)
-    sys_id = _seg(_SYSTEM, 0)
-    for t, q, o in zip(t_times.tolist(), t_q.tolist(), t_out.tolist(), strict=True):
-        counter += 1
-        h = segment_block_hashes(
-            [sys_id, _seg(_QUESTION, counter)], [tenant_system_tokens, q], block_size, salt
-        )
-        b.add(t, h, tenant_system_tokens + q, o, tenant=tenant)
+    n_t = t_times.shape[0]
+    questions = [_seg(_QUESTION, counter + 1 + r) for r in range(n_t)]
+    counter += n_t
+    ids = np.column_stack([np.full(n_t, _seg(_SYSTEM, 0), dtype=_U64), np.array(questions, _U64)])
+    lens = np.column_stack([np.full(n_t, tenant_system_tokens), t_q])
+    h, off = segment_block_hashes_many(ids.ravel(), lens.ravel(), np.full(n_t, 2), block_size, salt)
+    for r, (t, q, o) in enumerate(zip(t_times.tolist(), t_q.tolist(), t_out.tolist(), strict=True)):
+        b.add(t, h[off[r] : off[r + 1]], tenant_system_tokens + q, o, tenant=tenant)
 
     weights = 1.0 / np.arange(1, noise_tenants + 1) ** noise_zipf
     weights /= weights.sum()
@@ -195,15 +238,15 @@ def endpoint_scenario(
     who = perm[rng.choice(noise_tenants, size=n_times.shape[0], p=weights)]
     user_len = _lognormal(rng, noise_user_mean, 0.8, n_times.shape[0], 16, 32768)
     n_out = _lognormal(rng, output_mean, 0.8, n_times.shape[0], 1, 4096)
-    for t, k, u, o in zip(
-        n_times.tolist(), who.tolist(), user_len.tolist(), n_out.tolist(), strict=True
-    ):
-        counter += 1
-        s = int(sys_len[k])
-        h = segment_block_hashes(
-            [_seg(_SYSTEM, 1 + k), _seg(_USER, counter)], [s, u], block_size, salt
-        )
-        b.add(t, h, s + u, o)
+    n_n = n_times.shape[0]
+    systems = [_seg(_SYSTEM, 1 + k) for k in who.tolist()]
+    users = [_seg(_USER, counter + 1 + r) for r in range(n_n)]
+    ids = np.column_stack([np.array(systems, dtype=_U64), np.array(users, dtype=_U64)])
+    lens = np.column_stack([sys_len[who], user_len])
+    h, off = segment_block_hashes_many(ids.ravel(), lens.ravel(), np.full(n_n, 2), block_size, salt)
+    prompt = (sys_len[who] + user_len).tolist()
+    for r, (t, o) in enumerate(zip(n_times.tolist(), n_out.tolist(), strict=True)):
+        b.add(t, h[off[r] : off[r + 1]], prompt[r], o)
 
     return b.build(
         name="endpoint",
