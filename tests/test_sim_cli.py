@@ -30,8 +30,8 @@ def check_metrics(m):
 
 
 def test_endpoint_scenario_json_schema(tmp_path, capsys):
-    doc = simulate(tmp_path, "--scenario", "endpoint", "--duration", "30")
-    assert set(doc) == {"policies", "oracles", "tenant"}
+    doc = simulate(tmp_path, "--scenario", "endpoint", "--duration", "30", "--seed", "2")
+    assert set(doc) == {"policies", "oracles", "tenant", "public", "seeds"}
     assert list(doc["policies"]) == list(DEFAULT_POLICIES)
     for m in doc["policies"].values():
         check_metrics(m)
@@ -39,13 +39,55 @@ def test_endpoint_scenario_json_schema(tmp_path, capsys):
     for o in doc["oracles"].values():
         assert 0.0 <= o["hit_rate"] <= 1.0
     assert doc["oracles"]["pooled_lru"]["hit_rate"] <= doc["oracles"]["infinite"]["hit_rate"]
-    assert list(doc["tenant"]) == ["random", "kv_aware", "endpoint"]
-    for m in doc["tenant"].values():
-        check_metrics(m)
-        assert set(m) == set(doc["policies"]["random"])
+    assert doc["seeds"] == [2, 3, 4, 5, 6]  # --seed and the next four
+    for section in ("tenant", "public"):
+        assert list(doc[section]) == ["random", "kv_aware", "endpoint"]
+        for setup in doc[section].values():
+            assert len(setup["requests"]) == 5 and min(setup["requests"]) > 0
+            for figure in ("ttft_p50", "ttft_p99"):
+                s = setup[figure]
+                assert len(s["per_seed"]) == 5
+                assert s["min"] <= s["median"] <= s["max"] == max(s["per_seed"])
+    for setup in doc["tenant"].values():
+        assert 0.0 <= setup["hit_rate"]["min"] <= setup["hit_rate"]["max"] <= 1.0
+        assert setup["ttft_p50"]["median"] <= setup["ttft_p90"]["median"]
     out = capsys.readouterr().out
     assert "Two-call demo" in out
     assert "call 1: 0/" in out
+
+
+def test_tenant_seeds_and_pressure_sweep(tmp_path, capsys):
+    doc = simulate(
+        tmp_path,
+        "--duration",
+        "30",
+        "--workers",
+        "4",
+        "--policies",
+        "kv_aware",
+        "--seeds",
+        "1,3",
+        "--pressure",
+        "1,4",
+        "--pool-size",
+        "2",
+        "--priority",
+        "2",
+    )
+    assert doc["seeds"] == [0, 1, 3]  # --seed 0 (the policies table) comes first
+    assert [p["factor"] for p in doc["pressure"]] == [1.0, 4.0]
+    assert [p["capacity_blocks"] for p in doc["pressure"]] == [6912, 1728]
+    for p in doc["pressure"]:
+        assert list(p["tenant"]) == ["kv_aware", "endpoint", "no_reserve"]
+        assert p["turnover_s"] > 0
+    # At ×1 the pressure sweep's kv_aware and endpoint are the tenant table's runs.
+    at1 = doc["pressure"][0]["tenant"]
+    assert (
+        at1["endpoint"] == doc["tenant"]["endpoint"]
+        and at1["kv_aware"] == doc["tenant"]["kv_aware"]
+    )
+    out = capsys.readouterr().out
+    assert "tenant under cache pressure" in out and "pool of 2" in out and "priority 2" in out
 
 
 def test_mooncake_and_synthetic_scenarios(tmp_path):
@@ -149,6 +191,11 @@ def test_plot(tmp_path):
         (["--trace", "/nonexistent/trace.jsonl"], "trace.jsonl"),
         (["--prefill-rate", "0"], "prefill_rate"),
         (["--trace", "tests/data/traces/trace_0002.json", "--block-size", "16"], "Mooncake"),
+        (["--scenario", "rag", "--seeds", "0-2"], "need a scenario with a tenant"),
+        (["--duration", "5", "--seeds", "3-1"], "empty range '3-1'"),
+        (["--duration", "5", "--seeds", "x"], "'x' is not a seed"),
+        (["--duration", "5", "--pressure", "0"], "positive and finite"),
+        (["--duration", "5", "--pressure", "1,64"], "do not fit"),
     ],
 )
 def test_bad_arguments(args, message, capsys):

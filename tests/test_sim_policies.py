@@ -131,7 +131,8 @@ def test_simulate_report_and_two_call_demo():
     )
     assert list(report.policies) == ["kv_aware", "dynamo"]
     assert set(results) == {"kv_aware", "dynamo", "random", "endpoint"}
-    assert list(report.tenant) == ["random", "kv_aware", "endpoint"]
+    assert report.tenant is not None and report.tenant.seeds == [0]
+    assert list(report.tenant.setups) == ["random", "kv_aware", "endpoint"]
     demo = [line for line in report.notes if line.startswith("  on an idle fleet")]
     assert len(demo) == 1
     assert "call 1: 0/" in demo[0] and "(router expected 0)" in demo[0]

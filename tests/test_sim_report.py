@@ -20,10 +20,11 @@ from kvroute.sim import (
     render_table,
     results_from_records,
     summarize,
-    tenant_view,
     write_json,
     write_plot,
 )
+from kvroute.sim.scenario import Endpoint
+from kvroute.sim.tenant import SetupRuns, TenantStudy
 from kvroute.sim.workloads import WorkloadBuilder
 
 NAN = math.nan
@@ -91,7 +92,16 @@ def _report(with_tenant: bool = True) -> Report:
     tenant = None
     if with_tenant:
         mask = np.array([True, False, True, False])
-        tenant = tenant_view({"random": res, "endpoint": res}, mask, num_workers=3)
+        runs = SetupRuns(
+            [summarize(res, num_workers=3, mask=mask)], [summarize(res, num_workers=3, mask=~mask)]
+        )
+        tenant = TenantStudy(
+            tenant="t",
+            endpoint=Endpoint("t"),
+            policy="kv_aware",
+            seeds=[0],
+            setups={"random": runs, "kv_aware": runs, "endpoint": runs},
+        )
     return Report(
         policies={"random": m, "kv_aware": m},
         oracles={"infinite": infinite_cache(w), "pooled_lru": pooled_lru(w, 1)},
@@ -105,13 +115,19 @@ def test_json_schema(tmp_path):
     path = tmp_path / "r.json"
     write_json(_report(), path)
     doc = json.loads(path.read_text())
-    assert set(doc) == {"policies", "oracles", "tenant"}
+    assert set(doc) == {"policies", "oracles", "tenant", "public", "seeds"}
     assert set(doc["policies"]) == {"random", "kv_aware"}
     assert set(doc["oracles"]) == {"infinite", "pooled_lru"}
-    assert set(doc["tenant"]) == {"random", "endpoint"}
-    for section in (doc["policies"]["random"], doc["tenant"]["endpoint"]):
-        for key in ("hit_rate", "ttft_p50", "ttft_p99", "imbalance", "throughput_rps"):
-            assert isinstance(section[key], float)
+    assert list(doc["tenant"]) == ["random", "kv_aware", "endpoint"]
+    for key in ("hit_rate", "ttft_p50", "ttft_p90", "ttft_p99", "imbalance", "throughput_rps"):
+        assert isinstance(doc["policies"]["random"][key], float)
+    # The tenant's figures: median, min, max and the value per seed; requests per seed.
+    p99 = doc["tenant"]["endpoint"]["ttft_p99"]
+    assert set(p99) == {"median", "min", "max", "per_seed"} and len(p99["per_seed"]) == 1
+    assert doc["tenant"]["endpoint"]["requests"] == [2] and doc["public"]["random"]["requests"] == [
+        2
+    ]
+    assert doc["seeds"] == [0]
     assert doc["oracles"]["infinite"]["hit_rate"] == 0.5
     assert doc["oracles"]["pooled_lru"]["capacity_blocks"] == 1
     assert doc["oracles"]["pooled_lru"]["hit_rate"] == 0.25  # keeps the first block
@@ -141,7 +157,8 @@ def test_plain_table():
     row = next(line for line in lines if line.startswith("kv_aware"))
     assert "35.6%" in row and "1.00 s" in row and "1.49 s" in row and "2.50" in row
     assert any(line.startswith("oracle: infinite") and "50.0%" in line for line in lines)
-    assert "tenant's requests" in text and text.rstrip().endswith("a note")
+    assert "tenant 't': its own requests (seed 0)" in text and text.rstrip().endswith("a note")
+    assert "public traffic (seed 0)" in text
     buf = io.StringIO()
     print_report(_report(), buf, use_rich=False)
     assert buf.getvalue() == text

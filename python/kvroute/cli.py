@@ -104,17 +104,11 @@ def _simulate(args: argparse.Namespace) -> int:
     from .sim.sweep import parse_sweep
     from .sim.traces import write_mooncake
 
-    try:
-        policies = parse_policies(args.policies) if args.policies else list(DEFAULT_POLICIES)
-        swept = parse_sweep(args.sweep) if args.sweep else None
-        if swept is not None and args.time_scale != 1.0:
-            raise ValueError("--sweep and --time-scale are exclusive (the sweep sets the scale)")
-        if swept is not None and (args.explain or args.decisions):
-            raise ValueError("--explain and --decisions apply to one run, not to a --sweep")
+    def prepare(seed: int):
         workload = load_workload(
             args.scenario,
             trace=args.trace,
-            seed=args.seed,
+            seed=seed,
             duration=args.duration,
             block_size=args.block_size,
         )
@@ -122,6 +116,19 @@ def _simulate(args: argparse.Namespace) -> int:
             workload = workload.head(args.requests)
         if args.time_scale != 1.0:
             workload = workload.time_scaled(args.time_scale)
+        return workload
+
+    try:
+        policies = parse_policies(args.policies) if args.policies else list(DEFAULT_POLICIES)
+        swept = parse_sweep(args.sweep) if args.sweep else None
+        if swept is not None and args.time_scale != 1.0:
+            raise ValueError("--sweep and --time-scale are exclusive (the sweep sets the scale)")
+        if swept is not None and (args.explain or args.decisions):
+            raise ValueError("--explain and --decisions apply to one run, not to a --sweep")
+        pressure = _numbers(args.pressure, "--pressure") if args.pressure else []
+        seeds = _seeds(args.seeds) if args.seeds else None
+        if swept is not None and (pressure or seeds):
+            raise ValueError("--seeds and --pressure study the tenant at one load, not a --sweep")
         workers = args.workers
         if workers is None:
             workers = SCENARIO_WORKERS["trace" if args.trace else args.scenario]
@@ -132,7 +139,19 @@ def _simulate(args: argparse.Namespace) -> int:
             prefill_overhead=args.prefill_overhead,
             decode_time_per_token=args.decode_time,
         )
-        endpoint = EndpointOptions(pool_size=args.pool_size, reserved_blocks=args.reserved_blocks)
+        endpoint = EndpointOptions(
+            pool_size=args.pool_size, reserved_blocks=args.reserved_blocks, priority=args.priority
+        )
+        workload = prepare(args.seed)
+        others = {}
+        if workload.meta.get("tenant") is not None and args.trace is None:
+            endpoint.check(workload, model, pressure)
+            if swept is None:
+                for s in seeds if seeds is not None else range(args.seed, args.seed + 5):
+                    if s != args.seed:
+                        others[s] = prepare(s)
+        elif seeds or pressure:
+            raise ValueError("--seeds and --pressure need a scenario with a tenant (endpoint)")
     except (ValueError, TypeError, OSError) as e:
         print(f"kvroute simulate: {e}", file=sys.stderr)
         return 2
@@ -141,7 +160,6 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"wrote {len(workload):,} requests to {args.export_trace}", file=sys.stderr)
     if swept is not None:
         return _sweep(args, workload, model, policies, *swept)
-    instrument = bool(args.explain or args.decisions)
     report, results = simulate(
         workload,
         model=model,
@@ -150,7 +168,9 @@ def _simulate(args: argparse.Namespace) -> int:
         seed=args.seed,
         endpoint=endpoint,
         progress=not args.quiet,
-        instrument=instrument,
+        instrument=bool(args.explain or args.decisions),
+        tenant_workloads=others,
+        pressure=pressure,
     )
     if not args.explain:
         report.decisions = None
@@ -190,6 +210,45 @@ def _sweep(args, workload, model, policies, axis: str, values: list[float]) -> i
     if args.plot:
         write_sweep_plot(result, args.plot)
     return 0
+
+
+def _numbers(text: str, what: str) -> list[float]:
+    """``"1,2,4"`` → [1.0, 2.0, 4.0]; every value finite and > 0."""
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        try:
+            v = float(item)
+        except ValueError:
+            raise ValueError(f"{what}: {item!r} is not a number") from None
+        if not (v > 0 and v != float("inf")):
+            raise ValueError(f"{what}: values must be positive and finite, got {item}")
+        out.append(v)
+    if not out:
+        raise ValueError(f"{what}: no value given")
+    return out
+
+
+def _seeds(text: str) -> list[int]:
+    """``"0-4"`` or ``"0,3,7"`` (or both, comma-separated) → distinct seeds in order."""
+    out: list[int] = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        lo, dash, hi = item.partition("-")
+        try:
+            span = range(int(lo), int(hi) + 1) if dash else [int(item)]
+        except ValueError:
+            raise ValueError(f"--seeds: {item!r} is not a seed or a range A-B") from None
+        if dash and int(hi) < int(lo):
+            raise ValueError(f"--seeds: empty range {item!r}")
+        out += [s for s in span if s not in out]
+    if not out:
+        raise ValueError("--seeds: no seed given")
+    return out
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -316,16 +375,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--seed", type=int, default=0, help="seed of workloads and policies")
     sim.add_argument(
+        "--seeds",
+        metavar="A-B|A,B,...",
+        help="seeds of the tenant study (endpoint scenario; default: --seed and the next four)",
+    )
+    sim.add_argument(
+        "--pressure",
+        metavar="K1,K2,...",
+        help=(
+            "cache-pressure sweep of the tenant study: each worker's KV capacity / K at the same "
+            "load (e.g. 1,2,4,8,16)"
+        ),
+    )
+    sim.add_argument(
         "--duration",
         type=float,
-        help="seconds of synthetic traffic (default: 600 for endpoint, 300 for rag and agent)",
+        help="seconds of synthetic traffic (default: 1800 for endpoint, 300 for rag and agent)",
     )
     sim.add_argument("--block-size", type=int, help="block size of a synthetic scenario")
     sim.add_argument("--requests", type=int, help="replay only the first N requests")
     sim.add_argument(
         "--time-scale", type=float, default=1.0, help="multiply arrival times (0.5 = 2x load)"
     )
-    sim.add_argument("--pool-size", type=int, default=2, help="dedicated endpoint's workers")
+    sim.add_argument(
+        "--pool-size", type=int, default=4, help="dedicated endpoint's workers (default 4)"
+    )
+    sim.add_argument(
+        "--priority",
+        type=int,
+        default=1,
+        help="engine priority of the endpoint's requests, public traffic has 0 (default 1)",
+    )
     sim.add_argument(
         "--reserved-blocks",
         type=int,

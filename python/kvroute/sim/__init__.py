@@ -43,7 +43,6 @@ from .report import (
     render_table,
     results_from_records,
     summarize,
-    tenant_view,
     write_json,
     write_plot,
 )
@@ -107,7 +106,6 @@ __all__ = [
     "run",
     "simulate",
     "summarize",
-    "tenant_view",
     "write_json",
     "write_mooncake",
     "write_plot",

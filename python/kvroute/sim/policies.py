@@ -55,7 +55,9 @@ INDEX_MODES = ("events", "approx")
 class RouterPolicy(Policy):
     """A :class:`kvroute.Router` with one of its policies, as a simulator policy (see the module
     docs). ``decisions`` holds the decision of every request in flight; ``predicted`` the cached
-    tokens the router expected for each request sent to a dedicated endpoint.
+    tokens the router expected for each request sent to a dedicated endpoint. The priority on
+    each decision (what a gateway passes upstream) must be the one the scenario's engines run the
+    request at.
 
     ``key``: the request's session id (when the workload has sessions) is passed as the
     consistent-hash key, as a gateway doing sticky sessions would; else the router's default key.
@@ -102,11 +104,14 @@ class RouterPolicy(Policy):
                 pool_size=ep.pool_size,
                 reserved_blocks=ep.reserved_blocks,
                 isolate=ep.isolate,
+                priority=ep.priority,
             )
         if self.index_mode == "events":
             fleet.subscribe(self.router.index)
         self.sessions = fleet.workload.session
         self.endpoint_of = fleet.scenario.endpoint_of or [None] * len(fleet.workload)
+        priority = fleet.scenario.priority
+        self.priority = [0] * len(fleet.workload) if priority is None else priority.tolist()
         self.decisions = {}
         self.predicted = {}
 
@@ -121,6 +126,11 @@ class RouterPolicy(Policy):
         )
         if endpoint is not None:
             self.predicted[request] = d.cached_tokens
+        if d.priority != self.priority[request]:  # the engine schedules by the scenario's
+            raise ValueError(
+                f"request {request}: the router's decision has priority {d.priority}, the "
+                f"scenario runs it at {self.priority[request]}"
+            )
         self.router.begin(d)
         self.decisions[request] = d
         return self.fleet.position[d.worker]

@@ -4,9 +4,9 @@ The engine produces one :data:`RESULT_DTYPE` record per request (a NumPy structu
 :func:`empty_results`); everything in a report is computed from those records:
 
 - ``hit_rate`` = Σ cached prompt tokens / Σ prompt tokens (token-weighted, all requests);
-- ``ttft_p50`` / ``ttft_p99`` / ``ttft_mean``: time to first token = ``first_token - arrival``
-  (seconds; percentiles by linear interpolation, NumPy's default); ``queue_p50`` / ``queue_p99``:
-  ``prefill_start - arrival``;
+- ``ttft_p50`` / ``ttft_p90`` / ``ttft_p99`` / ``ttft_mean``: time to first token =
+  ``first_token - arrival`` (seconds; percentiles by linear interpolation, NumPy's default);
+  ``queue_p50`` / ``queue_p99``: ``prefill_start - arrival``;
 - ``imbalance`` = max over workers of the prefill tokens a worker computed (prompt − cached
   tokens of the requests it served) ÷ their mean over **all** ``num_workers`` workers (idle ones
   count as 0); 1.0 is perfect balance, ``num_workers`` means one worker did everything; 1.0 when
@@ -16,9 +16,10 @@ The engine produces one :data:`RESULT_DTYPE` record per request (a NumPy structu
 
 Requests without a finite ``first_token`` count as ``unfinished`` and are left out of the TTFT
 statistics (not of the token counts). :func:`write_json` writes exactly
-``{"policies": {NAME: {...}}, "oracles": {"infinite": {...}, "pooled_lru": {...}}}`` plus
-``"tenant": {SETUP: {...}}`` when the report has tenant metrics (the tenant's own requests under
-each setup, e.g. ``random``, ``kv_aware``, ``endpoint``).
+``{"policies": {NAME: {...}}, "oracles": {"infinite": {...}, "pooled_lru": {...}}}`` plus, when
+the report has a tenant study (:mod:`.tenant`), ``"tenant": {SETUP: {FIGURE: {"median", "min",
+"max", "per_seed"}, "requests": [...]}}``, the same for the public traffic under ``"public"``,
+``"seeds"``, and ``"pressure"`` / ``"pressure_wins_from"`` when a pressure sweep ran.
 Rich tables and matplotlib plots are optional (``pip install kvroute[sim]``); without rich the
 table is aligned plain text and the progress bar a plain stderr line.
 """
@@ -30,14 +31,17 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
 from .oracles import OracleResult
+
+if TYPE_CHECKING:
+    from .tenant import TenantStudy
 
 __all__ = [
     "RESULT_DTYPE",
@@ -50,7 +54,6 @@ __all__ = [
     "render_table",
     "results_from_records",
     "summarize",
-    "tenant_view",
     "write_json",
     "write_plot",
 ]
@@ -123,6 +126,7 @@ class PolicyMetrics:
     makespan_s: float
     throughput_rps: float
     prompt_tokens_per_s: float
+    ttft_p90: float = math.nan
     worker_prefill_tokens: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -184,6 +188,7 @@ def summarize(
         ttft_p50=_pct(ttft, 50),
         ttft_p99=_pct(ttft, 99),
         ttft_mean=float(ttft.mean()) if ttft.size else math.nan,
+        ttft_p90=_pct(ttft, 90),
         queue_p50=_pct(queue, 50),
         queue_p99=_pct(queue, 99),
         imbalance=imbalance,
@@ -203,7 +208,7 @@ class Report:
 
     policies: dict[str, PolicyMetrics]
     oracles: dict[str, OracleResult]
-    tenant: dict[str, PolicyMetrics] | None = None
+    tenant: TenantStudy | None = None
     title: str = ""
     notes: list[str] = field(default_factory=list)
     #: Per policy, the :func:`kvroute.sim.instruments.explain` summary (``--explain``).
@@ -219,7 +224,7 @@ class Report:
             "oracles": {name: self.oracles[name].to_dict() for name in ORACLE_NAMES},
         }
         if self.tenant is not None:
-            doc["tenant"] = {name: m.to_dict() for name, m in self.tenant.items()}
+            doc.update(self.tenant.to_json())
         if self.decisions is not None:
             doc["decisions"] = {
                 name: {k: _json_number(v) for k, v in d.items()}
@@ -281,23 +286,25 @@ def _oracle_row(name: str, o: OracleResult) -> list[str]:
     ]
 
 
-def _sections(report: Report) -> list[tuple[str, list[list[str]]]]:
+Section = tuple[str, Sequence[str], list[list[str]]]
+
+
+def _sections(report: Report) -> list[Section]:
+    """(title, columns, rows) of every table of the report."""
     rows = [_policy_row(k, m) for k, m in report.policies.items()]
     rows += [_oracle_row(k, o) for k, o in report.oracles.items()]
-    sections = [(report.title or "policies", rows)]
-    if report.tenant:
-        sections.append(
-            ("tenant's requests", [_policy_row(k, m) for k, m in report.tenant.items()])
-        )
+    sections: list[Section] = [(report.title or "policies", _COLUMNS, rows)]
+    if report.tenant is not None:
+        sections.extend(report.tenant.sections())
     return sections
 
 
 def render_table(report: Report) -> str:
     """The report as aligned plain text (the fallback when rich is not installed)."""
     out: list[str] = []
-    for title, rows in _sections(report):
-        table = [list(_COLUMNS), *rows]
-        widths = [max(len(r[c]) for r in table) for c in range(len(_COLUMNS))]
+    for title, columns, rows in _sections(report):
+        table = [list(columns), *rows]
+        widths = [max(len(r[c]) for r in table) for c in range(len(columns))]
         out.append(title)
         for k, r in enumerate(table):
             cells = [r[0].ljust(widths[0])] + [r[c].rjust(widths[c]) for c in range(1, len(r))]
@@ -334,16 +341,17 @@ def print_report(report: Report, file: IO[str] | None = None, *, use_rich: bool 
         file.write(render_table(report))
         return
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     is_tty = bool(getattr(file, "isatty", lambda: False)())
     console = Console(file=file, width=None if is_tty else 160)  # files: no column squeezing
-    for title, rows in _sections(report):
-        table = Table(title=title)
-        for k, col in enumerate(_COLUMNS):
-            table.add_column(col, justify="left" if k == 0 else "right")
+    for title, columns, rows in _sections(report):
+        table = Table(title=escape(title))
+        for k, col in enumerate(columns):
+            table.add_column(escape(col), justify="left" if k == 0 else "right")
         for r in rows:
-            table.add_row(*r)
+            table.add_row(*map(escape, r))
         console.print(table)
     for note in report.notes:
         console.print(note, markup=False, highlight=False)
@@ -416,7 +424,9 @@ class Progress:
 # Plot
 # ---------------------------------------------------------------------------------------------
 def write_plot(report: Report, path: str | os.PathLike[str]) -> None:
-    """Write a PNG with hit rate (oracles as dashed lines) and TTFT p50/p99 per policy.
+    """Write a PNG with hit rate (oracles as dashed lines) and TTFT p50/p99 per policy, and
+    with a tenant study a second row: the tenant's TTFT figures per setup (median, min–max
+    whiskers over the seeds) and its hit rate per setup or, when swept, against cache pressure.
 
     Raises ``ImportError`` naming the ``sim`` extra when matplotlib is not installed.
     """
@@ -431,7 +441,9 @@ def write_plot(report: Report, path: str | os.PathLike[str]) -> None:
         ) from e
     names = list(report.policies)
     x = np.arange(len(names))
-    fig, (ax_hit, ax_ttft) = plt.subplots(1, 2, figsize=(max(8.0, 1.6 * len(names) + 4), 4.5))
+    rows = 1 if report.tenant is None else 2
+    fig, axes = plt.subplots(rows, 2, figsize=(max(11.0, 1.6 * len(names) + 4), 4.5 * rows))
+    ax_hit, ax_ttft = axes[0] if rows == 2 else axes
     ax_hit.bar(x, [100 * report.policies[n].hit_rate for n in names], color="tab:blue")
     styles = {"infinite": "tab:green", "pooled_lru": "tab:orange"}
     for name, o in report.oracles.items():
@@ -449,17 +461,10 @@ def write_plot(report: Report, path: str | os.PathLike[str]) -> None:
     for ax in (ax_hit, ax_ttft):
         ax.set_xticks(x)
         ax.set_xticklabels(names, rotation=30, ha="right")
+    if report.tenant is not None:
+        report.tenant.plot(axes[1][0], axes[1][1])
     if report.title:
         fig.suptitle(report.title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def tenant_view(
-    results_by_setup: Mapping[str, np.ndarray], mask: np.ndarray, *, num_workers: int
-) -> dict[str, PolicyMetrics]:
-    """The ``tenant`` section: metrics of the ``mask``-ed (tenant's) requests per setup name."""
-    return {
-        k: summarize(r, num_workers=num_workers, mask=mask) for k, r in results_by_setup.items()
-    }

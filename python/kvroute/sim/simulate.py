@@ -5,14 +5,13 @@ fleet model, computes the infinite-cache and pooled-LRU oracles (the pooled LRU 
 ``kvroute.BlockCache`` of the fleet's total capacity), and returns a :class:`~.report.Report`.
 
 For a workload with a tenant (the ``endpoint`` scenario records it in ``meta["tenant"]``) it also
-runs the dedicated-endpoint setup and fills the report's ``tenant`` section with the tenant's own
-requests, one entry per setup: ``random`` and ``kv_aware`` = those policies' runs (the tenant is
-one more client of the shared fleet, one shared LRU per worker), ``endpoint`` = one
-:class:`~.policies.RouterPolicy` (``EndpointOptions.policy``, default ``kv_aware``) for all traffic,
-with the tenant's requests sent to its dedicated endpoint (:meth:`~.scenario.Scenario.dedicated`:
-sticky pool, reserved partition, salted blocks) — what ``kvroute serve`` does with one
-``[[endpoints]]`` entry. The two-call demo — the tenant's first two requests, and what the router
-predicted for them — goes into the report's notes.
+runs the tenant study (:mod:`.tenant`) over this workload's seed and any further seeds' workloads
+(``tenant_workloads``), and optionally the cache-pressure sweep, into the report's ``tenant``:
+the tenant on the shared fleet under ``random`` and ``kv_aware``, and through its dedicated
+endpoint (one :class:`~.policies.RouterPolicy` for all traffic, the tenant's requests sent with
+``endpoint=``: sticky pool, reserved share, salted blocks, priority) — what ``kvroute serve``
+does with one ``[[endpoints]]`` entry. The two-call demo — the tenant's first two requests, and
+what the router predicted for them — goes into the report's notes.
 
 Guarantees: the same arguments give the same report (every random choice is seeded by ``seed``);
 all policies see identical arrivals; nothing is shared between runs (fresh fleet, fresh policy).
@@ -21,7 +20,7 @@ all policies see identical arrivals; nothing is shared between runs (fresh fleet
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,10 +35,11 @@ from .policies import DEFAULT_POLICIES, RouterPolicy, make_policy
 from .report import Progress, Report, summarize
 from .scenario import Endpoint, Scenario
 from .synthetic import SCENARIOS
+from .tenant import PRESSURE_SETUPS, pressure_models, run_setup, tenant_study
 from .traces import claude_code_sessions, load_trace, mooncake_conversation
 from .workloads import Workload, WorkloadBuilder
 
-__all__ = ["SCENARIO_WORKERS", "TENANT_SETUPS", "EndpointOptions", "load_workload", "simulate"]
+__all__ = ["SCENARIO_WORKERS", "EndpointOptions", "load_workload", "simulate"]
 
 #: Default fleet size per scenario: the synthetic scenarios are sized for 8 workers; the Mooncake
 #: conversation trace (41k prompt tokens/s) is the issue's 16-worker benchmark.
@@ -91,21 +91,22 @@ def load_workload(
     return SCENARIOS[scenario](**kw)
 
 
-#: The tenant's setups, in report order: the shared fleet under two policies, and the endpoint.
-TENANT_SETUPS = ("random", "kv_aware", "endpoint")
-
-
 @dataclass(frozen=True)
 class EndpointOptions:
     """The dedicated endpoint of the tenant: ``pool_size`` workers (rendezvous top-k of the
-    fleet), ``reserved_blocks`` per pool worker (default: twice the tenant's system prompt in
-    blocks — the prompt itself plus room for the question blocks of the requests around it),
-    and ``policy``, the router's policy for all traffic in the endpoint setup (inside the pool
-    for the endpoint's requests)."""
+    fleet; default 4: the endpoint's requests wait behind a running prefill only when every pool
+    worker is busy, and prefills are not preempted), ``reserved_blocks`` per pool worker
+    (default: twice the tenant's system prompt in blocks — the prompt itself plus room for the
+    question blocks of the requests around it),
+    engine scheduling ``priority`` of its requests (default 1, one above the public traffic's 0:
+    the engines run priority scheduling, vLLM ``--scheduling-policy priority``), and ``policy``,
+    the router's policy for all traffic in the endpoint setup (inside the pool for the
+    endpoint's requests)."""
 
-    pool_size: int = 2
+    pool_size: int = 4
     reserved_blocks: int | None = None
     policy: str = "kv_aware"
+    priority: int = 1
 
     def reserved_for(self, workload: Workload) -> int:
         if self.reserved_blocks is not None:
@@ -113,10 +114,23 @@ class EndpointOptions:
         system = int(workload.meta.get("tenant_system_tokens", workload.block_size))
         return 2 * math.ceil(system / workload.block_size)
 
+    def check(self, workload: Workload, model: FleetModel, pressure: Sequence[float] = ()) -> None:
+        """Raises ``ValueError`` naming the problem when this endpoint cannot run on ``model``
+        (pool larger than the fleet, reservation larger than a worker's cache at any of the
+        ``pressure`` factors) — before any simulation starts."""
+        if not 1 <= self.pool_size <= model.workers:
+            raise ValueError(
+                f"pool_size must be between 1 and the {model.workers} workers, got {self.pool_size}"
+            )
+        pressure_models(model, workload.block_size, pressure, self.reserved_for(workload))
+
     def endpoint(self, workload: Workload, tenant: str) -> Endpoint:
         """The endpoint ``tenant`` is given on ``workload``."""
         return Endpoint(
-            tenant, pool_size=self.pool_size, reserved_blocks=self.reserved_for(workload)
+            tenant,
+            pool_size=self.pool_size,
+            reserved_blocks=self.reserved_for(workload),
+            priority=self.priority,
         )
 
 
@@ -131,24 +145,32 @@ def simulate(
     progress: bool = True,
     policy_options: dict[str, dict[str, Any]] | None = None,
     instrument: bool = False,
+    tenant_workloads: Mapping[int, Workload] | None = None,
+    pressure: Sequence[float] = (),
 ) -> tuple[Report, dict[str, np.ndarray]]:
     """Run ``policies`` (names, see :mod:`.policies`) and the oracles; returns the report and the
-    raw result records per run (policy names, plus ``"endpoint"`` for the tenant setup).
-    ``policy_options[name]`` is passed to :func:`~.policies.make_policy` as ``options``.
-    ``instrument`` records every decision of every policy (:mod:`.instruments`): the report's
-    ``decisions`` holds each policy's :func:`~.instruments.explain` summary, and the raw rows are
-    returned under ``"decisions:<policy>"``."""
+    raw result records per run (policy names, plus ``"endpoint"`` for the tenant's endpoint setup
+    on this workload). ``policy_options[name]`` is passed to :func:`~.policies.make_policy` as
+    ``options``. ``instrument`` records every decision of every policy (:mod:`.instruments`): the
+    report's ``decisions`` holds each policy's :func:`~.instruments.explain` summary, and the raw
+    rows are returned under ``"decisions:<policy>"``. For a workload with a tenant,
+    ``tenant_workloads`` (``{seed: workload}``) are further seeds for the tenant study and
+    ``pressure`` its cache-pressure factors (:func:`~.tenant.tenant_study`)."""
     n = len(workload)
     cap = model.capacity(workload.block_size)
     tenant = workload.meta.get("tenant")
     endpoint = endpoint or EndpointOptions()
-    runs: list[str] = list(policies)
-    if tenant is not None:  # the tenant's shared-fleet baselines
-        runs += [p for p in ("random", endpoint.policy) if p not in runs]
-    total = n * (len(runs) + (tenant is not None) + 1)
-    results: dict[str, np.ndarray] = {}
     options = policy_options or {}
-    scenario: Scenario | None = None
+    runs: list[str] = list(policies)
+    seeds: dict[int, Workload] = {}
+    if tenant is not None:  # the tenant's shared-fleet baselines
+        endpoint.check(workload, model, pressure)
+        runs += [p for p in ("random", "kv_aware", endpoint.policy) if p not in runs]
+        seeds = {seed: workload, **{s: w for s, w in (tenant_workloads or {}).items() if s != seed}}
+    study_runs = sum(len(w) for s, w in seeds.items() if s != seed) * 3
+    study_runs += sum(len(w) for w in seeds.values()) * len(PRESSURE_SETUPS) * len(pressure)
+    total = n * (len(runs) + 1 + (tenant is not None)) + study_runs
+    results: dict[str, np.ndarray] = {}
     setup: RouterPolicy | None = None
 
     quiet = {} if progress else {"file": _Null(), "use_rich": False}
@@ -158,10 +180,14 @@ def simulate(
         def tick(k: int) -> None:
             bar.update(done + k)
 
+        def advance(k: int) -> None:
+            nonlocal done
+            done += k
+            bar.update(done)
+
         pooled = pooled_lru(workload, cap * model.workers, cache=BlockCache(cap * model.workers))
         oracles = {"infinite": infinite_cache(workload), "pooled_lru": pooled}
-        done += n
-        bar.update(done)
+        advance(n)
         for name in runs:
             policy = make_policy(name, index=index, seed=seed, options=options.get(name))
             if instrument:
@@ -170,20 +196,32 @@ def simulate(
                 results[f"decisions:{name}"] = recorder.rows(results[name])
             else:
                 results[name] = run(workload, policy, model, progress=tick)
-            done += n
+            advance(n)
+        study = None
         if tenant is not None:
-            scenario = Scenario.dedicated(
-                workload, worker_names(model.workers), endpoint.endpoint(workload, tenant), tenant
+            spec = endpoint.endpoint(workload, tenant)
+            kw = {
+                "policy": endpoint.policy,
+                "index": index,
+                "options": options.get(endpoint.policy),
+            }
+            results["endpoint"], setup = run_setup(
+                "endpoint", workload, model, spec, seed=seed, progress=tick, **kw
             )
-            setup = RouterPolicy(
-                endpoint.policy, index=index, seed=seed, options=options.get(endpoint.policy)
+            advance(n)
+            study = tenant_study(
+                seeds,
+                model,
+                spec,
+                pressure=pressure,
+                done={(seed, s): results[s] for s in (*runs, "endpoint")},
+                tick=advance,
+                **kw,
             )
-            results["endpoint"] = run(workload, setup, model, scenario=scenario, progress=tick)
-            done += n
         bar.update(total)
 
     metrics = {name: summarize(results[name], num_workers=model.workers) for name in policies}
-    report = Report(policies=metrics, oracles=oracles, title=_title(workload, model, index))
+    report = Report(policies=metrics, oracles=oracles, title=_title(workload, model, index, seed))
     report.notes.extend(_model_notes(workload, model))
     if instrument:
         report.decisions = {
@@ -195,14 +233,11 @@ def simulate(
             )
             for name in policies
         }
-    if tenant is not None and setup is not None and scenario is not None:
+    if study is not None and setup is not None:
+        report.tenant = study
+        report.notes.extend(study.notes())
         mask = workload.tenant_mask(tenant)
-        keys = {"random": "random", "kv_aware": endpoint.policy, "endpoint": "endpoint"}
-        report.tenant = {
-            label: summarize(results[key], num_workers=model.workers, mask=mask)
-            for label, key in keys.items()
-        }
-        report.notes.extend(_endpoint_notes(workload, setup, scenario, results, mask, model))
+        report.notes.extend(_endpoint_notes(workload, setup, study.endpoint, results, mask, model))
     return report, results
 
 
@@ -219,12 +254,12 @@ class _Null:
         return False
 
 
-def _title(workload: Workload, model: FleetModel, index: str) -> str:
+def _title(workload: Workload, model: FleetModel, index: str, seed: int) -> str:
     cap = model.capacity(workload.block_size)
     return (
         f"{workload.name}: {len(workload):,} requests over {workload.duration:,.0f} s, "
         f"{model.workers} workers × {cap:,} blocks of {workload.block_size} tokens, "
-        f"kvroute index {index}"
+        f"kvroute index {index}, seed {seed}"
     )
 
 
@@ -250,26 +285,28 @@ def _model_notes(workload: Workload, model: FleetModel) -> list[str]:
 def _endpoint_notes(
     workload: Workload,
     setup: RouterPolicy,
-    scenario: Scenario,
+    ep: Endpoint,
     results: dict[str, np.ndarray],
     mask: np.ndarray,
     model: FleetModel,
 ) -> list[str]:
-    ep = scenario.endpoints[0]
     pool = ", ".join(setup.endpoint_pool(ep.id))
+    seed = workload.meta.get("seed", "?")
     lines = [
-        f"Dedicated endpoint {ep.id!r}: pool [{pool}], {ep.reserved_blocks} reserved blocks per "
-        f"pool worker; one {setup.name} router for all traffic (the endpoint's requests inside "
-        "its pool), as kvroute serve runs it.",
+        f"Dedicated endpoint {ep.id!r}: pool [{pool}]. Where the tenant's TTFT goes (seed {seed}):"
     ]
-    labels = (("random", "shared fleet, random"), ("endpoint", "dedicated endpoint"))
-    for key, label in labels:
+    for key, label in (
+        ("random", "shared random"),
+        ("kv_aware", "shared kv_aware"),
+        ("endpoint", "endpoint"),
+    ):
         r = results[key][mask]
-        queue = np.median(r["prefill_start"] - r["arrival"]) * 1000
-        prefill = np.median(r["first_token"] - r["prefill_start"]) * 1000
+        queue = r["prefill_start"] - r["arrival"]
+        prefill = r["first_token"] - r["prefill_start"]
         lines.append(
-            f"Tenant, {label}: median queueing {queue:,.0f} ms, median own prefill "
-            f"{prefill:,.0f} ms."
+            f"  {label}: queueing mean {queue.mean() * 1000:,.0f} ms, p99 "
+            f"{np.percentile(queue, 99) * 1000:,.0f} ms; own prefill mean "
+            f"{prefill.mean() * 1000:,.0f} ms, p99 {np.percentile(prefill, 99) * 1000:,.0f} ms."
         )
     first_two = np.flatnonzero(mask)[:2].tolist()
     if len(first_two) < 2:
