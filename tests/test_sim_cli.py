@@ -194,7 +194,7 @@ def test_plot(tmp_path):
         (["--scenario", "rag", "--seeds", "0-2"], "need a scenario with a tenant"),
         (["--duration", "5", "--seeds", "3-1"], "empty range '3-1'"),
         (["--duration", "5", "--seeds", "x"], "'x' is not a seed"),
-        (["--duration", "5", "--pressure", "0"], "positive and finite"),
+        (["--duration", "5", "--pressure", "0"], "finite and > 0"),
         (["--duration", "5", "--pressure", "1,64"], "do not fit"),
     ],
 )

@@ -8,7 +8,7 @@ import math
 import pytest
 from kvroute.cli import main
 from kvroute.sim.engine import FleetModel
-from kvroute.sim.report import PolicyMetrics, Report
+from kvroute.sim.report import Report
 from kvroute.sim.sweep import (
     Sweep,
     SweepPoint,
@@ -20,6 +20,7 @@ from kvroute.sim.sweep import (
     write_sweep_plot,
 )
 from kvroute.sim.synthetic import rag_scenario
+from support.sim_helpers import metrics
 
 POLICIES = ["random", "kv_aware", "llmd"]
 
@@ -109,22 +110,7 @@ def test_json_text_and_plot(small, tmp_path):
 
 
 def _metrics(hit, p50, p99):
-    return PolicyMetrics(
-        requests=1,
-        unfinished=0,
-        prompt_tokens=1,
-        cached_tokens=0,
-        hit_rate=hit,
-        ttft_p50=p50,
-        ttft_p99=p99,
-        ttft_mean=p50,
-        queue_p50=0.0,
-        queue_p99=0.0,
-        imbalance=1.0,
-        makespan_s=1.0,
-        throughput_rps=1.0,
-        prompt_tokens_per_s=1.0,
-    )
+    return metrics(hit=hit, mean=p50, p50=p50, p99=p99)
 
 
 class _Oracle:

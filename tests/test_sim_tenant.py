@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from kvroute.sim import Endpoint, FleetModel, RouterPolicy, Scenario, endpoint_scenario, run
 from kvroute.sim.engine import worker_names
-from kvroute.sim.report import PolicyMetrics
 from kvroute.sim.tenant import (
     PRESSURE_SETUPS,
     PressurePoint,
@@ -20,27 +19,7 @@ from kvroute.sim.tenant import (
     run_setup,
     tenant_study,
 )
-from support.sim_helpers import make_workload
-
-
-def metrics(hit=0.5, mean=1.0, p50=1.0, p90=1.0, p99=1.0, requests=10) -> PolicyMetrics:
-    return PolicyMetrics(
-        requests=requests,
-        unfinished=0,
-        prompt_tokens=100,
-        cached_tokens=int(100 * hit),
-        hit_rate=hit,
-        ttft_p50=p50,
-        ttft_p99=p99,
-        ttft_mean=mean,
-        ttft_p90=p90,
-        queue_p50=0.0,
-        queue_p99=0.0,
-        imbalance=1.0,
-        makespan_s=1.0,
-        throughput_rps=1.0,
-        prompt_tokens_per_s=1.0,
-    )
+from support.sim_helpers import make_workload, metrics
 
 
 def test_spread_median_range_and_json():

@@ -101,7 +101,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from .sim.policies import DEFAULT_POLICIES, parse_policies
     from .sim.report import print_report, write_json, write_plot
     from .sim.simulate import SCENARIO_WORKERS, EndpointOptions, load_workload, simulate
-    from .sim.sweep import parse_sweep
+    from .sim.sweep import parse_sweep, positive_numbers
     from .sim.traces import write_mooncake
 
     def prepare(seed: int):
@@ -125,7 +125,7 @@ def _simulate(args: argparse.Namespace) -> int:
             raise ValueError("--sweep and --time-scale are exclusive (the sweep sets the scale)")
         if swept is not None and (args.explain or args.decisions):
             raise ValueError("--explain and --decisions apply to one run, not to a --sweep")
-        pressure = _numbers(args.pressure, "--pressure") if args.pressure else []
+        pressure = positive_numbers(args.pressure, "--pressure") if args.pressure else []
         seeds = _seeds(args.seeds) if args.seeds else None
         if swept is not None and (pressure or seeds):
             raise ValueError("--seeds and --pressure study the tenant at one load, not a --sweep")
@@ -210,25 +210,6 @@ def _sweep(args, workload, model, policies, axis: str, values: list[float]) -> i
     if args.plot:
         write_sweep_plot(result, args.plot)
     return 0
-
-
-def _numbers(text: str, what: str) -> list[float]:
-    """``"1,2,4"`` → [1.0, 2.0, 4.0]; every value finite and > 0."""
-    out = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        try:
-            v = float(item)
-        except ValueError:
-            raise ValueError(f"{what}: {item!r} is not a number") from None
-        if not (v > 0 and v != float("inf")):
-            raise ValueError(f"{what}: values must be positive and finite, got {item}")
-        out.append(v)
-    if not out:
-        raise ValueError(f"{what}: no value given")
-    return out
 
 
 def _seeds(text: str) -> list[int]:

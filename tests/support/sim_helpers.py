@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+from kvroute.sim.report import PolicyMetrics
 from kvroute.sim.workloads import Workload, chain_block_ids, offsets_from_lengths
 
 
@@ -18,4 +19,25 @@ def make_workload(rows, block_size=4, tenant=None):
         offsets=offsets,
         block_size=block_size,
         tenant=tenant,
+    )
+
+
+def metrics(hit=0.5, mean=1.0, p50=1.0, p90=1.0, p99=1.0, requests=10) -> PolicyMetrics:
+    """A summary with the given hit rate and TTFT figures (seconds), the rest neutral."""
+    return PolicyMetrics(
+        requests=requests,
+        unfinished=0,
+        prompt_tokens=100,
+        cached_tokens=int(100 * hit),
+        hit_rate=hit,
+        ttft_p50=p50,
+        ttft_p99=p99,
+        ttft_mean=mean,
+        ttft_p90=p90,
+        queue_p50=0.0,
+        queue_p99=0.0,
+        imbalance=1.0,
+        makespan_s=1.0,
+        throughput_rps=1.0,
+        prompt_tokens_per_s=1.0,
     )

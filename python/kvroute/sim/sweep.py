@@ -47,6 +47,7 @@ __all__ = [
     "SweepPoint",
     "offered_load",
     "parse_sweep",
+    "positive_numbers",
     "render_sweep",
     "sweep",
     "write_sweep_json",
@@ -59,6 +60,26 @@ SWEEP_AXES = ("time-scale", "load")
 HIT_VS_PEER, HIT_VS_ORACLE, TTFT_VS_PEER = 0.95, 0.9, 1.05
 
 
+def positive_numbers(text: str, what: str) -> list[float]:
+    """``"1,2,4"`` → [1.0, 2.0, 4.0], in the order given; ``ValueError`` naming ``what`` and the
+    bad item unless every value is a finite number > 0 and there is at least one."""
+    values: list[float] = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        try:
+            v = float(item)
+        except ValueError:
+            raise ValueError(f"{what}: {item!r} is not a number") from None
+        if not (v > 0 and math.isfinite(v)):
+            raise ValueError(f"{what}: values must be finite and > 0, got {item}")
+        values.append(v)
+    if not values:
+        raise ValueError(f"{what}: no values given")
+    return values
+
+
 def parse_sweep(text: str) -> tuple[str, list[float]]:
     """``"time-scale=1,0.3,0.1"`` or ``"load=0.5,1,2"`` → (axis, values). Values must be finite
     and > 0; they run in the order given."""
@@ -68,21 +89,7 @@ def parse_sweep(text: str) -> tuple[str, list[float]]:
         raise ValueError(
             f"--sweep must be AXIS=V1,V2,... with AXIS one of {', '.join(SWEEP_AXES)}; got {text!r}"
         )
-    values: list[float] = []
-    for item in rest.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        try:
-            v = float(item)
-        except ValueError:
-            raise ValueError(f"--sweep {axis}: {item!r} is not a number") from None
-        if not (v > 0 and math.isfinite(v)):
-            raise ValueError(f"--sweep {axis}: values must be finite and > 0, got {item}")
-        values.append(v)
-    if not values:
-        raise ValueError(f"--sweep {axis}: no values given")
-    return axis, values
+    return axis, positive_numbers(rest, f"--sweep {axis}")
 
 
 def offered_load(workload: Workload, model: FleetModel) -> float:
