@@ -437,7 +437,7 @@ class Decision:
     @property
     def id(self) -> int: ...
     @property
-    def stage(self) -> Literal["routed", "active", "finished"]: ...
+    def stage(self) -> Literal["routed", "active", "finished", "withdrawn"]: ...
 
 @final
 class Router:
@@ -500,6 +500,11 @@ class Router:
 
     def finish(self, decision: Decision, *, now: float | None = None) -> None:
         """The request ended: taken off its worker's load."""
+
+    def withdraw(self, decision: Decision) -> bool:
+        """Take back a decision whose request never ran on its worker (shed, or served
+        elsewhere): its load and the blocks only its route recorded; ``False`` if already
+        withdrawn."""
 
     def observe(self, decision: Decision, cached_tokens: int, *, now: float | None = None) -> None:
         """Feed back the engine's reported cached tokens (corrects the approx model)."""

@@ -28,10 +28,12 @@ to first token (queued prefill tokens plus this prompt's uncached tokens, over
 ``prefill_tokens_per_second``) exceeds it. Requests with priority ≥ 0 are never shed.
 
 **Lifetime** (``Lease``): ``begin`` when the pick is sent; if the data plane reports that another
-known endpoint served the request, the request is moved there (finished on the picked worker,
-begun on the served one); ``prefilled`` at the first response byte; ``observe`` with the response's
-``usage.prompt_tokens_details.cached_tokens`` (converted to routing tokens), then ``finish`` —
-exactly once, whether the response ended, failed, or the stream was closed early.
+known endpoint served the request, the request is moved there (withdrawn from the picked worker —
+its load and the prompt its route put in the router's model — and begun on the served one); a
+request shed on ``x-slo-ttft-ms`` after the pick is withdrawn too; ``prefilled`` at the first
+response byte; ``observe`` with the response's ``usage.prompt_tokens_details.cached_tokens``
+(converted to routing tokens), then ``finish`` — exactly once, whether the response ended, failed,
+or the stream was closed early.
 """
 
 from __future__ import annotations
@@ -302,6 +304,7 @@ class Picker:
         if request.priority < 0 and request.ttft_slo is not None:
             ttft = self._ttft(d, len(tokens))
             if ttft is not None and ttft > request.ttft_slo:
+                self.router.withdraw(d)  # never sent: its prompt leaves the router's model
                 raise HTTPError(
                     429,
                     f"estimated time to first token {ttft * 1000:.0f} ms exceeds "
@@ -431,7 +434,7 @@ class Lease:
             except NoWorkerError:
                 return
         log.info("request picked for %s was served by %s", self.worker, member.name)
-        self._release()
+        self._release(withdraw=not self.prefill_done)
         self.decision = moved
         self.worker = member.name
         p.router.begin(moved)
@@ -463,12 +466,16 @@ class Lease:
         finally:
             self._release()
 
-    def _release(self) -> None:
+    def _release(self, *, withdraw: bool = False) -> None:
+        """Takes the request off its worker: finished, or withdrawn when it never ran there."""
         p = self.picker
         p.in_flight[self.worker] = p.in_flight.get(self.worker, 1) - 1
         if self.worker not in p.members and p.in_flight[self.worker] <= 0:
             p.in_flight.pop(self.worker, None)
-        p.router.finish(self.decision)
+        if withdraw:
+            p.router.withdraw(self.decision)
+        else:
+            p.router.finish(self.decision)
 
 
 class ResponseScanner:

@@ -672,7 +672,10 @@ class Gateway:
                 503, "no upstream worker available", "service_unavailable", "no_worker"
             )
         shed = self.admission.check_slo(d, call.slo)
-        return self._shed(shed) if shed is not None else d
+        if shed is None:
+            return d
+        self.router.withdraw(d)  # never sent: its prompt leaves the router's model
+        return self._shed(shed)
 
     def _failed(self, failure: UpstreamFailure, worker: str, error: object) -> None:
         """Counts an upstream failure; a worker that cannot be reached is ejected at once."""

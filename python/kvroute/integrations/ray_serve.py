@@ -30,15 +30,16 @@ reports itself unhealthy is Ray's own order used. A request that cannot be route
 caller with the reason (an unknown endpoint: ``KeyError``; a ``prompt_of`` hook's error) rather
 than waiting in Ray's queue. Ray's locality and model-multiplexing preferences are not applied.
 
-**Load accounting in step with Ray's.** A request is begun (``Router.begin``) when Ray reports
-the replica accepted it (``on_request_routed``) — on the replica Ray actually chose; if that is
-not the decision's, the request is routed again restricted to it (one the router cannot route to
-runs unaccounted) — and finished in ``on_request_completed``, which Ray calls exactly once for
-every dispatched request, whatever its outcome. Ray reports acceptance only under its strict
-``max_ongoing_requests`` protocol (the default; not through Ray Client, where requests are routed
-but not accounted). A replica that dies is removed (``on_replica_actor_died``,
-``update_replicas``). For a unary response, the returned body's
-``usage.prompt_tokens_details.cached_tokens`` (a mapping or an object) is passed to
+**Load accounting in step with Ray's.** A request is begun (``Router.begin``) when Ray reports the
+replica accepted it (``on_request_routed``) — on the replica Ray actually chose; if that is not the
+decision's, the decision is withdrawn (``Router.withdraw``: the prompt its route put in the router's
+model on the first-ranked replica leaves it) and the request is routed again restricted to the
+chosen replica (one the router cannot route to runs unaccounted) — and finished in
+``on_request_completed``, which Ray calls exactly once for every dispatched request, whatever its
+outcome. Ray reports acceptance only under its strict ``max_ongoing_requests`` protocol (the
+default; not through Ray Client, where requests are routed but not accounted). A replica that dies
+is removed (``on_replica_actor_died``, ``update_replicas``). For a unary response, the returned
+body's ``usage.prompt_tokens_details.cached_tokens`` (a mapping or an object) is passed to
 ``Router.observe`` when the result is ready; streamed responses are not observed.
 
 **A replica that dies.** Ray Serve 2.60 resends a request by itself only while no replica has
@@ -243,6 +244,8 @@ class KvRequestRouter(RequestRouter):
         rid = pending_request.metadata.internal_request_id
         routed = self._requests.get(rid)
         if routed is None or routed.decision.worker not in candidates:
+            if routed is not None and not routed.begun:  # its replica left: routed anew below
+                self.router.withdraw(routed.decision)
             self._calls += 1
             if self._calls % SWEEP_EVERY == 0:
                 self._forget_stale()
@@ -276,6 +279,7 @@ class KvRequestRouter(RequestRouter):
             # replica the router cannot route to (unhealthy: Ray's own order was used; or gone)
             # runs the request unaccounted.
             others = [w for w in self.router.workers if w != name]
+            self.router.withdraw(routed.decision)
             try:
                 routed.decision = self.router.route(
                     tokens=routed.tokens, endpoint=routed.endpoint, exclude=others
@@ -309,14 +313,14 @@ class KvRequestRouter(RequestRouter):
             self.router.finish(routed.decision)
 
     def _forget_stale(self) -> None:
-        """Drops requests routed but never dispatched (cancelled while queued; no load held)."""
+        """Drops (and withdraws) requests routed but never dispatched (cancelled while queued)."""
         now = time.monotonic()
         for rid in [
             rid
             for rid, r in self._requests.items()
             if not r.begun and now - r.routed_at > UNDISPATCHED_TTL
         ]:
-            del self._requests[rid]
+            self.router.withdraw(self._requests.pop(rid).decision)
 
 
 def _usage_of(value: Any) -> Any:

@@ -116,6 +116,13 @@ const PREFETCH: usize = 16;
 /// Largest capacity a cache accepts (2^30 - 1 blocks).
 pub const MAX_CAPACITY: usize = recency::MAX_BLOCKS;
 
+/// A point in a [`BlockCache`]'s order of touches ([`BlockCache::touch_mark`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TouchMark {
+    epoch: u32,
+    tick: u32,
+}
+
 /// A partition of a [`BlockCache`], resolved once by name with [`BlockCache::partition`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct PartitionId(u16);
@@ -495,6 +502,23 @@ impl BlockCache {
     /// When block `hash` was last touched (with [`track_idle`](Self::track_idle) on).
     pub fn last_touch(&self, hash: u64) -> Option<f64> {
         self.order.time(self.find(hash)?)
+    }
+
+    /// A point in the order of touches: every touch after it compares later (see
+    /// [`BlockCache::touched_since`]).
+    pub fn touch_mark(&self) -> TouchMark {
+        let (epoch, tick) = self.order.clock();
+        TouchMark { epoch, tick }
+    }
+
+    /// Whether block `hash` was touched after `mark`: `None` when it is not cached, or when the
+    /// touch order was renumbered since `mark` (once per ~4 billion touches) so it cannot tell.
+    pub fn touched_since(&self, hash: u64, mark: TouchMark) -> Option<bool> {
+        let (epoch, _) = self.order.clock();
+        if epoch != mark.epoch {
+            return None;
+        }
+        Some(self.order.tick_of(self.find(hash)?)? > mark.tick)
     }
 
     /// Drops every block idle for more than `max_idle` at `now` — last touched before

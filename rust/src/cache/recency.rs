@@ -146,6 +146,8 @@ pub(super) struct Recency {
     free: u32,
     lists: Vec<Ends>,
     clock: u32,
+    /// How many times the ticks were renumbered (a tick is comparable only within one epoch).
+    epoch: u32,
     /// Blocks touched at or after this tick are not victims (the running insert's own).
     protect_from: u32,
     /// Idle tracking: the time of each entry's last touch (indexed like `entries`), kept only
@@ -162,6 +164,7 @@ impl Recency {
             free: NIL,
             lists: vec![EMPTY; partitions],
             clock: 0,
+            epoch: 0,
             protect_from: u32::MAX,
             times: Vec::new(),
             timed: false,
@@ -293,6 +296,17 @@ impl Recency {
             self.protect_from = protected as u32 + 1;
         }
         self.clock = live.len() as u32;
+        self.epoch = self.epoch.wrapping_add(1);
+    }
+
+    /// `(epoch, last tick given)`: ticks compare only within one epoch.
+    pub fn clock(&self) -> (u32, u32) {
+        (self.epoch, self.clock)
+    }
+
+    /// The tick of block `i`'s last touch.
+    pub fn tick_of(&self, i: u32) -> Option<u32> {
+        self.get(i).map(|e| e.tick)
     }
 
     /// Adds an unpinned block owned by `part`, child of `parent` (or `NIL`), as the most recent

@@ -581,3 +581,28 @@ fn leases_end_before_a_pin_or_unpin_does_its_work() {
     assert_eq!(c.last_touch(1), Some(7.0));
     assert_eq!(c.pins(1), Some(0));
 }
+
+mod touch_mark {
+    use super::super::*;
+
+    #[test]
+    fn touches_after_a_mark_are_seen_until_the_ticks_are_renumbered() {
+        let mut c = BlockCache::new(8).unwrap();
+        let none: &mut Vec<u64> = &mut Vec::new();
+        c.insert_into(&[1, 2], PartitionId::SHARED, None, 0.0, none)
+            .unwrap();
+        let mark = c.touch_mark();
+        assert_eq!(c.touched_since(2, mark), Some(false));
+        assert_eq!(c.touched_since(9, mark), None);
+        c.insert_into(&[1], PartitionId::SHARED, None, 0.0, none)
+            .unwrap();
+        assert_eq!(c.touched_since(1, mark), Some(true));
+        assert_eq!(c.touched_since(2, mark), Some(false));
+        // Tests renumber after 64 ticks: the mark can no longer tell.
+        for _ in 0..70 {
+            c.insert_into(&[1], PartitionId::SHARED, None, 0.0, none)
+                .unwrap();
+        }
+        assert_eq!(c.touched_since(2, mark), None);
+    }
+}

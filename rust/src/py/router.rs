@@ -303,6 +303,16 @@ impl PyRouter {
         Ok(self.run(py, light, |r| r.finish(d, now))?)
     }
 
+    /// Takes back `decision`, whose request never ran on its worker (shed after routing, or
+    /// served elsewhere): a begun one leaves the worker's load; approx mode: the blocks only its
+    /// route recorded leave the model. `False` if it was already withdrawn; `ValueError` if it ran
+    /// (prefilled, observed, finished) or comes from another router.
+    fn withdraw(&self, py: Python<'_>, decision: &Bound<'_, PyDecision>) -> PyResult<bool> {
+        let d = &decision.get().inner;
+        let light = d.prompt_blocks < DETACH_MIN_TOKENS / 16;
+        Ok(self.run(py, light, |r| r.withdraw(d))?)
+    }
+
     /// Feeds back the cached tokens the engine reported for `decision` (OpenAI
     /// `usage.prompt_tokens_details.cached_tokens`). Approx mode: fewer than predicted drops the
     /// worker's blocks from there on; then the prompt is recorded. Once per decision.

@@ -1,7 +1,10 @@
-//! A routing decision and its lifecycle: routed → begun → (prefilled) → finished.
+//! A routing decision and its lifecycle: routed → begun → (prefilled) → finished, or routed (or
+//! begun) → withdrawn when the request never ran on its worker.
 //!
 //! Invariants: a decision is begun at most once and finished at most once, only after it was
-//! begun, and only by the router that made it; `prefilled` and `observe` apply at most once each.
+//! begun, and only by the router that made it; `prefilled` and `observe` apply at most once each;
+//! a withdrawn decision was never prefilled, observed or finished, and nothing applies to it
+//! after.
 //! The state lives in the decision itself (atomic flags), and the router changes it only while
 //! holding its own lock, together with the load counters it accounts for — so counters stay
 //! exact when decisions are shared between threads.
@@ -9,12 +12,16 @@
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
+use crate::blocks::Profile;
+use crate::cache::TouchMark;
+
 use super::policy::{Policy, Reason};
 
 const BEGUN: u8 = 1;
 const PREFILLED: u8 = 2;
 const FINISHED: u8 = 4;
 const OBSERVED: u8 = 8;
+const WITHDRAWN: u8 = 16;
 
 /// Where a decision is in its lifecycle.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,15 +32,18 @@ pub enum Stage {
     Active,
     /// Finished.
     Finished,
+    /// Withdrawn: the request never ran on its worker ([`super::Router::withdraw`]).
+    Withdrawn,
 }
 
 impl Stage {
-    /// `"routed"`, `"active"` or `"finished"`.
+    /// `"routed"`, `"active"`, `"finished"` or `"withdrawn"`.
     pub fn name(self) -> &'static str {
         match self {
             Stage::Routed => "routed",
             Stage::Active => "active",
             Stage::Finished => "finished",
+            Stage::Withdrawn => "withdrawn",
         }
     }
 }
@@ -59,8 +69,12 @@ pub struct Decision {
     pub prompt_tokens: usize,
     /// Full blocks of the prompt.
     pub prompt_blocks: usize,
-    /// Leading prompt blocks the chosen worker holds, per the index (raw, before freshness).
+    /// Leading prompt blocks the chosen worker is expected to serve from its cache: the blocks it
+    /// holds per the index (raw, before freshness), capped as the engine caps its hit
+    /// ([`engine_hit_blocks`]).
     pub cached_blocks: usize,
+    /// Leading prompt blocks the chosen worker holds per the index, uncapped.
+    pub(super) matched_blocks: usize,
     /// The endpoint the request was routed for.
     pub endpoint: Option<Arc<str>>,
     /// The scheduling priority to ask the engine for: the endpoint's (0 without one); higher is
@@ -71,6 +85,9 @@ pub struct Decision {
     /// Worker names by slot when the decision was made (for `scores`).
     pub(super) roster: Arc<[Option<Arc<str>>]>,
     pub(super) scores: Vec<(u32, f64)>,
+    /// Approx mode: the worker's touch order right after the route recorded the prompt (what
+    /// only this decision touched since can be withdrawn exactly).
+    pub(super) mark: Option<TouchMark>,
     /// Lifecycle flags (a new decision: `Default`, none set).
     pub(super) state: AtomicU8,
 }
@@ -97,7 +114,9 @@ impl Decision {
     /// The lifecycle stage.
     pub fn stage(&self) -> Stage {
         let s = self.state.load(Ordering::Acquire);
-        if s & FINISHED != 0 {
+        if s & WITHDRAWN != 0 {
+            Stage::Withdrawn
+        } else if s & FINISHED != 0 {
             Stage::Finished
         } else if s & BEGUN != 0 {
             Stage::Active
@@ -128,7 +147,32 @@ impl Decision {
         self.state.fetch_or(FINISHED, Ordering::AcqRel);
     }
 
+    pub(super) fn set_withdrawn(&self) {
+        self.state.fetch_or(WITHDRAWN, Ordering::AcqRel);
+    }
+
     pub(super) fn set_observed(&self) {
         self.state.fetch_or(OBSERVED, Ordering::AcqRel);
+    }
+}
+
+/// The blocks of a `prompt_tokens`-token prompt an engine serves from its cache when it holds
+/// `held` leading blocks of `block_size`. vLLM (v1 engine; `KVCacheManager.get_computed_blocks`
+/// caps the hit at `num_tokens - 1`, 0.9 to 0.32 at least, earlier v1 releases dropped the last
+/// block of a fully cached prompt) and SGLang (`max_prefix_len = input_len - 1`, rounded down to
+/// its page) always compute at least the prompt's last token for its logits, so a fully cached
+/// prompt whose length is a multiple of the block size gets one block fewer:
+/// `min(held, (prompt_tokens - 1) / block_size)`. Other profiles: `held`.
+pub(super) fn engine_hit_blocks(
+    profile: Profile,
+    prompt_tokens: usize,
+    block_size: usize,
+    held: usize,
+) -> usize {
+    match profile {
+        Profile::Vllm(_) | Profile::Sglang => {
+            held.min(prompt_tokens.saturating_sub(1) / block_size.max(1))
+        }
+        Profile::Native => held,
     }
 }

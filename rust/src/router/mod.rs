@@ -42,6 +42,9 @@
 //!   Beginning twice, finishing twice or before beginning, or passing another router's decision
 //!   is an error that changes nothing. Counters are exact: every change happens under the
 //!   router's lock (`&mut self`).
+//! - **Withdrawing** ([`Router::withdraw`], `withdraw.rs`): a decision whose request never ran
+//!   (shed after routing, or served by another worker) is taken back — its load if begun, and in
+//!   approx mode the blocks only its route recorded — exactly and at most once.
 //! - **Errors change nothing** (except that blocks idle past the TTL expire as time passes):
 //!   unknown worker / endpoint names are [`Error::Key`], bad values [`Error::Value`]. A pick
 //!   changes nothing by construction, so a failed route leaves the generator and the
@@ -69,6 +72,7 @@ mod endpoints;
 mod membership;
 mod policy;
 mod route;
+mod withdraw;
 mod workers;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -368,8 +372,10 @@ impl Router {
     /// since (`Key`).
     pub fn begin(&mut self, d: &Decision) -> Result<()> {
         self.own(d)?;
-        if d.stage() != Stage::Routed {
-            return value_err!("decision {} was already begun", d.id);
+        match d.stage() {
+            Stage::Routed => {}
+            Stage::Withdrawn => return value_err!("decision {} was withdrawn", d.id),
+            _ => return value_err!("decision {} was already begun", d.id),
         }
         let Some(w) = self.worker_of(d) else {
             return key_err!("worker {:?} of decision {} was removed", d.worker, d.id);
@@ -406,6 +412,7 @@ impl Router {
             Stage::Active => {}
             Stage::Routed => return value_err!("decision {} was not begun", d.id),
             Stage::Finished => return value_err!("decision {} was already finished", d.id),
+            Stage::Withdrawn => return value_err!("decision {} was withdrawn", d.id),
         }
         let prefill = if d.is_prefilled() {
             0
@@ -452,6 +459,9 @@ impl Router {
         }
         if d.is_observed() {
             return value_err!("decision {} was already observed", d.id);
+        }
+        if d.stage() == Stage::Withdrawn {
+            return value_err!("decision {} was withdrawn", d.id);
         }
         d.set_observed();
         let observed = (cached_tokens / d.block_size).min(d.prompt_blocks);

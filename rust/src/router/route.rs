@@ -12,7 +12,7 @@ use crate::index::{PrefixIndex, WorkerId};
 use crate::value_err;
 
 use super::approx::Model;
-use super::decision::Decision;
+use super::decision::{engine_hit_blocks, Decision};
 use super::policy::{self, View};
 use super::workers::{check_finite, Freshness, WorkerTable};
 use super::{reserved_partition, RouteRequest, Router, Scratch, OTHER_TIER_WEIGHT};
@@ -112,6 +112,7 @@ impl Router {
             return Err(picked_missing(pick.slot));
         };
         let prompt_blocks = req.hashes.len();
+        let mut mark = None;
         let hashes = match self.model.as_mut() {
             Some(model) => {
                 Model::validate(worker, &mut index, &req.hashes)?;
@@ -119,6 +120,7 @@ impl Router {
                 //    worker now holds the prompt (the decision keeps it for finish / observe) …
                 let partition = reserved_partition(&self.endpoints, endpoint.as_ref());
                 model.commit(worker, &mut index, &req.hashes, partition, req.now);
+                mark = worker.cache.as_ref().map(|c| c.touch_mark());
                 req.hashes
             }
             None => Vec::new(),
@@ -138,7 +140,8 @@ impl Router {
             self.roster_stale = false;
         }
         self.decisions += 1;
-        let cached_blocks = self.scratch.overlap.get(pick.slot as usize).copied();
+        let matched_blocks = self.scratch.overlap.get(pick.slot as usize).copied();
+        let matched_blocks = matched_blocks.unwrap_or(0) as usize;
         Ok(Decision {
             id: self.decisions,
             router: self.id,
@@ -150,12 +153,19 @@ impl Router {
             block_size: self.config.block_size,
             prompt_tokens,
             prompt_blocks,
-            cached_blocks: cached_blocks.unwrap_or(0) as usize,
+            cached_blocks: engine_hit_blocks(
+                self.config.profile,
+                prompt_tokens,
+                self.config.block_size,
+                matched_blocks,
+            ),
+            matched_blocks,
             endpoint,
             priority,
             hashes,
             roster: self.roster.clone(),
             scores: pick.scores,
+            mark,
             state: Default::default(),
         })
     }

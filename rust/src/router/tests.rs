@@ -210,3 +210,150 @@ fn endpoint_decisions_carry_the_endpoint_priority() {
     assert!(r.add_endpoint("big", too_big).is_err());
     assert!(r.endpoint("big").is_err());
 }
+
+mod withdraw {
+    use super::*;
+
+    /// Each worker's overlap with `prompts` (the model as routes see it).
+    fn overlaps(r: &Router, prompts: &[Vec<u64>]) -> Vec<Vec<(String, u32)>> {
+        let index = r.index().read();
+        prompts
+            .iter()
+            .map(|p| {
+                let mut m = Vec::new();
+                index.match_into(p, &mut m);
+                let mut named: Vec<(String, u32)> = m
+                    .iter()
+                    .map(|&(id, n)| (index.worker_name(id).unwrap().to_string(), n))
+                    .collect();
+                named.sort();
+                named
+            })
+            .collect()
+    }
+
+    fn hashes(r: &Router, seed: u32, n: u32) -> Vec<u64> {
+        let mut out = Vec::new();
+        let toks = tokens(seed, n);
+        r.hasher_for(None)
+            .unwrap()
+            .hash_into(&toks, &crate::blocks::ChainState::Root, &[], &mut out)
+            .unwrap();
+        out
+    }
+
+    #[test]
+    fn a_withdrawn_route_leaves_the_model_as_if_it_never_happened() {
+        let mut r = router(Policy::KvAware, &["a", "b"]);
+        let shared = r.route_tokens(&tokens(1, 8), None, None, 0.0).unwrap();
+        r.begin(&shared).unwrap();
+        // Same first two blocks, then three new ones: only those three leave.
+        let mut longer = tokens(1, 8);
+        longer.extend(tokens(2, 12));
+        let prompts = [hashes(&r, 1, 8), {
+            let mut h = Vec::new();
+            r.hasher_for(None)
+                .unwrap()
+                .hash_into(&longer, &crate::blocks::ChainState::Root, &[], &mut h)
+                .unwrap();
+            h
+        }];
+        let before = overlaps(&r, &prompts);
+        let d = r.route_tokens(&longer, None, None, 1.0).unwrap();
+        assert_eq!(
+            (d.worker.clone(), d.cached_blocks),
+            (shared.worker.clone(), 2)
+        );
+        assert_ne!(overlaps(&r, &prompts), before);
+        assert!(r.withdraw(&d).unwrap());
+        assert_eq!(overlaps(&r, &prompts), before);
+        assert_eq!(d.stage(), Stage::Withdrawn);
+        assert!(!r.withdraw(&d).unwrap(), "idempotent");
+        assert_eq!(overlaps(&r, &prompts), before);
+        assert!(r.begin(&d).is_err());
+        assert!(r.finish(&d, 2.0).is_err());
+        assert!(r.observe(&d, 0, 2.0).is_err());
+        r.check_model().unwrap();
+    }
+
+    #[test]
+    fn blocks_another_decision_recorded_since_stay() {
+        let mut r = router(Policy::KvAware, &["a"]);
+        let a = r.route_tokens(&tokens(3, 16), None, None, 0.0).unwrap();
+        // b shares a's first two (new) blocks and was routed after a: they stay, a's last two go.
+        let b = r.route_tokens(&tokens(3, 8), None, None, 0.5).unwrap();
+        assert_eq!(b.cached_blocks, 2);
+        assert!(r.withdraw(&a).unwrap());
+        let full = hashes(&r, 3, 16);
+        assert_eq!(
+            overlaps(&r, std::slice::from_ref(&full)),
+            vec![vec![("a".into(), 2)]]
+        );
+        // b added nothing itself: withdrawing it too keeps the two blocks (the documented limit:
+        // a block two withdrawn decisions shared stays, as after an eviction the model missed).
+        assert!(r.withdraw(&b).unwrap());
+        assert_eq!(overlaps(&r, &[full]), vec![vec![("a".into(), 2)]]);
+        r.check_model().unwrap();
+    }
+
+    #[test]
+    fn a_begun_decision_gives_back_its_load_and_one_that_ran_cannot_be_withdrawn() {
+        let mut r = router(Policy::LeastLoaded, &["a"]);
+        let d = r.route_tokens(&tokens(4, 12), None, None, 0.0).unwrap();
+        r.begin(&d).unwrap();
+        assert!(r.withdraw(&d).unwrap());
+        let w = r.workers().named("a").unwrap();
+        assert_eq!((w.active, w.prefill_blocks, w.decode_blocks), (0, 0, 0));
+        let ran = r.route_tokens(&tokens(5, 12), None, None, 0.0).unwrap();
+        r.begin(&ran).unwrap();
+        r.prefilled(&ran).unwrap();
+        assert!(r.withdraw(&ran).is_err());
+        assert_eq!(ran.stage(), Stage::Active, "the error changed nothing");
+        let mut other = router(Policy::LeastLoaded, &["a"]);
+        let foreign = other.route_tokens(&tokens(6, 4), None, None, 0.0).unwrap();
+        assert!(r.withdraw(&foreign).is_err());
+    }
+}
+
+mod engine_hit {
+    use super::super::decision::engine_hit_blocks;
+    use super::*;
+    use crate::blocks::Profile;
+
+    #[test]
+    fn engines_compute_at_least_the_last_token() {
+        let vllm = Profile::Vllm(Default::default());
+        // 32 tokens of 16, both blocks held: vLLM and SGLang serve 31 tokens, so one block.
+        assert_eq!(engine_hit_blocks(vllm, 32, 16, 2), 1);
+        assert_eq!(engine_hit_blocks(Profile::Sglang, 32, 16, 2), 1);
+        assert_eq!(engine_hit_blocks(Profile::Native, 32, 16, 2), 2);
+        // 33 tokens: the partial last block is computed anyway; both full blocks are hits.
+        assert_eq!(engine_hit_blocks(vllm, 33, 16, 2), 2);
+        assert_eq!(engine_hit_blocks(vllm, 32, 16, 1), 1);
+        assert_eq!(engine_hit_blocks(vllm, 0, 16, 0), 0);
+    }
+
+    #[test]
+    fn a_fully_cached_vllm_prompt_is_predicted_one_block_short_and_observe_agrees() {
+        let config = Config {
+            policy: Policy::KvAware,
+            block_size: 4,
+            profile: Profile::Vllm(Default::default()),
+            capacity_blocks: 64,
+            ..Config::default()
+        };
+        let mut r = Router::new([("a", 1.0)], config).unwrap();
+        let first = r.route_tokens(&tokens(1, 16), None, None, 0.0).unwrap();
+        r.begin(&first).unwrap();
+        r.finish(&first, 0.0).unwrap();
+        let again = r.route_tokens(&tokens(1, 16), None, None, 1.0).unwrap();
+        assert_eq!((again.cached_blocks, again.prefill_blocks()), (3, 1));
+        // vLLM reports 12 tokens: nothing is forgotten, the next route still matches all four.
+        r.begin(&again).unwrap();
+        r.observe(&again, 12, 1.0).unwrap();
+        r.finish(&again, 1.0).unwrap();
+        let third = r.route_tokens(&tokens(1, 20), None, None, 2.0).unwrap();
+        assert_eq!(third.cached_blocks, 4);
+        r.check_model().unwrap();
+    }
+}
