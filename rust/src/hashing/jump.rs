@@ -37,37 +37,24 @@ use crate::error::Result;
 /// Bucket in `0..num_buckets` for `key`, bit-exact with the paper's reference implementation.
 ///
 /// `num_buckets` must be at least 1 (callers validate; `0` yields `0` rather than panicking).
+/// This is the reference loop itself (the bucket index as an integer, the jump as a float
+/// product truncated to an integer); it inlines into its callers, which matters for a call from
+/// Python that costs ~140 instructions in all. `j` stays below `2^62` (`(b + 1) <= 2^31` times a
+/// factor `<= 2^31`), so the `f64 -> i64` conversion is exact truncation, as in C.
 #[inline]
-pub fn jump_hash(key: u64, num_buckets: u32) -> u32 {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("sse4.1") {
-        // SAFETY: the running CPU supports SSE4.1 (checked just above).
-        return unsafe { jump_hash_sse41(key, num_buckets) };
-    }
-    jump_float(key, f64::from(num_buckets))
-}
-
-/// The reference loop with `b` and `j` kept as integer-valued `f64`s. The reference converts
-/// them to and from floats on every step; skipping those conversions (exact, since both stay
-/// below 2^31 while the loop runs) shortens the dependency chain without changing any result.
-#[inline(always)]
-fn jump_float(mut key: u64, n: f64) -> u32 {
-    let mut b = 0.0f64;
-    let mut j = 0.0f64;
+pub fn jump_hash(mut key: u64, num_buckets: u32) -> u32 {
+    let n = i64::from(num_buckets);
+    let mut b: i64 = 0;
+    let mut j: i64 = 0;
     while j < n {
         b = j;
         key = key.wrapping_mul(2_862_933_555_777_941_757).wrapping_add(1);
-        // (key >> 33) < 2^31, so the i32 conversion is exact.
-        j = ((b + 1.0) * ((1u64 << 31) as f64 / (f64::from((key >> 33) as i32) + 1.0))).trunc();
+        let next = (b + 1) as f64 * ((1u64 << 31) as f64 / ((key >> 33) + 1) as f64);
+        // SAFETY: `next` is finite and below 2^62 (`b + 1 <= 2^31` while the loop runs, the
+        // factor `<= 2^31`), so it fits `i64`: this is C's truncating conversion, unchecked.
+        j = unsafe { next.to_int_unchecked::<i64>() };
     }
     b as u32
-}
-
-/// The same loop where `trunc` is one instruction (`roundsd`) instead of a libm call.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "sse4.1")]
-fn jump_hash_sse41(key: u64, num_buckets: u32) -> u32 {
-    jump_float(key, f64::from(num_buckets))
 }
 
 /// Keys advanced together by [`jump_hash_many_into`]. The single-key loop waits on one float

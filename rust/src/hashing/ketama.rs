@@ -150,10 +150,26 @@ fn md5_word0<const L: usize>(m: &Block<L>) -> [u32; L] {
 
 fn md5_word0_lanes(m: &Block<LANES>) -> [u32; LANES] {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the running CPU supports AVX2 (checked just above).
-        return unsafe { md5_word0_lanes_avx2(m) };
+    {
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+        {
+            // SAFETY: the running CPU supports AVX-512F and VL (checked just above).
+            return unsafe { md5_word0_lanes_avx512(m) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the running CPU supports AVX2 (checked just above).
+            return unsafe { md5_word0_lanes_avx2(m) };
+        }
     }
+    md5_word0(m)
+}
+
+/// The same computation compiled for AVX-512 (a rotate is one instruction, `vprold`, where
+/// AVX2 needs two shifts and an or; 16 lanes per 512-bit vector).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vl")]
+fn md5_word0_lanes_avx512(m: &Block<LANES>) -> [u32; LANES] {
     md5_word0(m)
 }
 
