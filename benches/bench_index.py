@@ -1,13 +1,19 @@
 """PrefixIndex against Dynamo's RadixTree (ai-dynamo-runtime, Rust), same process, same workload.
 
-Workload: 16 workers; conversations of 16..2048 blocks (log-uniform) that start with one of eight
-shared system prompts and grow in 1-4 turns (each turn a store continuing from the previous
-block); a quarter of the conversations are also held, in part, by a second worker. Indexes hold
-1e5 and 1e6 (worker, block) pairs. Queries of 64, 512 and 2048 blocks are a stored conversation
-followed by new blocks (a new turn), plus some with an unknown system prompt.
+Workload: 16 or 64 workers; conversations of 16..2048 blocks (log-uniform) that start with one
+of eight shared system prompts and grow in 1-4 turns (each turn a store continuing from the
+previous block); a quarter of the conversations are also held, in part, by a second worker.
+Indexes hold 1e5 and 1e6 (worker, block) pairs (16 workers), and 1e6 pairs over 64 workers, where
+the system prompts end up held by most workers: a query's answer names ~57 workers (~14 with 16).
+Queries of 64, 512 and 2048 blocks are a stored conversation followed by new blocks (a new turn),
+plus some with an unknown system prompt.
 
 - store: blocks/s of building the index from the events (Dynamo's JSON is encoded beforehand);
-- match: one query per op; Dynamo is timed with and without reading `.scores` (the dict);
+- match, "lists": the case a gateway has — block hashes in a Python list for both, and both
+  answers as ``{worker: blocks}`` (Dynamo's ``.scores``, keyed ``(worker_id, dp_rank)``, turned
+  into that dict, as a caller must): the harder case for kvroute, whose NumPy input is free;
+- match, "NumPy": kvroute given a uint64 array, Dynamo a list (its only input), timed with and
+  without reading `.scores`;
 - memory: RSS growth of building each index in a fresh process (`--memory` runs only that):
   ``taskset -c 1 .venv/bin/python -m pytest benches/bench_index.py`` or
   ``.venv/bin/python benches/bench_index.py --memory``.
@@ -29,17 +35,23 @@ from dynamo_peer import dynamo_answer
 
 N_WORKERS = 16
 SIZES = {"1e5": 100_000, "1e6": 1_000_000}
+# (label, pairs, workers) of the in-process benchmarks.
+SETUPS = {
+    "1e5": (100_000, 16),
+    "1e6": (1_000_000, 16),
+    "1e6 x 64 workers": (1_000_000, 64),
+}
 QUERY_LENGTHS = (64, 512, 2048)
 N_QUERIES = 200
 
 
-def make_workload(target_pairs: int, seed: int = 0):
+def make_workload(target_pairs: int, seed: int = 0, n_workers: int = N_WORKERS):
     """Store events ``(worker, parent or None, uint64 blocks)`` and the stored conversations."""
     rng = np.random.default_rng(seed)
     systems = [
         rng.integers(1, 2**64, size=n, dtype=np.uint64) for n in (8, 16, 32, 64, 96, 128, 192, 256)
     ]
-    held_system = [[0] * len(systems) for _ in range(N_WORKERS)]
+    held_system = [[0] * len(systems) for _ in range(n_workers)]
     events, conversations = [], []
     pairs = 0
 
@@ -65,10 +77,10 @@ def make_workload(target_pairs: int, seed: int = 0):
         turns = int(rng.integers(1, 5))
         inner = sorted(set(rng.integers(sys_len + 1, length, size=turns - 1).tolist()))
         cuts = [*[c for c in inner if c < length], length]
-        worker = int(rng.integers(N_WORKERS))
+        worker = int(rng.integers(n_workers))
         pairs += store_prefix(worker, k, conv, sys_len, cuts)
         if rng.random() < 0.25:
-            other = (worker + 1 + int(rng.integers(N_WORKERS - 1))) % N_WORKERS
+            other = (worker + 1 + int(rng.integers(n_workers - 1))) % n_workers
             part = cuts[: int(rng.integers(1, len(cuts) + 1))]
             pairs += store_prefix(other, k, conv, sys_len, part)
         conversations.append(conv)
@@ -104,7 +116,7 @@ def build_kvroute(events):
     import kvroute
 
     idx = kvroute.PrefixIndex()
-    names = [f"w{i}" for i in range(N_WORKERS)]
+    names = [f"w{i}" for i in range(1 + max(w for w, _, _ in events))]
     for worker, parent, blocks in events:
         idx.store(names[worker], blocks, parent)
     return idx
@@ -122,10 +134,11 @@ def build_dynamo(encoded):
 # ---- in-process benchmarks ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=list(SIZES), ids=list(SIZES))
+@pytest.fixture(scope="module", params=list(SETUPS), ids=list(SETUPS))
 def setup(request):
     pytest.importorskip("dynamo.llm")
-    events, conversations = make_workload(SIZES[request.param])
+    pairs, n_workers = SETUPS[request.param]
+    events, conversations = make_workload(pairs, n_workers=n_workers)
     encoded = dynamo_events(events)
     idx = build_kvroute(events)
     tree = build_dynamo(encoded)
@@ -138,6 +151,7 @@ def setup(request):
     blocks = sum(len(b) for _, _, b in events)
     return {
         "size": request.param,
+        "names": [f"w{i}" for i in range(n_workers)],
         "events": events,
         "encoded": encoded,
         "idx": idx,
@@ -154,7 +168,7 @@ def test_store_kvroute(benchmark, setup):
 
     benchmark.group = f"index store {setup['size']} pairs (per block)"
     benchmark.extra_info.update(impl="kvroute", ops=setup["blocks"], pairs=setup["pairs"])
-    names = [f"w{i}" for i in range(N_WORKERS)]
+    names = setup["names"]
     events = setup["events"]
 
     def run(idx):
@@ -184,8 +198,28 @@ def test_store_dynamo(benchmark, setup):
 
 
 @pytest.mark.parametrize("length", QUERY_LENGTHS)
+def test_match_kvroute_lists(benchmark, setup, length):
+    benchmark.group = f"index match {length}-block query, {setup['size']} pairs (lists)"
+    benchmark.extra_info.update(impl="kvroute", ops=N_QUERIES)
+    match = setup["idx"].match
+    queries = setup["lists"][length]
+    out = benchmark(lambda: [match(q) for q in queries])
+    tree = setup["tree"]
+    assert out == [dynamo_answer(tree.find_matches(q).scores) for q in queries]
+
+
+@pytest.mark.parametrize("length", QUERY_LENGTHS)
+def test_match_dynamo_lists(benchmark, setup, length):
+    benchmark.group = f"index match {length}-block query, {setup['size']} pairs (lists)"
+    benchmark.extra_info.update(impl="dynamo find_matches -> {worker: blocks}", ops=N_QUERIES)
+    find = setup["tree"].find_matches
+    queries = setup["lists"][length]
+    benchmark(lambda: [dynamo_answer(find(q).scores) for q in queries])
+
+
+@pytest.mark.parametrize("length", QUERY_LENGTHS)
 def test_match_kvroute(benchmark, setup, length):
-    benchmark.group = f"index match {length}-block query, {setup['size']} pairs"
+    benchmark.group = f"index match {length}-block query, {setup['size']} pairs (NumPy)"
     benchmark.extra_info.update(impl="kvroute", ops=N_QUERIES)
     match = setup["idx"].match
     queries = setup["queries"][length]
@@ -196,7 +230,7 @@ def test_match_kvroute(benchmark, setup, length):
 
 @pytest.mark.parametrize("length", QUERY_LENGTHS)
 def test_match_dynamo(benchmark, setup, length):
-    benchmark.group = f"index match {length}-block query, {setup['size']} pairs"
+    benchmark.group = f"index match {length}-block query, {setup['size']} pairs (NumPy)"
     benchmark.extra_info.update(impl="dynamo find_matches + .scores", ops=N_QUERIES)
     find = setup["tree"].find_matches
     queries = setup["lists"][length]
@@ -205,7 +239,7 @@ def test_match_dynamo(benchmark, setup, length):
 
 @pytest.mark.parametrize("length", QUERY_LENGTHS)
 def test_match_dynamo_without_scores(benchmark, setup, length):
-    benchmark.group = f"index match {length}-block query, {setup['size']} pairs"
+    benchmark.group = f"index match {length}-block query, {setup['size']} pairs (NumPy)"
     benchmark.extra_info.update(impl="dynamo find_matches only", ops=N_QUERIES)
     find = setup["tree"].find_matches
     queries = setup["lists"][length]

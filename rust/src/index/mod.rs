@@ -187,6 +187,12 @@ impl PrefixIndex {
         self.workers.name(id).map(|n| &**n)
     }
 
+    /// The name of worker `id` as the index holds it (its identity lets a caller cache a
+    /// conversion of the name).
+    pub fn worker_name_ref(&self, id: WorkerId) -> Option<&Arc<str>> {
+        self.workers.name(id)
+    }
+
     /// The name of worker `id` as a shared string (cheap to clone out of a lock).
     pub fn worker_name_arc(&self, id: WorkerId) -> Option<Arc<str>> {
         self.workers.name(id).cloned()

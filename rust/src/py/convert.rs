@@ -7,7 +7,6 @@
 
 use std::collections::TryReserveError;
 use std::fmt::Display;
-use std::sync::Arc;
 use std::time::Instant;
 
 use numpy::npyffi::objects::_PyArray_GET_ITEM_DATA;
@@ -15,7 +14,6 @@ use numpy::{
     Element, PyArray1, PyArrayDescr, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1,
     PyUntypedArray, PyUntypedArrayMethods,
 };
-use parking_lot::Mutex;
 use pyo3::exceptions::{PyKeyError, PyMemoryError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -163,6 +161,35 @@ fn presized<T>(obj: &Bound<'_, PyAny>, what: &str, mut buf: Vec<T>) -> PyResult<
     Ok(buf)
 }
 
+/// The value of the Python `int` `obj` when it is in `0..2**64`; `None` (the exception cleared)
+/// when it is negative or larger.
+///
+/// `PyLong_AsUnsignedLongLong` converts every value of two 30-bit digits or more (>= 2**30, so
+/// nearly every hash) through `_PyLong_AsByteArray`, ~180 instructions; `PyLong_AsUnsignedLong`
+/// checks and assembles the digits in a short loop, and is the same conversion where C's
+/// `unsigned long` has 64 bits (every LP64 platform).
+///
+/// # Safety
+/// `obj` is a live `int` (or subclass) object and the GIL is held.
+#[inline]
+pub unsafe fn int_to_u64(obj: *mut pyo3::ffi::PyObject) -> Option<u64> {
+    // SAFETY: the caller's contract; both functions accept any int object.
+    let v = unsafe {
+        if std::mem::size_of::<std::os::raw::c_ulong>() == 8 {
+            pyo3::ffi::PyLong_AsUnsignedLong(obj) as u64
+        } else {
+            pyo3::ffi::PyLong_AsUnsignedLongLong(obj)
+        }
+    };
+    // SAFETY: the GIL is held.
+    if v == u64::MAX && unsafe { !pyo3::ffi::PyErr_Occurred().is_null() } {
+        // SAFETY: the GIL is held; the error is the conversion's own (negative or too large).
+        unsafe { pyo3::ffi::PyErr_Clear() };
+        return None;
+    }
+    Some(v)
+}
+
 /// An unsigned 64-bit integer from a Python `int` (`bool` is refused), naming `what` (and the
 /// position `at`, for an element of a sequence) on error.
 pub fn u64_from_int(obj: &Bound<'_, PyAny>, what: &str, at: Option<usize>) -> PyResult<u64> {
@@ -172,6 +199,10 @@ pub fn u64_from_int(obj: &Bound<'_, PyAny>, what: &str, at: Option<usize>) -> Py
     };
     if obj.is_instance_of::<PyBool>() || !obj.is_instance_of::<PyInt>() {
         return Err(type_error(obj, format_args!("{} must be an int", name())));
+    }
+    // SAFETY: `obj` is an int (checked above) and the GIL is held (`obj` is bound).
+    if let Some(v) = unsafe { int_to_u64(obj.as_ptr()) } {
+        return Ok(v);
     }
     obj.extract::<u64>().map_err(|_| {
         let why = if obj.lt(0).unwrap_or(false) {
@@ -480,6 +511,20 @@ pub fn u64_slice<'py>(
     what: &str,
     negative: Negative,
 ) -> PyResult<U64Slice<'py>> {
+    let item_u64 = |item: &Bound<'_, PyAny>, i: usize| -> PyResult<u64> {
+        match negative {
+            Negative::Reject => u64_from_int(item, what, Some(i)),
+            Negative::Reinterpret => match item.extract::<i64>() {
+                Ok(s) if !item.is_instance_of::<PyBool>() => Ok(s as u64),
+                _ => u64_from_int(item, what, Some(i)),
+            },
+        }
+    };
+    // Lists and tuples first: a type comparison, where the array checks below call into NumPy
+    // and the duck-typing check raises and clears an AttributeError.
+    if let Some((n, get_item)) = list_or_tuple(obj) {
+        return fast_seq_to_u64(obj, n, get_item, what, item_u64).map(U64Slice::Owned);
+    }
     if let Some(short) = inline_u64s(obj) {
         return Ok(short);
     }
@@ -517,29 +562,6 @@ pub fn u64_slice<'py>(
             format_args!("{what} must be a sequence of ints or a NumPy integer array"),
         )
     })?;
-    let item_u64 = |item: &Bound<'_, PyAny>, i: usize| -> PyResult<u64> {
-        match negative {
-            Negative::Reject => u64_from_int(item, what, Some(i)),
-            Negative::Reinterpret => match item.extract::<i64>() {
-                Ok(s) if !item.is_instance_of::<PyBool>() => Ok(s as u64),
-                _ => u64_from_int(item, what, Some(i)),
-            },
-        }
-    };
-    if let Ok(list) = obj.cast::<PyList>() {
-        return fast_seq_to_u64(list, list.len(), pyo3::ffi::PyList_GetItem, what, item_u64)
-            .map(U64Slice::Owned);
-    }
-    if let Ok(tuple) = obj.cast::<PyTuple>() {
-        return fast_seq_to_u64(
-            tuple,
-            tuple.len(),
-            pyo3::ffi::PyTuple_GetItem,
-            what,
-            item_u64,
-        )
-        .map(U64Slice::Owned);
-    }
     let mut out = presized(obj, what, Vec::new())?;
     for (i, item) in iter.enumerate() {
         let value = item_u64(&item?, i)?;
@@ -612,12 +634,11 @@ fn fast_seq_to_u64(
         // first.
         unsafe {
             if pyo3::ffi::Py_TYPE(item) == std::ptr::addr_of_mut!(pyo3::ffi::PyLong_Type) {
-                let v = pyo3::ffi::PyLong_AsUnsignedLongLong(item);
-                if v != u64::MAX || pyo3::ffi::PyErr_Occurred().is_null() {
+                // Negative or too large: the slow path names it.
+                if let Some(v) = int_to_u64(item) {
                     out.push(v);
                     return Ok(());
                 }
-                pyo3::ffi::PyErr_Clear(); // negative or too large: the slow path names it
             }
             let item = Bound::from_borrowed_ptr(py, item);
             out.push(slow(&item, i)?);
@@ -740,36 +761,6 @@ pub fn with_bytes<R>(
     ))
 }
 
-/// Python `str` objects for names the core holds as `Arc<str>` by a dense id (nodes, workers),
-/// created once per id and reused while the id keeps its name (checked by identity of the
-/// `Arc`, which the cache keeps alive). Only touched with the GIL held; Python code never runs
-/// while its lock is held.
-#[derive(Default)]
-pub struct NameCache(Mutex<Vec<Option<CachedName>>>);
-
-/// A name as the core holds it, and the Python `str` made from it.
-type CachedName = (Arc<str>, Py<PyString>);
-
-impl NameCache {
-    /// The `str` of the name `name` that id `id` has.
-    pub fn get<'py>(&self, py: Python<'py>, id: u32, name: &Arc<str>) -> Bound<'py, PyString> {
-        let mut slots = self.0.lock();
-        let at = id as usize;
-        if slots.len() <= at {
-            slots.resize_with(at + 1, || None);
-        }
-        match slots.get_mut(at) {
-            Some(Some((cached, s))) if Arc::ptr_eq(cached, name) => s.bind(py).clone(),
-            Some(slot) => {
-                let s = PyString::new(py, name);
-                *slot = Some((Arc::clone(name), s.clone().unbind()));
-                s
-            }
-            None => PyString::new(py, name),
-        }
-    }
-}
-
 /// The default `now` of calls that take one: `time.monotonic()` read once, then advanced by a
 /// Rust clock, so that no call reaches into Python for the time.
 pub struct MonotonicClock {
@@ -796,6 +787,12 @@ impl MonotonicClock {
 /// A block hash from a Python int or NumPy integer scalar: a value in 0..2^64, or a negative
 /// int64 taken as its two's-complement bits (SGLang publishes signed hashes). `bool` is refused.
 pub fn block_hash_from_py(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
+    if obj.is_exact_instance_of::<PyInt>() {
+        // SAFETY: `obj` is an int and the GIL is held.
+        if let Some(v) = unsafe { int_to_u64(obj.as_ptr()) } {
+            return Ok(v);
+        }
+    }
     if !obj.is_instance_of::<PyBool>() {
         if let Ok(v) = obj.extract::<u64>() {
             return Ok(v);

@@ -16,13 +16,15 @@ use numpy::{PyArray1, PyUntypedArray};
 use parking_lot::{Mutex, RwLock};
 use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyInt, PyList, PyMapping, PyString};
 
 use super::convert::{
-    name_item, optional, type_error, u64_from_int, u64_slice, weight_from_py, weighted_names,
-    with_key, KeyBatch, Name, NameCache, Negative,
+    int_to_u64, name_item, optional, type_error, u64_from_int, u64_slice, weight_from_py,
+    weighted_names, with_key, KeyBatch, Name, Negative,
 };
-use super::{with_read, with_write};
+use super::names::NameCache;
+use super::{direct_call, with_read, with_write};
 use crate::hashing::{self, ConsistentHash, Key, NodeId, RingHash, SeenNodes};
 
 /// Batches at least this long are hashed with the GIL released.
@@ -30,7 +32,14 @@ const DETACH_MIN_KEYS: usize = 64;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hash_key, m)?)?;
-    m.add_function(wrap_pyfunction!(jump_hash, m)?)?;
+    direct_call::add_function(
+        m,
+        c"jump_hash",
+        JUMP_HASH_DOC,
+        jump_hash_direct,
+        wrap_pyfunction!(jump_hash, m)?.into_any(),
+        &JUMP_HASH,
+    )?;
     m.add_function(wrap_pyfunction!(jump_hash_many, m)?)?;
     m.add_class::<HashRing>()?;
     m.add_class::<Maglev>()?;
@@ -61,21 +70,69 @@ fn jump_hash(key: &Bound<'_, PyAny>, num_buckets: &Bound<'_, PyAny>) -> PyResult
     jump_hash_of(key, num_buckets)
 }
 
+/// The PyO3 `jump_hash`, which the direct function forwards to off its fast path.
+static JUMP_HASH: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+const JUMP_HASH_DOC: &std::ffi::CStr = c"jump_hash($module, key, num_buckets)
+--
+
+Lamping-Veach jump consistent hash of the 64-bit int ``key`` into ``0..num_buckets``.";
+
+/// `jump_hash` as CPython calls it (see [`direct_call`]): two positional exact ints in range
+/// are hashed here; any other call goes to the PyO3 function.
+unsafe extern "C" fn jump_hash_direct(
+    _module: *mut pyo3::ffi::PyObject,
+    args: *const *mut pyo3::ffi::PyObject,
+    nargs: pyo3::ffi::Py_ssize_t,
+    kwnames: *mut pyo3::ffi::PyObject,
+) -> *mut pyo3::ffi::PyObject {
+    use pyo3::ffi;
+    if nargs == 2 && kwnames.is_null() {
+        // SAFETY: CPython passes `nargs` live positional arguments; the GIL is held.
+        unsafe {
+            let (key, n) = (*args, *args.add(1));
+            let int = std::ptr::addr_of_mut!(ffi::PyLong_Type);
+            if ffi::Py_TYPE(key) == int && ffi::Py_TYPE(n) == int {
+                return jump_hash_ints(key, n, args);
+            }
+        }
+    }
+    // SAFETY: called by CPython with these arguments unchanged.
+    unsafe { direct_call::forward(&JUMP_HASH, args, nargs, kwnames) }
+}
+
+/// The fast path of [`jump_hash_direct`] for two exact ints (a function of its own, so that the
+/// type checks before it save no registers): hashed here when both are in range, else forwarded
+/// as the two positional arguments they are.
+///
+/// # Safety
+/// `key` and `n` are live exact ints, `args` CPython's two positional arguments; GIL held.
+#[inline(never)]
+unsafe fn jump_hash_ints(
+    key: *mut pyo3::ffi::PyObject,
+    n: *mut pyo3::ffi::PyObject,
+    args: *const *mut pyo3::ffi::PyObject,
+) -> *mut pyo3::ffi::PyObject {
+    // SAFETY: the caller's contract; a failed conversion clears its error (`int_to_u64`).
+    unsafe {
+        if let Some(k) = int_to_u64(key) {
+            if let Some(n @ 1..=0x7fff_ffff) = int_to_u64(n) {
+                let bucket = hashing::jump_hash(k, n as u32);
+                return pyo3::ffi::PyLong_FromUnsignedLong(std::os::raw::c_ulong::from(bucket));
+            }
+        }
+        direct_call::forward(&JUMP_HASH, args, 2, std::ptr::null_mut())
+    }
+}
+
 /// Jump hash of a Python `key` into `num_buckets`, validating both.
 fn jump_hash_of(key: &Bound<'_, PyAny>, num_buckets: &Bound<'_, PyAny>) -> PyResult<u32> {
     // Fast path: both arguments exact ints in range (a type comparison and one conversion each).
     if key.is_exact_instance_of::<PyInt>() && num_buckets.is_exact_instance_of::<PyInt>() {
         // SAFETY: both objects are live `int`s and the GIL is held.
-        let (k, n) = unsafe {
-            (
-                pyo3::ffi::PyLong_AsUnsignedLongLong(key.as_ptr()),
-                pyo3::ffi::PyLong_AsLongLong(num_buckets.as_ptr()),
-            )
-        };
-        // A failed conversion returns -1 (as u64: u64::MAX) with an exception set: take it (the
-        // slow path below raises the precise error).
-        let failed = (k == u64::MAX || n == -1) && PyErr::take(key.py()).is_some();
-        if !failed && (1..=i64::from(i32::MAX)).contains(&n) {
+        let (k, n) = unsafe { (int_to_u64(key.as_ptr()), int_to_u64(num_buckets.as_ptr())) };
+        // Out of range: the slow path below raises the precise error.
+        if let (Some(k), Some(n @ 1..=0x7fff_ffff)) = (k, n) {
             return Ok(hashing::jump_hash(k, n as u32));
         }
     }
@@ -240,11 +297,13 @@ impl<H: ConsistentHash + Send + Sync> Shared<H> {
             .unwrap_or(0);
         let missing = PyString::intern(py, "");
         let mut strs: Vec<Bound<'py, PyString>> = vec![missing.clone(); len];
+        let mut cache = self.names.view();
         for (id, name) in names {
             if let Some(dest) = strs.get_mut(*id as usize) {
-                *dest = self.names.get(py, *id, name);
+                *dest = cache.get(py, *id, name);
             }
         }
+        drop(cache);
         // Every id of `ids` is in `names` (checked by `names_of`), so `missing` is never used.
         PyList::new(
             py,
@@ -254,17 +313,29 @@ impl<H: ConsistentHash + Send + Sync> Shared<H> {
     }
 
     fn get<'py>(&self, py: Python<'py>, key: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
-        let found = with_key(key, |k| {
-            self.read(py, 1, |h| {
+        let no_node = |id| PyRuntimeError::new_err(format!("internal error: no node {id}"));
+        with_key(key, |k| -> PyResult<Bound<'py, PyString>> {
+            if let Some(h) = self.core.try_read() {
+                // The lock was free: the lookup runs with the GIL held, which it keeps to the
+                // end, so the name cache (changed only under the GIL) stays as read under the
+                // lock, and the node's name is copied only when its cached `str` is stale.
+                let id = h.get(k)?;
+                let mut cache = self.names.view();
+                let name = h.name(id).ok_or_else(|| no_node(id))?;
+                let stale = (!cache.holds(id, name)).then(|| Arc::clone(name));
+                drop(h);
+                return match stale {
+                    Some(name) => Ok(cache.get(py, id, &name)),
+                    None => cache.cached(py, id).ok_or_else(|| no_node(id)),
+                };
+            }
+            let (id, name) = py.detach(|| {
+                let h = self.core.read();
                 h.get(k).map(|id| (id, h.name(id).map(Arc::clone)))
-            })
-        })??;
-        match found {
-            (id, Some(name)) => Ok(self.names.get(py, id, &name)),
-            (id, None) => Err(PyRuntimeError::new_err(format!(
-                "internal error: no node {id}"
-            ))),
-        }
+            })?;
+            let name = name.ok_or_else(|| no_node(id))?;
+            Ok(self.names.get(py, id, &name))
+        })?
     }
 
     fn get_many<'py>(

@@ -7,9 +7,11 @@
 mod blocks;
 mod cache;
 mod convert;
+mod direct_call;
 mod events;
 mod hashing;
 mod index;
+mod names;
 mod router;
 
 use parking_lot::{Mutex, RwLock};
