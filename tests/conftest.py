@@ -37,3 +37,20 @@ def mooncake():
     from kvroute.sim.traces import mooncake_conversation
 
     return mooncake_conversation()
+
+
+@pytest.fixture
+def engines():
+    """Makes test KV-event publishers (support/events_engine.py), closed after the test."""
+    from support.events_engine import Engine
+
+    made = []
+
+    def make(**kw):
+        e = Engine(**kw)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.close()

@@ -1,12 +1,10 @@
-"""KvEventSubscriber over real ZMQ sockets on 127.0.0.1 (ephemeral ports).
+"""KvEventSubscriber over real ZMQ sockets on 127.0.0.1 (ephemeral ports): decoding, several
+engines, restarts, malformed frames, disconnects, lifecycle and targets.
 
-The test engine publishes like vLLM's ``ZmqEventPublisher`` (frames ``[topic, seq, payload]``,
-sequence numbers from 0, a replay ROUTER that answers ``[b"", start]`` with every buffered batch and
-an end marker, in the >= 0.28 form with a topic frame or the <= 0.24 form without), as described in
-KV_EVENTS_SPEC.md section 1. It uses an XPUB socket (wire-compatible with PUB) only so that a test
-can wait until the subscriber has joined. Payloads are the vLLM 0.33 vector bytes, or built with
-``msgpack`` from the spec. Expected index contents come from ``kvroute.BlockHasher`` on the same
-tokens (rehash mode) or the engine's hashes (direct mode).
+The test engine (support/events_engine.py) publishes like vLLM's ``ZmqEventPublisher``. Payloads
+are the vLLM 0.33 vector bytes, or built with ``msgpack`` from the spec. Expected index contents
+come from ``kvroute.BlockHasher`` on the same tokens (rehash mode) or the engine's hashes (direct
+mode). Replays of lost batches: tests/test_events_replay.py.
 """
 
 from __future__ import annotations
@@ -18,163 +16,23 @@ import time
 from pathlib import Path
 
 import pytest
-from kvroute import BlockHasher, KvEventApplier, PrefixIndex
+import zmq
+from kvroute import KvEventApplier, PrefixIndex, Router
+from kvroute.events import KvEventSubscriber
 from support import events_payloads as P
-
-zmq = pytest.importorskip("zmq")
-from kvroute.events import END_SEQ, KvEventSubscriber  # noqa: E402
+from support.events_engine import chain_payloads, own, stored, wait_for
 
 VECTORS = Path(__file__).parent / "data" / "vectors"
 VLLM = json.loads((VECTORS / "vllm_0.33.0_block_hash_and_kv_event_vectors.json").read_text())
 CASES = {c["name"]: c for c in VLLM["event_cases"]}
 ENGINE_HASHES = VLLM["hash_cases"][0]["block_hashes_external_u64"]
-TOKENS = VLLM["hash_cases"][0]["token_ids"]
-
-
-def own(tokens, **opts):
-    return [int(h) for h in BlockHasher(16, **opts).hash(tokens)]
-
-
-def wait_for(predicate, what, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-class Engine:
-    """A KV-event publisher with an optional replay ROUTER, like vLLM's."""
-
-    def __init__(self, topic="", replay=True, new_replay_form=True, answer_replays=True):
-        self.ctx = zmq.Context()
-        self.topic = topic.encode()
-        self.pub = self.ctx.socket(zmq.XPUB)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every subscriber, not only the first
-        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
-        self.buffer: list[tuple[int, bytes]] = []
-        self.seq = 0
-        self.new_replay_form = new_replay_form
-        self.replay_requests: list[list[bytes]] = []
-        self.router = None
-        self.replay_endpoint = None
-        self._stop = threading.Event()
-        self._thread = None
-        if replay:
-            self.router = self.ctx.socket(zmq.ROUTER)
-            self.router.setsockopt(zmq.LINGER, 0)
-            rport = self.router.bind_to_random_port("tcp://127.0.0.1")
-            self.replay_endpoint = f"tcp://127.0.0.1:{rport}"
-            if answer_replays:
-                self._thread = threading.Thread(target=self._serve, daemon=True)
-                self._thread.start()
-
-    def wait_subscriber(self):
-        while True:  # skip unsubscriptions (a subscriber that stopped)
-            assert self.pub.poll(10_000), "no subscriber joined"
-            if self.pub.recv()[:1] == b"\x01":
-                return
-
-    def publish(self, payload: bytes, *, send=True) -> int:
-        seq = self.seq
-        self.seq += 1
-        self.buffer.append((seq, payload))
-        if send:
-            self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
-        return seq
-
-    def restart(self):
-        self.seq = 0
-        self.buffer = []
-
-    def send_raw(self, frames):
-        self.pub.send_multipart(frames)
-
-    def _serve(self):
-        poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not poller.poll(20):
-                continue
-            frames = self.router.recv_multipart()
-            self.replay_requests.append(frames)
-            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
-                continue
-            identity, start = frames[0], int.from_bytes(frames[2], "big")
-            for seq, payload in list(self.buffer):
-                if seq >= start:
-                    body = [seq.to_bytes(8, "big"), payload]
-                    if self.new_replay_form:
-                        body = [self.topic, *body]
-                    self.router.send_multipart([identity, b"", *body])
-            end = [END_SEQ, b""]
-            if self.new_replay_form:
-                end = [b"", *end]
-            self.router.send_multipart([identity, b"", *end])
-
-    def close(self):
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        self.pub.close(linger=0)
-        if self.router is not None:
-            self.router.close(linger=0)
-        self.ctx.term()
-
-
-@pytest.fixture
-def engines():
-    made = []
-
-    def make(**kw):
-        e = Engine(**kw)
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
-
-
-class Freshness:
-    def __init__(self):
-        self.calls = []
-
-    def mark_stale(self, worker):
-        self.calls.append(("stale", worker))
-
-    def mark_fresh(self, worker):
-        self.calls.append(("fresh", worker))
-
-
-def stored(hashes, parent, tokens):
-    return P.batch([P.map16(P.stored_fields(hashes, parent, tokens, 16))])
-
-
-def chain_payloads(tokens, n_blocks, first=0):
-    """One BlockStored per block, engine hash i+1 for block i (any engine algorithm)."""
-    out = []
-    for i in range(first, first + n_blocks):
-        parent = None if i == 0 else i
-        out.append(stored([i + 1], parent, tokens[16 * i : 16 * i + 16]))
-    return out
 
 
 def test_vector_frames_in_direct_mode(engines):
     engine = engines(topic="kv-events", replay=False)
-    index = PrefixIndex()
-    fresh = Freshness()
-    sub = KvEventSubscriber(
-        index,
-        {"w": engine.endpoint},
-        topic="kv-events",
-        mode="direct",
-        hash_profile="vllm",
-        freshness=fresh,
-    )
+    router = Router(["w"], index="events", hash_profile="vllm", event_mode="direct")
+    sub = KvEventSubscriber(router, {"w": engine.endpoint}, topic="kv-events")
+    index = router.index
     with sub:
         engine.wait_subscriber()
         for name in ["batch_stored_stored", "batch_removed"]:
@@ -189,39 +47,10 @@ def test_vector_frames_in_direct_mode(engines):
         assert index.match(ENGINE_HASHES) == {}
         s = sub.stats()["w"]
     assert (s["batches"], s["events"], s["blocks_stored"], s["blocks_removed"]) == (3, 4, 3, 1)
-    assert (s["gaps"], s["resets"], s["malformed"], s["stale"]) == (0, 0, 0, False)
-    assert s["cleared_events"] == 1 and s["seconds_since_event"] >= 0
-    assert fresh.calls == []
+    assert (s["gaps"], s["replays"], s["resets"], s["malformed"], s["stale"]) == (0, 0, 0, 0, False)
+    assert s["cleared_events"] == 1 and s["seconds_since_event"] >= 0 and s["errors"] == 0
+    assert router.freshness("w", now=time.monotonic() + 3600) == 1.0  # never marked stale
     assert not sub.running
-
-
-@pytest.mark.parametrize("new_form", [True, False])
-def test_gap_is_replayed_over_a_dealer(engines, new_form):
-    engine = engines(new_replay_form=new_form)
-    index = PrefixIndex()
-    fresh = Freshness()
-    tokens = list(range(1000, 1000 + 16 * 6))
-    payloads = chain_payloads(tokens, 6)
-    sub = KvEventSubscriber(
-        index, {"w": engine.endpoint}, replay={"w": engine.replay_endpoint}, freshness=fresh
-    )
-    with sub:
-        engine.wait_subscriber()
-        engine.publish(payloads[0])
-        wait_for(lambda: sub.stats()["w"]["last_seq"] == 0, "seq 0")
-        engine.publish(payloads[1], send=False)  # lost: ZMQ dropped it
-        engine.publish(payloads[2], send=False)
-        for p in payloads[3:]:
-            engine.publish(p)
-        wait_for(lambda: sub.stats()["w"]["last_seq"] == 5, "seq 5")
-        wait_for(lambda: not sub.is_stale("w"), "catch-up")
-        s = sub.stats()["w"]
-    assert index.match(own(tokens)) == {"w": 6}
-    assert (s["gaps"], s["replays"], s["replay_failures"], s["resets"]) == (1, 1, 0, 0)
-    assert s["batches"] == 6 and s["skipped_unknown_parent"] == 0
-    assert fresh.calls == [("stale", "w"), ("fresh", "w")]
-    request = engine.replay_requests[0]
-    assert request[1:] == [b"", (1).to_bytes(8, "big")]  # DEALER: [b"", start]
 
 
 def test_gap_without_replay_clears_the_worker(engines):
@@ -266,53 +95,6 @@ def test_restart_clears_the_worker(engines):
     assert index.match(own(tokens[16:32])) == {"w": 1}
 
 
-def test_catch_up_replays_what_was_published_before_joining(engines):
-    engine = engines()
-    index = PrefixIndex()
-    tokens = list(range(500, 500 + 16 * 5))
-    payloads = chain_payloads(tokens, 5)
-    for p in payloads[:3]:
-        engine.publish(p, send=False)  # before the subscriber existed
-    with KvEventSubscriber(
-        index, {"w": engine.endpoint}, replay={"w": engine.replay_endpoint}
-    ) as sub:
-        engine.wait_subscriber()
-        for p in payloads[3:]:
-            engine.publish(p)
-        wait_for(lambda: sub.stats()["w"]["last_seq"] == 4 and not sub.is_stale("w"), "seq 4")
-        s = sub.stats()["w"]
-    assert index.match(own(tokens)) == {"w": 5}
-    assert (s["gaps"], s["replays"], s["resets"]) == (0, 1, 0)
-
-
-def test_unanswered_replay_times_out_and_clears(engines):
-    engine = engines(answer_replays=False)
-    index = PrefixIndex()
-    fresh = Freshness()
-    tokens = list(range(16 * 4))
-    payloads = chain_payloads(tokens, 4)
-    sub = KvEventSubscriber(
-        index,
-        {"w": engine.endpoint},
-        replay={"w": engine.replay_endpoint},
-        replay_timeout=0.2,
-        freshness=fresh,
-    )
-    with sub:
-        engine.wait_subscriber()
-        engine.publish(payloads[0])
-        wait_for(lambda: sub.stats()["w"]["last_seq"] == 0, "seq 0")
-        engine.publish(payloads[1], send=False)
-        engine.publish(payloads[2])
-        engine.publish(payloads[3])
-        wait_for(lambda: sub.stats()["w"]["replay_failures"] == 1, "the replay to time out")
-        wait_for(lambda: sub.stats()["w"]["last_seq"] == 3, "seq 3")
-        s = sub.stats()["w"]
-    assert (s["gaps"], s["replays"], s["resets"], s["stale"]) == (1, 1, 1, False)
-    assert index.match(own(tokens)) == {}
-    assert fresh.calls == [("stale", "w"), ("fresh", "w")]
-
-
 def test_malformed_frames_are_counted_and_skipped(engines):
     engine = engines(replay=False)
     index = PrefixIndex()
@@ -334,27 +116,14 @@ def test_malformed_frames_are_counted_and_skipped(engines):
     assert index.match(own(tokens)) == {"w": 2, "v": 2}
 
 
-def test_several_engines_and_a_router_like_target(engines):
-    class Router:
-        def __init__(self):
-            self.index = PrefixIndex()
-            self.block_size = 16
-            self.hash_profile = "native"
-            self.fresh = Freshness()
-
-        def mark_stale(self, worker):
-            self.fresh.mark_stale(worker)
-
-        def mark_fresh(self, worker):
-            self.fresh.mark_fresh(worker)
-
-    router = Router()
+def test_several_engines_feed_one_router(engines):
+    router = Router(["a", "b"], index="events")
     e1, e2 = engines(), engines()
     tokens = list(range(16 * 3))
     sub = KvEventSubscriber(
         router, {"a": e1.endpoint, "b": e2.endpoint}, replay={"b": e2.replay_endpoint}
     )
-    assert sub.index is router.index
+    assert sub.index is router.index and sub.applier is router.event_applier
     with sub:
         e1.wait_subscriber()
         e2.wait_subscriber()
@@ -365,8 +134,32 @@ def test_several_engines_and_a_router_like_target(engines):
         e2.publish(chain_payloads(tokens, 3)[2])
         wait_for(lambda: sub.stats()["a"]["last_seq"] == 2, "a")
         wait_for(lambda: sub.stats()["b"]["last_seq"] == 2 and not sub.is_stale("b"), "b")
+        s = sub.stats()
     assert router.index.match(own(tokens)) == {"a": 3, "b": 3}
-    assert router.fresh.calls == [("stale", "b"), ("fresh", "b")]
+    assert [(s[w]["gaps"], s[w]["replays"], s[w]["resets"], s[w]["errors"]) for w in "ab"] == [
+        (0, 0, 0, 0),
+        (1, 1, 0, 0),
+    ]
+    later = time.monotonic() + 3600
+    assert router.freshness("a", now=later) == router.freshness("b", now=later) == 1.0
+
+
+def test_a_router_like_target_lends_its_index_block_size_and_profile():
+    """Any object with a PrefixIndex ``index`` (and ``block_size`` / ``hash_profile``) can be
+    fed: blocks are hashed with its block size."""
+
+    class Target:
+        index = PrefixIndex()
+        block_size = 32
+        hash_profile = "native"
+
+    target = Target()
+    sub = KvEventSubscriber(target, {"w": "tcp://127.0.0.1:1"})
+    assert sub.index is target.index and sub._freshness is None
+    tokens = list(range(64))
+    sub.applier.apply("w", P.batch([P.map16(P.stored_fields([1, 2], None, tokens, 32))]))
+    assert target.index.match(own(tokens, block_size=32)) == {"w": 2}
+    assert target.index.match(own(tokens)) == {}  # not 16-token blocks
 
 
 def test_stop_is_clean_and_restartable(engines):
@@ -418,33 +211,6 @@ def test_bad_arguments_and_a_bad_endpoint():
     with pytest.raises(zmq.ZMQError):
         sub.start()
     assert not sub.running
-
-
-def test_replay_buffer_overflow_gives_up_and_clears(engines):
-    engine = engines(answer_replays=False)
-    index = PrefixIndex()
-    tokens = list(range(16 * 6))
-    payloads = chain_payloads(tokens, 6)
-    sub = KvEventSubscriber(
-        index,
-        {"w": engine.endpoint},
-        replay={"w": engine.replay_endpoint},
-        replay_timeout=60,
-        max_pending=2,
-    )
-    with sub:
-        engine.wait_subscriber()
-        engine.publish(payloads[0])
-        wait_for(lambda: sub.stats()["w"]["last_seq"] == 0, "seq 0")
-        engine.publish(payloads[1], send=False)
-        for p in payloads[2:]:
-            engine.publish(p)  # seq 2 opens the replay, 3 fills the buffer, 4 overflows it
-        wait_for(lambda: sub.stats()["w"]["last_seq"] == 5, "seq 5")
-        s = sub.stats()["w"]
-    assert (s["gaps"], s["replays"], s["replay_failures"], s["resets"]) == (1, 1, 1, 1)
-    assert s["stale"] is False
-    assert index.match(own(tokens)) == {}  # every block after the gap chains on a lost one
-    assert s["skipped_unknown_parent"] == 4
 
 
 def test_a_router_that_owns_its_applier():

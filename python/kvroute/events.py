@@ -11,8 +11,14 @@ messages and restarts:
   a DEALER socket (a REQ socket would receive only the first replayed batch), buffers live
   messages meanwhile, applies the replayed batches in order, then the buffered ones; the worker is
   reported stale until then. Without a replay endpoint — or when the replay does not reach back
-  far enough, times out, or overflows the buffer — the worker's blocks are cleared: the index never
-  keeps guessing about a worker whose history it lost.
+  far enough, ends without filling the gap, stalls, or overflows the buffer — the worker's blocks
+  are cleared: the index never keeps guessing about a worker whose history it lost.
+- **A replay is bounded.** Only replayed batches the live stream has already numbered (sequence
+  numbers up to the last one received live) are applied: later ones are still on their way over
+  the live connection (ZMQ does not order two sockets), and a number the engine has not reached
+  is not believed. The replay's deadline (``replay_timeout``) is extended only by a batch that
+  advances it — a replay repeating old numbers times out — and the live messages buffered
+  meanwhile are bounded by count (``max_pending``) and by bytes (``max_pending_bytes``).
 - **Restarts.** A sequence number that goes back means the engine restarted (its cache is empty):
   the worker is cleared, and its numbering is followed afresh.
 - **Catch-up.** When the first message seen from an engine is not number 0 and a replay endpoint
@@ -91,6 +97,9 @@ class _Worker:
         self.replaying = False
         self.replay_deadline = 0.0
         self.pending: list[tuple[int, bytes]] = []
+        self.pending_bytes = 0
+        self.live_seq: int | None = None  # the last sequence number received on the live stream
+        self.replay_lost = False  # this replay did not reach back (counted once per replay)
         self.stale = False
         self.gaps = 0
         self.replays = 0
@@ -140,6 +149,7 @@ class KvEventSubscriber:
         catch_up: bool = True,
         replay_timeout: float = 5.0,
         max_pending: int = 100_000,
+        max_pending_bytes: int = 64 << 20,
         rcvhwm: int = 100_000,
     ) -> None:
         replay = dict(replay or {})
@@ -153,6 +163,8 @@ class KvEventSubscriber:
             raise ValueError(f"replay_timeout must be > 0, got {replay_timeout!r}")
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending!r}")
+        if max_pending_bytes < 1:
+            raise ValueError(f"max_pending_bytes must be >= 1, got {max_pending_bytes!r}")
         self._zmq = _zmq()
         binds = {name: bind for name in endpoints} if isinstance(bind, bool) else dict(bind)
         unknown = sorted(set(binds) - set(endpoints))
@@ -168,6 +180,7 @@ class KvEventSubscriber:
         self._catch_up = catch_up
         self._replay_timeout = float(replay_timeout)
         self._max_pending = int(max_pending)
+        self._max_pending_bytes = int(max_pending_bytes)
         self._rcvhwm = int(rcvhwm)
         self._workers = {
             name: _Worker(name, endpoint, replay.get(name), bool(binds.get(name, False)))
@@ -313,8 +326,9 @@ class KvEventSubscriber:
         """Per worker: the applier's counters (batches, events, blocks_stored, blocks_removed,
         skipped_*, …) plus gaps, replays, replay_failures, resets (clears for lost history:
         unrecoverable gaps, restarts and disconnects), restarts, disconnects, malformed (frames and
-        payloads), errors,
-        last_seq, stale and seconds_since_event (``None`` before the first message)."""
+        payloads), errors (exceptions caught in the poll thread, the freshness sink's included),
+        last_seq, stale, pending and pending_bytes (live messages buffered during a replay) and
+        seconds_since_event (``None`` before the first message)."""
         now = time.monotonic()
         applied = self.applier.stats()
         out: dict[str, dict[str, Any]] = {}
@@ -335,6 +349,8 @@ class KvEventSubscriber:
                     malformed_frames=w.malformed_frames,
                     malformed_payloads=payload_malformed,
                     errors=w.errors,
+                    pending=len(w.pending),
+                    pending_bytes=w.pending_bytes,
                     last_seq=w.last_seq,
                     stale=w.stale,
                     seconds_since_event=None
@@ -473,7 +489,7 @@ class KvEventSubscriber:
             w.disconnects += 1
         if w.replaying:
             w.replaying = False
-            w.pending = []
+            self._take_pending(w)
             self._new_dealer(w)
             self._notify(w, False)
         self._reset(w)
@@ -483,12 +499,18 @@ class KvEventSubscriber:
             with self._lock:
                 w.malformed_frames += 1
             return
-        self._on_live(w, int.from_bytes(frames[1], "big"), frames[2])
+        seq = int.from_bytes(frames[1], "big")
+        w.live_seq = seq
+        self._on_live(w, seq, frames[2])
 
     def _on_live(self, w: _Worker, seq: int, payload: bytes, catch_up: bool = True) -> None:
         if w.replaying:
-            if len(w.pending) < self._max_pending:
+            if (
+                len(w.pending) < self._max_pending
+                and w.pending_bytes + len(payload) <= self._max_pending_bytes
+            ):
                 w.pending.append((seq, payload))
+                w.pending_bytes += len(payload)
                 return
             self._replay_failed(w)  # too much buffered: give up, follow the live stream
             self._on_live(w, seq, payload, catch_up=False)
@@ -499,16 +521,14 @@ class KvEventSubscriber:
             self._reset(w)
         if w.expected is None:
             if seq > 0 and catch_up and self._catch_up and w.dealer is not None:
-                w.pending.append((seq, payload))
-                self._start_replay(w, 0)
+                self._start_replay(w, 0, seq, payload)
                 return
             w.expected = seq
         if seq > w.expected:
             with self._lock:
                 w.gaps += 1
             if w.dealer is not None:
-                w.pending.append((seq, payload))
-                self._start_replay(w, w.expected)
+                self._start_replay(w, w.expected, seq, payload)
                 return
             self._reset(w)
             w.expected = seq
@@ -531,9 +551,18 @@ class KvEventSubscriber:
         with self._lock:
             w.resets += 1
 
-    def _start_replay(self, w: _Worker, start: int) -> None:
+    def _take_pending(self, w: _Worker) -> list[tuple[int, bytes]]:
+        pending, w.pending, w.pending_bytes = w.pending, [], 0
+        return pending
+
+    def _start_replay(self, w: _Worker, start: int, seq: int, payload: bytes) -> None:
+        """Asks for everything from ``start`` on; the live message ``(seq, payload)`` that
+        showed the gap is the first buffered one."""
         zmq = self._zmq
+        w.pending.append((seq, payload))
+        w.pending_bytes += len(payload)
         w.replaying = True
+        w.replay_lost = False
         w.expected = start
         w.replay_deadline = time.monotonic() + self._replay_timeout
         with self._lock:
@@ -558,28 +587,50 @@ class KvEventSubscriber:
             return
         if not w.replaying:
             return  # a reply to a request given up on (the dealer is replaced then; be safe)
-        w.replay_deadline = time.monotonic() + self._replay_timeout
         if seq_frame == END_SEQ:
             self._finish_replay(w)
             return
         seq = int.from_bytes(seq_frame, "big")
         expected = w.expected if w.expected is not None else 0
         if seq < expected:
-            return  # already applied
+            return  # already applied: no progress, the deadline stands
+        if w.live_seq is None or seq > w.live_seq:
+            # Past the live stream's head: the rest is still on its way over the live connection
+            # (applied when it arrives), or numbers the engine never reached. Either way the
+            # replay has given what it can; a new dealer drops the rest of its answer.
+            self._finish_replay(w, drop_rest=True)
+            return
         if seq > expected:
             # The engine's buffer does not reach back to what we missed: that history is lost.
-            with self._lock:
-                w.replay_failures += 1
-            self._reset(w)
+            self._replay_lost(w)
+        w.replay_deadline = time.monotonic() + self._replay_timeout  # progress
         self._apply(w, seq, payload)
 
-    def _finish_replay(self, w: _Worker) -> None:
+    def _replay_lost(self, w: _Worker) -> None:
+        if not w.replay_lost:
+            w.replay_lost = True
+            with self._lock:
+                w.replay_failures += 1
+        self._reset(w)
+
+    def _finish_replay(self, w: _Worker, drop_rest: bool = False) -> None:
+        """The replay has given what it can (its end marker, or ``drop_rest``: it went past the
+        live stream's head, and a new dealer drops the rest of its answer)."""
+        gap_end = w.pending[0][0] if w.pending else None
+        if gap_end is not None and (w.expected is None or w.expected < gap_end):
+            # The replay ended before the batch that showed the gap: what was missed is lost.
+            self._replay_failed(w, counted=w.replay_lost)
+            return
+        if drop_rest:
+            self._new_dealer(w)
         w.replaying = False
-        pending, w.pending = w.pending, []
+        pending = self._take_pending(w)
         previous = -1
         for i, (seq, payload) in enumerate(pending):
             if w.replaying:  # a new gap inside the buffered messages started another replay
-                w.pending.extend(pending[i:])
+                rest = pending[i:]
+                w.pending.extend(rest)
+                w.pending_bytes += sum(len(p) for _, p in rest)
                 return
             if seq < previous:  # the engine restarted while we were replaying
                 with self._lock:
@@ -592,16 +643,18 @@ class KvEventSubscriber:
         if not w.replaying:
             self._notify(w, False)
 
-    def _replay_failed(self, w: _Worker) -> None:
-        """The replay cannot be completed (timeout, send failure, buffer overflow): clear the
-        worker and follow the live stream from the messages buffered meanwhile."""
+    def _replay_failed(self, w: _Worker, counted: bool = False) -> None:
+        """The replay cannot be completed (timeout, send failure, buffer overflow, a gap left
+        unfilled): clear the worker and follow the live stream from the messages buffered
+        meanwhile. ``counted``: this replay's failure is already in ``replay_failures``."""
         w.replaying = False
-        with self._lock:
-            w.replay_failures += 1
+        if not counted:
+            with self._lock:
+                w.replay_failures += 1
         if w.dealer is not None:
             self._new_dealer(w)
         self._reset(w)
-        pending, w.pending = w.pending, []
+        pending = self._take_pending(w)
         for seq, payload in pending:
             self._on_live(w, seq, payload, catch_up=False)
         if not w.replaying:

@@ -1,0 +1,345 @@
+"""KvEventSubscriber's replay of lost batches, over real ZMQ sockets on 127.0.0.1.
+
+A gap in an engine's numbering is filled by a replay over a DEALER (support/events_engine.py's
+engine answers like vLLM's ROUTER); the worker's index is then exactly what the engine holds.
+Everything that can go wrong with a replay is played here, with the engine's answers sent by the
+test at the moment that matters: the replay hands over batches the live stream has not delivered
+yet (ZMQ orders each socket, not the two), does not reach back to the gap, ends before it,
+stalls, repeats old numbers, claims numbers the engine never reached, the engine restarts during
+it, or live messages pile up meanwhile. Each ends with the worker either exact or cleared — never
+guessing — and following its live stream again. The freshness sink is a real
+``Router(index="events")``: its freshness falls while a replay runs and recovers after.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from kvroute import Router
+from kvroute.events import KvEventSubscriber
+from support.events_engine import chain_payloads, own, stored, wait_for
+
+FAR = 3600.0  # seconds: a stale worker's freshness is ~0 by then, a fresh one's still 1
+
+
+def freshness(router: Router, worker: str) -> float:
+    return router.freshness(worker, now=time.monotonic() + FAR)
+
+
+def events_router(*workers: str) -> Router:
+    return Router(list(workers) or ["w"], index="events")
+
+
+def subscriber(router, engine, **kw) -> KvEventSubscriber:
+    kw.setdefault("replay_timeout", 60.0)  # only the tests of timeouts may time out, load or not
+    return KvEventSubscriber(
+        router, {"w": engine.endpoint}, replay={"w": engine.replay_endpoint}, **kw
+    )
+
+
+def start_with_seq0(sub, engine, payload) -> None:
+    engine.wait_subscriber()
+    engine.publish(payload)
+    wait_for(lambda: sub.stats()["w"]["last_seq"] == 0, "seq 0")
+
+
+def counters(s) -> tuple:
+    return (s["gaps"], s["replays"], s["replay_failures"], s["resets"], s["restarts"])
+
+
+@pytest.mark.parametrize("new_form", [True, False])
+def test_gap_is_replayed_over_a_dealer(engines, new_form):
+    engine = engines(new_replay_form=new_form, answer_replays=False)
+    router = events_router()
+    tokens = list(range(1000, 1000 + 16 * 6))
+    payloads = chain_payloads(tokens, 6)
+    sub = subscriber(router, engine)
+    with sub:
+        start_with_seq0(sub, engine, payloads[0])
+        assert freshness(router, "w") == 1.0
+        engine.publish(payloads[1], send=False)  # lost: ZMQ dropped them
+        engine.publish(payloads[2], send=False)
+        for p in payloads[3:]:
+            engine.publish(p)
+        identity, start = engine.take_replay_request()
+        assert engine.replay_requests[0][1:] == [b"", (1).to_bytes(8, "big")]  # [b"", start]
+        wait_for(lambda: sub.stats()["w"]["pending"] == 3, "the live batches to be buffered")
+        # During the replay: stale in the subscriber and in the router, nothing past the gap.
+        assert sub.is_stale("w") and freshness(router, "w") < 0.01
+        assert router.index.match(own(tokens)) == {"w": 1}
+        assert sub.stats()["w"]["pending_bytes"] == sum(len(p) for p in payloads[3:])
+        engine.answer(identity, engine.buffered_from(start))
+        wait_for(lambda: not sub.is_stale("w"), "the replay to end")
+        s = sub.stats()["w"]
+    assert freshness(router, "w") == 1.0
+    assert router.index.match(own(tokens)) == {"w": 6}
+    assert counters(s) == (1, 1, 0, 0, 0)
+    assert (s["batches"], s["skipped_unknown_parent"], s["errors"]) == (6, 0, 0)
+    assert (s["pending"], s["pending_bytes"], s["malformed"]) == (0, 0, 0)
+
+
+def test_a_replay_ahead_of_the_live_stream_is_not_a_restart(engines):
+    """The replay can give batches that are still on their way over the live connection: they
+    arrive after the replay and are not a restart (under load this once cleared the worker and
+    replayed everything again)."""
+    engine = engines(answer_replays=False)
+    router = events_router()
+    tokens = list(range(16 * 6))
+    payloads = chain_payloads(tokens, 6)
+    with subscriber(router, engine) as sub:
+        start_with_seq0(sub, engine, payloads[0])
+        engine.publish(payloads[1], send=False)  # lost
+        engine.publish(payloads[2])  # shows the gap
+        engine.publish(payloads[3], send=False)  # published, not yet delivered live
+        engine.publish(payloads[4], send=False)
+        identity, start = engine.take_replay_request()
+        engine.answer(identity, engine.buffered_from(start))  # 1, 2, 3, 4 and the end marker
+        wait_for(lambda: not sub.is_stale("w"), "the replay to end")
+        engine.send_buffered(3)  # the live stream catches up
+        engine.send_buffered(4)
+        engine.publish(payloads[5])
+        wait_for(lambda: sub.stats()["w"]["last_seq"] == 5 and not sub.is_stale("w"), "seq 5")
+        s = sub.stats()["w"]
+    assert router.index.match(own(tokens)) == {"w": 6}
+    assert counters(s) == (1, 1, 0, 0, 0)
+    assert (s["batches"], s["errors"]) == (6, 0)
+    assert freshness(router, "w") == 1.0
+
+
+def test_a_replay_that_does_not_reach_back_clears_the_worker(engines):
+    """The engine's replay buffer starts after the gap: what was lost stays lost, so the worker
+    is cleared (its later batches chain on the lost one and are skipped)."""
+    engine = engines(answer_replays=False)
+    router = events_router()
+    tokens = list(range(16 * 4))
+    payloads = chain_payloads(tokens, 4)
+    with subscriber(router, engine) as sub:
+        start_with_seq0(sub, engine, payloads[0])
+        assert router.index.match(own(tokens)) == {"w": 1}
+        engine.publish(payloads[1], send=False)
+        engine.publish(payloads[2])
+        engine.publish(payloads[3])
+        identity, start = engine.take_replay_request()
+        assert start == 1
+        wait_for(lambda: sub.stats()["w"]["pending"] == 2, "two buffered batches")
+        engine.answer(identity, engine.buffered_from(2))  # seq 1 fell out of its buffer
+        wait_for(lambda: not sub.is_stale("w"), "the replay to end")
+        s = sub.stats()["w"]
+    assert router.index.match(own(tokens)) == {}
+    assert counters(s) == (1, 1, 1, 1, 0)
+    assert (s["skipped_unknown_parent"], s["errors"]) == (2, 0)
+    assert freshness(router, "w") == 1.0
+
+
+def test_a_replay_that_ends_before_the_gap_clears_the_worker(engines):
+    """An end marker with nothing before it (the engine's buffer is empty): the gap stays
+    unfilled, the worker is cleared and follows its live stream — no replay after replay."""
+    engine = engines(answer_replays=False)
+    router = events_router()
+    tokens = list(range(16 * 3))
+    payloads = [*chain_payloads(tokens, 2), stored([77], None, tokens[32:48])]
+    with subscriber(router, engine) as sub:
+        start_with_seq0(sub, engine, payloads[0])
+        engine.publish(payloads[1], send=False)
+        engine.publish(payloads[2])  # a new chain: applied once the worker follows live again
+        identity, _ = engine.take_replay_request()
+        engine.answer(identity, [])
+        wait_for(lambda: not sub.is_stale("w"), "the replay to end")
+        s = sub.stats()["w"]
+    assert router.index.match(own(tokens[:32])) == {}
+    assert router.index.match(own(tokens[32:48])) == {"w": 1}
+    assert counters(s) == (1, 1, 1, 1, 0)
+    assert len(engine.replay_requests) == 1 and s["errors"] == 0
+
+
+def test_a_restart_seen_during_a_replay_clears_the_worker(engines):
+    """The replay fills the gap, but the buffered live messages show the engine restarted
+    meanwhile (its numbering went back): its old blocks are gone, its new ones are indexed."""
+    engine = engines(answer_replays=False)
+    router = events_router()
+    tokens = list(range(16 * 3))
+    fresh_tokens = list(range(5000, 5016))
+    payloads = chain_payloads(tokens, 3)
+    with subscriber(router, engine) as sub:
+        start_with_seq0(sub, engine, payloads[0])
+        engine.publish(payloads[1], send=False)
+        engine.publish(payloads[2])
+        identity, start = engine.take_replay_request()
+        engine.answer(identity, engine.buffered_from(start)[:1], end=False)  # seq 1
+        wait_for(lambda: sub.stats()["w"]["last_seq"] == 1, "the replayed seq 1")
+        assert router.index.match(own(tokens)) == {"w": 2}
+        engine.restart()
+        engine.publish(stored([9], None, fresh_tokens))  # the new process's seq 0
+        wait_for(lambda: sub.stats()["w"]["pending"] == 2, "the restarted engine's batch")
+        engine.answer(identity, [])
+        wait_for(lambda: not sub.is_stale("w"), "the replay to end")
+        s = sub.stats()["w"]
+    assert router.index.match(own(tokens)) == {}
+    assert router.index.match(own(fresh_tokens)) == {"w": 1}
+    assert counters(s) == (1, 1, 0, 1, 1)
+    assert (s["last_seq"], s["errors"]) == (0, 0)
+
+
+def test_a_replay_repeating_old_numbers_times_out(engines):
+    """Only progress extends a replay's deadline: an endpoint repeating a number already applied
+    cannot keep the worker stale (issue 14 item 7)."""
+    engine = engines(answer_replays=False)
+    router = events_router()
+    tokens = list(range(16 * 3))
+    payloads = chain_payloads(tokens, 3)
+    done = threading.Event()
+    with subscriber(router, engine, replay_timeout=0.5) as sub:
+        start_with_seq0(sub, engine, payloads[0])
+        engine.publish(payloads[1], send=False)
+        engine.publish(payloads[2])
+        identity, _ = engine.take_replay_request()
+
+        def repeat():
+            while not done.is_set():
+                engine.answer(identity, [(0, payloads[0])], end=False)
+                done.wait(0.02)
+
+        repeater = threading.Thread(target=repeat)
+        repeater.start()
+        try:
+            wait_for(lambda: sub.stats()["w"]["replay_failures"] == 1, "the replay to time out")
+        finally:
+            done.set()
+            repeater.join()
+        wait_for(lambda: not sub.is_stale("w"), "the worker to follow its live stream")
+        s = sub.stats()["w"]
+    assert router.index.match(own(tokens)) == {}
+    assert counters(s) == (1, 1, 1, 1, 0)
+    assert freshness(router, "w") == 1.0
+
+
+def test_a_replay_claiming_numbers_never_reached_is_not_believed(engines):
+    """A replay answering seq 2**64-2 (past anything the live stream has numbered): not applied,
+    the gap stays unfilled and the worker is cleared — and the buffered and later live batches
+    are applied, not dropped as "already delivered" (issue 14 item 7)."""
+    engine = engines(answer_replays=False)
+    router = events_router()
+    tokens = list(range(16 * 5))
+    blocks = [tokens[16 * i : 16 * i + 16] for i in range(5)]
+    payloads = chain_payloads(tokens, 2) + [stored([50 + i], None, blocks[i]) for i in (2, 3, 4)]
+    with subscriber(router, engine) as sub:
+        start_with_seq0(sub, engine, payloads[0])
+        engine.publish(payloads[1], send=False)
+        engine.publish(payloads[2])
+        engine.publish(payloads[3])
+        identity, _ = engine.take_replay_request()
+        wait_for(lambda: sub.stats()["w"]["pending"] == 2, "two buffered batches")
+        engine.answer(identity, [(2**64 - 2, payloads[1])])
+        wait_for(lambda: not sub.is_stale("w"), "the replay to end")
+        engine.publish(payloads[4])
+        wait_for(lambda: sub.stats()["w"]["last_seq"] == 4, "seq 4")
+        s = sub.stats()["w"]
+    assert router.index.match(own(blocks[0])) == {}
+    for i in (2, 3, 4):
+        assert router.index.match(own(blocks[i])) == {"w": 1}, i
+    assert counters(s) == (1, 1, 1, 1, 0)
+    assert s["errors"] == 0
+
+
+def test_live_messages_buffered_during_a_replay_are_bounded_by_bytes(engines):
+    """The buffer holds at most ``max_pending_bytes``: one message more and the replay is given
+    up, the worker cleared, and the live stream followed (issue 14 item 7)."""
+    engine = engines(answer_replays=False)
+    router = events_router()
+    tokens = list(range(16 * 5))
+    payloads = chain_payloads(tokens, 5)
+    limit = len(payloads[2]) + len(payloads[3])
+    with subscriber(router, engine, max_pending_bytes=limit) as sub:
+        start_with_seq0(sub, engine, payloads[0])
+        engine.publish(payloads[1], send=False)
+        engine.publish(payloads[2])
+        engine.publish(payloads[3])
+        wait_for(lambda: sub.stats()["w"]["pending_bytes"] == limit, "a full buffer")
+        assert sub.is_stale("w")
+        engine.publish(payloads[4])
+        wait_for(lambda: sub.stats()["w"]["last_seq"] == 4, "seq 4")
+        s = sub.stats()["w"]
+    assert counters(s) == (1, 1, 1, 1, 0)
+    assert (s["stale"], s["pending"], s["pending_bytes"]) == (False, 0, 0)
+    assert router.index.match(own(tokens)) == {}
+    assert s["skipped_unknown_parent"] == 3  # 2, 3 and 4 chain on the lost seq 1
+    with pytest.raises(ValueError, match="max_pending_bytes"):
+        subscriber(router, engine, max_pending_bytes=0)
+
+
+def test_replay_buffer_overflow_gives_up_and_clears(engines):
+    engine = engines(answer_replays=False)
+    router = events_router()
+    tokens = list(range(16 * 6))
+    payloads = chain_payloads(tokens, 6)
+    with subscriber(router, engine, max_pending=2) as sub:
+        start_with_seq0(sub, engine, payloads[0])
+        engine.publish(payloads[1], send=False)
+        for p in payloads[2:]:
+            engine.publish(p)  # seq 2 opens the replay, 3 fills the buffer, 4 overflows it
+        wait_for(lambda: sub.stats()["w"]["last_seq"] == 5, "seq 5")
+        s = sub.stats()["w"]
+    assert counters(s) == (1, 1, 1, 1, 0)
+    assert s["stale"] is False
+    assert router.index.match(own(tokens)) == {}  # every block after the gap chains on a lost one
+    assert s["skipped_unknown_parent"] == 4
+
+
+def test_unanswered_replay_times_out_and_clears(engines):
+    engine = engines(answer_replays=False)
+    router = events_router()
+    tokens = list(range(16 * 4))
+    payloads = chain_payloads(tokens, 4)
+    with subscriber(router, engine, replay_timeout=0.2) as sub:
+        start_with_seq0(sub, engine, payloads[0])
+        engine.publish(payloads[1], send=False)
+        engine.publish(payloads[2])
+        engine.publish(payloads[3])
+        wait_for(lambda: sub.stats()["w"]["replay_failures"] == 1, "the replay to time out")
+        wait_for(lambda: sub.stats()["w"]["last_seq"] == 3, "seq 3")
+        s = sub.stats()["w"]
+    assert counters(s) == (1, 1, 1, 1, 0)
+    assert (s["stale"], s["errors"]) == (False, 0)
+    assert router.index.match(own(tokens)) == {}
+    assert freshness(router, "w") == 1.0
+
+
+def test_catch_up_replays_what_was_published_before_joining(engines):
+    engine = engines()
+    router = events_router()
+    tokens = list(range(500, 500 + 16 * 5))
+    payloads = chain_payloads(tokens, 5)
+    for p in payloads[:3]:
+        engine.publish(p, send=False)  # before the subscriber existed
+    with subscriber(router, engine) as sub:
+        engine.wait_subscriber()
+        for p in payloads[3:]:
+            engine.publish(p)
+        wait_for(lambda: sub.stats()["w"]["last_seq"] == 4 and not sub.is_stale("w"), "seq 4")
+        s = sub.stats()["w"]
+    assert router.index.match(own(tokens)) == {"w": 5}
+    assert counters(s) == (0, 1, 0, 0, 0)
+    assert engine.replay_requests[0][1:] == [b"", (0).to_bytes(8, "big")]
+
+
+def test_freshness_sink_errors_are_counted_and_change_nothing_else(engines):
+    """A sink that raises (here a router that does not know the worker) is counted in
+    ``errors``; the replay goes on and the index is still exact."""
+    engine = engines()
+    router = events_router("v")  # no "w"
+    tokens = list(range(16 * 3))
+    payloads = chain_payloads(tokens, 3)
+    with subscriber(router, engine) as sub:
+        start_with_seq0(sub, engine, payloads[0])
+        engine.publish(payloads[1], send=False)
+        engine.publish(payloads[2])
+        wait_for(lambda: sub.stats()["w"]["errors"] == 2, "mark_stale and mark_fresh to fail")
+        wait_for(lambda: not sub.is_stale("w"), "the replay to end")
+        s = sub.stats()["w"]
+    with pytest.raises(KeyError):
+        router.mark_stale("w")
+    assert router.index.match(own(tokens)) == {"w": 3}
+    assert counters(s) == (1, 1, 0, 0, 0)
+    assert s["errors"] == 2
