@@ -134,17 +134,28 @@ def test_preference_matches_uhashring_walk(nodes, keys):
 
 
 def test_exact_hit_follows_libketama_not_uhashring():
-    # "a-0" is the text libketama hashes for node "a"'s first digest, so the key's 32-bit hash is
-    # exactly one of "a"'s points. libketama (first point >= hash) answers "a"; uhashring (first
-    # point > hash) answers the owner of the next point.
+    # "<node>-<i>" is the text libketama hashes for node's i-th digest, so such a key's 32-bit hash
+    # is exactly one of that node's points. libketama (first point >= hash) answers the node;
+    # uhashring (first point > hash) answers the owner of the next point. Keys whose next point
+    # has another owner tell the two rules apart.
     nodes = ["a", "b", "c", "d"]
     ring = kvroute.HashRing(nodes)
-    assert ketama_hashi("a-0") in {p for p, n in ring.points if n == "a"}
-    assert ring.get("a-0") == "a"
     peer = uhashring.HashRing(nodes, hash_fn="ketama")
-    positions = [p for p, _ in ring.points]
-    nxt = positions[(positions.index(ketama_hashi("a-0")) + 1) % len(positions)]
-    assert peer.get_node("a-0") == dict(ring.points)[nxt]
+    points = ring.points
+    position = {p: i for i, (p, _) in enumerate(points)}
+    telling = []
+    for node in nodes:
+        for i in range(40):
+            key = f"{node}-{i}"
+            at = position[ketama_hashi(key)]
+            assert points[at][1] == node
+            following = points[(at + 1) % len(points)][1]
+            if following != node:
+                telling.append((key, node, following))
+    assert len(telling) > 50
+    for key, node, following in telling:
+        assert ring.get(key) == node, key
+        assert peer.get_node(key) == following, key
 
 
 def test_weighted_point_counts_follow_the_exact_integer_formula():

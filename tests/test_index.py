@@ -195,24 +195,49 @@ class IndexMachine(RuleBasedStateMachine):
         bad = [*self.new_blocks(1), seq[i]] if at % 2 else [seq[i], *self.new_blocks(1), seq[i]]
         self.apply_store(worker, bad, None, at % 3)
 
-    @rule(worker=st.sampled_from(NAMES), pick=st.integers(0, 10**6), at=st.integers(0, 10**6))
-    def remove(self, worker, pick, at):
+    def holders(self) -> list[str]:
+        """Workers holding blocks in the model (under a budget, maybe fewer in the index)."""
+        return sorted(w for w, held in self.ref.held.items() if held)
+
+    def holder(self, who: int) -> str:
+        holders = self.holders()
+        return holders[who % len(holders)]
+
+    @precondition(lambda self: self.holders())
+    @rule(who=st.integers(0, 10**6), at=st.integers(0, 10**6), pick=st.integers(0, 10**6))
+    def remove(self, who, at, pick):
+        """Blocks the worker holds (a block and, implicitly, its descendants), another
+        sequence's block it may or may not hold, and sometimes an unknown block."""
+        worker = self.holder(who)
+        held = sorted(self.ref.held[worker])
+        blocks = [held[at % len(held)]]
         seq = self.sequences[pick % len(self.sequences)]
-        blocks = [seq[at % len(seq)]] if seq else []
+        if seq and pick % 2:
+            blocks.append(seq[at % len(seq)])
         if at % 5 == 0:
             blocks.append(self.new_blocks(1)[0])  # unknown blocks are ignored
         self.apply_remove(worker, blocks, at % 3)
 
+    @rule(worker=st.sampled_from(NAMES), pick=st.integers(0, 10**6))
+    def remove_from_an_unknown_worker(self, worker, pick):
+        assume(not self.known(worker))
+        seq = self.sequences[pick % len(self.sequences)]
+        self.apply_remove(worker, seq[:1], pick % 3)
+
+    @precondition(lambda self: self.holders())
     @rule(
-        worker=st.sampled_from(NAMES),
+        who=st.integers(0, 10**6),
         pick=st.integers(0, 10**6),
         n=st.integers(1, 60),
         other=st.integers(0, 10**6),
     )
-    def remove_tail(self, worker, pick, n, other):
-        """One batch as vLLM evicts: a sequence's last blocks, last first (one event per block),
-        then a block of another sequence."""
-        blocks = self.sequences[pick % len(self.sequences)][-n:][::-1]
+    def remove_tail(self, who, pick, n, other):
+        """One batch as vLLM evicts: the last blocks of a sequence the worker stored, last first
+        (one event per block), then a block of another sequence."""
+        worker = self.holder(who)
+        held = self.ref.held[worker]
+        mine = [seq for seq in self.sequences if seq and seq[-1] in held] or self.sequences
+        blocks = mine[pick % len(mine)][-n:][::-1]
         seq = self.sequences[other % len(self.sequences)]
         if seq:
             blocks.append(seq[other % len(seq)])
@@ -241,8 +266,17 @@ class IndexMachine(RuleBasedStateMachine):
         if not self.budgeted:
             assert got == want
 
+    @precondition(lambda self: self.holders())
+    @rule(who=st.integers(0, 10**6), forget=st.booleans())
+    def clear(self, who, forget):
+        self.apply_clear(self.holder(who), forget)
+
     @rule(worker=st.sampled_from(NAMES), forget=st.booleans())
-    def clear(self, worker, forget):
+    def clear_any(self, worker, forget):
+        """Any name: a worker without blocks, or one the index does not know (KeyError)."""
+        self.apply_clear(worker, forget)
+
+    def apply_clear(self, worker, forget):
         if not self.known(worker):
             with pytest.raises(KeyError):
                 self.idx.clear(worker)
