@@ -1,0 +1,75 @@
+"""The suite's own rules: a skip whose reason is not allow-listed fails the run (tests/conftest.py).
+
+Run on a scratch suite in a child pytest with this suite's conftest.py: a module skipped by
+``importorskip``, a test calling ``pytest.skip`` and a ``skipif`` marker each fail it; an
+allow-listed reason, an xfail and ``KVROUTE_ALLOW_SKIPS=1`` do not.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+CONFTEST = Path(__file__).with_name("conftest.py")
+
+SCRATCH = {
+    "test_missing.py": (
+        "import pytest\npytest.importorskip('kvroute_no_such_module')\ndef test_never(): pass\n"
+    ),
+    "test_cases.py": (
+        "import pytest\n"
+        "def test_skips_inside(): pytest.skip('an optional thing is missing')\n"
+        "@pytest.mark.skipif(True, reason='no engine here')\n"
+        "def test_skipif(): pass\n"
+        "@pytest.mark.skipif(True, reason='subprocess signals')\n"
+        "def test_allowed(): pass\n"
+        "@pytest.mark.xfail(reason='known', strict=True)\n"
+        "def test_xfail(): assert False\n"
+        "def test_ok(): pass\n"
+    ),
+}
+
+
+def run(tmp_path: Path, *args: str, allow: bool = False) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "KVROUTE_ALLOW_SKIPS"}
+    if allow:
+        env["KVROUTE_ALLOW_SKIPS"] = "1"
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def scratch_suite(tmp_path: Path) -> None:
+    shutil.copy(CONFTEST, tmp_path / "conftest.py")
+    (tmp_path / "data" / "vectors").mkdir(parents=True)
+    for name, text in SCRATCH.items():
+        (tmp_path / name).write_text(text)
+
+
+def test_unexpected_skips_fail_the_run(tmp_path):
+    scratch_suite(tmp_path)
+    cases = run(tmp_path, "test_cases.py")
+    out = cases.stdout
+    assert cases.returncode == 1, out
+    assert "FAILED test_cases.py::test_skips_inside - unexpected skip: an optional" in out
+    assert "ERROR test_cases.py::test_skipif - unexpected skip: no engine here" in out
+    assert "SKIPPED [1] test_cases.py" in out and ": subprocess signals" in out
+    assert "XFAIL test_cases.py::test_xfail" in out and "PASSED test_cases.py::test_ok" in out
+    missing = run(tmp_path, "test_missing.py")
+    assert missing.returncode != 0
+    assert "unexpected skip: could not import 'kvroute_no_such_module'" in missing.stdout
+
+
+def test_skips_can_be_allowed_explicitly(tmp_path):
+    scratch_suite(tmp_path)
+    result = run(tmp_path, allow=True)
+    assert result.returncode == 0, result.stdout
+    assert "1 passed, 4 skipped, 1 xfailed" in result.stdout
