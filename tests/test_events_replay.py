@@ -17,6 +17,7 @@ import threading
 import time
 
 import pytest
+import zmq
 from kvroute import Router
 from kvroute.events import KvEventSubscriber
 from support.events_engine import chain_payloads, own, stored, wait_for
@@ -343,3 +344,113 @@ def test_freshness_sink_errors_are_counted_and_change_nothing_else(engines):
     assert router.index.match(own(tokens)) == {"w": 3}
     assert counters(s) == (1, 1, 0, 0, 0)
     assert s["errors"] == 2
+
+
+def test_a_replay_with_holes_is_one_failure(engines):
+    """A replay that starts after the gap and skips again later: the worker is cleared at each
+    hole, but it is one failed replay."""
+    engine = engines(answer_replays=False)
+    router = events_router()
+    tokens = list(range(16 * 6))
+    blocks = [tokens[16 * i : 16 * i + 16] for i in range(6)]
+    payloads = [stored([60 + i], None, blocks[i]) for i in range(6)]  # independent blocks
+    with subscriber(router, engine) as sub:
+        start_with_seq0(sub, engine, payloads[0])
+        engine.publish(payloads[1], send=False)
+        engine.publish(payloads[2], send=False)
+        engine.publish(payloads[3], send=False)
+        engine.publish(payloads[4], send=False)
+        engine.publish(payloads[5])
+        identity, start = engine.take_replay_request()
+        assert start == 1
+        replay = dict(engine.buffered_from(start))
+        engine.answer(identity, [(2, replay[2]), (4, replay[4]), (5, replay[5])])
+        wait_for(lambda: not sub.is_stale("w"), "the replay to end")
+        s = sub.stats()["w"]
+    assert counters(s) == (1, 1, 1, 2, 0)
+    held = {i for i in range(6) if router.index.match(own(blocks[i]))}
+    assert held == {4, 5}  # cleared at the second hole; nothing guessed
+
+
+def test_replay_failures_and_disconnects_are_counted_each_time(engines):
+    engine = engines(answer_replays=False)
+    router = events_router()
+    tokens = list(range(16 * 7))
+    payloads = chain_payloads(tokens, 7)
+    with subscriber(router, engine, replay_timeout=0.2) as sub:
+        start_with_seq0(sub, engine, payloads[0])
+        for round_ in (1, 2):
+            engine.publish(payloads[engine.seq], send=False)
+            engine.publish(payloads[engine.seq])
+            wait_for(lambda r=round_: sub.stats()["w"]["replay_failures"] == r, "a timeout")
+            wait_for(lambda: not sub.is_stale("w"), "the live stream followed")
+        s = sub.stats()["w"]
+        assert counters(s) == (2, 2, 2, 2, 0)
+        engine.pub.close(linger=0)
+        wait_for(lambda: sub.stats()["w"]["disconnects"] == 1, "the disconnect")
+        engine.pub = engine.ctx.socket(zmq.XPUB)
+        engine.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+        engine.pub.bind(engine.endpoint)  # the engine is back on the same port
+        engine.wait_subscriber()
+        engine.pub.close(linger=0)
+        wait_for(lambda: sub.stats()["w"]["disconnects"] == 2, "the second disconnect")
+        s = sub.stats()["w"]
+    assert (s["disconnects"], s["resets"]) == (2, 4)
+    engine.pub = engine.ctx.socket(zmq.PUB)  # for the fixture's close()
+
+
+def test_a_disconnect_during_a_replay_abandons_it(engines):
+    """The engine goes away while its replay is pending: the worker is cleared, the buffered
+    messages dropped, and it is fresh again (it holds nothing, which is known)."""
+    engine = engines(answer_replays=False)
+    router = events_router()
+    tokens = list(range(16 * 3))
+    payloads = chain_payloads(tokens, 3)
+    with subscriber(router, engine) as sub:
+        start_with_seq0(sub, engine, payloads[0])
+        engine.publish(payloads[1], send=False)
+        engine.publish(payloads[2])
+        engine.take_replay_request()
+        wait_for(lambda: sub.stats()["w"]["pending"] == 1, "the buffered batch")
+        assert freshness(router, "w") < 0.01
+        engine.pub.close(linger=0)
+        wait_for(lambda: sub.stats()["w"]["disconnects"] == 1, "the disconnect")
+        s = sub.stats()["w"]
+    assert (s["stale"], s["pending"], s["pending_bytes"], s["resets"], s["errors"]) == (
+        False,
+        0,
+        0,
+        1,
+        0,
+    )
+    assert router.index.match(own(tokens)) == {}
+    assert freshness(router, "w") == 1.0
+    engine.pub = engine.ctx.socket(zmq.PUB)  # for the fixture's close()
+
+
+def test_late_answers_to_an_abandoned_replay_are_dropped(engines):
+    """A replay that timed out is abandoned with its DEALER: when the engine answers it late,
+    during the next replay, that answer is not taken for the new one's."""
+    engine = engines(answer_replays=False)
+    router = events_router()
+    tokens = list(range(16 * 5))
+    payloads = chain_payloads(tokens, 5)
+    with subscriber(router, engine, replay_timeout=0.3) as sub:
+        start_with_seq0(sub, engine, payloads[0])
+        engine.publish(payloads[1], send=False)
+        engine.publish(payloads[2])
+        first, _ = engine.take_replay_request()
+        wait_for(lambda: sub.stats()["w"]["replay_failures"] == 1, "the first to time out")
+        engine.publish(payloads[3], send=False)
+        engine.publish(payloads[4])
+        second, start = engine.take_replay_request()
+        assert second != first and start == 3
+        engine.answer(first, [])  # late: an end marker that would end the second replay early
+        time.sleep(0.2)
+        assert sub.is_stale("w")
+        engine.answer(second, engine.buffered_from(start))
+        wait_for(lambda: not sub.is_stale("w"), "the second replay to end")
+        s = sub.stats()["w"]
+    assert counters(s) == (2, 2, 1, 1, 0)
+    # After the first failure the worker followed seq 2 (its parent lost); 3 and 4 chain on 2.
+    assert s["skipped_unknown_parent"] == 3
