@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import kvroute
 import numpy as np
 import pytest
@@ -392,6 +394,7 @@ def test_threads_share_one_cache():
     cache = kvroute.BlockCache(500, reserved={"t0": 50})
     added: list[set[int]] = [set() for _ in range(4)]
     evicted: list[set[int]] = [set() for _ in range(4)]
+    unpinned: list[list[int]] = [[] for _ in range(4)]  # blocks a pin found evicted
 
     def work(t: int) -> None:
         rng = np.random.default_rng(t)
@@ -406,7 +409,13 @@ def test_threads_share_one_cache():
             added[t].update(chain[:stored].tolist())
             evicted[t].update(out.tolist())
             if stored:
-                cache.pin(chain[:stored])
+                try:
+                    cache.pin(chain[:stored])
+                except KeyError as e:
+                    # Another thread's inserts evicted a block between this insert and the pin
+                    # (a thread descheduled long enough, as under load): the pin changed nothing.
+                    unpinned[t].append(int(re.search(r"block (0x[0-9a-f]+)", str(e))[1], 16))
+                    continue
                 cache.match(chain)
                 assert cache.peek(chain[:stored]) == stored  # pinned: still there
                 cache.unpin(chain[:stored])
@@ -415,6 +424,8 @@ def test_threads_share_one_cache():
     everything_added = set().union(*added)
     everything_evicted = set().union(*evicted)
     assert everything_evicted <= everything_added
+    # A pin refused for a missing block: that block was evicted by an insert, which reported it.
+    assert set().union(*unpinned) <= everything_evicted
     survivors = everything_added - everything_evicted
     assert len(cache) == len(survivors) <= 500
     assert all(h in cache for h in survivors)
