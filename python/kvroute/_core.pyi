@@ -408,7 +408,12 @@ class Decision:
     def worker(self) -> str: ...
     @property
     def cached_blocks(self) -> int:
-        """Leading prompt blocks the worker is expected to hold."""
+        """Leading prompt blocks the worker holds, per the router's index."""
+
+    @property
+    def inflight_blocks(self) -> int:
+        """Events mode: leading prompt blocks held by the requests in flight on the worker when
+        routed (0 in approx mode)."""
 
     @property
     def cached_tokens(self) -> int:
@@ -467,7 +472,7 @@ class Router:
         index: Literal["approx", "events"] = "approx",
         capacity_blocks: int = 32768,
         ttl: float | None = None,
-        queue_weight: float = 0.5,
+        queue_weight: float = 1.0,
         decode_weight: float = 0.05,
         load_bound: float = 1.25,
         seed: int = 0,
@@ -514,7 +519,10 @@ class Router:
     def set_healthy(self, name: str, ok: bool) -> None: ...
     def is_healthy(self, name: str) -> bool: ...
     def load(self, name: str) -> dict[str, float]:
-        """``{"active", "prefill_blocks", "decode_blocks", "weight"}`` of worker ``name``."""
+        """``{"active", "queued", "prefill_blocks", "decode_blocks", "written_blocks", "weight"}``
+        of worker ``name`` (``queued``: begun, prefill not done; ``prefill_blocks``: left to
+        prefill after cache and in-flight hits; ``written_blocks``: what the active requests add
+        to the worker's cache)."""
 
     def add_endpoint(
         self,

@@ -68,8 +68,10 @@ impl OwnedKey {
 /// the endpoint's salted one) and `block_hashes`; with neither, the request has no prefix to
 /// match (route by `key`, endpoint or load). Policies: `random`, `round_robin`,
 /// `least_loaded`, `power_of_two`, `hash` (rendezvous hash of `key`, else the endpoint, else the
-/// first block, with bounded loads `load_bound`), `kv_aware` (minimum of `prompt_blocks - credit +
-/// (queue_weight * prefill_blocks + decode_weight * decode_blocks) / weight`, in blocks; ties by
+/// first block, with bounded loads `load_bound`), `kv_aware` (minimum of `(queue_weight *
+/// prefill_blocks + (1 + delayed) * (prompt_blocks - credit) + decode_weight * written_blocks) /
+/// weight`, in blocks, where `credit` counts the prefix cached there or held by requests in
+/// flight there and `delayed` is 1 + the fewest requests queued at a candidate; ties by
 /// rendezvous hash of the first block). Only healthy workers are chosen; with `endpoint`, only
 /// members of its pool; never one in `exclude`. No candidate raises `NoWorkerError` (a
 /// `ValueError`).
@@ -81,8 +83,9 @@ impl OwnedKey {
 /// `stale_half_life` seconds); tier overlap counts at `tier_weights`. `now` defaults to
 /// `time.monotonic()`: pass it on every call (virtual time) or on none.
 ///
-/// Load: `begin(d)`, `prefilled(d)`, `finish(d)`; `load(worker)` gives `active`,
-/// `prefill_blocks` and `decode_blocks` (prompt blocks of running requests). Unknown names raise
+/// Load: `begin(d)`, `prefilled(d)`, `finish(d)`; `load(worker)` gives `active`, `queued`
+/// (not yet prefilled), `prefill_blocks` (left to prefill after hits), `decode_blocks` (prompt
+/// blocks of running requests) and `written_blocks` (blocks they add to the worker's cache). Unknown names raise
 /// `KeyError`; bad values `ValueError`; errors change nothing. Safe to share between threads.
 #[pyclass(frozen, module = "kvroute._core", name = "Router")]
 pub struct PyRouter {
@@ -356,17 +359,27 @@ impl PyRouter {
         Ok(self.run(py, true, |r| r.workers().named(name).map(|w| w.healthy))?)
     }
 
-    /// Worker `name`'s load: `{"active", "prefill_blocks", "decode_blocks", "weight"}`.
+    /// Worker `name`'s load: `{"active", "queued", "prefill_blocks", "decode_blocks",
+    /// "written_blocks", "weight"}`.
     fn load<'py>(&self, py: Python<'py>, name: Name<'_>) -> PyResult<Bound<'py, PyDict>> {
         let name = &*name;
-        let (active, prefill, decode, weight) = self.run(py, true, |r| {
+        let (active, queued, prefill, decode, written, weight) = self.run(py, true, |r| {
             let w = r.workers().named(name)?;
-            Ok::<_, crate::Error>((w.active, w.prefill_blocks, w.decode_blocks, w.weight))
+            Ok::<_, crate::Error>((
+                w.active,
+                w.queued,
+                w.prefill_blocks,
+                w.decode_blocks,
+                w.written_blocks,
+                w.weight,
+            ))
         })?;
         let d = PyDict::new(py);
         d.set_item("active", active)?;
+        d.set_item("queued", queued)?;
         d.set_item("prefill_blocks", prefill)?;
         d.set_item("decode_blocks", decode)?;
+        d.set_item("written_blocks", written)?;
         d.set_item("weight", weight)?;
         Ok(d)
     }
@@ -586,7 +599,7 @@ impl PyRouter {
 }
 
 /// A routing decision: `worker`, `cached_blocks` / `cached_tokens` (expected cached prefix on
-/// it), `prompt_blocks` / `prompt_tokens`, `scores` (per worker, the value the policy compared:
+/// it, per the index), `inflight_blocks` (events mode: the prefix requests in flight there hold), `prompt_blocks` / `prompt_tokens`, `scores` (per worker, the value the policy compared:
 /// the `kv_aware` cost, a load, …), `policy`, `reason`, `endpoint`, `id`, `stage`. Pass it to
 /// the router's `begin`, `prefilled`, `finish` and `observe`.
 #[pyclass(frozen, module = "kvroute._core", name = "Decision")]
@@ -602,10 +615,17 @@ impl PyDecision {
         &self.inner.worker
     }
 
-    /// Leading prompt blocks the worker is expected to hold.
+    /// Leading prompt blocks the worker holds, per the router's index.
     #[getter]
     fn cached_blocks(&self) -> usize {
         self.inner.cached_blocks
+    }
+
+    /// Events mode: leading prompt blocks held by the requests in flight on the worker when
+    /// routed (0 in approx mode).
+    #[getter]
+    fn inflight_blocks(&self) -> usize {
+        self.inner.inflight_blocks
     }
 
     /// `cached_blocks * block_size`.

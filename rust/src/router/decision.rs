@@ -22,6 +22,7 @@ const PREFILLED: u8 = 2;
 const FINISHED: u8 = 4;
 const OBSERVED: u8 = 8;
 const WITHDRAWN: u8 = 16;
+const IN_FLIGHT: u8 = 32;
 
 /// Where a decision is in its lifecycle.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,12 +76,18 @@ pub struct Decision {
     pub cached_blocks: usize,
     /// Leading prompt blocks the chosen worker holds per the index, uncapped.
     pub(super) matched_blocks: usize,
+    /// Events mode: leading prompt blocks held by the requests in flight on the chosen worker
+    /// when routed (begun, not finished); a worker serving its queue in order will hold
+    /// `max(cached_blocks, inflight_blocks)` when it reaches this request (capped as
+    /// `cached_blocks` is). 0 in approx mode, whose index records each prompt where it is routed.
+    pub inflight_blocks: usize,
     /// The endpoint the request was routed for.
     pub endpoint: Option<Arc<str>>,
     /// The scheduling priority to ask the engine for: the endpoint's (0 without one); higher is
     /// served first (see [`super::endpoints`]).
     pub priority: i32,
-    /// Approx mode: the prompt's block hashes (the model is updated with them).
+    /// The prompt's block hashes: the approx model records them; in events mode they are the
+    /// worker's in-flight blocks from `begin` to `finish`.
     pub(super) hashes: Vec<u64>,
     /// Worker names by slot when the decision was made (for `scores`).
     pub(super) roster: Arc<[Option<Arc<str>>]>,
@@ -98,9 +105,11 @@ impl Decision {
         self.cached_blocks.saturating_mul(self.block_size)
     }
 
-    /// Blocks the worker is expected to prefill: prompt blocks not cached.
+    /// Blocks the worker is expected to prefill: prompt blocks neither cached nor held by the
+    /// requests in flight there.
     pub fn prefill_blocks(&self) -> usize {
-        self.prompt_blocks.saturating_sub(self.cached_blocks)
+        let held = self.cached_blocks.max(self.inflight_blocks);
+        self.prompt_blocks.saturating_sub(held)
     }
 
     /// The value the policy compared for each worker it considered (see
@@ -153,6 +162,15 @@ impl Decision {
 
     pub(super) fn set_observed(&self) {
         self.state.fetch_or(OBSERVED, Ordering::AcqRel);
+    }
+
+    /// True while the decision's prompt counts among its worker's in-flight blocks.
+    pub(super) fn is_in_flight(&self) -> bool {
+        self.state.load(Ordering::Acquire) & IN_FLIGHT != 0
+    }
+
+    pub(super) fn set_in_flight(&self) {
+        self.state.fetch_or(IN_FLIGHT, Ordering::AcqRel);
     }
 }
 

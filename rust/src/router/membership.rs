@@ -57,6 +57,9 @@ impl Router {
                 let _ = index.write().remove_worker(name);
             }
         }
+        if let Some(inflight) = self.inflight.as_mut() {
+            inflight.remove_worker(name);
+        }
         self.roster_stale = true;
         let resort = uniform != self.workers.uniform();
         self.update_pools(|workers, ep| {
@@ -70,6 +73,7 @@ impl Router {
                 ep.renumber(&renumber);
             }
             self.id_cache.clear();
+            self.inflight_ids.clear();
         }
         Ok(())
     }

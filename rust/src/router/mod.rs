@@ -39,6 +39,11 @@
 //!   weight of the best tier holding it, as far as some tier holds the whole prefix.
 //! - **Load accounting** ([`workers`]): `begin` adds a decision's request to its worker's
 //!   counters, `prefilled` takes its prefill blocks off the queue, `finish` takes the rest off.
+//!   In events mode `begin` also records the prompt among the worker's in-flight blocks and
+//!   `finish` releases it ([`inflight`]), so a request routed while an earlier one with the same
+//!   prefix is still queued or prefilling there is credited with that prefix (the engine
+//!   announces blocks only once computed): a decision's `inflight_blocks`, beside its
+//!   `cached_blocks` (the index's), and its prefill blocks are what is left after both.
 //!   Beginning twice, finishing twice or before beginning, or passing another router's decision
 //!   is an error that changes nothing. Counters are exact: every change happens under the
 //!   router's lock (`&mut self`).
@@ -69,6 +74,7 @@
 mod approx;
 mod decision;
 mod endpoints;
+mod inflight;
 mod membership;
 mod policy;
 mod route;
@@ -94,6 +100,7 @@ pub use policy::{CostWeights, Policy, Reason, SplitMix64};
 pub use workers::{Freshness, Worker, WorkerTable};
 
 use approx::Model;
+use inflight::InFlight;
 use workers::check_finite;
 
 /// Where the router's index comes from.
@@ -215,6 +222,8 @@ pub struct Router {
     index: SharedPrefixIndex,
     tiers: Option<TierRegistry>,
     model: Option<Model>,
+    /// Events mode: the prompt blocks of the requests begun and not finished, per worker.
+    inflight: Option<InFlight>,
     rng: SplitMix64,
     bound: BoundedLoad,
     /// Worker names by slot, shared with decisions (for their scores); rebuilt at the next
@@ -224,6 +233,8 @@ pub struct Router {
     decisions: u64,
     /// Index worker id → (the index's name for it, our slot), validated by pointer.
     id_cache: Vec<Option<(Arc<str>, u32)>>,
+    /// The same for the in-flight index.
+    inflight_ids: Vec<Option<(Arc<str>, u32)>>,
     scratch: Scratch,
 }
 
@@ -231,6 +242,8 @@ pub struct Router {
 struct Scratch {
     matches: Vec<(WorkerId, u32)>,
     overlap: Vec<u32>,
+    /// Events mode: each slot's in-flight prefix of the prompt.
+    inflight: Vec<u32>,
     credit: Vec<f64>,
     candidates: Vec<u32>,
     /// Workers whose reservations dropped in a pool update.
@@ -283,6 +296,10 @@ impl Router {
             }
             IndexMode::Events => None,
         };
+        let inflight = match config.mode {
+            IndexMode::Approx => None, // the model records each prompt where it is routed
+            IndexMode::Events => Some(InFlight::new()?),
+        };
         let mut router = Router {
             id: NEXT_ROUTER.fetch_add(1, Ordering::Relaxed),
             rng: SplitMix64(config.seed),
@@ -293,11 +310,13 @@ impl Router {
             index: Arc::new(RwLock::new(PrefixIndex::new(None)?)),
             tiers: None,
             model,
+            inflight,
             bound,
             roster: Arc::from(Vec::new()),
             roster_stale: false,
             decisions: 0,
             id_cache: Vec::new(),
+            inflight_ids: Vec::new(),
             scratch: Scratch::default(),
         };
         let workers = workers.into_iter();
@@ -377,12 +396,28 @@ impl Router {
             Stage::Withdrawn => return value_err!("decision {} was withdrawn", d.id),
             _ => return value_err!("decision {} was already begun", d.id),
         }
-        let Some(w) = self.worker_of(d) else {
+        let Some(slot) = self
+            .workers
+            .slot_of_uid(&d.worker, d.worker_uid, d.slot_hint)
+        else {
+            return key_err!("worker {:?} of decision {} was removed", d.worker, d.id);
+        };
+        let Some(w) = self.workers.get_mut(slot) else {
             return key_err!("worker {:?} of decision {} was removed", d.worker, d.id);
         };
         w.active += 1;
+        w.queued += 1;
         w.prefill_blocks += d.prefill_blocks() as u64;
         w.decode_blocks += d.prompt_blocks as u64;
+        w.written_blocks += d.prefill_blocks() as u64;
+        if let Some(inflight) = self.inflight.as_mut() {
+            // A chain that contradicts the in-flight blocks (given block hashes reusing a hash
+            // under another parent) is simply not tracked: the request then gives no in-flight
+            // credit to later ones, and `finish` releases nothing for it.
+            if inflight.add(&w.name, d.id, &d.hashes).is_ok() {
+                d.set_in_flight();
+            }
+        }
         d.set_begun();
         Ok(())
     }
@@ -398,6 +433,7 @@ impl Router {
         }
         if let Some(w) = self.worker_of(d) {
             w.prefill_blocks = w.prefill_blocks.saturating_sub(d.prefill_blocks() as u64);
+            w.queued = w.queued.saturating_sub(1);
         }
         d.set_prefilled();
         Ok(())
@@ -414,10 +450,10 @@ impl Router {
             Stage::Finished => return value_err!("decision {} was already finished", d.id),
             Stage::Withdrawn => return value_err!("decision {} was withdrawn", d.id),
         }
-        let prefill = if d.is_prefilled() {
-            0
+        let (prefill, queued) = if d.is_prefilled() {
+            (0, 0)
         } else {
-            d.prefill_blocks() as u64
+            (d.prefill_blocks() as u64, 1)
         };
         d.set_finished();
         let index = self.index.clone();
@@ -432,8 +468,13 @@ impl Router {
             return Ok(());
         };
         w.active = w.active.saturating_sub(1);
+        w.queued = w.queued.saturating_sub(queued);
         w.prefill_blocks = w.prefill_blocks.saturating_sub(prefill);
         w.decode_blocks = w.decode_blocks.saturating_sub(d.prompt_blocks as u64);
+        w.written_blocks = w.written_blocks.saturating_sub(d.prefill_blocks() as u64);
+        if let (Some(inflight), true) = (self.inflight.as_mut(), d.is_in_flight()) {
+            inflight.release(&w.name, d.id);
+        }
         if let Some(model) = self.model.as_mut() {
             // Harmless when it fails: the chain was valid at route time and fails only if given
             // block hashes were since stored under another parent; the model then simply does

@@ -20,17 +20,31 @@
 //! - `hash`: the candidates in the rendezvous order of the request's hash key, walked with
 //!   bounded loads ([`crate::hashing::BoundedLoad`]: the first whose active requests are under
 //!   `ceil(c · (T + 1) · w / Σw)`). Scores: the active requests of the workers probed.
-//! - `kv_aware`: the minimum of one continuous cost per candidate ([`kv_cost`]), in blocks (the
-//!   time to prefill one block on a weight-1 worker):
+//! - `kv_aware`: the minimum of one continuous cost per candidate ([`kv_cost`]): the seconds of
+//!   waiting and prefilling the choice costs, this request's and the fleet's, counted in blocks
+//!   (the time to prefill one block on a weight-1 worker):
 //!
-//!   `cost = (prompt_blocks − credit) + (queue_weight · prefill_blocks + decode_weight ·
-//!   decode_blocks) / weight`
+//!   `cost = (queue_weight · prefill_blocks + (1 + delayed) · left + decode_weight ·
+//!   written_blocks) / weight`,  `left = prompt_blocks − credit`,
+//!   `delayed = 1 + min over the candidates of queued`
 //!
-//!   where `credit` is the worker's cached overlap scaled by its index freshness (and, in events
-//!   mode, with blocks found only in a slower tier counted at that tier's weight),
-//!   `prefill_blocks` the prefill work queued there, `decode_blocks` the prompt blocks its running
-//!   requests hold. No threshold switches between "affinity" and "balance": a long cached prefix
-//!   wins until the queue in front of it costs more than recomputing the prefix elsewhere.
+//!   `credit` is what the worker will hold of the prompt when it reaches the request: its cached
+//!   overlap (scaled by its index freshness; in events mode blocks found only in a slower tier
+//!   count at that tier's weight) or, if longer, the prefix held by the requests already begun
+//!   there and not finished (in events mode from the router's own in-flight record: the engine
+//!   announces blocks only once they are computed, and a worker serves its queue in order).
+//!   `prefill_blocks` is the work queued there, each request counted at what it has left to
+//!   prefill after those hits; `queued` counts those requests. The request waits for the queue
+//!   and its own `left` blocks (its time to first token), and each of its `left` blocks is paid
+//!   again by the requests that will wait behind it: at least one (the next request there, or
+//!   the one that finds a block it needed evicted to make room), plus, when every candidate is
+//!   busy, as many as wait at the least busy one — the fleet has no idle capacity then, so the
+//!   work a choice adds delays that many others. Where some worker is idle, the cost is close to
+//!   the request's own time to first token; as the fleet saturates, recomputing a prefix that is
+//!   cached elsewhere grows dearer than waiting for it. `written_blocks`, the blocks the
+//!   worker's active requests add to its cache, each evict a cached block and hold memory while
+//!   they run; the term mostly orders workers whose queues are equal. No threshold switches
+//!   between affinity and balance.
 //!
 //! Ties (costs within 1e-9 relative, equal loads) go to the tied candidate ranked first by
 //! rendezvous hashing of the request's prefix (its first block hash), so repeated requests with
@@ -58,7 +72,7 @@ pub enum Policy {
     PowerOfTwo,
     /// Consistent hashing of the request key with bounded loads.
     Hash,
-    /// Minimum of the continuous prefill + queue + decode cost.
+    /// Minimum of the continuous cost of waiting and prefilling (see the module docs).
     KvAware,
 }
 
@@ -152,29 +166,28 @@ impl Reason {
 /// The weights of the `kv_aware` cost's load terms, in blocks of prefill per unit of load.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CostWeights {
-    /// Per block queued for prefill on the worker (default 0.5). Each queued block delays a new
-    /// request by one block's prefill on a FIFO worker, so 1 would make the cost this request's
-    /// own expected time to first token; but the queue is counted in *predicted* prefill
-    /// blocks, which overstate the work when queued requests share a prefix (the later ones hit
-    /// the earlier ones' blocks at admission), and a request sent to its prefix also keeps that
-    /// prefix cached where the next request of the same conversation will look for it. Half a
-    /// block per queued block weighs both: in `kvroute simulate` (Mooncake conversation trace
-    /// on 8/16/32 workers, at 1x and 2x load, half capacity; RAG, agent and endpoint scenarios;
-    /// both index modes) it lowered the mean TTFT by 1.6% (geometric mean over the
-    /// configurations; worst case +0.4%) and raised the hit rate in every one, from
-    /// 0.77-0.99x to 0.86-1.00x the pooled-LRU oracle's; the TTFT p99 moved by -10% to +1.5%.
+    /// Per block queued for prefill on the worker (default 1: on a worker that serves its queue
+    /// in order, each block queued ahead delays the request by one block's prefill; the queue is
+    /// counted at what each request has left after its cache hits, in-flight prefixes included).
     pub queue: f64,
-    /// Per prompt block held by a running request (default 0.05: decode steps share the GPU
-    /// with prefill, but a chunked-prefill step spends about one token of its budget per
-    /// running sequence, so a held block costs a small fraction of prefilling one; the term
-    /// mostly spreads requests that have no cached prefix anywhere).
+    /// Per block the worker's active requests add to its cache (their prompt blocks not held
+    /// there when routed; default 0.05). Each such block evicts a cached block of some other
+    /// prefix, and while its request runs it is KV memory that admits no other prompt; both cost
+    /// a fraction of a block's prefill. Counting the blocks a request *adds*, not those it
+    /// holds, keeps a conversation's many turns over one shared prefix from counting that prefix
+    /// once per turn. The term orders workers whose queues are equal: it spreads cache churn
+    /// evenly, which keeps every worker's LRU as long-lived as the others'. In the README's
+    /// sweeps (Mooncake, Claude Code sessions on 4 and 8 workers, RAG, agent; 31 points) 0.02 and
+    /// 0.05 meet the goal at every point; 0.2 misses one (Mooncake at 114% offered load: hit
+    /// 0.84x the best peer's); without the term the Mooncake hit rate at light load falls from
+    /// 23.6% to 21.8% (0.89x the best peer's): requests without a prefix pile where churn is.
     pub decode: f64,
 }
 
 impl Default for CostWeights {
     fn default() -> Self {
         CostWeights {
-            queue: 0.5,
+            queue: 1.0,
             decode: 0.05,
         }
     }
@@ -277,11 +290,33 @@ impl Pick {
     }
 }
 
-/// The `kv_aware` cost of `w` for a prompt of `prompt_blocks` blocks of which `credit` count as
-/// cached there (see the module docs): blocks still to prefill plus the queued work, in blocks.
-pub(super) fn kv_cost(w: &Worker, prompt_blocks: usize, credit: f64, weights: CostWeights) -> f64 {
-    let queued = weights.queue * w.prefill_blocks as f64 + weights.decode * w.decode_blocks as f64;
-    (prompt_blocks as f64 - credit) + queued / w.weight
+/// The `kv_aware` cost of `w` for a prompt of `prompt_blocks` blocks of which `credit` will be
+/// cached there, when each block it prefills delays `delayed` other requests (see the module
+/// docs): the queue ahead, the request's own prefill and the prefill it imposes on others, and
+/// the memory held by running requests — in blocks of prefill on a weight-1 worker.
+pub(super) fn kv_cost(
+    w: &Worker,
+    prompt_blocks: usize,
+    credit: f64,
+    delayed: f64,
+    weights: CostWeights,
+) -> f64 {
+    let left = (prompt_blocks as f64 - credit).max(0.0);
+    let work = weights.queue * w.prefill_blocks as f64
+        + (1.0 + delayed) * left
+        + weights.decode * w.written_blocks as f64;
+    work / w.weight
+}
+
+/// How many requests each prefilled block delays besides its own (see the module docs): one, plus
+/// the requests queued at the least busy candidate.
+pub(super) fn delayed_requests(workers: &WorkerTable, candidates: &[u32]) -> f64 {
+    let least = candidates
+        .iter()
+        .filter_map(|&s| workers.get(s).map(|w| w.queued))
+        .min()
+        .unwrap_or(0);
+    1.0 + least as f64
 }
 
 /// Picks a candidate by `policy` (see the module docs); changes nothing. Fails only without a
@@ -373,15 +408,15 @@ pub(super) fn pick(
         }
         Policy::Hash => pick_hash(view, req, buf),
         Policy::KvAware => {
+            let delayed = delayed_requests(workers, req.candidates);
             let scores: Vec<(u32, f64)> = req
                 .candidates
                 .iter()
                 .filter_map(|&s| {
+                    let w = workers.get(s)?;
                     let credit = req.credit.get(s as usize).copied().unwrap_or(0.0);
-                    Some((
-                        s,
-                        kv_cost(workers.get(s)?, req.prompt_blocks, credit, view.weights),
-                    ))
+                    let cost = kv_cost(w, req.prompt_blocks, credit, delayed, view.weights);
+                    Some((s, cost))
                 })
                 .collect();
             let chosen = argmin(&scores, workers, req.tie_key)?;

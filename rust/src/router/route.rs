@@ -113,18 +113,17 @@ impl Router {
         };
         let prompt_blocks = req.hashes.len();
         let mut mark = None;
-        let hashes = match self.model.as_mut() {
-            Some(model) => {
-                Model::validate(worker, &mut index, &req.hashes)?;
-                // 5. Commit: nothing fails from here on. The modelled cache of the chosen
-                //    worker now holds the prompt (the decision keeps it for finish / observe) …
-                let partition = reserved_partition(&self.endpoints, endpoint.as_ref());
-                model.commit(worker, &mut index, &req.hashes, partition, req.now);
-                mark = worker.cache.as_ref().map(|c| c.touch_mark());
-                req.hashes
-            }
-            None => Vec::new(),
-        };
+        if let Some(model) = self.model.as_mut() {
+            Model::validate(worker, &mut index, &req.hashes)?;
+            // 5. Commit: nothing fails from here on. The modelled cache of the chosen worker
+            //    now holds the prompt …
+            let partition = reserved_partition(&self.endpoints, endpoint.as_ref());
+            model.commit(worker, &mut index, &req.hashes, partition, req.now);
+            mark = worker.cache.as_ref().map(|c| c.touch_mark());
+        }
+        // … the decision keeps the prompt (approx: for finish / observe / withdraw; events: its
+        // in-flight blocks from begin to finish) …
+        let hashes = req.hashes;
         let (name, uid) = (worker.name.clone(), worker.uid);
         // … the policy's state change applies, and the decision is counted.
         policy::commit(
@@ -142,6 +141,15 @@ impl Router {
         self.decisions += 1;
         let matched_blocks = self.scratch.overlap.get(pick.slot as usize).copied();
         let matched_blocks = matched_blocks.unwrap_or(0) as usize;
+        let inflight_blocks = self.scratch.inflight.get(pick.slot as usize).copied();
+        let engine_hit = |held: usize| {
+            engine_hit_blocks(
+                self.config.profile,
+                prompt_tokens,
+                self.config.block_size,
+                held,
+            )
+        };
         Ok(Decision {
             id: self.decisions,
             router: self.id,
@@ -153,13 +161,9 @@ impl Router {
             block_size: self.config.block_size,
             prompt_tokens,
             prompt_blocks,
-            cached_blocks: engine_hit_blocks(
-                self.config.profile,
-                prompt_tokens,
-                self.config.block_size,
-                matched_blocks,
-            ),
+            cached_blocks: engine_hit(matched_blocks),
             matched_blocks,
+            inflight_blocks: engine_hit(inflight_blocks.unwrap_or(0) as usize),
             endpoint,
             priority,
             hashes,
@@ -234,12 +238,16 @@ impl Router {
     }
 
     /// Step 2: `scratch.overlap` (leading blocks of `hashes` each worker holds, by slot) and
-    /// `scratch.credit` (freshness × the overlap, or the tiered sum in events mode).
+    /// `scratch.credit` (freshness × the overlap, or the tiered sum in events mode); in events
+    /// mode `scratch.inflight` (the prefix held by each worker's in-flight requests, which it
+    /// will have computed when it reaches this one) and the credit raised to it.
     fn credit(&mut self, index: &PrefixIndex, hashes: &[u64], now: f64) {
         let scratch = &mut self.scratch;
         let n = self.workers.slot_count();
         scratch.overlap.clear();
         scratch.overlap.resize(n, 0);
+        scratch.inflight.clear();
+        scratch.inflight.resize(n, 0);
         index.match_into(hashes, &mut scratch.matches);
         for &(id, blocks) in &scratch.matches {
             if let Some(slot) = slot_of_index_worker(&mut self.id_cache, &self.workers, index, id) {
@@ -267,6 +275,23 @@ impl Router {
                 if let Some(credit) = scratch.credit.get_mut(slot as usize) {
                     *credit *= w.freshness_at(now, half_life);
                 }
+            }
+        }
+        let Some(inflight) = &self.inflight else {
+            return;
+        };
+        let index = inflight.index();
+        index.match_into(hashes, &mut scratch.matches);
+        for &(id, blocks) in &scratch.matches {
+            let Some(slot) = slot_of_index_worker(&mut self.inflight_ids, &self.workers, index, id)
+            else {
+                continue;
+            };
+            if let Some(o) = scratch.inflight.get_mut(slot as usize) {
+                *o = blocks;
+            }
+            if let Some(c) = scratch.credit.get_mut(slot as usize) {
+                *c = c.max(f64::from(blocks));
             }
         }
     }

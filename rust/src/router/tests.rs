@@ -357,3 +357,118 @@ mod engine_hit {
         r.check_model().unwrap();
     }
 }
+
+#[test]
+fn a_follow_up_is_credited_with_the_prefix_still_in_flight() {
+    // Events mode: the engine has announced nothing yet, but the first turn is begun on its
+    // worker, so the second turn (same prefix + more) goes there and counts the prefix as hit.
+    let config = Config {
+        block_size: 4,
+        mode: IndexMode::Events,
+        ..Config::default()
+    };
+    let mut r = Router::new(["a", "b", "c"].map(|n| (n, 1.0)), config).unwrap();
+    let turn1 = tokens(7, 40);
+    let mut turn2 = turn1.clone();
+    turn2.extend(tokens(8, 8));
+    let first = r.route_tokens(&turn1, None, None, 0.0).unwrap();
+    assert_eq!(first.cached_blocks, 0);
+    r.begin(&first).unwrap();
+    let w = r.workers().named(&first.worker).unwrap();
+    assert_eq!((w.queued, w.prefill_blocks), (1, 10));
+    let second = r.route_tokens(&turn2, None, None, 0.1).unwrap();
+    assert_eq!(second.worker, first.worker);
+    assert_eq!(second.cached_blocks, 0); // no event yet: the index holds nothing
+    assert_eq!((second.inflight_blocks, second.prefill_blocks()), (10, 2));
+    assert_eq!(second.reason, Reason::Prefix);
+    r.begin(&second).unwrap();
+    let w = r.workers().named(&first.worker).unwrap();
+    assert_eq!((w.queued, w.prefill_blocks, w.decode_blocks), (2, 12, 22));
+    assert_eq!(w.written_blocks, 10 + 2); // the follow-up adds 2 blocks, its prefix is shared
+                                          // Once both finish, nothing is in flight and every counter is back to zero.
+    r.prefilled(&first).unwrap();
+    r.finish(&first, 1.0).unwrap();
+    r.finish(&second, 1.0).unwrap();
+    let w = r.workers().named(&first.worker).unwrap();
+    assert_eq!(
+        (w.active, w.queued, w.prefill_blocks, w.decode_blocks),
+        (0, 0, 0, 0)
+    );
+    assert!(r.inflight.as_ref().unwrap().index().is_empty());
+    let again = r.route_tokens(&turn2, None, None, 2.0).unwrap();
+    assert_eq!((again.cached_blocks, again.inflight_blocks), (0, 0)); // no event, none in flight
+}
+
+mod inflight {
+    use super::super::inflight::*;
+
+    fn overlap(f: &InFlight, query: &[u64], worker: &str) -> u32 {
+        let mut out = Vec::new();
+        f.index().match_into(query, &mut out);
+        let id = f.index().worker_id(worker);
+        out.iter()
+            .find(|(w, _)| Some(*w) == id)
+            .map_or(0, |&(_, n)| n)
+    }
+
+    #[test]
+    fn shared_prefixes_stay_until_their_last_request_finishes() {
+        let mut f = InFlight::new().unwrap();
+        f.add("a", 1, &[1, 2, 3]).unwrap();
+        f.add("a", 2, &[1, 2, 3, 4, 5]).unwrap();
+        f.add("a", 3, &[1, 2, 9]).unwrap();
+        assert_eq!(f.blocks("a"), 6);
+        assert_eq!(overlap(&f, &[1, 2, 3, 4, 5, 6], "a"), 5);
+        f.release("a", 2);
+        assert_eq!(f.blocks("a"), 4);
+        assert_eq!(overlap(&f, &[1, 2, 3, 4, 5, 6], "a"), 3);
+        f.release("a", 1);
+        assert_eq!(overlap(&f, &[1, 2, 3], "a"), 2);
+        f.release("a", 1); // released already: nothing happens
+        assert_eq!(f.blocks("a"), 3);
+        f.release("a", 3);
+        assert_eq!(f.blocks("a"), 0);
+        assert!(f.index().is_empty());
+        f.index().check_invariants().unwrap();
+    }
+
+    #[test]
+    fn the_same_prompt_twice_is_held_until_both_finish() {
+        let mut f = InFlight::new().unwrap();
+        f.add("a", 1, &[1, 2]).unwrap();
+        f.add("a", 2, &[1, 2]).unwrap();
+        assert!(f.add("a", 2, &[1, 2]).is_err()); // a key in flight already
+        f.release("a", 1);
+        assert_eq!(overlap(&f, &[1, 2], "a"), 2);
+        f.release("a", 2);
+        assert_eq!(f.blocks("a"), 0);
+    }
+
+    #[test]
+    fn workers_are_separate_and_removable() {
+        let mut f = InFlight::new().unwrap();
+        f.add("a", 1, &[1, 2]).unwrap();
+        f.add("b", 2, &[1, 2, 3]).unwrap();
+        assert_eq!(overlap(&f, &[1, 2, 3], "a"), 2);
+        assert_eq!(overlap(&f, &[1, 2, 3], "b"), 3);
+        f.remove_worker("b");
+        assert_eq!(overlap(&f, &[1, 2, 3], "b"), 0);
+        f.release("b", 2); // a removed worker's release is a no-op
+        f.add("b", 3, &[7]).unwrap();
+        assert_eq!(f.blocks("b"), 1);
+        assert_eq!(f.blocks("a"), 2);
+    }
+
+    #[test]
+    fn a_contradicting_chain_changes_nothing() {
+        let mut f = InFlight::new().unwrap();
+        f.add("a", 1, &[1, 2, 3]).unwrap();
+        // Block 3 again, but after 5 instead of 2: not a chain of the same prefix tree.
+        assert!(f.add("a", 2, &[1, 5, 3]).is_err());
+        assert_eq!(f.blocks("a"), 3);
+        f.release("a", 2); // never added: nothing to release
+        assert_eq!(overlap(&f, &[1, 2, 3], "a"), 3);
+        f.release("a", 1);
+        assert_eq!(f.blocks("a"), 0);
+    }
+}

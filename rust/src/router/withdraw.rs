@@ -2,8 +2,9 @@
 //! routing, or sent elsewhere by the caller).
 //!
 //! Guarantees:
-//! - **Load.** A begun decision's load (`active`, its prefill and decode blocks) comes off its
-//!   worker exactly as `begin` added it; a routed one holds none.
+//! - **Load.** A begun decision's load (`active`, `queued`, its prefill, decode and written
+//!   blocks) comes off its worker exactly as `begin` added it, and (events mode) its prompt leaves
+//!   the worker's in-flight blocks; a routed one holds none.
 //! - **Approx model, exact.** The route recorded the prompt on the worker: the blocks it matched
 //!   were refreshed and the rest were new. Withdrawing drops every new
 //!   block that nothing touched since (no later route, `finish` or `observe` recorded it), with
@@ -60,8 +61,13 @@ impl Router {
         };
         if active {
             w.active = w.active.saturating_sub(1);
+            w.queued = w.queued.saturating_sub(1);
             w.prefill_blocks = w.prefill_blocks.saturating_sub(d.prefill_blocks() as u64);
             w.decode_blocks = w.decode_blocks.saturating_sub(d.prompt_blocks as u64);
+            w.written_blocks = w.written_blocks.saturating_sub(d.prefill_blocks() as u64);
+            if let (Some(inflight), true) = (self.inflight.as_mut(), d.is_in_flight()) {
+                inflight.release(&w.name, d.id);
+            }
         }
         let (Some(model), Some(mark), Some(cache)) = (self.model.as_mut(), d.mark, &w.cache) else {
             return Ok(true);

@@ -10,8 +10,11 @@
 //! - Load counters are exact sums over the decisions begun on the worker and not yet finished:
 //!   `active` requests, `prefill_blocks` (blocks those requests still have to prefill: prompt
 //!   blocks minus the blocks predicted cached, until [`super::Router::prefilled`] or `finish`),
-//!   and `decode_blocks` (the prompt blocks they hold while they run: the KV memory their decode
-//!   steps read). A removed worker's counters leave with it.
+//!   `queued` (those requests whose prefill is not done: begun, neither `prefilled` nor
+//!   finished), `decode_blocks` (the prompt blocks they hold while they run: the KV memory their
+//!   decode steps read) and `written_blocks` (the blocks they add to the worker's cache: their
+//!   prompt blocks not held there when routed, prefilled or still to be). A removed worker's
+//!   counters leave with it.
 //! - **Rendezvous.** Each worker's rendezvous seed is `XXH3-64(name)`; the table knows whether
 //!   every worker has the same weight, so its scores ([`WorkerTable::rendezvous`]) rank exactly
 //!   as a [`crate::hashing::Rendezvous`] over the same workers does, ties to the name sorting
@@ -59,8 +62,13 @@ pub struct Worker {
     pub active: u64,
     /// Blocks the active requests still have to prefill.
     pub prefill_blocks: u64,
+    /// Active requests whose prefill is not done (queued or prefilling).
+    pub queued: u64,
     /// Prompt blocks held by the active requests.
     pub decode_blocks: u64,
+    /// Blocks the active requests add to the worker's cache (prompt blocks not held there when
+    /// they were routed).
+    pub written_blocks: u64,
     /// Index freshness (see the module docs).
     pub freshness: Freshness,
     /// Smooth weighted round robin: the worker's current weight.
@@ -223,7 +231,9 @@ impl WorkerTable {
             seed: Rendezvous::node_seed(&name),
             active: 0,
             prefill_blocks: 0,
+            queued: 0,
             decode_blocks: 0,
+            written_blocks: 0,
             freshness: Freshness::Fresh,
             rr_current: 0.0,
             cache: None,
