@@ -7,7 +7,8 @@ timed call is the whole decision — hashing the tokens, one index walk, scoring
 picking — in events mode (the index is read only) and in approx mode (the prompt is also
 recorded on the chosen worker's modelled cache). Dynamo's timed call only hashes the same tokens
 (`compute_block_hash_for_seq(tokens, 16)`), the first step of its own routing. Also: route with
-`block_hashes` given, and the begin + finish pair.
+`block_hashes` given, and the begin + finish pair (of a 4-block decision, and of a 2,048-block one
+in events mode, where begin records the prompt among the worker's in-flight blocks).
 
 p50/p99 of single decisions are printed from perf_counter_ns timings (besides pytest-benchmark's
 table): run pinned, e.g. `taskset -c 1 .venv/bin/python -m pytest benches/bench_router.py -s`.
@@ -124,29 +125,47 @@ def test_route_block_hashes(benchmark, events_router, prompt):
     _report("kvroute route(block_hashes)", lambda: events_router.route(block_hashes=hashes))
 
 
-def test_begin_finish(benchmark, events_router):
-    small = np.arange(1, 5, dtype=np.uint64)
+def _begin_finish(benchmark, router, hashes, group: str, rounds: int) -> float:
+    """Times begin + finish of decisions for ``hashes`` (routed untimed); returns the p50 in us."""
     pending = []
 
     def one() -> None:
-        pending.append(events_router.route(block_hashes=small, now=1.0))
+        pending.append(router.route(block_hashes=hashes, now=1.0))
 
     def pair() -> None:
         x = pending.pop()
-        events_router.begin(x)
-        events_router.finish(x, now=1.0)
+        router.begin(x)
+        router.finish(x, now=1.0)
 
-    benchmark.group = "begin + finish of one decision (64 workers)"
+    benchmark.group = group
     benchmark.extra_info.update(impl="kvroute", ops=1)
-    benchmark.pedantic(pair, setup=one, rounds=2000, iterations=1)
+    benchmark.pedantic(pair, setup=one, rounds=rounds, iterations=1)
     times = []
-    for _ in range(2000):
+    for _ in range(rounds):
         one()
         t0 = time.perf_counter_ns()
         pair()
         times.append(time.perf_counter_ns() - t0)
     times.sort()
-    print(
-        f"\nkvroute begin+finish: p50 {times[1000] / 1e3:,.2f} us, p99 {times[1980] / 1e3:,.2f} us"
+    p50, p99 = times[rounds // 2] / 1e3, times[rounds * 99 // 100] / 1e3
+    print(f"\nkvroute {group}: p50 {p50:,.2f} us, p99 {p99:,.2f} us")
+    assert not pending and all(router.load(w)["active"] == 0 for w in WORKERS)
+    return p50
+
+
+def test_begin_finish(benchmark, events_router):
+    small = np.arange(1, 5, dtype=np.uint64)
+    _begin_finish(
+        benchmark, events_router, small, "begin + finish of one decision (64 workers)", 2000
     )
-    assert all(events_router.load(w)["active"] == 0 for w in WORKERS)
+
+
+def test_begin_finish_long_prompt(benchmark, prompt):
+    # A 2,048-block prompt's whole lifecycle after routing: in events mode begin records its
+    # blocks in flight on the worker (and finish releases them), so a later request with the
+    # same prefix is credited before the engine's events arrive.
+    r = kvroute.Router(WORKERS, index="events", block_size=BLOCK)
+    hashes = kvroute.BlockHasher(BLOCK).hash(prompt)
+    group = "begin + finish of one 2,048-block decision (64 workers, events)"
+    _begin_finish(benchmark, r, hashes, group, 300)
+    assert len(r.index) == 0  # events mode: only the engines' events store blocks there
