@@ -423,13 +423,9 @@ class Progress:
 # ---------------------------------------------------------------------------------------------
 # Plot
 # ---------------------------------------------------------------------------------------------
-def write_plot(report: Report, path: str | os.PathLike[str]) -> None:
-    """Write a PNG with hit rate (oracles as dashed lines) and TTFT p50/p99 per policy, and
-    with a tenant study a second row: the tenant's TTFT figures per setup (median, min–max
-    whiskers over the seeds) and its hit rate per setup or, when swept, against cache pressure.
-
-    Raises ``ImportError`` naming the ``sim`` extra when matplotlib is not installed.
-    """
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend; ``ImportError`` naming the ``sim``
+    extra when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -439,6 +435,17 @@ def write_plot(report: Report, path: str | os.PathLike[str]) -> None:
         raise ImportError(
             "--plot needs matplotlib: pip install 'kvroute[sim]' (or matplotlib)"
         ) from e
+    return plt
+
+
+def write_plot(report: Report, path: str | os.PathLike[str]) -> None:
+    """Write a PNG with hit rate (oracles as dashed lines) and TTFT p50/p99 per policy, and
+    with a tenant study a second row: the tenant's TTFT figures per setup (median, min–max
+    whiskers over the seeds) and its hit rate per setup or, when swept, against cache pressure.
+
+    Raises ``ImportError`` naming the ``sim`` extra when matplotlib is not installed.
+    """
+    plt = pyplot()
     names = list(report.policies)
     x = np.arange(len(names))
     rows = 1 if report.tenant is None else 2

@@ -37,7 +37,7 @@ import numpy as np
 
 from .engine import FleetModel
 from .policies import DEFAULT_POLICIES, PEER_POLICIES
-from .report import Report, _fmt_s
+from .report import Report, _fmt_s, pyplot
 from .simulate import simulate
 from .workloads import Workload
 
@@ -334,15 +334,7 @@ def _nan_to_none(x: Any) -> Any:
 def write_sweep_plot(s: Sweep, path: str | os.PathLike[str]) -> None:
     """A PNG with three panels against offered load (log scale): hit rate (the pooled-LRU oracle
     dashed), TTFT p50 and TTFT p99 (log scale). Needs matplotlib (the ``sim`` extra)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise ImportError(
-            "--plot needs matplotlib: pip install 'kvroute[sim]' (or matplotlib)"
-        ) from e
+    plt = pyplot()
     x = np.array([pt.offered_load for pt in s.points])
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for name in s.policies:
