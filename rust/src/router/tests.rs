@@ -384,8 +384,9 @@ fn a_follow_up_is_credited_with_the_prefix_still_in_flight() {
     r.begin(&second).unwrap();
     let w = r.workers().named(&first.worker).unwrap();
     assert_eq!((w.queued, w.prefill_blocks, w.decode_blocks), (2, 12, 22));
-    assert_eq!(w.written_blocks, 10 + 2); // the follow-up adds 2 blocks, its prefix is shared
-                                          // Once both finish, nothing is in flight and every counter is back to zero.
+    // The follow-up adds 2 blocks to the cache; its prefix is shared.
+    assert_eq!(w.written_blocks, 10 + 2);
+    // Once both finish, nothing is in flight and every counter is back to zero.
     r.prefilled(&first).unwrap();
     r.finish(&first, 1.0).unwrap();
     r.finish(&second, 1.0).unwrap();
