@@ -68,3 +68,30 @@ def test_shares_follow_weights():
     counts = Counter(r.get_many(list(range(n))))
     for node, w in weights.items():
         assert abs(counts[node] / n - w / 8) < 0.01, counts
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.dictionaries(node_names, st.sampled_from([0.5, 1.0, 3.0]), min_size=1, max_size=8),
+    st.lists(st.tuples(node_names, st.sampled_from([None, 1.0, 3.0])), max_size=20),
+    st.lists(st.text(max_size=8), min_size=1, max_size=20),
+)
+def test_add_and_remove_in_place_match_the_model(initial, ops, keys):
+    """add/remove change the set in place; answers stay those of the documented model (and of a
+    Rendezvous built from scratch), whether the weights are uniform before, after or never."""
+    r = kvroute.Rendezvous(initial)
+    weights = dict(initial)
+    for name, weight in ops:
+        if weight is None:
+            if name in weights and len(weights) > 1:
+                r.remove(name)
+                del weights[name]
+        elif name not in weights:
+            r.add(name, weight)
+            weights[name] = weight
+    assert sorted(r.nodes) == sorted(weights)
+    fresh = kvroute.Rendezvous(weights)
+    for key in keys:
+        order = model_order(weights, key)
+        assert r.preference(key, len(weights)) == order == fresh.preference(key, len(weights))
+    assert r.get_many(keys) == [model_order(weights, k)[0] for k in keys]

@@ -13,6 +13,8 @@
 //!   without logarithms).
 //! - Ties (probability ~2^-53) go to the node whose name sorts first. `preference(key, n)` is the
 //!   descending score order.
+//! - `add` and `remove` change the node set in place: O(1), plus an O(n) scan of the weights when
+//!   removing from a non-uniform set (no rebuild, no sort).
 
 use std::cmp::Ordering;
 
@@ -26,7 +28,6 @@ use crate::error::Result;
 pub struct Rendezvous {
     nodes: NodeSet,
     seeds: Vec<u64>,
-    ranks: Vec<u32>,
     pub(super) uniform: bool,
 }
 
@@ -76,12 +77,10 @@ impl Rendezvous {
 
     fn build(nodes: NodeSet) -> Self {
         let seeds = nodes.names().iter().map(|n| Self::node_seed(n)).collect();
-        let ranks = nodes.name_ranks();
-        let uniform = nodes.weights().windows(2).all(|w| w[0] == w[1]);
+        let uniform = all_equal(nodes.weights());
         Self {
             nodes,
             seeds,
-            ranks,
             uniform,
         }
     }
@@ -98,8 +97,8 @@ impl Rendezvous {
         b.0.partial_cmp(&a.0)
             .unwrap_or(Ordering::Equal)
             .then_with(|| {
-                let rank = |i: usize| self.ranks.get(i).copied().unwrap_or(0);
-                rank(a.1).cmp(&rank(b.1))
+                let name = |i: usize| self.nodes.names().get(i);
+                name(a.1).cmp(&name(b.1))
             })
     }
 
@@ -142,12 +141,26 @@ impl ConsistentHash for Rendezvous {
     }
 
     fn add(&mut self, name: &str, weight: f64) -> Result<()> {
-        *self = Self::build(self.nodes.with_node(name, weight)?);
+        // `push` validates first: on error nothing has changed.
+        self.nodes.push(name, weight)?;
+        self.seeds.push(Self::node_seed(name));
+        self.uniform = self.uniform && self.nodes.weights().first() == Some(&weight);
         Ok(())
     }
 
     fn remove(&mut self, name: &str) -> Result<()> {
-        *self = Self::build(self.nodes.without_node(name)?);
+        // Ids are internal (answers are names; ties break by name), so the last node may take
+        // the removed one's id.
+        let id = self.nodes.swap_remove(name)? as usize;
+        if id < self.seeds.len() {
+            self.seeds.swap_remove(id);
+        }
+        self.uniform = self.uniform || all_equal(self.nodes.weights());
         Ok(())
     }
+}
+
+/// Whether every weight is the same (true for none or one).
+fn all_equal(weights: &[f64]) -> bool {
+    weights.windows(2).all(|w| w[0] == w[1])
 }
