@@ -394,6 +394,34 @@ def test_approx_affinity_capacity_and_ttl():
     r._check_model()
 
 
+def test_approx_index_is_read_only_from_python():
+    """The approx model is the router's: every write from Python raises ReadOnlyError naming why,
+    and changes nothing (routing and the model stay consistent); events mode stays writable."""
+    r = kvroute.Router(["a", "b"], block_size=BS)
+    t = toks(8, 32)
+    d = r.route(t, now=0.0)
+    hashes = kvroute.BlockHasher(BS).hash(t)
+    before = (r.index.match(hashes), len(r.index), r.index.dump())
+    assert r.index.read_only
+    writes = [
+        lambda: r.index.store("b", hashes),
+        lambda: r.index.remove(d.worker, hashes[:1]),
+        lambda: r.index.clear(d.worker),
+        lambda: r.index.remove_worker(d.worker),
+    ]
+    for write in writes:
+        with pytest.raises(kvroute.ReadOnlyError, match='read-only with index="approx"'):
+            write()
+    assert issubclass(kvroute.ReadOnlyError, RuntimeError)
+    assert (r.index.match(hashes), len(r.index), r.index.dump()) == before
+    r._check_model()
+    assert r.route(t, now=1.0).worker == d.worker
+    events = kvroute.Router(["a", "b"], block_size=BS, index="events")
+    assert not events.index.read_only and not kvroute.PrefixIndex().read_only
+    events.index.store("a", hashes)
+    assert events.index.match(hashes) == {"a": len(hashes)}
+
+
 def test_observe_corrects_the_model():
     r = kvroute.Router(["a", "b"], block_size=BS)
     t = toks(6, 64)

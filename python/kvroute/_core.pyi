@@ -16,6 +16,7 @@ __all__ = [
     "Maglev",
     "NoWorkerError",
     "PrefixIndex",
+    "ReadOnlyError",
     "Rendezvous",
     "Router",
     "__version__",
@@ -132,7 +133,8 @@ class PrefixIndex:
     (``KeyError``); a block already stored after a different parent, or repeated, raises
     ``ValueError``; both leave the index unchanged. ``remove`` drops each listed block and every
     block after it that the worker holds. ``len()`` counts distinct blocks. Negative hashes
-    (int64) are taken as their two's-complement bits.
+    (int64) are taken as their two's-complement bits. The index a router owns in approx mode
+    (``router.index``) is read-only: writes raise ``ReadOnlyError`` saying why.
     """
 
     def __new__(cls, *, max_bytes: int | None = None) -> PrefixIndex: ...
@@ -160,6 +162,10 @@ class PrefixIndex:
     @property
     def max_bytes(self) -> int | None:
         """The memory budget, or None."""
+
+    @property
+    def read_only(self) -> bool:
+        """Whether writes raise ``ReadOnlyError`` (the router's approx-mode index)."""
 
     def num_blocks(self, worker: str) -> int:
         """Blocks held by ``worker`` (``KeyError`` if unknown)."""
@@ -390,6 +396,10 @@ def decode_kv_events(
 ) -> tuple[float, list[dict[str, Any]], int | None]:
     """``(ts, events, data_parallel_rank)`` of one payload, each event a dict of the fields the
     decoder reads (``ValueError`` for a malformed payload). For inspection and tests."""
+
+class ReadOnlyError(RuntimeError):
+    """A write to an object another one owns and writes: ``router.index`` in approx mode (the
+    router's model of each worker's cache). The message names the owner and the alternative."""
 
 class NoWorkerError(ValueError):
     """No worker can take the request: none is healthy, in the endpoint's pool and not excluded.

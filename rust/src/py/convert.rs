@@ -32,6 +32,13 @@ pyo3::create_exception!(
     "No worker can take the request: none is healthy, in the endpoint's pool and not excluded."
 );
 
+pyo3::create_exception!(
+    kvroute._core,
+    ReadOnlyError,
+    pyo3::exceptions::PyRuntimeError,
+    "A write to an object that another one owns and writes (the router's approx-mode index)."
+);
+
 impl From<Error> for PyErr {
     fn from(e: Error) -> PyErr {
         match e {

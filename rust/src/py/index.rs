@@ -13,6 +13,7 @@ use pyo3::types::{PyBytes, PyDict};
 
 use super::convert::{
     block_hash_from_py, optional, u64_slice, usize_from_int, with_bytes, Name, Negative,
+    ReadOnlyError,
 };
 use super::names::NameCache;
 use super::{with_read, with_write};
@@ -23,7 +24,8 @@ use crate::index::{PrefixIndex, SharedPrefixIndex, WorkerId};
 const INLINE_BLOCKS: usize = 512;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<PyPrefixIndex>()
+    m.add_class::<PyPrefixIndex>()?;
+    m.add("ReadOnlyError", m.py().get_type::<ReadOnlyError>())
 }
 
 /// Which worker holds which chained KV blocks; `match` gives, per worker, how many leading blocks
@@ -40,12 +42,16 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// `max_bytes` is a hard budget on `memory_bytes()`: least recently stored/matched leaves are
 /// dropped first, and answers stay sound (never claim a block a worker does not hold).
 /// `dump()` / `PrefixIndex.load(data)` copy the state as a versioned, checksummed image.
+/// An index another object owns (the router's approx model) is read-only from Python: `store`,
+/// `remove`, `clear` and `remove_worker` raise `kvroute.ReadOnlyError` naming the owner.
 /// Safe to share between threads; the GIL is released while it works.
 #[pyclass(frozen, module = "kvroute._core", name = "PrefixIndex")]
 pub struct PyPrefixIndex {
     core: SharedPrefixIndex,
     /// Python `str` of each worker name by worker id, reused by `match`.
     names: NameCache,
+    /// Why Python may not write this index (who owns it), or None.
+    read_only: Option<&'static str>,
 }
 
 impl PyPrefixIndex {
@@ -54,6 +60,24 @@ impl PyPrefixIndex {
         PyPrefixIndex {
             core,
             names: NameCache::default(),
+            read_only: None,
+        }
+    }
+
+    /// A read-only Python face for an index that Rust code owns and writes; `why` (the error
+    /// message of a write) names the owner.
+    pub(crate) fn owned_by(core: SharedPrefixIndex, why: &'static str) -> Self {
+        PyPrefixIndex {
+            read_only: Some(why),
+            ..Self::from_shared(core)
+        }
+    }
+
+    /// Write access from Python, or the `ReadOnlyError` saying why not.
+    fn writable(&self) -> PyResult<()> {
+        match self.read_only {
+            Some(why) => Err(ReadOnlyError::new_err(why)),
+            None => Ok(()),
         }
     }
 
@@ -90,6 +114,7 @@ impl PyPrefixIndex {
         block_hashes: &Bound<'_, PyAny>,
         parent: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        self.writable()?;
         let hashes = u64_slice(block_hashes, "block_hashes", Negative::Reinterpret)?;
         let parent = optional(parent, |p| block_hash_from_py(p, "parent"))?;
         let (name, slice) = (&*worker, hashes.as_slice());
@@ -105,6 +130,7 @@ impl PyPrefixIndex {
         worker: Name<'_>,
         block_hashes: &Bound<'_, PyAny>,
     ) -> PyResult<u64> {
+        self.writable()?;
         let hashes = u64_slice(block_hashes, "block_hashes", Negative::Reinterpret)?;
         let (name, slice) = (&*worker, hashes.as_slice());
         Ok(with_write(py, &self.core, |c| c.remove(name, slice))?)
@@ -112,12 +138,14 @@ impl PyPrefixIndex {
 
     /// Worker `worker` dropped all its blocks (it stays known); returns how many.
     fn clear(&self, py: Python<'_>, worker: Name<'_>) -> PyResult<u64> {
+        self.writable()?;
         let name = &*worker;
         Ok(with_write(py, &self.core, |c| c.clear(name))?)
     }
 
     /// Forgets worker `worker` and its blocks; returns how many blocks it held.
     fn remove_worker(&self, py: Python<'_>, worker: Name<'_>) -> PyResult<u64> {
+        self.writable()?;
         let name = &*worker;
         Ok(with_write(py, &self.core, |c| c.remove_worker(name))?)
     }
@@ -240,6 +268,12 @@ impl PyPrefixIndex {
             py.detach(|| PrefixIndex::load(bytes, max_bytes))
         })??;
         Ok(PyPrefixIndex::from_shared(Arc::new(RwLock::new(core))))
+    }
+
+    /// Whether this index is read-only from Python (owned and written by a router in approx mode).
+    #[getter]
+    fn read_only(&self) -> bool {
+        self.read_only.is_some()
     }
 
     /// Raises ValueError if an internal invariant is broken (for tests).

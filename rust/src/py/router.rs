@@ -23,6 +23,11 @@ use crate::blocks::{ChainState, Options};
 use crate::hashing::Key;
 use crate::router::{Config, CostWeights, Decision, EndpointSpec, IndexMode, RouteRequest, Router};
 
+/// The `ReadOnlyError` message of a write to `router.index` in approx mode.
+const APPROX_INDEX_OWNED: &str = "router.index is read-only with index=\"approx\": the router \
+     writes it as it routes (its model of each worker's cache); correct the model with \
+     router.observe(...), or build the Router with index=\"events\" to feed the index yourself";
+
 /// Prompts of at least this many tokens (or blocks) are routed with the GIL released.
 const DETACH_MIN_TOKENS: usize = 512;
 
@@ -184,7 +189,14 @@ impl PyRouter {
             }
         }
         let mut core = Router::new(workers.iter().map(|(n, w)| (n.as_str(), *w)), config)?;
-        let index = Py::new(py, PyPrefixIndex::from_shared(core.index().clone()))?;
+        let shared = core.index().clone();
+        let index = Py::new(
+            py,
+            match core.config().mode {
+                IndexMode::Events => PyPrefixIndex::from_shared(shared),
+                IndexMode::Approx => PyPrefixIndex::owned_by(shared, APPROX_INDEX_OWNED),
+            },
+        )?;
         let applier = if core.config().mode == IndexMode::Events {
             let applier = core.new_event_applier()?;
             Some(Py::new(
@@ -498,8 +510,9 @@ impl PyRouter {
         Ok(self.run(py, true, |r| r.freshness(name, now))?)
     }
 
-    /// The router's `PrefixIndex` (shares the router's state: in approx mode its model — read
-    /// it only; in events mode the index engine events feed).
+    /// The router's `PrefixIndex` (shares the router's state: in approx mode its model, which
+    /// Python may only read — writes raise `ReadOnlyError`; in events mode the index engine
+    /// events feed).
     #[getter]
     fn index(&self, py: Python<'_>) -> Py<PyPrefixIndex> {
         self.index.clone_ref(py)
