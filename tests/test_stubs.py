@@ -181,6 +181,8 @@ def test_stub_defaults_are_the_routers_effective_config():
         "event_mode": "direct",
         "hash_algo": "sha256",
         "vllm_version": "0.31",
+        "updates": False,  # True needs index="approx": checked below
     }
     assert set(given) == set(shown)
     assert kvroute.Router(["a"], **given).config == given
+    assert kvroute.Router(["a"], updates=True).config["updates"] is True

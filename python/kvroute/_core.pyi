@@ -493,6 +493,7 @@ class Router:
         event_mode: Literal["rehash", "direct"] = "rehash",
         hash_algo: Literal["sha256", "sha256_cbor"] | None = None,
         vllm_version: str | None = None,
+        updates: bool = False,
     ) -> Router: ...
     def route(
         self,
@@ -528,11 +529,43 @@ class Router:
     def remove_worker(self, name: str) -> None: ...
     def set_healthy(self, name: str, ok: bool) -> None: ...
     def is_healthy(self, name: str) -> bool: ...
-    def load(self, name: str) -> dict[str, float]:
+    def load(self, name: str) -> dict[str, Any]:
         """``{"active", "queued", "prefill_blocks", "decode_blocks", "written_blocks", "weight"}``
-        of worker ``name`` (``queued``: begun, prefill not done; ``prefill_blocks``: left to
-        prefill after cache and in-flight hits; ``written_blocks``: what the active requests add
-        to the worker's cache)."""
+        of worker ``name``, this router's requests (``queued``: begun, prefill not done;
+        ``prefill_blocks``: left to prefill after cache and in-flight hits; ``written_blocks``:
+        what the active requests add to the worker's cache), and ``"others"``: the same five
+        counters for requests it did not begin (other replicas' as they announce them, the
+        engine's figures at the last ``set_load``)."""
+
+    def set_load(
+        self,
+        worker: str,
+        *,
+        active: int | None = None,
+        queued: int | None = None,
+        prefill_blocks: int | None = None,
+        decode_blocks: int | None = None,
+    ) -> None:
+        """The engine's own load figures (this router's requests included): the rest is kept as
+        the others' load, added to this router's own until the next report."""
+
+    def take_updates(self, max_bytes: int | None = None) -> bytes:
+        """``updates=True``: the load and (approx) model updates since the last call, as one
+        batch for other replicas (``b""`` when there is none), at most ``max_bytes`` long but
+        for a single longer update; the rest stays for the next call."""
+
+    def apply_updates(
+        self, data: bytes, *, now: float | None = None, loads: bool = True
+    ) -> dict[str, int]:
+        """Apply another replica's batch; counts ``records``, ``forgets``, ``loads``, ``unanchored``,
+        ``unknown_workers``, ``inconsistent``. A malformed batch changes nothing. ``loads=False``
+        skips load updates (own updates re-applied after ``load_model``)."""
+
+    def dump_model(self) -> bytes:
+        """Approx mode: the model as a snapshot (``load_model``)."""
+
+    def load_model(self, data: bytes, *, now: float | None = None) -> None:
+        """Approx mode: replace the model with a snapshot (workers matched by name)."""
 
     def add_endpoint(
         self,

@@ -114,6 +114,8 @@ def _simulate(args: argparse.Namespace) -> int:
         )
         if args.requests is not None:
             workload = workload.head(args.requests)
+        if args.spread is not None:
+            workload = workload.spread(args.spread)
         if args.time_scale != 1.0:
             workload = workload.time_scaled(args.time_scale)
         return workload
@@ -160,6 +162,8 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"wrote {len(workload):,} requests to {args.export_trace}", file=sys.stderr)
     if swept is not None:
         return _sweep(args, workload, model, policies, *swept)
+    if args.replicas is not None:
+        return _replicas(args, workload, model, policies)
     report, results = simulate(
         workload,
         model=model,
@@ -183,6 +187,40 @@ def _simulate(args: argparse.Namespace) -> int:
         from .sim.instruments import write_decisions
 
         write_decisions({p: results[f"decisions:{p}"] for p in policies}, args.decisions)
+    return 0
+
+
+def _replicas(args, workload, model, policies) -> int:
+    """``kvroute simulate --replicas``: one policy behind N replicas per sync setting."""
+    import json
+
+    from .sim.replicas import render_replicas, replica_study
+
+    try:
+        counts = [int(x) for x in args.replicas.split(",") if x.strip()]
+        if not counts or min(counts) < 1:
+            raise ValueError(f"--replicas must list counts >= 1, got {args.replicas!r}")
+        if len(policies) != 1 or policies[0] not in ("kv_aware", "hash", "least_loaded"):
+            if args.policies:
+                raise ValueError("--replicas runs one kvroute policy (--policies kv_aware)")
+            policies = ["kv_aware"]
+        syncs = [s for s in args.replica_sync.split(",") if s.strip()]
+        study = replica_study(
+            workload,
+            model=model,
+            replicas=counts,
+            syncs=syncs,
+            policy=policies[0],
+            scrape=args.replica_scrape,
+            seed=args.seed,
+        )
+    except ValueError as e:
+        print(f"kvroute simulate: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(render_replicas(study))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(study.to_json(), f, indent=2)
     return 0
 
 
@@ -405,6 +443,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--explain",
         action="store_true",
         help="record every decision and print what each policy saw (kvroute.sim.instruments)",
+    )
+    sim.add_argument(
+        "--spread",
+        type=float,
+        metavar="SECONDS",
+        help="spread arrivals sharing a timestamp over this step (rounded trace timestamps: "
+        "the Mooncake trace's come in 3 s steps)",
+    )
+    sim.add_argument(
+        "--replicas",
+        metavar="N[,N...]",
+        help="route through N router replicas (round robin over arrivals, approx mode each); "
+        "a list gives one row per count",
+    )
+    sim.add_argument(
+        "--replica-sync",
+        default="none",
+        metavar="SYNC[,SYNC...]",
+        help="what replicas share: none, shared (every model update at once) or bus:DELAY_MS "
+        "(default %(default)s)",
+    )
+    sim.add_argument(
+        "--replica-scrape",
+        type=float,
+        metavar="SECONDS",
+        help="replicas also read every engine's load this often (as from /metrics)",
     )
     sim.add_argument("--decisions", metavar="FILE.csv", help="write every decision's record as CSV")
     sim.add_argument("--json", metavar="FILE", help="write the report as JSON")

@@ -318,6 +318,24 @@ class Workload:
             raise ValueError(f"time scale factor must be positive and finite, got {factor}")
         return self._derive(arrival=self.arrival * factor)
 
+    def spread(self, step: float) -> Workload:
+        """Arrivals that share a timestamp spread evenly, in their order, over the ``step``
+        seconds that follow it (the next timestamp, at most): for traces whose timestamps are
+        rounded (the Mooncake trace's come in 3 s steps), so that a burst of equal timestamps is
+        not replayed as simultaneous requests. Order and first arrival are kept."""
+        if not (step > 0 and np.isfinite(step)):
+            raise ValueError(f"spread step must be positive and finite, got {step}")
+        t = np.asarray(self.arrival, dtype=np.float64)
+        if t.size == 0:
+            return self
+        starts = np.flatnonzero(np.r_[True, t[1:] != t[:-1]])
+        ends = np.r_[starts[1:], t.size]
+        out = t.copy()
+        for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
+            span = min(step, t[e] - t[s]) if e < t.size else step
+            out[s:e] = t[s] + span * np.arange(e - s) / (e - s)
+        return self._derive(arrival=out)
+
     def _derive(self, **cols: Any) -> Workload:
         base = {
             "arrival": self.arrival,

@@ -665,6 +665,51 @@ impl BlockCache {
         Ok(n)
     }
 
+    /// Every cached block, least recently touched first (the order that, touched again in a
+    /// fresh cache, reproduces this one's eviction order): `(hash, parent, partition)`.
+    pub fn blocks_by_recency(&self) -> Vec<(u64, Option<u64>, PartitionId)> {
+        let mut live = Vec::with_capacity(self.len);
+        self.order.live_by_tick(&mut live);
+        live.iter()
+            .filter_map(|&i| {
+                let e = self.order.get(i)?;
+                let parent = self.order.get(self.order.parent(i)).map(|p| p.hash);
+                Some((e.hash, parent, PartitionId(e.part)))
+            })
+            .collect()
+    }
+
+    /// The name of `partition` (`None` for the shared pool or an unknown id).
+    pub fn partition_name(&self, partition: PartitionId) -> Option<&str> {
+        self.partitions
+            .get(usize::from(partition.0))?
+            .name
+            .as_deref()
+    }
+
+    /// Appends the chain ending at the cached block `hash` to `out`, root first (every block of
+    /// it is cached: a cached block's parent is); `false`, appending nothing, if `hash` is not
+    /// cached. Not a touch.
+    pub fn chain_into(&self, hash: u64, out: &mut Vec<u64>) -> bool {
+        let Some(mut i) = self.find(hash) else {
+            return false;
+        };
+        let start = out.len();
+        // A parent link never cycles; the bound only guards the walk.
+        for _ in 0..=self.len {
+            let Some(e) = self.order.get(i) else { break };
+            out.push(e.hash);
+            i = self.order.parent(i);
+            if i == NIL {
+                break;
+            }
+        }
+        if let Some(chain) = out.get_mut(start..) {
+            chain.reverse();
+        }
+        true
+    }
+
     /// Slab index of the cached block `hash`.
     #[inline]
     fn find(&self, hash: u64) -> Option<u32> {

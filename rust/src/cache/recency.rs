@@ -255,6 +255,21 @@ impl Recency {
         self.entries.get_mut(i as usize)
     }
 
+    /// Appends the slab index of every cached block to `out`, least recently touched first.
+    pub fn live_by_tick(&self, out: &mut Vec<u32>) {
+        let start = out.len();
+        out.extend(
+            (0u32..)
+                .zip(&self.entries)
+                .filter(|(_, e)| e.place() != Place::Free)
+                .map(|(i, _)| i),
+        );
+        if let Some(live) = out.get_mut(start..) {
+            let entries = &self.entries;
+            live.sort_unstable_by_key(|&i| entries.get(i as usize).map_or(0, |e| e.tick));
+        }
+    }
+
     /// Makes room in the slab for `additional` more entries.
     pub fn reserve(&mut self, additional: usize) {
         let before = self.entries.capacity();

@@ -9,12 +9,12 @@
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict};
 
 use super::convert::{
     i32_from_int, name_item, names_from_py, optional, tokens_from_py, type_error, typed, u64_array,
-    u64_from_int, u64_slice, usize_from_int, weighted_names, with_key, MonotonicClock, Name,
-    Negative, NoWorkerError, Tokens,
+    u64_from_int, u64_slice, usize_from_int, weighted_names, with_bytes, with_key, MonotonicClock,
+    Name, Negative, NoWorkerError, Tokens,
 };
 use super::events::PyKvEventApplier;
 use super::index::PyPrefixIndex;
@@ -120,7 +120,8 @@ impl PyRouter {
         workers, *, policy = None, block_size = None, hash_profile = None, index = None,
         capacity_blocks = None, ttl = None, queue_weight = None, decode_weight = None,
         load_bound = None, seed = None, stale_half_life = None, tier_weights = None, salt = None,
-        hash_seed = None, event_mode = None, hash_algo = None, vllm_version = None
+        hash_seed = None, event_mode = None, hash_algo = None, vllm_version = None,
+        updates = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -143,6 +144,7 @@ impl PyRouter {
         event_mode: Option<&str>,
         hash_algo: Option<Name<'_>>,
         vllm_version: Option<Name<'_>>,
+        updates: Option<bool>,
     ) -> PyResult<Self> {
         let workers = weighted_names(workers, "workers", "worker")?;
         // Every argument not given keeps the core's default.
@@ -175,6 +177,7 @@ impl PyRouter {
             seed: optional(seed, |s| u64_from_int(s, "seed", None))?.unwrap_or(d.seed),
             stale_half_life: stale_half_life.unwrap_or(d.stale_half_life),
             event_mode: optional_parse(event_mode)?.unwrap_or(d.event_mode),
+            updates: updates.unwrap_or(d.updates),
             ..d
         };
         if let Some(obj) = tier_weights {
@@ -372,20 +375,24 @@ impl PyRouter {
     }
 
     /// Worker `name`'s load: `{"active", "queued", "prefill_blocks", "decode_blocks",
-    /// "written_blocks", "weight"}`.
+    /// "written_blocks", "weight"}` (this router's own requests) and `"others"`: the same five
+    /// counters for requests it did not begin (other replicas' as they announce them, and the
+    /// engine's figures at the last `set_load`).
     fn load<'py>(&self, py: Python<'py>, name: Name<'_>) -> PyResult<Bound<'py, PyDict>> {
         let name = &*name;
-        let (active, queued, prefill, decode, written, weight) = self.run(py, true, |r| {
-            let w = r.workers().named(name)?;
-            Ok::<_, crate::Error>((
-                w.active,
-                w.queued,
-                w.prefill_blocks,
-                w.decode_blocks,
-                w.written_blocks,
-                w.weight,
-            ))
-        })?;
+        let (active, queued, prefill, decode, written, weight, others) =
+            self.run(py, true, |r| {
+                let w = r.workers().named(name)?;
+                Ok::<_, crate::Error>((
+                    w.active,
+                    w.queued,
+                    w.prefill_blocks,
+                    w.decode_blocks,
+                    w.written_blocks,
+                    w.weight,
+                    w.others,
+                ))
+            })?;
         let d = PyDict::new(py);
         d.set_item("active", active)?;
         d.set_item("queued", queued)?;
@@ -393,7 +400,106 @@ impl PyRouter {
         d.set_item("decode_blocks", decode)?;
         d.set_item("written_blocks", written)?;
         d.set_item("weight", weight)?;
+        let o = PyDict::new(py);
+        o.set_item("active", others.active)?;
+        o.set_item("queued", others.queued)?;
+        o.set_item("prefill_blocks", others.prefill_blocks)?;
+        o.set_item("decode_blocks", others.decode_blocks)?;
+        o.set_item("written_blocks", others.written_blocks)?;
+        d.set_item("others", o)?;
         Ok(d)
+    }
+
+    /// The engine's own load figures for worker `worker` (e.g. scraped from its `/metrics`),
+    /// this router's requests included: what this router does not account for itself now is
+    /// kept as the others' load until the next report. A figure left None keeps its baseline.
+    #[pyo3(signature = (
+        worker, *, active = None, queued = None, prefill_blocks = None, decode_blocks = None
+    ))]
+    fn set_load(
+        &self,
+        py: Python<'_>,
+        worker: Name<'_>,
+        active: Option<&Bound<'_, PyAny>>,
+        queued: Option<&Bound<'_, PyAny>>,
+        prefill_blocks: Option<&Bound<'_, PyAny>>,
+        decode_blocks: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let count =
+            |o: Option<&Bound<'_, PyAny>>, what: &str| optional(o, |v| u64_from_int(v, what, None));
+        let active = count(active, "active")?;
+        let queued = count(queued, "queued")?;
+        let prefill = count(prefill_blocks, "prefill_blocks")?;
+        let decode = count(decode_blocks, "decode_blocks")?;
+        let name = &*worker;
+        Ok(self.run(py, true, |r| {
+            r.set_load(name, active, queued, prefill, decode)
+        })?)
+    }
+
+    /// With `updates=True`: the updates made since the last call — load changes (`begin`,
+    /// `prefilled`, `finish`) and, in approx mode, model changes (`route`, `finish`,
+    /// `observe`) — as one batch for other replicas' `apply_updates` (`b""` when there is none).
+    #[pyo3(signature = (max_bytes = None))]
+    fn take_updates<'py>(
+        &self,
+        py: Python<'py>,
+        max_bytes: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let max = optional(max_bytes, |m| usize_from_int(m, "max_bytes"))?;
+        let batch = self.run(py, true, |r| r.take_updates(max));
+        Ok(PyBytes::new(py, &batch))
+    }
+
+    /// Applies another replica's batch of updates (`take_updates`) to this router's model at
+    /// `now`; returns counts: `records`, `forgets`, `loads`, `unanchored` (the anchor block is not held
+    /// here: skipped), `unknown_workers`, `inconsistent`. A malformed batch raises ValueError
+    /// and changes nothing. `loads=False` skips load updates (re-applying this router's own
+    /// batch to a model just loaded from a snapshot).
+    #[pyo3(signature = (data, *, now = None, loads = true))]
+    fn apply_updates<'py>(
+        &self,
+        py: Python<'py>,
+        data: &Bound<'py, PyAny>,
+        now: Option<f64>,
+        loads: bool,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let now = self.clock.now(now);
+        let stats = with_bytes(data, "data", |b| {
+            self.run(py, b.len() < 4096, |r| r.apply_updates(b, now, loads))
+        })??;
+        let d = PyDict::new(py);
+        d.set_item("records", stats.records)?;
+        d.set_item("loads", stats.loads)?;
+        d.set_item("forgets", stats.forgets)?;
+        d.set_item("unanchored", stats.unanchored)?;
+        d.set_item("unknown_workers", stats.unknown_workers)?;
+        d.set_item("inconsistent", stats.inconsistent)?;
+        Ok(d)
+    }
+
+    /// Approx mode: the model (every worker's modelled cache, in recency order) as a snapshot
+    /// for `load_model`.
+    fn dump_model<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let image = self.run(py, false, |r| r.dump_model())?;
+        Ok(PyBytes::new(py, &image))
+    }
+
+    /// Approx mode: replaces the model with a snapshot from `dump_model` (workers matched by
+    /// name; the eviction order is reproduced). A bad snapshot raises ValueError and changes
+    /// nothing.
+    #[pyo3(signature = (data, *, now = None))]
+    fn load_model(
+        &self,
+        py: Python<'_>,
+        data: &Bound<'_, PyAny>,
+        now: Option<f64>,
+    ) -> PyResult<()> {
+        let now = self.clock.now(now);
+        with_bytes(data, "data", |b| {
+            self.run(py, false, |r| r.load_model(b, now))
+        })??;
+        Ok(())
     }
 
     /// Adds a dedicated endpoint: a pool of `pool_size` workers chosen by rendezvous hashing of
@@ -581,6 +687,7 @@ impl PyRouter {
         d.set_item("salt", c.hash_options.salt)?;
         d.set_item("hash_seed", c.hash_options.seed)?;
         d.set_item("event_mode", c.event_mode.name())?;
+        d.set_item("updates", c.updates)?;
         let flavor = c.profile.vllm_flavor();
         d.set_item("hash_algo", flavor.map(|f| f.algo.name()))?;
         d.set_item("vllm_version", flavor.map(|f| f.version.to_string()))?;

@@ -78,6 +78,8 @@ mod inflight;
 mod membership;
 mod policy;
 mod route;
+mod snapshot;
+mod sync;
 mod withdraw;
 mod workers;
 
@@ -97,7 +99,8 @@ use crate::{key_err, value_err};
 pub use decision::{Decision, Stage};
 pub use endpoints::{Endpoint, EndpointSpec};
 pub use policy::{CostWeights, Policy, Reason, SplitMix64};
-pub use workers::{Freshness, Worker, WorkerTable};
+pub use sync::ApplyStats;
+pub use workers::{Freshness, Load, Worker, WorkerTable};
 
 use approx::Model;
 use inflight::InFlight;
@@ -169,6 +172,9 @@ pub struct Config {
     /// Events mode: how the applier of [`Router::new_event_applier`] keys engine blocks
     /// (default: the events module's, [`crate::events::Config`]).
     pub event_mode: Mode,
+    /// Keep an outbox of updates for other replicas: load changes and, in approx mode, model
+    /// changes ([`sync`]; default off).
+    pub updates: bool,
 }
 
 impl Default for Config {
@@ -187,6 +193,7 @@ impl Default for Config {
             stale_half_life: 5.0,
             tier_weights: vec![("CPU".into(), 0.5), ("CPU_PINNED".into(), 0.5)],
             event_mode: crate::events::Config::default().mode,
+            updates: false,
         }
     }
 }
@@ -236,6 +243,8 @@ pub struct Router {
     /// The same for the in-flight index.
     inflight_ids: Vec<Option<(Arc<str>, u32)>>,
     scratch: Scratch,
+    /// Model updates for other replicas ([`sync`]).
+    outbox: sync::Outbox,
 }
 
 #[derive(Default)]
@@ -251,6 +260,8 @@ struct Scratch {
     pick: policy::Buffers,
     tier_overlap: Vec<(u32, f64)>,
     tier_hits: Vec<(u32, u32, f64)>,
+    /// `apply_updates`: the chain of a record.
+    chain: Vec<u64>,
 }
 
 impl Router {
@@ -303,6 +314,7 @@ impl Router {
         let mut router = Router {
             id: NEXT_ROUTER.fetch_add(1, Ordering::Relaxed),
             rng: SplitMix64(config.seed),
+            outbox: sync::Outbox::new(config.updates),
             config,
             hasher: Arc::new(hasher),
             workers: WorkerTable::default(),
@@ -419,6 +431,38 @@ impl Router {
             }
         }
         d.set_begun();
+        let (prefill, prompt) = (d.prefill_blocks() as i64, d.prompt_blocks as i64);
+        self.outbox
+            .load(&d.worker, [1, 1, prefill, prompt, prefill]);
+        Ok(())
+    }
+
+    /// The engine's own figures for worker `name` (e.g. scraped from its `/metrics`): its
+    /// total load, this router's requests included. What this router does not account for
+    /// itself at this moment is kept as the others' load ([`Worker::others`]) until the next
+    /// report, so between reports the worker's load is that baseline plus this router's own
+    /// changes. A figure left `None` keeps its previous baseline.
+    pub fn set_load(
+        &mut self,
+        name: &str,
+        active: Option<u64>,
+        queued: Option<u64>,
+        prefill_blocks: Option<u64>,
+        decode_blocks: Option<u64>,
+    ) -> Result<()> {
+        let w = self.workers.named_mut(name)?;
+        if let Some(a) = active {
+            w.others.active = a.saturating_sub(w.active);
+        }
+        if let Some(q) = queued {
+            w.others.queued = q.saturating_sub(w.queued);
+        }
+        if let Some(p) = prefill_blocks {
+            w.others.prefill_blocks = p.saturating_sub(w.prefill_blocks);
+        }
+        if let Some(d) = decode_blocks {
+            w.others.decode_blocks = d.saturating_sub(w.decode_blocks);
+        }
         Ok(())
     }
 
@@ -436,6 +480,8 @@ impl Router {
             w.queued = w.queued.saturating_sub(1);
         }
         d.set_prefilled();
+        self.outbox
+            .load(&d.worker, [0, -1, -(d.prefill_blocks() as i64), 0, 0]);
         Ok(())
     }
 
@@ -456,6 +502,17 @@ impl Router {
             (d.prefill_blocks() as u64, 1)
         };
         d.set_finished();
+        let written = d.prefill_blocks() as i64;
+        self.outbox.load(
+            &d.worker,
+            [
+                -1,
+                -(queued as i64),
+                -(prefill as i64),
+                -(d.prompt_blocks as i64),
+                -written,
+            ],
+        );
         let index = self.index.clone();
         let partition = self.partition_of(d);
         let Some(slot) = self
@@ -480,6 +537,9 @@ impl Router {
             // block hashes were since stored under another parent; the model then simply does
             // not refresh these blocks (and changed nothing).
             let _ = model.record(w, &mut index.write(), &d.hashes, partition.as_deref(), now);
+            // Other replicas touch the prompt too (anchored at its last block).
+            self.outbox
+                .record(&w.name, partition.as_deref(), &d.hashes, d.hashes.len());
         }
         Ok(())
     }
@@ -518,11 +578,18 @@ impl Router {
             return Ok(());
         };
         let mut index = index.write();
+        let mut known = d.hashes.len();
         if observed < d.cached_blocks {
             model.forget_from(w, &mut index, &d.hashes, observed);
+            if let Some(&first) = d.hashes.get(observed) {
+                self.outbox.forget(&w.name, first);
+            }
+            known = observed;
         }
         // Harmless when it fails, as in `finish`: the prompt is then not re-recorded.
         let _ = model.record(w, &mut index, &d.hashes, partition.as_deref(), now);
+        self.outbox
+            .record(&w.name, partition.as_deref(), &d.hashes, known);
         Ok(())
     }
 

@@ -302,9 +302,9 @@ pub(super) fn kv_cost(
     weights: CostWeights,
 ) -> f64 {
     let left = (prompt_blocks as f64 - credit).max(0.0);
-    let work = weights.queue * w.prefill_blocks as f64
+    let work = weights.queue * w.total_prefill_blocks() as f64
         + (1.0 + delayed) * left
-        + weights.decode * w.written_blocks as f64;
+        + weights.decode * w.total_written_blocks() as f64;
     work / w.weight
 }
 
@@ -313,7 +313,7 @@ pub(super) fn kv_cost(
 pub(super) fn delayed_requests(workers: &WorkerTable, candidates: &[u32]) -> f64 {
     let least = candidates
         .iter()
-        .filter_map(|&s| workers.get(s).map(|w| w.queued))
+        .filter_map(|&s| workers.get(s).map(|w| w.total_queued()))
         .min()
         .unwrap_or(0);
     1.0 + least as f64
@@ -505,7 +505,7 @@ fn pick_hash(view: &View<'_>, req: &Request<'_>, buf: &mut Buffers) -> Result<Pi
     for &s in req.candidates {
         if let Some(w) = workers.get(s) {
             buf.scored.push((workers.rendezvous(w, k), s));
-            buf.loads.push(w.active);
+            buf.loads.push(w.total_active());
             buf.shares.push(w.weight);
         }
     }

@@ -120,6 +120,14 @@ impl Router {
             let partition = reserved_partition(&self.endpoints, endpoint.as_ref());
             model.commit(worker, &mut index, &req.hashes, partition, req.now);
             mark = worker.cache.as_ref().map(|c| c.touch_mark());
+            // … other replicas hear of the blocks newly predicted there …
+            let known = self.scratch.overlap.get(pick.slot as usize).copied();
+            self.outbox.record(
+                &worker.name,
+                partition,
+                &req.hashes,
+                known.unwrap_or(0) as usize,
+            );
         }
         // … the decision keeps the prompt (approx: for finish / observe / withdraw; events: its
         // in-flight blocks from begin to finish) …

@@ -69,6 +69,10 @@ pub struct Worker {
     /// Blocks the active requests add to the worker's cache (prompt blocks not held there when
     /// they were routed).
     pub written_blocks: u64,
+    /// Load of requests this router did not begin (other replicas'), as last reported by the
+    /// engine ([`super::Router::set_load`]): the engine's figure minus this router's own at that
+    /// moment. Added to the own counters wherever a policy weighs load.
+    pub others: Load,
     /// Index freshness (see the module docs).
     pub freshness: Freshness,
     /// Smooth weighted round robin: the worker's current weight.
@@ -81,7 +85,62 @@ pub struct Worker {
     pub(super) index_id: Option<WorkerId>,
 }
 
+/// A worker's load counters (see the module docs), as another replica's requests add them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Load {
+    /// Requests running or waiting.
+    pub active: u64,
+    /// Requests whose prefill is not done.
+    pub queued: u64,
+    /// Blocks waiting to be prefilled.
+    pub prefill_blocks: u64,
+    /// Prompt blocks held by running requests.
+    pub decode_blocks: u64,
+    /// Blocks the requests add to the worker's cache.
+    pub written_blocks: u64,
+}
+
+impl Load {
+    /// The counters in wire order: active, queued, prefill, decode, written.
+    pub fn counters_mut(&mut self) -> [&mut u64; 5] {
+        [
+            &mut self.active,
+            &mut self.queued,
+            &mut self.prefill_blocks,
+            &mut self.decode_blocks,
+            &mut self.written_blocks,
+        ]
+    }
+}
+
 impl Worker {
+    /// Active requests, this router's and (as last reported) the others'.
+    pub fn total_active(&self) -> u64 {
+        self.active.saturating_add(self.others.active)
+    }
+
+    /// Blocks queued for prefill, this router's and the others'.
+    pub fn total_prefill_blocks(&self) -> u64 {
+        self.prefill_blocks
+            .saturating_add(self.others.prefill_blocks)
+    }
+
+    /// Prompt blocks of running requests, this router's and the others'.
+    pub fn total_decode_blocks(&self) -> u64 {
+        self.decode_blocks.saturating_add(self.others.decode_blocks)
+    }
+
+    /// Requests whose prefill is not done, this router's and the others'.
+    pub fn total_queued(&self) -> u64 {
+        self.queued.saturating_add(self.others.queued)
+    }
+
+    /// Blocks the requests add to the worker's cache, this router's and the others'.
+    pub fn total_written_blocks(&self) -> u64 {
+        self.written_blocks
+            .saturating_add(self.others.written_blocks)
+    }
+
     /// Freshness at `now`, in `[0, 1]`.
     pub fn freshness_at(&self, now: f64, half_life: f64) -> f64 {
         match self.freshness {
@@ -100,7 +159,7 @@ impl Worker {
 
     /// Active requests per unit of weight (the load `least_loaded` and `power_of_two` compare).
     pub fn request_load(&self) -> f64 {
-        self.active as f64 / self.weight
+        self.total_active() as f64 / self.weight
     }
 }
 
@@ -234,6 +293,7 @@ impl WorkerTable {
             queued: 0,
             decode_blocks: 0,
             written_blocks: 0,
+            others: Load::default(),
             freshness: Freshness::Fresh,
             rr_current: 0.0,
             cache: None,

@@ -1,0 +1,106 @@
+"""The ``[cluster]`` section of a server's TOML file: router replicas sharing state over NATS.
+
+Read with the loader every kvroute server shares (``kvroute.server.config.Table``): an unknown
+key, a wrong type or a bad value is an error naming the key. Without a ``[cluster]`` table the
+server runs alone, exactly as before. Example (every key shown, with its default)::
+
+    [cluster]
+    nats = "nats://127.0.0.1:4222"   # or a list of URLs of one NATS cluster (JetStream on)
+    stream = "KVROUTE_SYNC"          # JetStream stream of the replicas' updates
+    subject = "kvroute.sync"         # its subject
+    snapshots = "kvroute-snapshots"  # object-store bucket of model snapshots
+    snapshot_interval = 30.0         # seconds between snapshots written by each replica
+    publish_interval = 0.005         # seconds between two drains of the router's updates
+    max_age = 3600.0                 # seconds the stream keeps updates (older: snapshot only)
+    max_pending = 10000              # update batches kept while NATS is unreachable
+    connect_timeout = 2.0            # seconds per connection attempt
+    scrape_interval = 1.0            # seconds between engine /metrics scrapes; 0: off
+    scrape_timeout = 0.5
+    name = ""                        # this replica's name in logs and /health (default: host-pid)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from dataclasses import dataclass
+
+from kvroute.server.config import Table, _url
+
+__all__ = ["ClusterConfig", "parse_cluster"]
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Where the replicas meet (NATS JetStream) and how often they sync (see the module docs)."""
+
+    nats: tuple[str, ...] = ("nats://127.0.0.1:4222",)
+    stream: str = "KVROUTE_SYNC"
+    subject: str = "kvroute.sync"
+    snapshots: str = "kvroute-snapshots"
+    snapshot_interval: float = 30.0
+    publish_interval: float = 0.005
+    max_age: float = 3600.0
+    max_pending: int = 10_000
+    connect_timeout: float = 2.0
+    scrape_interval: float = 1.0
+    scrape_timeout: float = 0.5
+    name: str = ""
+
+    @property
+    def replica_name(self) -> str:
+        """The configured name, or ``host-pid``."""
+        return self.name or f"{socket.gethostname()}-{os.getpid()}"
+
+
+_TOKEN = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+
+
+def _token(t: Table, key: str, default: str, extra: str = "") -> str:
+    value = t.get(key, str, default)
+    if not value or not set(value) <= _TOKEN | set(extra):
+        raise ValueError(
+            f"{t.where}.{key} must be letters, digits, '-' or '_'"
+            + (f" (or {extra!r})" if extra else "")
+            + f", got {value!r}"
+        )
+    return value
+
+
+def parse_cluster(top: Table) -> ClusterConfig | None:
+    """``[cluster]`` of a parsed document, or None when the section is absent."""
+    if "cluster" not in top.data:
+        top.used.add("cluster")
+        return None
+    c = top.table("cluster")
+    d = ClusterConfig()
+    raw = c.get("nats", (str, list), list(d.nats))
+    urls = [raw] if isinstance(raw, str) else raw
+    if not urls or not all(isinstance(u, str) and u for u in urls):
+        raise ValueError(f"{c.where}.nats must be a URL or a list of URLs, got {raw!r}")
+    for u in urls:
+        if not u.startswith(("nats://", "tls://", "ws://", "wss://")):
+            raise ValueError(f"{c.where}.nats must be nats:// URLs, got {u!r}")
+        _url("http://" + u.split("://", 1)[1], f"{c.where}.nats")
+    config = ClusterConfig(
+        nats=tuple(urls),
+        stream=_token(c, "stream", d.stream),
+        subject=_token(c, "subject", d.subject, "."),
+        snapshots=_token(c, "snapshots", d.snapshots),
+        snapshot_interval=c.positive("snapshot_interval", float, d.snapshot_interval),
+        publish_interval=c.positive("publish_interval", float, d.publish_interval),
+        max_age=c.positive("max_age", float, d.max_age),
+        max_pending=c.positive("max_pending", int, d.max_pending),
+        connect_timeout=c.positive("connect_timeout", float, d.connect_timeout),
+        scrape_interval=c.positive("scrape_interval", float, d.scrape_interval, zero=True),
+        scrape_timeout=c.positive("scrape_timeout", float, d.scrape_timeout),
+        name=c.get("name", str, d.name),
+    )
+    c.done()
+    if config.subject.startswith(".") or config.subject.endswith(".") or ".." in config.subject:
+        raise ValueError(f"{c.where}.subject must be dot-separated tokens, got {config.subject!r}")
+    for key in ("snapshot_interval", "publish_interval", "max_age"):
+        if not math.isfinite(getattr(config, key)):
+            raise ValueError(f"{c.where}.{key} must be finite")
+    return config
