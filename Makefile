@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(CURDIR)/$(VENV)/bin
 STAMP  := $(VENV)/.deps-stamp
-EXTRAS ?= test,dev,sim,events,gateway,epp,kubernetes,litellm,ray
+EXTRAS ?= test,dev,sim,events,gateway,epp,kubernetes,litellm,ray,cluster
 RUN    := VIRTUAL_ENV=$(CURDIR)/$(VENV) PATH="$(BIN):$$PATH"
 
 .PHONY: demo test test-rust test-python bench lint fmt build wheels clean e2e mutants
@@ -21,7 +21,7 @@ test-rust:
 test-python: build
 	$(RUN) python -m pytest -q tests
 
-bench: EXTRAS = test,dev,sim,events,gateway,epp,kubernetes,litellm,ray,bench
+bench: EXTRAS = test,dev,sim,events,gateway,epp,kubernetes,litellm,ray,cluster,bench
 bench: build
 	$(RUN) python -m pytest -q benches --benchmark-columns=min,median,mean,ops,rounds --benchmark-sort=name
 

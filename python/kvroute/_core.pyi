@@ -557,9 +557,9 @@ class Router:
     def apply_updates(
         self, data: bytes, *, now: float | None = None, loads: bool = True
     ) -> dict[str, int]:
-        """Apply another replica's batch; counts ``records``, ``forgets``, ``loads``, ``unanchored``,
-        ``unknown_workers``, ``inconsistent``. A malformed batch changes nothing. ``loads=False``
-        skips load updates (own updates re-applied after ``load_model``)."""
+        """Apply another replica's batch; counts ``records``, ``forgets``, ``loads``,
+        ``unanchored``, ``unknown_workers``, ``inconsistent``. A malformed batch changes nothing.
+        ``loads=False`` skips load updates (own updates re-applied after ``load_model``)."""
 
     def dump_model(self) -> bytes:
         """Approx mode: the model as a snapshot (``load_model``)."""

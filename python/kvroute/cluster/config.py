@@ -25,8 +25,9 @@ import math
 import os
 import socket
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
-from kvroute.server.config import Table, _url
+from kvroute.server.config import Table
 
 __all__ = ["ClusterConfig", "parse_cluster"]
 
@@ -82,7 +83,8 @@ def parse_cluster(top: Table) -> ClusterConfig | None:
     for u in urls:
         if not u.startswith(("nats://", "tls://", "ws://", "wss://")):
             raise ValueError(f"{c.where}.nats must be nats:// URLs, got {u!r}")
-        _url("http://" + u.split("://", 1)[1], f"{c.where}.nats")
+        if not urlsplit(u).netloc:
+            raise ValueError(f"{c.where}.nats must name a host, got {u!r}")
     config = ClusterConfig(
         nats=tuple(urls),
         stream=_token(c, "stream", d.stream),

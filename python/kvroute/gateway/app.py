@@ -214,7 +214,9 @@ class Gateway:
         self.config = config
         s = self.server = config.server
         if router is None:
-            router = build_router(config.workers, config.router, config.events)
+            router = build_router(
+                config.workers, config.router, config.events, updates=config.cluster is not None
+            )
             for ep in config.endpoints:
                 router.add_endpoint(
                     ep.id,
@@ -266,6 +268,16 @@ class Gateway:
             max_connections=s.max_connections,
         )
         self.subscriber: Any = None
+        self.cluster: Any = None
+        if config.cluster is not None:
+            from kvroute.cluster import Cluster
+
+            self.cluster = Cluster(
+                self.router,
+                config.cluster,
+                [(w.name, w.url, w.kind, w.api_key) for w in config.workers],
+                registry=self.metrics.registry,
+            )
         self.routes: dict[str, dict[str, Handler]] = {
             CHAT: {"POST": self._chat},
             COMPLETIONS: {"POST": self._completions},
@@ -342,9 +354,12 @@ class Gateway:
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Opens the upstream connection pools, the health prober and the KV-event subscriber."""
+        """Opens the upstream connection pools, the health prober, the KV-event subscriber and
+        (``[cluster]``) the replica sync and engine scraper."""
         self.upstreams.start()
         self.health.start()
+        if self.cluster is not None:
+            self.cluster.start()
         if not self.server.admin_port and not self.auth.admin:
             log.info("/metrics is off: set gateway.admin_port or gateway.admin_api_keys")
         c = self.config
@@ -353,6 +368,8 @@ class Gateway:
             await self.subscriber.__aenter__()
 
     async def stop(self) -> None:
+        if self.cluster is not None:
+            await self.cluster.stop()
         await self.health.stop()
         if self.subscriber is not None:
             await self.subscriber.__aexit__(None, None, None)
@@ -394,6 +411,7 @@ class Gateway:
                 "workers": workers,
                 "tokenizer": self.tokenizer.describe(),
                 **self._events_health(),
+                **({"cluster": self.cluster.describe()} if self.cluster is not None else {}),
             },
             status_code=200 if ok else 503,
         )

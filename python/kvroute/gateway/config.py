@@ -2,7 +2,8 @@
 
 The fleet's sections (``[[workers]]``, ``[router]``, ``[tokenizer]``, ``[events]``, the health keys)
 are read by the loader every kvroute server shares (``kvroute.server.config``); this module adds
-``[gateway]`` and ``[[endpoints]]``. Every value is checked when the file is loaded — an unknown
+``[gateway]`` and ``[[endpoints]]``; ``[cluster]`` is ``kvroute.cluster.config``'s. Every value
+is checked when the file is loaded — an unknown
 key, a wrong type, a duplicate name, an endpoint pool larger than the fleet — and the error names
 the key and the bad value, so a gateway never starts half-configured. Secrets may be given as
 SHA-256 digests (``api_key_sha256``) so that the file holds no plaintext key; plaintext keys are
@@ -68,6 +69,10 @@ Example (every key shown; only ``[[workers]]`` is required)::
     topic = ""
     mode = "rehash"
 
+    [cluster]                        # replicas sharing routing state over NATS JetStream and
+    nats = "nats://127.0.0.1:4222"   # reading the engines' /metrics: every key is in
+    scrape_interval = 1.0            # kvroute.cluster.config (absent: this gateway runs alone)
+
     [[workers]]
     name = "gpu-0"
     url = "http://10.0.0.1:8000"
@@ -106,6 +111,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvroute.cluster.config import ClusterConfig, parse_cluster
 from kvroute.server.config import (
     WORKER_KINDS,
     EndpointConfig,
@@ -178,6 +184,7 @@ class GatewayConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    cluster: ClusterConfig | None = None
 
     def worker(self, name: str) -> WorkerConfig:
         for w in self.workers:
@@ -234,6 +241,7 @@ def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
 
     endpoints = parse_endpoints(top, server.models, "gateway.models", len(fleet.workers))
     top.get("epp", dict, {})  # kvroute epp's section of a shared file (kvroute.epp.config)
+    cluster = parse_cluster(top)
     top.done()
     return GatewayConfig(
         workers=fleet.workers,
@@ -243,6 +251,7 @@ def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
         tokenizer=fleet.tokenizer,
         events=fleet.events,
         health=fleet.health,
+        cluster=cluster,
     )
 
 

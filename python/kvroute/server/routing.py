@@ -20,7 +20,11 @@ __all__ = ["NoWorkerError", "build_router"]
 
 
 def build_router(
-    workers: Iterable[WorkerConfig], router: RouterConfig, events: EventsConfig | None = None
+    workers: Iterable[WorkerConfig],
+    router: RouterConfig,
+    events: EventsConfig | None = None,
+    *,
+    updates: bool = False,
 ) -> Router:
     """A Router over the configured workers (weights); ``[router]`` keys left out take the
     Router's defaults (read the values in effect from ``router.config``).
@@ -28,9 +32,12 @@ def build_router(
     ``[router] options`` are passed as further keyword arguments (``capacity_blocks``, ``ttl``,
     ``queue_weight``, ``seed``, ``hash_algo`` …); an unknown one raises ``TypeError``. In events
     mode the router's own event applier hashes as ``[events] mode`` says (unless ``options``
-    names an ``event_mode``).
+    names an ``event_mode``). ``updates``: keep an outbox of updates for other replicas
+    (``kvroute.cluster``).
     """
     options = dict(router.options)
+    if updates:
+        options["updates"] = True
     if router.events and events is not None:
         options.setdefault("event_mode", events.mode)
     # None (not in the file) is the Router's own default: the core's Config::default.

@@ -266,9 +266,7 @@ def replica_study(
             + (f", engine load scraped every {scrape:g} s" if scrape else "")
         )
     )
-    runs = [(1, "none")] + [
-        (n, s) for n in sorted(set(replicas)) if n > 1 for s in labels
-    ]
+    runs = [(1, "none")] + [(n, s) for n in sorted(set(replicas)) if n > 1 for s in labels]
     for n, s in runs:
         p = ReplicaPolicy(
             policy,

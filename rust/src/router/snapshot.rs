@@ -184,12 +184,10 @@ fn parents_first(image: &WorkerImage<'_>) -> Result<Vec<usize>> {
             }
             k = pk;
         };
-        let mut d = above.map_or(0, |d| d + 1);
-        for &k in path.iter().rev() {
+        for (d, &k) in (above.map_or(0, |d| d + 1)..).zip(path.iter().rev()) {
             if let Some(slot) = depth.get_mut(k) {
                 *slot = Some(d);
             }
-            d += 1;
         }
     }
     let mut order: Vec<usize> = (0..image.blocks.len()).collect();

