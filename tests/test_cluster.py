@@ -231,7 +231,10 @@ def test_nats_down_mid_run_fails_nothing_and_replicas_converge(nats_server):
         fleet.close()
 
 
-def test_a_late_replica_predicts_as_the_others_within_one_snapshot_interval(nats_server):
+def test_a_late_replica_predicts_as_the_others_within_one_snapshot_interval(nats_server, capsys):
+    """A replica started after 1,000 requests loads the newest snapshot (written every second)
+    and replays the stream after it: it predicts what the others predict within one snapshot
+    interval (plus slack for this shared machine's load)."""
     fleet = upstreams()
     gws = [gateway(fleet, cluster_section(nats_server, f"early{k}")) for k in range(2)]
     late = None
@@ -251,9 +254,11 @@ def test_a_late_replica_predicts_as_the_others_within_one_snapshot_interval(nats
             "the late replica to predict as the others",
             timeout=1.0 + 5.0,
         )
-        assert time.monotonic() - started < 1.0 + 5.0
+        elapsed = time.monotonic() - started
         cluster = late.get("/health").json()["cluster"]
         assert cluster["snapshot_loaded_at_seq"] is not None
+        with capsys.disabled():
+            print(f"\nthe late replica predicted as the others {elapsed:.2f} s after its start")
     finally:
         for g in [*gws, *([late] if late else [])]:
             g.stop()
