@@ -533,13 +533,15 @@ impl Router {
             inflight.release(&w.name, d.id);
         }
         if let Some(model) = self.model.as_mut() {
+            // Other replicas touch the prompt too: anchored at what the worker still holds of
+            // it here (all of it, unless part was evicted since the route).
+            let known = w.cache.as_ref().map_or(0, |c| c.peek_prefix(&d.hashes));
             // Harmless when it fails: the chain was valid at route time and fails only if given
             // block hashes were since stored under another parent; the model then simply does
             // not refresh these blocks (and changed nothing).
             let _ = model.record(w, &mut index.write(), &d.hashes, partition.as_deref(), now);
-            // Other replicas touch the prompt too (anchored at its last block).
             self.outbox
-                .record(&w.name, partition.as_deref(), &d.hashes, d.hashes.len());
+                .record(&w.name, partition.as_deref(), &d.hashes, known);
         }
         Ok(())
     }
@@ -578,14 +580,13 @@ impl Router {
             return Ok(());
         };
         let mut index = index.write();
-        let mut known = d.hashes.len();
         if observed < d.cached_blocks {
             model.forget_from(w, &mut index, &d.hashes, observed);
             if let Some(&first) = d.hashes.get(observed) {
                 self.outbox.forget(&w.name, first);
             }
-            known = observed;
         }
+        let known = w.cache.as_ref().map_or(0, |c| c.peek_prefix(&d.hashes));
         // Harmless when it fails, as in `finish`: the prompt is then not re-recorded.
         let _ = model.record(w, &mut index, &d.hashes, partition.as_deref(), now);
         self.outbox

@@ -10,8 +10,10 @@
 //!   block `anchor` (a block it already held) continued by `blocks`, touched now. `route` sends
 //!   the blocks newly predicted on the chosen worker, anchored at the last block it was known to
 //!   hold — never the whole prompt when a prefix was known; `finish` sends a touch (`anchor` =
-//!   the prompt's last block, no new blocks); `observe` sends a touch, or after a `Forget` the
-//!   blocks from the first one the engine lacked.
+//!   the prompt's last block, no new blocks — or, if part of the prompt left the model since
+//!   the route, anchored at what is left and with the rest); `observe` likewise, after a
+//!   `Forget` of the first block the engine lacked. So a replica whose model mirrors the
+//!   publisher's always holds the anchor.
 //! - `Forget { worker, block }`: the worker lacks `block` and everything after it.
 //! - `Load { worker, delta }`: the publisher's own load on the worker changed by `delta`
 //!   (the five counters of [`super::workers::Load`]): `begin`, `prefilled` and `finish` send it,
