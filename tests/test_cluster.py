@@ -114,10 +114,13 @@ def cluster_section(nats: NatsServer, name: str, **kw: Any) -> dict[str, Any]:
     return section
 
 
-def gateway(fleet: Fleet, cluster: dict[str, Any] | None) -> GatewayServer:
+def gateway(
+    fleet: Fleet, cluster: dict[str, Any] | None, capacity_blocks: int = 560
+) -> GatewayServer:
     extra = {"cluster": cluster} if cluster is not None else {}
     # A small modelled cache per worker, as the upstreams' (about 7 tenants' prompts each).
-    router = {"policy": "kv_aware", "block_size": 16, "options": {"capacity_blocks": 560}}
+    options = {"capacity_blocks": capacity_blocks}
+    router = {"policy": "kv_aware", "block_size": 16, "options": options}
     return GatewayServer(config_dict(fleet, endpoints=[], router=router, **extra))
 
 
@@ -192,9 +195,14 @@ def test_three_replicas_keep_the_single_routers_hit_rate(nats_server, capsys):
 
 def test_nats_down_mid_run_fails_nothing_and_replicas_converge(nats_server):
     """NATS is killed mid-run: no request fails, /health and /metrics say so; once it is back
-    every replica predicts the same for every prompt sent meanwhile."""
+    every replica predicts the same for every prompt sent meanwhile. (Models large enough not
+    to evict: with evictions, replicas that applied the same updates in different orders may
+    keep different LRU victims.)"""
     fleet = upstreams()
-    gws = [gateway(fleet, cluster_section(nats_server, f"r{k}")) for k in range(3)]
+    gws = [
+        gateway(fleet, cluster_section(nats_server, f"r{k}"), capacity_blocks=100_000)
+        for k in range(3)
+    ]
     try:
         wait_synced(gws)
         run = Run([g.url for g in gws], threads=4)

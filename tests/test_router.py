@@ -22,6 +22,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from support import events_payloads as P
 from support.helpers import run_threads
 
+#: No load reported for requests this router did not begin (`set_load`, replica updates).
+IDLE = {"active": 0, "queued": 0, "prefill_blocks": 0, "decode_blocks": 0, "written_blocks": 0}
+
 BS = 4
 MASK = (1 << 64) - 1
 
@@ -609,6 +612,7 @@ def test_load_accounting_and_lifecycle_errors():
         "decode_blocks": 10,
         "written_blocks": 10,
         "weight": 1.0,
+        "others": IDLE,
     }
     r.prefilled(d)
     assert r.load(d.worker)["prefill_blocks"] == 0
@@ -623,6 +627,7 @@ def test_load_accounting_and_lifecycle_errors():
         "decode_blocks": 0,
         "written_blocks": 0,
         "weight": 1.0,
+        "others": IDLE,
     }
     other = kvroute.Router(["a", "b"], block_size=BS)
     for call in (other.begin, other.finish, other.prefilled):
@@ -746,6 +751,7 @@ def test_four_threads_route_and_account_exactly():
             "decode_blocks": 0,
             "written_blocks": 0,
             "weight": 1.0,
+            "others": IDLE,
         }
     r._check_model()
 

@@ -14,9 +14,13 @@ router's ``sync`` module). This class only moves bytes:
 - **Apply.** An ordered push consumer delivers the stream from where this replica stands, in
   stream order. Each publisher's batches are applied once and in its own numbering order: a
   batch seen before (a duplicate, a replay) is dropped, one that arrives ahead of a missing one
-  is held until the missing one comes (up to ``MAX_HELD``, then the gap is given up, counted);
-  this replica's own are skipped, and a malformed one is counted and dropped (it changes
-  nothing).
+  is held until the missing one comes (up to ``MAX_HELD``, then the gap is given up, counted),
+  and a malformed one is counted and dropped (it changes nothing). A replica's own batches come
+  back too and are applied again, without their load changes: its own updates took effect when
+  it made them, and applying them again in stream order makes every replica's last application
+  of every update happen in the same order — so replicas whose updates crossed (one forgot a
+  block the engine lacked while another recorded it) agree once the stream is applied. Exactly
+  so while no model evicts; a full model's LRU order may still differ between replicas.
 - **Snapshots.** Every ``snapshot_interval`` each replica writes its model (``dump_model``) and
   the last stream sequence it reflects to the object store. A new or restarted replica loads
   the newest snapshot, re-applies whatever it routed before it could connect, and consumes the
@@ -357,8 +361,6 @@ class ReplicaSync:
             n = int(headers.get("Kvroute-Seq", "0"))
         except ValueError:
             n = 0
-        if publisher == self.replica:
-            return
         if not publisher or n < 1:
             self.skipped.inc("malformed")
             return
@@ -379,8 +381,12 @@ class ReplicaSync:
             self._apply_batch(publisher, pub.upto, pub.held.pop(pub.upto))
 
     def _apply_batch(self, publisher: str, n: int, data: bytes) -> None:
+        own = publisher == self.replica
         try:
-            stats = self.router.apply_updates(data)
+            # Its own batches (already applied when made) again, in stream order: every
+            # replica's last application of every update is then in the same order, so the
+            # models agree once all is applied. Its own load changes are in its own counters.
+            stats = self.router.apply_updates(data, loads=not own)
         except ValueError as e:
             self.skipped.inc("malformed")
             self.last_error = f"batch {publisher}/{n}: {e}"
