@@ -315,6 +315,37 @@ def _epp(args: argparse.Namespace) -> int:
     return 0
 
 
+def _relay(args: argparse.Namespace) -> int:
+    """Republish the engines' KV events into NATS JetStream for every replica (`cluster` and
+    `events` extras)."""
+    import asyncio
+    import logging
+    import signal
+
+    try:
+        from .cluster.relay import relay_from_config, run_relay
+        from .server.config import load_toml
+    except ImportError as e:
+        print(f"kvroute relay needs the cluster and events extras: {e}", file=sys.stderr)
+        return 2
+    try:
+        relay = relay_from_config(load_toml(args.config))
+    except (OSError, ValueError, TypeError, KeyError, ImportError) as e:
+        print(f"kvroute relay: bad config {args.config}: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await run_relay(relay, stop)
+
+    asyncio.run(main())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvroute", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -498,6 +529,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     epp.set_defaults(func=_epp)
+
+    relay = sub.add_parser(
+        "relay",
+        help="read every engine's KV events once and republish them into NATS JetStream for the "
+        "[cluster] replicas (relay = true)",
+    )
+    relay.add_argument("--config", required=True, help="the TOML file (kvroute serve's)")
+    relay.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    relay.set_defaults(func=_relay)
     return parser
 
 

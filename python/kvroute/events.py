@@ -56,7 +56,7 @@ from typing import Any, Protocol
 
 from ._core import KvEventApplier, PrefixIndex
 
-__all__ = ["END_SEQ", "Freshness", "KvEventSubscriber"]
+__all__ = ["END_SEQ", "Freshness", "KvEventSubscriber", "applier_for"]
 
 #: The sequence number of the replay end marker (``-1`` as a signed 8-byte big-endian int).
 END_SEQ = b"\xff" * 8
@@ -78,6 +78,60 @@ def _zmq() -> Any:
     except ImportError as e:  # pragma: no cover - exercised only without the extra
         raise ImportError("kvroute.events needs pyzmq: pip install 'kvroute[events]'") from e
     return zmq
+
+
+def applier_for(
+    target: Any,
+    *,
+    mode: str = "rehash",
+    block_size: int | None = None,
+    hash_profile: str | None = None,
+    seed: str | None = None,
+    group_idx: int = 0,
+    hash_algo: str | None = None,
+    vllm_version: str | None = None,
+) -> Any:
+    """What a KV-event stream is applied with, for ``target`` (see ``KvEventSubscriber``): a
+    ``KvEventApplier`` as is, a router's own applier, one built over a ``PrefixIndex`` or a
+    router's index — or any sink with ``apply(worker, payload)``, ``clear(worker)`` and
+    ``stats()`` (``kvroute relay``'s outbox). An approx-mode router is refused."""
+    if isinstance(target, KvEventApplier):
+        return target
+    own = getattr(target, "event_applier", None)  # a router that owns its applier (tiers)
+    if isinstance(own, KvEventApplier):
+        return own
+    if getattr(target, "mode", None) == "approx":
+        # An approx-mode router's index is its own prediction, kept equal to its cache model:
+        # engine events written into it would silently corrupt both.
+        raise ValueError(
+            "this router predicts its index (index='approx'); create it with "
+            "index='events' to feed it engine KV events"
+        )
+    if isinstance(target, PrefixIndex):
+        index = target
+    elif isinstance(getattr(target, "index", None), PrefixIndex):
+        index = target.index
+        block_size = block_size if block_size is not None else getattr(target, "block_size", None)
+        if hash_profile is None:
+            hash_profile = getattr(target, "hash_profile", None)
+    elif all(callable(getattr(target, m, None)) for m in ("apply", "clear", "stats")):
+        return target
+    else:
+        raise TypeError(
+            "target must be a PrefixIndex, a KvEventApplier, a router with an .index or an "
+            "event sink, "
+            f"got {type(target).__name__}"
+        )
+    return KvEventApplier(
+        index,
+        mode=mode,
+        block_size=16 if block_size is None else block_size,
+        hash_profile=hash_profile or "native",
+        seed=seed,
+        group_idx=group_idx,
+        hash_algo=hash_algo,
+        vllm_version=vllm_version,
+    )
 
 
 class _Worker:
@@ -170,8 +224,15 @@ class KvEventSubscriber:
         unknown = sorted(set(binds) - set(endpoints))
         if unknown:
             raise KeyError(f"bind given for unknown workers {unknown}")
-        self.applier = self._applier_for(
-            target, mode, block_size, hash_profile, seed, group_idx, hash_algo, vllm_version
+        self.applier = applier_for(
+            target,
+            mode=mode,
+            block_size=block_size,
+            hash_profile=hash_profile,
+            seed=seed,
+            group_idx=group_idx,
+            hash_algo=hash_algo,
+            vllm_version=vllm_version,
         )
         if freshness is None and hasattr(target, "mark_stale") and hasattr(target, "mark_fresh"):
             freshness = target
@@ -196,54 +257,6 @@ class KvEventSubscriber:
         self._poller: Any = None  # the poll thread's own
         # socket -> (worker, handler of its frames)
         self._owner: dict[Any, tuple[_Worker, Any]] = {}
-
-    @staticmethod
-    def _applier_for(
-        target: Any,
-        mode: str,
-        block_size: int | None,
-        hash_profile: str | None,
-        seed: str | None,
-        group_idx: int,
-        hash_algo: str | None,
-        vllm_version: str | None,
-    ) -> KvEventApplier:
-        if isinstance(target, KvEventApplier):
-            return target
-        own = getattr(target, "event_applier", None)  # a router that owns its applier (tiers)
-        if isinstance(own, KvEventApplier):
-            return own
-        if getattr(target, "mode", None) == "approx":
-            # An approx-mode router's index is its own prediction, kept equal to its cache model:
-            # engine events written into it would silently corrupt both.
-            raise ValueError(
-                "this router predicts its index (index='approx'); create it with "
-                "index='events' to feed it engine KV events"
-            )
-        if isinstance(target, PrefixIndex):
-            index = target
-        elif isinstance(getattr(target, "index", None), PrefixIndex):
-            index = target.index
-            block_size = (
-                block_size if block_size is not None else getattr(target, "block_size", None)
-            )
-            if hash_profile is None:
-                hash_profile = getattr(target, "hash_profile", None)
-        else:
-            raise TypeError(
-                "target must be a PrefixIndex, a KvEventApplier or a router with an .index, "
-                f"got {type(target).__name__}"
-            )
-        return KvEventApplier(
-            index,
-            mode=mode,
-            block_size=16 if block_size is None else block_size,
-            hash_profile=hash_profile or "native",
-            seed=seed,
-            group_idx=group_idx,
-            hash_algo=hash_algo,
-            vllm_version=vllm_version,
-        )
 
     # ---- lifecycle ------------------------------------------------------------------------
 

@@ -11,6 +11,9 @@ JetStream, and reads the engines' own load:
   routing, never to failed requests.
 - :mod:`.scrape` — :class:`EngineScraper`: vLLM's and SGLang's Prometheus ``/metrics`` (running
   and waiting requests, KV usage) fed to ``Router.set_load``.
+- :mod:`.relay` — events mode: ``kvroute relay`` (:class:`EventRelay`) reads every engine's KV
+  events once and republishes them into JetStream; each replica's :class:`EventFollower`
+  (``[cluster] relay = true``) applies them with the subscriber's gap and restart semantics.
 - :mod:`.config` — the ``[cluster]`` section of ``kvroute serve``'s TOML file.
 
 Nothing below the router knows about NATS: the router only fills an outbox of bytes and
@@ -25,6 +28,7 @@ from typing import Any
 from kvroute.server.metrics import Registry
 
 from .config import ClusterConfig, parse_cluster
+from .relay import EventFollower, EventRelay
 from .scrape import EngineLoad, EngineScraper, parse_engine_metrics
 from .sync import ReplicaSync
 
@@ -33,6 +37,8 @@ __all__ = [
     "ClusterConfig",
     "EngineLoad",
     "EngineScraper",
+    "EventFollower",
+    "EventRelay",
     "ReplicaSync",
     "parse_cluster",
     "parse_engine_metrics",
@@ -40,9 +46,11 @@ __all__ = [
 
 
 class Cluster:
-    """A server's cluster side: replica sync plus the engine scraper, from ``[cluster]``.
+    """A server's cluster side: replica sync, the engine scraper and (``relay = true`` with an
+    events-mode router) the follower of ``kvroute relay``'s stream, from ``[cluster]``.
 
-    ``workers``: ``(name, base url, kind, api key or None)`` of the fleet.
+    ``workers``: ``(name, base url, kind, api key or None)`` of the fleet; ``event_mode``: how
+    the follower applies events (``[events] mode``).
     """
 
     def __init__(
@@ -52,8 +60,12 @@ class Cluster:
         workers: list[tuple[str, str, str, str | None]],
         *,
         registry: Registry | None = None,
+        event_mode: str = "rehash",
     ) -> None:
         self.config = config
+        self.follower: EventFollower | None = None
+        if config.relay and router.mode == "events":
+            self.follower = EventFollower(router, config, mode=event_mode, registry=registry)
         self.sync = ReplicaSync(router, config, registry=registry)
         self.scraper = EngineScraper(
             router,
@@ -67,11 +79,18 @@ class Cluster:
         """Starts both in the background (on the running event loop)."""
         self.sync.start()
         self.scraper.start()
+        if self.follower is not None:
+            self.follower.start()
 
     async def stop(self) -> None:
+        if self.follower is not None:
+            await self.follower.stop()
         await self.scraper.stop()
         await self.sync.stop()
 
     def describe(self) -> dict[str, Any]:
         """``/health``'s ``cluster`` entry."""
-        return {**self.sync.describe(), "engine_load": self.scraper.describe()}
+        out = {**self.sync.describe(), "engine_load": self.scraper.describe()}
+        if self.follower is not None:
+            out["relay"] = self.follower.describe()
+        return out

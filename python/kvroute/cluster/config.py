@@ -17,6 +17,10 @@ server runs alone, exactly as before. Example (every key shown, with its default
     scrape_interval = 1.0            # seconds between engine /metrics scrapes; 0: off
     scrape_timeout = 0.5
     name = ""                        # this replica's name in logs and /health (default: host-pid)
+    relay = false                    # index = "events": read the engines' KV events from the
+                                     # stream `kvroute relay` fills, not from each engine's ZMQ
+    events_stream = "KVROUTE_EVENTS" # the relay's stream
+    events_subject = "kvroute.events"
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ class ClusterConfig:
     scrape_interval: float = 1.0
     scrape_timeout: float = 0.5
     name: str = ""
+    relay: bool = False
+    events_stream: str = "KVROUTE_EVENTS"
+    events_subject: str = "kvroute.events"
 
     @property
     def replica_name(self) -> str:
@@ -98,10 +105,17 @@ def parse_cluster(top: Table) -> ClusterConfig | None:
         scrape_interval=c.positive("scrape_interval", float, d.scrape_interval, zero=True),
         scrape_timeout=c.positive("scrape_timeout", float, d.scrape_timeout),
         name=c.get("name", str, d.name),
+        relay=c.get("relay", bool, d.relay),
+        events_stream=_token(c, "events_stream", d.events_stream),
+        events_subject=_token(c, "events_subject", d.events_subject, "."),
     )
     c.done()
-    if config.subject.startswith(".") or config.subject.endswith(".") or ".." in config.subject:
-        raise ValueError(f"{c.where}.subject must be dot-separated tokens, got {config.subject!r}")
+    for key in ("subject", "events_subject"):
+        subject = getattr(config, key)
+        if subject.startswith(".") or subject.endswith(".") or ".." in subject:
+            raise ValueError(f"{c.where}.{key} must be dot-separated tokens, got {subject!r}")
+    if config.stream == config.events_stream or config.subject == config.events_subject:
+        raise ValueError(f"{c.where}: the events stream and subject must differ from the sync's")
     for key in ("snapshot_interval", "publish_interval", "max_age"):
         if not math.isfinite(getattr(config, key)):
             raise ValueError(f"{c.where}.{key} must be finite")

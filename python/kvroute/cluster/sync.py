@@ -49,6 +49,7 @@ from typing import Any
 
 from kvroute.server.metrics import Counter, Gauge, Registry
 
+from .bus import connect, ensure_stream
 from .config import ClusterConfig
 
 __all__ = ["MAX_BATCH", "MAX_HELD", "ReplicaSync"]
@@ -234,36 +235,14 @@ class ReplicaSync:
         log.warning("cluster %s failed: %s", op, self.last_error)
 
     async def _connect(self) -> None:
-        import nats
         from nats.js import api
 
         cfg = self.config
-        nc = await asyncio.wait_for(
-            nats.connect(
-                servers=list(cfg.nats),
-                name=self.replica,
-                allow_reconnect=False,  # this loop reconnects and resumes from its own sequence
-                max_reconnect_attempts=0,
-                connect_timeout=cfg.connect_timeout,
-                error_cb=self._on_error,
-            ),
-            cfg.connect_timeout * (len(cfg.nats) + 1),
-        )
+        nc = await connect(cfg, self.replica, self._on_error)
         self._nc = nc
         js = nc.jetstream(timeout=cfg.connect_timeout)
         self._js = js
-        stream = api.StreamConfig(
-            name=cfg.stream,
-            subjects=[cfg.subject],
-            max_age=cfg.max_age,
-            storage=api.StorageType.FILE,
-            duplicate_window=min(120.0, cfg.max_age),
-        )
-        try:
-            await js.add_stream(stream)
-        except Exception:
-            # Created by another replica with other settings: use it as it is.
-            await js.stream_info(cfg.stream)
+        await ensure_stream(js, cfg.stream, cfg.subject, cfg)
         try:
             self._objects = await js.object_store(cfg.snapshots)
         except Exception:

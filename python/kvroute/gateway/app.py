@@ -277,6 +277,7 @@ class Gateway:
                 config.cluster,
                 [(w.name, w.url, w.kind, w.api_key) for w in config.workers],
                 registry=self.metrics.registry,
+                event_mode=config.events.mode,
             )
         self.routes: dict[str, dict[str, Handler]] = {
             CHAT: {"POST": self._chat},
@@ -363,7 +364,8 @@ class Gateway:
         if not self.server.admin_port and not self.auth.admin:
             log.info("/metrics is off: set gateway.admin_port or gateway.admin_api_keys")
         c = self.config
-        self.subscriber = event_subscriber(self.router, c.workers, c.router, c.events)
+        if self.cluster is None or self.cluster.follower is None:  # else: kvroute relay's stream
+            self.subscriber = event_subscriber(self.router, c.workers, c.router, c.events)
         if self.subscriber is not None:
             await self.subscriber.__aenter__()
 
@@ -392,6 +394,8 @@ class Gateway:
     def _events_health(self) -> dict[str, Any]:
         """Per worker, the KV-event stream's state (events mode only)."""
         sub = self.subscriber
+        if sub is None and self.cluster is not None:
+            sub = self.cluster.follower
         if sub is None:
             return {}
         keys = ("last_seq", "stale", "gaps", "restarts", "disconnects", "resets", "blocks_stored")

@@ -1,0 +1,460 @@
+"""Events mode across replicas: one relay reads the engines' KV events, every replica replays them.
+
+With ``index = "events"`` each replica would otherwise open its own ZMQ subscription to every
+engine (M engines × N replicas connections), and a replica started late would know nothing the
+engines published before it. ``kvroute relay`` (:class:`EventRelay`) subscribes to each engine
+once and republishes into a JetStream stream; every replica's :class:`EventFollower` applies the
+stream to its router's index, from the stream's start (a late replica replays what it missed).
+
+- **The relay** runs a :class:`kvroute.events.KvEventSubscriber` whose target is an outbox
+  instead of an index: the subscriber's gap, replay, restart, disconnect and catch-up handling
+  is unchanged, and what it would have done to an index — apply a batch, clear a worker, mark it
+  stale or fresh — is what the relay publishes, in that order, each message awaited (JetStream's
+  ack) before the next. Messages are numbered per worker (``Kvroute-Seq``, from 1) by the relay
+  instance (``Kvroute-Relay``, new at every start); ``Nats-Msg-Id`` lets JetStream drop a message
+  re-sent after a lost ack. While NATS is unreachable the relay keeps up to ``max_pending``
+  messages and drops the oldest beyond (counted).
+- **A follower** applies every message once, in stream order, with the subscriber's semantics:
+  a number seen before is dropped; a number past the next expected one (the relay dropped
+  messages while NATS was down, or the stream aged them out) is a gap — the worker is cleared,
+  never guessed about; a new relay instance clears the worker (its subscriber starts afresh and
+  replays the engine's buffer from 0 when the engine has a replay socket). While the follower
+  is disconnected from NATS every worker is marked stale on the router (its overlap credit
+  decays); when it is back they are fresh again, unless the relay said otherwise.
+
+Run one relay per fleet (a supervisor restarts it; a restart costs each replica one clear of
+each worker and the engines' replay). Configured by the server file's ``[[workers]]``
+(``kv_events``, ``kv_replay``, ``kv_events_bind``), ``[events] topic`` and ``[cluster]``
+(``events_stream``, ``events_subject``; replicas read it when ``relay = true``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import uuid
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvroute.server.metrics import Counter, Registry
+
+from .bus import connect, ensure_stream
+from .config import ClusterConfig
+
+__all__ = ["EventFollower", "EventRelay"]
+
+log = logging.getLogger("kvroute.cluster")
+
+KINDS = ("batch", "clear", "stale", "fresh")
+
+
+@dataclass(frozen=True)
+class _Message:
+    worker: str
+    seq: int
+    kind: str
+    data: bytes = b""
+
+
+class _Outbox:
+    """The relay subscriber's target: what it would do to an index, queued for JetStream.
+
+    Called from the subscriber's poll thread; read by the relay's publishing task."""
+
+    def __init__(self, max_pending: int) -> None:
+        self.max_pending = max_pending
+        self.lock = threading.Lock()
+        self.queue: deque[_Message] = deque()
+        self.seq: dict[str, int] = {}
+        self.dropped = 0
+        self.counts: dict[str, dict[str, int]] = {}
+        self.wake: Any = None  # () -> None, set by the relay: wakes its publisher
+
+    def _put(self, worker: str, kind: str, data: bytes = b"") -> None:
+        with self.lock:
+            n = self.seq.get(worker, 0) + 1
+            self.seq[worker] = n
+            self.queue.append(_Message(worker, n, kind, data))
+            row = self.counts.setdefault(worker, dict.fromkeys(KINDS, 0))
+            row[kind] += 1
+            while len(self.queue) > self.max_pending:
+                self.queue.popleft()
+                self.dropped += 1
+        if self.wake is not None:
+            self.wake()
+
+    # What KvEventSubscriber calls on its target (an applier) and its freshness sink.
+    def apply(self, worker: str, payload: bytes) -> int:
+        self._put(worker, "batch", bytes(payload))
+        return 0
+
+    def clear(self, worker: str) -> None:
+        self._put(worker, "clear")
+
+    def mark_stale(self, worker: str) -> None:
+        self._put(worker, "stale")
+
+    def mark_fresh(self, worker: str) -> None:
+        self._put(worker, "fresh")
+
+    def stats(self, worker: str | None = None) -> Any:
+        with self.lock:
+            if worker is not None:
+                return dict(self.counts.get(worker, {}))
+            return {w: dict(row) for w, row in self.counts.items()}
+
+
+class EventRelay:
+    """Subscribes to every engine's KV events once and republishes them into JetStream.
+
+    ``endpoints`` / ``replay`` / ``bind`` / ``topic``: as for ``KvEventSubscriber``. Runs on the
+    caller's event loop (``start`` / ``stop``, or ``async with``)."""
+
+    def __init__(
+        self,
+        endpoints: Mapping[str, str],
+        config: ClusterConfig,
+        *,
+        replay: Mapping[str, str] | None = None,
+        bind: bool | Mapping[str, bool] = False,
+        topic: str = "",
+        registry: Registry | None = None,
+    ) -> None:
+        from kvroute.events import KvEventSubscriber
+
+        self.config = config
+        self.relay = f"{config.replica_name}-{uuid.uuid4().hex[:8]}"
+        self.outbox = _Outbox(config.max_pending)
+        self.subscriber = KvEventSubscriber(
+            self.outbox, endpoints, replay=replay, bind=bind, topic=topic
+        )
+        reg = registry or Registry()
+        self.published = reg.add(
+            Counter("kvroute_relay_published_total", "Messages published, by kind.", ("kind",))
+        )
+        self.errors = reg.add(Counter("kvroute_relay_bus_errors_total", "NATS failures."))
+        self.connected = False
+        self.last_error = ""
+        self._task: asyncio.Task[None] | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._js: Any = None
+
+    @property
+    def dropped(self) -> int:
+        """Messages dropped while NATS was unreachable (followers see a gap and clear)."""
+        return self.outbox.dropped
+
+    @property
+    def pending(self) -> int:
+        with self.outbox.lock:
+            return len(self.outbox.queue)
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._wakeup = wakeup = asyncio.Event()
+        self.outbox.wake = lambda: loop.call_soon_threadsafe(wakeup.set)
+        self._task = loop.create_task(self._run())
+        await self.subscriber.__aenter__()
+
+    async def stop(self) -> None:
+        """Stops the subscriber, publishes what it can within a second, disconnects."""
+        await self.subscriber.__aexit__(None, None, None)
+        if self._js is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._publish_pending(), 1.0)
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def __aenter__(self) -> EventRelay:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "relay": self.relay,
+            "connected": self.connected,
+            "pending": self.pending,
+            "dropped": self.dropped,
+            "last_error": self.last_error,
+            "workers": self.subscriber.stats(),
+        }
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            nc = None
+            try:
+                nc = await connect(self.config, self.relay)
+                js = nc.jetstream(timeout=self.config.connect_timeout)
+                await ensure_stream(
+                    js, self.config.events_stream, self.config.events_subject, self.config
+                )
+                self._js = js
+                self.connected = True
+                backoff = 0.05
+                while nc.is_connected:
+                    await self._publish_pending()
+                    assert self._wakeup is not None
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._wakeup.wait(), 0.5)
+                    self._wakeup.clear()
+                raise ConnectionError("NATS connection lost")
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self.errors.inc()
+                self.last_error = f"{type(e).__name__}: {e}"
+                log.warning("relay: NATS failed: %s", self.last_error)
+            finally:
+                self.connected = False
+                self._js = None
+                if nc is not None:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(nc.close(), 1.0)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    async def _publish_pending(self) -> None:
+        box = self.outbox
+        while self._js is not None:
+            with box.lock:
+                if not box.queue:
+                    return
+                m = box.queue[0]
+            await self._js.publish(
+                self.config.events_subject,
+                m.data,
+                timeout=self.config.connect_timeout,
+                stream=self.config.events_stream,
+                headers={
+                    "Nats-Msg-Id": f"{self.relay}-{m.worker}-{m.seq}",
+                    "Kvroute-Relay": self.relay,
+                    "Kvroute-Worker": m.worker,
+                    "Kvroute-Seq": str(m.seq),
+                    "Kvroute-Kind": m.kind,
+                },
+            )
+            with box.lock:
+                if box.queue and box.queue[0] is m:  # not dropped meanwhile
+                    box.queue.popleft()
+            self.published.inc(m.kind)
+
+
+class _Source:
+    __slots__ = ("next", "relay", "stale")
+
+    def __init__(self, relay: str, next_seq: int) -> None:
+        self.relay = relay
+        self.next = next_seq
+        self.stale = False
+
+
+class EventFollower:
+    """Applies the relay's stream to ``target``'s index (see the module docs).
+
+    ``target``: an events-mode ``kvroute.Router`` (its ``event_applier``; it is also the
+    freshness sink), a ``KvEventApplier`` or a ``PrefixIndex`` (with ``mode`` etc., as for
+    ``KvEventSubscriber``). Runs on the caller's event loop."""
+
+    def __init__(
+        self,
+        target: Any,
+        config: ClusterConfig,
+        *,
+        mode: str = "rehash",
+        registry: Registry | None = None,
+    ) -> None:
+        from kvroute.events import applier_for
+
+        self.config = config
+        self.applier = applier_for(target, mode=mode)
+        self.freshness = target if hasattr(target, "mark_stale") else None
+        self.connected = False
+        self.stream_seq = 0
+        self.last_error = ""
+        self._sources: dict[str, _Source] = {}
+        self._task: asyncio.Task[None] | None = None
+        reg = registry or Registry()
+        self.applied = reg.add(
+            Counter("kvroute_cluster_events_total", "Relay messages applied, by kind.", ("kind",))
+        )
+        self.skipped = reg.add(
+            Counter(
+                "kvroute_cluster_events_skipped_total",
+                "Relay messages not applied or history lost: duplicate, malformed, gap "
+                "(worker cleared), relay_restart (worker cleared).",
+                ("reason",),
+            )
+        )
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per worker: the applier's counters, the relay's numbering and staleness."""
+        applied = self.applier.stats()
+        return {
+            w: {**applied.get(w, {}), "relay": s.relay, "last_seq": s.next - 1, "stale": s.stale}
+            for w, s in self._sources.items()
+        }
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "connected": self.connected,
+            "stream_seq": self.stream_seq,
+            "workers": len(self._sources),
+            "last_error": self.last_error,
+        }
+
+    def _mark(self, worker: str, stale: bool) -> None:
+        if self.freshness is not None:
+            with contextlib.suppress(Exception):  # an unknown worker: nothing to mark
+                (self.freshness.mark_stale if stale else self.freshness.mark_fresh)(worker)
+
+    async def _run(self) -> None:
+        from nats.js import api
+
+        cfg = self.config
+        backoff = 0.05
+        while True:
+            nc = None
+            try:
+                nc = await connect(cfg, f"{cfg.replica_name}-events")
+                js = nc.jetstream(timeout=cfg.connect_timeout)
+                await ensure_stream(js, cfg.events_stream, cfg.events_subject, cfg)
+                await js.subscribe(
+                    cfg.events_subject,
+                    stream=cfg.events_stream,
+                    cb=self._on_msg,
+                    ordered_consumer=True,
+                    config=api.ConsumerConfig(
+                        deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+                        opt_start_seq=self.stream_seq + 1,
+                    ),
+                )
+                self.connected = True
+                backoff = 0.05
+                for w, s in self._sources.items():
+                    if not s.stale:
+                        self._mark(w, False)
+                while nc.is_connected:
+                    await asyncio.sleep(0.2)
+                raise ConnectionError("NATS connection lost")
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self.last_error = f"{type(e).__name__}: {e}"
+                log.warning("events follower: NATS failed: %s", self.last_error)
+            finally:
+                if self.connected:
+                    for w in self._sources:
+                        self._mark(w, True)  # the relay's news cannot reach us
+                self.connected = False
+                if nc is not None:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(nc.close(), 1.0)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    async def _on_msg(self, msg: Any) -> None:
+        seq = msg.metadata.sequence.stream
+        if seq <= self.stream_seq:
+            self.skipped.inc("duplicate")
+            return
+        self.stream_seq = seq
+        self.apply(msg.headers or {}, msg.data)
+
+    def apply(self, headers: Mapping[str, str], data: bytes) -> None:
+        """Takes one relay message (headers as published): once each, gaps clear the worker."""
+        relay = headers.get("Kvroute-Relay", "")
+        worker = headers.get("Kvroute-Worker", "")
+        kind = headers.get("Kvroute-Kind", "")
+        try:
+            n = int(headers.get("Kvroute-Seq", "0"))
+        except ValueError:
+            n = 0
+        if not relay or not worker or kind not in KINDS or n < 1:
+            self.skipped.inc("malformed")
+            return
+        src = self._sources.get(worker)
+        if src is None:
+            # First message of this worker: what came before it aged out of the stream (or
+            # there was nothing), as for a subscriber that connects late without catch-up.
+            src = self._sources[worker] = _Source(relay, n)
+        elif src.relay != relay:
+            self.skipped.inc("relay_restart")
+            self.applier.clear(worker)
+            src.relay, src.next = relay, n
+        if n < src.next:
+            self.skipped.inc("duplicate")
+            return
+        if n > src.next:
+            self.skipped.inc("gap")
+            self.applier.clear(worker)
+        src.next = n + 1
+        if kind == "batch":
+            try:
+                self.applier.apply(worker, data)
+            except ValueError:
+                self.skipped.inc("malformed")  # counted by the applier too; changed nothing
+                return
+        elif kind == "clear":
+            self.applier.clear(worker)
+        else:
+            src.stale = kind == "stale"
+            self._mark(worker, src.stale)
+        self.applied.inc(kind)
+
+
+def relay_from_config(data: Mapping[str, Any], registry: Registry | None = None) -> EventRelay:
+    """The relay of a server file (``kvroute serve``'s): its workers' ``kv_events`` (with
+    ``kv_replay``, ``kv_events_bind``), ``[events] topic`` and ``[cluster]``; other sections are
+    left to their servers."""
+    from kvroute.server.config import Table, parse_fleet
+
+    from .config import parse_cluster
+
+    top = Table(data, "config", root=True)
+    fleet = parse_fleet(top)
+    cluster = parse_cluster(top)
+    if cluster is None:
+        raise ValueError("kvroute relay needs a [cluster] section (where NATS is)")
+    workers = [w for w in fleet.workers if w.kv_events]
+    if not workers:
+        raise ValueError("kvroute relay needs kv_events on at least one [[workers]] entry")
+    return EventRelay(
+        {w.name: w.kv_events for w in workers if w.kv_events},
+        cluster,
+        replay={w.name: w.kv_replay for w in workers if w.kv_replay},
+        bind={w.name: w.kv_events_bind for w in workers},
+        topic=fleet.events.topic,
+        registry=registry,
+    )
+
+
+async def run_relay(relay: EventRelay, stop: asyncio.Event) -> None:
+    """Runs ``relay`` until ``stop`` is set, logging its state every minute."""
+    async with relay:
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 60.0)
+                return
+            log.info("relay: %s", relay.describe())
