@@ -400,3 +400,51 @@ def test_the_scraper_feeds_the_router(nats_server):
         gw.stop()
         engine.stop()
         fleet.close()
+
+
+def test_the_epp_shares_state_and_scrapes_the_engines(nats_server):
+    """``kvroute epp`` with ``[cluster]``: two pickers share their predictions over NATS and each
+    reads the engines' /metrics into its router, as ``kvroute serve`` does."""
+    from kvroute import BlockHasher
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from support.epp_client import EppThread, epp_config
+    from support.gateway_upstream import ServerThread
+
+    async def metrics(request):
+        return PlainTextResponse(VLLM_METRICS)
+
+    engine = ServerThread(Starlette(routes=[Route("/metrics", metrics)]))
+    fleet = upstreams()
+    pickers = []
+    try:
+        for i in range(2):
+            config = epp_config(
+                fleet,
+                endpoints=[],
+                cluster=cluster_section(nats_server, f"epp-{i}", scrape_interval=0.05),
+            )
+            config["workers"][0]["url"] = engine.url
+            pickers.append(EppThread(config))
+        name = config["workers"][0]["name"]
+        a, b = (p.router for p in pickers)
+        for r in (a, b):
+            wait_for(lambda r=r: r.load(name)["others"]["active"] == 5, "the scrapes", 10)
+        tokens = tokens_of(3, "shared between pickers")
+        d = pickers[0].call(_route_and_begin(a, tokens))
+        blocks = BlockHasher(16).hash(tokens)
+        assert a.index.match(blocks)[d.worker] == len(blocks)
+        wait_for(lambda: b.index.match(blocks) == a.index.match(blocks), "a's prediction in b", 10)
+    finally:
+        for p in pickers:
+            p.stop()
+        engine.stop()
+        fleet.close()
+
+
+async def _route_and_begin(router: Any, tokens: np.ndarray) -> Any:
+    """Routes on the picker's own loop, as its service does."""
+    d = router.route(tokens=tokens)
+    router.begin(d)
+    return d

@@ -1,13 +1,18 @@
-"""The NATS side every cluster component shares: one way to connect and to declare a stream."""
+"""The NATS side every cluster component shares: connecting (and reconnecting), declaring a
+stream, and consuming one in order."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
+
+from kvroute.server.metrics import Counter
 
 from .config import ClusterConfig
 
-__all__ = ["connect", "ensure_stream"]
+__all__ = ["StreamConsumer", "connect", "ensure_stream", "keep_connected"]
 
 
 async def connect(config: ClusterConfig, name: str, error_cb: Any = None) -> Any:
@@ -48,3 +53,55 @@ async def ensure_stream(js: Any, stream: str, subject: str, config: ClusterConfi
         )
     except Exception:
         await js.stream_info(stream)
+
+
+async def keep_connected(
+    config: ClusterConfig,
+    name: str,
+    session: Callable[[Any], Awaitable[None]],
+    *,
+    failed: Callable[[BaseException], None],
+    closed: Callable[[], None],
+) -> None:
+    """Connects and runs ``session(connection)`` until the connection is lost or anything in it
+    fails (``failed(error)``); then ``closed()``, closes the connection, waits (50 ms, doubling
+    to 2 s, reset by every connection made) and starts again. Returns only when cancelled."""
+    backoff = 0.05
+    while True:
+        nc = None
+        try:
+            nc = await connect(config, name)
+            backoff = 0.05
+            await session(nc)
+            raise ConnectionError("NATS connection lost")
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            failed(e)
+        finally:
+            closed()
+            if nc is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(nc.close(), 1.0)
+        await asyncio.sleep(backoff)
+        backoff = min(backoff * 2, 2.0)
+
+
+class StreamConsumer:
+    """Takes one stream's messages once each, in stream order: a message at or below the last
+    stream sequence handled (redelivered after a reconnect) is dropped and counted as a
+    ``duplicate`` in ``skipped``; the others go to ``apply(headers, data)``."""
+
+    stream_seq: int
+    skipped: Counter
+
+    async def _on_msg(self, msg: Any) -> None:
+        seq = msg.metadata.sequence.stream
+        if seq <= self.stream_seq:
+            self.skipped.inc("duplicate")
+            return
+        self.stream_seq = seq
+        self.apply(msg.headers or {}, msg.data)
+
+    def apply(self, headers: Mapping[str, str], data: bytes) -> None:
+        raise NotImplementedError

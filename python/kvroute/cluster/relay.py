@@ -42,7 +42,7 @@ from typing import Any
 
 from kvroute.server.metrics import Counter, Registry
 
-from .bus import connect, ensure_stream
+from .bus import StreamConsumer, ensure_stream, keep_connected
 from .config import ClusterConfig
 
 __all__ = ["EventFollower", "EventRelay"]
@@ -190,39 +190,31 @@ class EventRelay:
         }
 
     async def _run(self) -> None:
-        backoff = 0.05
-        while True:
-            nc = None
-            try:
-                nc = await connect(self.config, self.relay)
-                js = nc.jetstream(timeout=self.config.connect_timeout)
-                await ensure_stream(
-                    js, self.config.events_stream, self.config.events_subject, self.config
-                )
-                self._js = js
-                self.connected = True
-                backoff = 0.05
-                while nc.is_connected:
-                    await self._publish_pending()
-                    assert self._wakeup is not None
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self._wakeup.wait(), 0.5)
-                    self._wakeup.clear()
-                raise ConnectionError("NATS connection lost")
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                self.errors.inc()
-                self.last_error = f"{type(e).__name__}: {e}"
-                log.warning("relay: NATS failed: %s", self.last_error)
-            finally:
-                self.connected = False
-                self._js = None
-                if nc is not None:
-                    with contextlib.suppress(Exception):
-                        await asyncio.wait_for(nc.close(), 1.0)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
+        await keep_connected(
+            self.config, self.relay, self._session, failed=self._failed, closed=self._closed
+        )
+
+    async def _session(self, nc: Any) -> None:
+        cfg = self.config
+        js = nc.jetstream(timeout=cfg.connect_timeout)
+        await ensure_stream(js, cfg.events_stream, cfg.events_subject, cfg)
+        self._js = js
+        self.connected = True
+        assert self._wakeup is not None
+        while nc.is_connected:
+            await self._publish_pending()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), 0.5)
+            self._wakeup.clear()
+
+    def _failed(self, e: BaseException) -> None:
+        self.errors.inc()
+        self.last_error = f"{type(e).__name__}: {e}"
+        log.warning("relay: NATS failed: %s", self.last_error)
+
+    def _closed(self) -> None:
+        self.connected = False
+        self._js = None
 
     async def _publish_pending(self) -> None:
         box = self.outbox
@@ -259,7 +251,7 @@ class _Source:
         self.stale = False
 
 
-class EventFollower:
+class EventFollower(StreamConsumer):
     """Applies the relay's stream to ``target``'s index (see the module docs).
 
     ``target``: an events-mode ``kvroute.Router`` (its ``event_applier``; it is also the
@@ -330,57 +322,46 @@ class EventFollower:
                 (self.freshness.mark_stale if stale else self.freshness.mark_fresh)(worker)
 
     async def _run(self) -> None:
+        await keep_connected(
+            self.config,
+            f"{self.config.replica_name}-events",
+            self._session,
+            failed=self._failed,
+            closed=self._closed,
+        )
+
+    async def _session(self, nc: Any) -> None:
         from nats.js import api
 
         cfg = self.config
-        backoff = 0.05
-        while True:
-            nc = None
-            try:
-                nc = await connect(cfg, f"{cfg.replica_name}-events")
-                js = nc.jetstream(timeout=cfg.connect_timeout)
-                await ensure_stream(js, cfg.events_stream, cfg.events_subject, cfg)
-                await js.subscribe(
-                    cfg.events_subject,
-                    stream=cfg.events_stream,
-                    cb=self._on_msg,
-                    ordered_consumer=True,
-                    config=api.ConsumerConfig(
-                        deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-                        opt_start_seq=self.stream_seq + 1,
-                    ),
-                )
-                self.connected = True
-                backoff = 0.05
-                for w, s in self._sources.items():
-                    if not s.stale:
-                        self._mark(w, False)
-                while nc.is_connected:
-                    await asyncio.sleep(0.2)
-                raise ConnectionError("NATS connection lost")
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                self.last_error = f"{type(e).__name__}: {e}"
-                log.warning("events follower: NATS failed: %s", self.last_error)
-            finally:
-                if self.connected:
-                    for w in self._sources:
-                        self._mark(w, True)  # the relay's news cannot reach us
-                self.connected = False
-                if nc is not None:
-                    with contextlib.suppress(Exception):
-                        await asyncio.wait_for(nc.close(), 1.0)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
+        js = nc.jetstream(timeout=cfg.connect_timeout)
+        await ensure_stream(js, cfg.events_stream, cfg.events_subject, cfg)
+        await js.subscribe(
+            cfg.events_subject,
+            stream=cfg.events_stream,
+            cb=self._on_msg,
+            ordered_consumer=True,
+            config=api.ConsumerConfig(
+                deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+                opt_start_seq=self.stream_seq + 1,
+            ),
+        )
+        self.connected = True
+        for w, s in self._sources.items():
+            if not s.stale:
+                self._mark(w, False)
+        while nc.is_connected:
+            await asyncio.sleep(0.2)
 
-    async def _on_msg(self, msg: Any) -> None:
-        seq = msg.metadata.sequence.stream
-        if seq <= self.stream_seq:
-            self.skipped.inc("duplicate")
-            return
-        self.stream_seq = seq
-        self.apply(msg.headers or {}, msg.data)
+    def _failed(self, e: BaseException) -> None:
+        self.last_error = f"{type(e).__name__}: {e}"
+        log.warning("events follower: NATS failed: %s", self.last_error)
+
+    def _closed(self) -> None:
+        if self.connected:
+            for w in self._sources:
+                self._mark(w, True)  # the relay's news cannot reach this replica
+        self.connected = False
 
     def apply(self, headers: Mapping[str, str], data: bytes) -> None:
         """Takes one relay message (headers as published): once each, gaps clear the worker."""

@@ -153,8 +153,23 @@ class EngineScraper:
         )
         self._task: asyncio.Task[None] | None = None
         self._client: Any = None
+        self._started = False
+
+    def set_workers(self, workers: Iterable[tuple[str, str, str, str | None]]) -> None:
+        """Scrapes these workers from the next round on (a server whose fleet changes); the
+        last figures of the workers gone are forgotten."""
+        self.workers = [w for w in workers if w[2] in SCRAPED_KINDS]
+        names = {w[0] for w in self.workers}
+        self.last = {n: load for n, load in self.last.items() if n in names}
+        if self._started:
+            self._ensure_task()
 
     def start(self) -> None:
+        """Scrapes every ``interval`` seconds in the background (once there are workers)."""
+        self._started = True
+        self._ensure_task()
+
+    def _ensure_task(self) -> None:
         if self._task is None and self.workers and self.interval > 0:
             import httpx
 
@@ -162,6 +177,7 @@ class EngineScraper:
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
+        self._started = False
         task, self._task = self._task, None
         if task is not None:
             task.cancel()

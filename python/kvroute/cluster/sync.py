@@ -45,11 +45,12 @@ import logging
 import time
 import uuid
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 from kvroute.server.metrics import Counter, Gauge, Registry
 
-from .bus import connect, ensure_stream
+from .bus import StreamConsumer, connect, ensure_stream
 from .config import ClusterConfig
 
 __all__ = ["MAX_BATCH", "MAX_HELD", "ReplicaSync"]
@@ -83,7 +84,7 @@ class _Publisher:
 MAX_HELD = 256
 
 
-class ReplicaSync:
+class ReplicaSync(StreamConsumer):
     """Shares ``router``'s updates with the other replicas over NATS (see the module docs).
 
     ``registry``: where the ``kvroute_cluster_*`` series go (a server's metrics registry).
@@ -324,15 +325,7 @@ class ReplicaSync:
 
     # ---- applying ----------------------------------------------------------------------------
 
-    async def _on_msg(self, msg: Any) -> None:
-        seq = msg.metadata.sequence.stream
-        if seq <= self.stream_seq:
-            self.skipped.inc("duplicate")
-            return
-        self.stream_seq = seq
-        self.apply(msg.headers or {}, msg.data)
-
-    def apply(self, headers: dict[str, str], data: bytes) -> None:
+    def apply(self, headers: Mapping[str, str], data: bytes) -> None:
         """Takes one batch from the stream: applied in its publisher's order, once (see the
         module docs and :class:`_Publisher`)."""
         publisher = headers.get("Kvroute-Replica", "")

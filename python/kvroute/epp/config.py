@@ -35,6 +35,10 @@ address as host: the proxy connects to the picked ``ip:port``.
     api_key = "..."
     kv_events_port = 5557            # the pods' KV-event ports (router.index = "events")
     kv_replay_port = 5558
+
+``[cluster]`` (``kvroute.cluster.config``) works as for ``kvroute serve``: several pickers share
+their routing state over NATS JetStream, each reads the engines' ``/metrics`` (the pool's pods
+too), and ``relay = true`` takes KV events from ``kvroute relay``.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..cluster.config import ClusterConfig, parse_cluster
 from ..server.config import (
     WORKER_KINDS,
     EndpointConfig,
@@ -104,6 +109,7 @@ class EppConfig:
     events: EventsConfig = field(default_factory=EventsConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     pool: PoolConfig | None = None
+    cluster: ClusterConfig | None = None
 
 
 def _port(t: Table, key: str, default: int | None) -> int | None:
@@ -178,6 +184,7 @@ def parse_config(data: Mapping[str, Any]) -> EppConfig:
     workers = None if pool is not None else len(fleet.workers)
     endpoints = parse_endpoints(top, server.models, "epp.models", workers)
     top.get("gateway", dict, {})  # kvroute serve's section of a shared file
+    cluster = parse_cluster(top)
     top.done()
     return EppConfig(
         workers=fleet.workers,
@@ -188,6 +195,7 @@ def parse_config(data: Mapping[str, Any]) -> EppConfig:
         events=fleet.events,
         health=fleet.health,
         pool=pool,
+        cluster=cluster,
     )
 
 

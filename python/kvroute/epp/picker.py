@@ -145,7 +145,11 @@ class Picker:
     ) -> None:
         self.config = config
         self.epp = config.server
-        self.router = router if router is not None else build_router(config.workers, config.router)
+        self.router = (
+            router
+            if router is not None
+            else build_router(config.workers, config.router, updates=config.cluster is not None)
+        )
         self.tokenizer = tokenizer or load_tokenizer(
             config.tokenizer.path, config.tokenizer.bytes_per_token, config.tokenizer.model_dir
         )

@@ -3,7 +3,8 @@
 One process, one asyncio event loop: the gRPC server (``grpc.aio``: ``ExternalProcessor`` and the
 standard ``grpc.health.v1.Health``), an HTTP server for ``GET /metrics`` (Prometheus, the
 gateway's metrics module) and ``GET /health``, the KV-event subscriber (``router.index =
-"events"``) and, with ``[epp.pool]``, the Kubernetes ``InferencePool`` watch.
+"events"``), with ``[cluster]`` the replica sync and the engines' ``/metrics`` scraper
+(``kvroute.cluster``), and, with ``[epp.pool]``, the Kubernetes ``InferencePool`` watch.
 
 Health services (GIE): ``liveness`` is ``SERVING`` while the process answers; ``readiness`` and
 ``envoy.service.ext_proc.v3.ExternalProcessor`` (and the overall ``""``) are ``SERVING`` once the
@@ -83,6 +84,17 @@ class EppServer:
         self.port: int | None = None
         self.metrics_port: int | None = None
         self.subscriber: Any = None
+        self.cluster: Any = None
+        if config.cluster is not None:
+            from ..cluster import Cluster
+
+            self.cluster = Cluster(
+                self.router,
+                config.cluster,
+                self._scraped(),
+                registry=self.registry,
+                event_mode=config.events.mode,
+            )
         self.pool: Any = None
         self._grpc: grpc.aio.Server | None = None
         self._http: Any = None
@@ -102,6 +114,8 @@ class EppServer:
         await self._set_ready(self.ready)
         await self._grpc.start()
         await self._start_http()
+        if self.cluster is not None:
+            self.cluster.start()
         await self._start_events()
         self._probes = httpx.AsyncClient(trust_env=False, timeout=2.0)
         self.health.start()
@@ -121,6 +135,8 @@ class EppServer:
             await self._grpc.stop(grace)
             self._grpc = None
         await self._stop_events()
+        if self.cluster is not None:
+            await self.cluster.stop()
         await self.health.stop()
         if self._probes is not None:
             await self._probes.aclose()
@@ -188,6 +204,8 @@ class EppServer:
                 "workers": workers,
                 "tokenizer": self.picker.tokenizer.describe(),
             }
+            if self.cluster is not None:
+                body["cluster"] = self.cluster.describe()
             return JSONResponse(body, status_code=200 if ok else 503)
 
         app = Starlette(routes=[Route("/metrics", metrics), Route("/health", health)])
@@ -208,7 +226,16 @@ class EppServer:
 
     # ---- where the workers come from --------------------------------------------------------
 
+    def _scraped(self) -> list[tuple[str, str, str, str | None]]:
+        """The members as the engine scraper takes them."""
+        return [
+            (m.name, m.config.url, m.config.kind, m.config.api_key)
+            for m in self.picker.members.values()
+        ]
+
     async def _start_events(self) -> None:
+        if self.cluster is not None and self.cluster.follower is not None:
+            return  # the engines' events come from kvroute relay's stream
         c = self.config
         workers = [m.config for m in self.picker.members.values()]
         self.subscriber = event_subscriber(self.router, workers, c.router, c.events)
@@ -228,6 +255,8 @@ class EppServer:
         for gone in [w for w in self.health.ejected if w not in members]:
             del self.health.ejected[gone]
             self.health.failures.pop(gone, None)
+        if self.cluster is not None:
+            self.cluster.scraper.set_workers(self._scraped())
         if before != {n: m.address for n, m in members.items()}:
             log.info("kvroute epp: %d workers from the InferencePool", len(members))
             await self._stop_events()
