@@ -14,11 +14,12 @@
 //!   the route, anchored at what is left and with the rest); `observe` likewise, after a
 //!   `Forget` of the first block the engine lacked. So a replica whose model mirrors the
 //!   publisher's always holds the anchor.
-//! - `Forget { worker, block }`: the worker lacks `block` and everything after it.
+//! - `Forget { worker, block }`: the worker lacks `block` and everything after it (`observe`
+//!   when the engine reported less; `withdraw`, the blocks a withdrawn route added).
 //! - `Load { worker, delta }`: the publisher's own load on the worker changed by `delta`
-//!   (the five counters of [`super::workers::Load`]): `begin`, `prefilled` and `finish` send it,
-//!   and the receiver adds it to the worker's others' load ([`super::Worker::others`]), so every
-//!   replica weighs every replica's requests. [`Router::set_load`] (the engine's own figures)
+//!   (the five counters of [`super::workers::Load`]): `begin`, `prefilled`, `finish` and
+//!   `withdraw` send it, and the receiver adds it to the worker's others' load
+//!   ([`super::Worker::others`]), so every replica weighs every replica's requests. [`Router::set_load`] (the engine's own figures)
 //!   resets that baseline, which bounds the error of lost or stale load updates (a replica that
 //!   died with requests in flight) to one report interval. In events mode this is all that is
 //!   shared (its state comes from the engines' events).

@@ -669,6 +669,26 @@ mod sync {
         assert_eq!(f.workers().named("a").unwrap().others.active, 1);
     }
 
+    #[test]
+    fn a_withdrawal_reaches_the_other_replicas() {
+        let mut a = replica(64);
+        let mut b = replica(64);
+        let d = a.route_tokens(&prompt(1, 1), None, None, 0.0).unwrap();
+        a.begin(&d).unwrap();
+        b.apply_updates(&a.take_updates(None), 0.0, true).unwrap();
+        assert_eq!(b.workers().named(&d.worker).unwrap().others.active, 1);
+        assert!(a.withdraw(&d).unwrap());
+        let stats = b.apply_updates(&a.take_updates(None), 0.0, true).unwrap();
+        assert_eq!((stats.forgets, stats.loads), (1, 1));
+        assert_eq!(
+            b.workers().named(&d.worker).unwrap().others,
+            Load::default()
+        );
+        assert_eq!(a.dump_model().unwrap(), b.dump_model().unwrap());
+        let again = b.route_tokens(&prompt(1, 1), None, None, 1.0).unwrap();
+        assert_eq!(again.matched_blocks, 0, "b forgot the withdrawn prompt");
+    }
+
     fn reserved_endpoint() -> EndpointSpec<'static> {
         EndpointSpec {
             pool_size: 2,

@@ -21,6 +21,8 @@
 //!   shared blocks stay, since the earlier sees them touched and the later did not add them. A
 //!   withdrawal right after its route (nothing recorded in between: the gateway's and the EPP's
 //!   sheds) is always exact.
+//! - **Replicas** (`Config::updates`): the load taken back and the blocks dropped go to the
+//!   outbox (a `Load` delta and a `Forget`), so the other replicas' models and load views follow.
 //! - **Idempotent.** Withdrawing a withdrawn decision changes nothing and returns `false`. A
 //!   decision that ran — prefilled, observed or finished — cannot be withdrawn (`Value`); nor can
 //!   another router's. Nothing applies to a withdrawn decision after (`begin`, `finish`, … raise).
@@ -68,6 +70,9 @@ impl Router {
             if let (Some(inflight), true) = (self.inflight.as_mut(), d.is_in_flight()) {
                 inflight.release(&w.name, d.id);
             }
+            let (prefill, prompt) = (d.prefill_blocks() as i64, d.prompt_blocks as i64);
+            self.outbox
+                .load(&d.worker, [-1, -1, -prefill, -prompt, -prefill]);
         }
         let (Some(model), Some(mark), Some(cache)) = (self.model.as_mut(), d.mark, &w.cache) else {
             return Ok(true);
@@ -78,6 +83,9 @@ impl Router {
             .position(|&h| cache.touched_since(h, mark) == Some(false));
         if let Some(k) = untouched {
             model.forget_from(w, &mut index.write(), &d.hashes, d.matched_blocks + k);
+            if let Some(&first) = d.hashes.get(d.matched_blocks + k) {
+                self.outbox.forget(&w.name, first); // the other replicas drop them too
+            }
         }
         Ok(true)
     }
