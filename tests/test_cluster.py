@@ -257,16 +257,26 @@ def test_a_late_replica_predicts_as_the_others_within_one_snapshot_interval(nats
         started = time.monotonic()
         late = gateway(fleet, cluster_section(nats_server, "late"))
         probes = requests[-200:]
-        wait_for(
-            lambda: predictions([late], probes)[0] == predictions(gws[:1], probes)[0],
-            "the late replica to predict as the others",
-            timeout=1.0 + 5.0,
-        )
+        agreed: list[int] = []
+
+        def predicts_as_the_others() -> bool:
+            # Where the early replicas agree, the late one must too. They may disagree on a few
+            # blocks: full models evict, and an LRU order shaped by who routed first can differ
+            # (sync's module docs); the snapshot is one of theirs.
+            mine, a, b = predictions([late, *gws], probes)
+            agreed[:] = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x == y]
+            return all(mine[i] == a[i] for i in agreed)
+
+        wait_for(predicts_as_the_others, "the late replica to predict as the others", 1.0 + 5.0)
         elapsed = time.monotonic() - started
+        assert len(agreed) >= 0.9 * len(probes), f"early replicas agree on {len(agreed)} probes"
         cluster = late.get("/health").json()["cluster"]
         assert cluster["snapshot_loaded_at_seq"] is not None
         with capsys.disabled():
-            print(f"\nthe late replica predicted as the others {elapsed:.2f} s after its start")
+            print(
+                f"\nthe late replica predicted as the others {elapsed:.2f} s after its start "
+                f"({len(agreed)} of {len(probes)} probes predicted alike by the early replicas)"
+            )
     finally:
         for g in [*gws, *([late] if late else [])]:
             g.stop()
