@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from kvroute.cluster import parse_engine_metrics
+from kvroute.cluster import EngineLoad, parse_engine_metrics
 from kvroute.cluster.config import parse_cluster
 from kvroute.server.config import Table
 from support.gateway_fleet import Fleet, GatewayServer, config_dict, wait_for
@@ -357,12 +357,12 @@ def test_engine_metrics_become_router_load():
     uncached blocks."""
     v = parse_engine_metrics(VLLM_METRICS, "vllm", 16)
     # 0.25 × 1000 blocks × 32 tokens / 16; 2 waiting × 512 tokens × (1 − 0.25) / 16
-    assert (v.active, v.decode_blocks, v.prefill_blocks) == (5, 500, 48)
+    assert (v.active, v.queued, v.decode_blocks, v.prefill_blocks) == (5, 2, 500, 48)
     s = parse_engine_metrics(SGLANG_METRICS, "sglang", 16)
     # 1600 / 16; 1 waiting × 640 tokens × 0.5 / 16
-    assert (s.active, s.decode_blocks, s.prefill_blocks) == (5, 100, 20)
+    assert (s.active, s.queued, s.decode_blocks, s.prefill_blocks) == (5, 1, 100, 20)
     empty = parse_engine_metrics("", "vllm", 16)
-    assert (empty.active, empty.decode_blocks, empty.prefill_blocks) == (None, None, None)
+    assert empty == EngineLoad(None, None, None, None)
     with pytest.raises(ValueError, match="openai"):
         parse_engine_metrics("", "openai", 16)
 
@@ -395,8 +395,10 @@ def test_the_scraper_feeds_the_router(nats_server):
         wait_for(lambda: router.load(name)["others"]["active"] == 5, "the scrape", 10)
         assert router.load(name)["others"] == {
             "active": 5,
+            "queued": 2,
             "prefill_blocks": 48,
             "decode_blocks": 500,
+            "written_blocks": 0,
         }
         assert gw.get("/health").json()["cluster"]["engine_load"][name]["active"] == 5
         page["text"] = VLLM_METRICS.replace("} 3.0", "} 7.0")

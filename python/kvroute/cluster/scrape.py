@@ -7,7 +7,8 @@ the engine's figures, which it keeps as a baseline for its own changes until the
 (``Router.set_load``: what the router does not account for itself is the others' load):
 
 - ``active`` = running + waiting requests: vLLM ``vllm:num_requests_running`` +
-  ``vllm:num_requests_waiting``; SGLang ``sglang:num_running_reqs`` + ``sglang:num_queue_reqs``.
+  ``vllm:num_requests_waiting``; SGLang ``sglang:num_running_reqs`` + ``sglang:num_queue_reqs``;
+  ``queued`` = the waiting ones.
 - ``decode_blocks`` = the KV the running requests hold, in the router's blocks: vLLM
   ``vllm:kv_cache_usage_perc`` (``vllm:gpu_cache_usage_perc`` before 0.10) × the cache's
   tokens (``vllm:cache_config_info``'s ``num_gpu_blocks`` × ``block_size`` labels); SGLang
@@ -47,6 +48,7 @@ class EngineLoad:
     """One engine's load, in the router's blocks (None: not published by the engine)."""
 
     active: int | None
+    queued: int | None
     prefill_blocks: int | None
     decode_blocks: int | None
 
@@ -117,6 +119,7 @@ def parse_engine_metrics(text: str, kind: str, block_size: int) -> EngineLoad:
         prefill = waiting * mean_prompt * miss / block_size
     return EngineLoad(
         active=None if active is None else round(active),
+        queued=None if waiting is None else round(waiting),
         prefill_blocks=None if prefill is None else round(prefill),
         decode_blocks=None if used is None else round(used / block_size),
     )
@@ -205,6 +208,7 @@ class EngineScraper:
             self.router.set_load(
                 name,
                 active=load.active,
+                queued=load.queued,
                 prefill_blocks=load.prefill_blocks,
                 decode_blocks=load.decode_blocks,
             )
@@ -220,6 +224,7 @@ class EngineScraper:
         return {
             name: {
                 "active": load.active,
+                "queued": load.queued,
                 "prefill_blocks": load.prefill_blocks,
                 "decode_blocks": load.decode_blocks,
             }

@@ -19,9 +19,10 @@
 //! - `Load { worker, delta }`: the publisher's own load on the worker changed by `delta`
 //!   (the five counters of [`super::workers::Load`]): `begin`, `prefilled`, `finish` and
 //!   `withdraw` send it, and the receiver adds it to the worker's others' load
-//!   ([`super::Worker::others`]), so every replica weighs every replica's requests. [`Router::set_load`] (the engine's own figures)
-//!   resets that baseline, which bounds the error of lost or stale load updates (a replica that
-//!   died with requests in flight) to one report interval. In events mode this is all that is
+//!   ([`super::Worker::others`]), so every replica weighs every replica's requests.
+//!   [`Router::set_load`] (the engine's own figures) resets that baseline, which bounds the error
+//!   of lost or stale load updates (a replica that died with requests in flight) to one report
+//!   interval. In events mode this is all that is
 //!   shared (its state comes from the engines' events).
 //!
 //! # Guarantees of `apply_updates`
