@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
@@ -141,10 +142,18 @@ def test_replicas_follow_the_engines_through_one_relay(setup):
         return all(stats[w]["last_seq"] == e.last for w, e in zip(WORKERS, engines, strict=True))
 
     # The PUB sockets drop until the SUBs are connected: wait for one batch to arrive.
+    sent = [0.0]
+
     def probe() -> bool:
-        for e in engines:
-            e.send(P.batch([]))
-        return read_all(ref) and read_all(relay.subscriber)
+        # An empty batch per engine until both subscribers have read the last one sent (PUB
+        # sockets drop what they send before a subscriber is connected).
+        if sent[0] and read_all(ref) and read_all(relay.subscriber):
+            return True
+        if time.monotonic() - sent[0] > 0.2:
+            for e in engines:
+                e.send(P.batch([]))
+            sent[0] = time.monotonic()
+        return False
 
     wait_for(probe, "the engines' subscribers", 10)
     send(batches[:200])

@@ -267,9 +267,9 @@ def test_kv_aware_cost_matches_reference_in_events_mode():
             r.finish(old, now=0.0)
             ref.finish(old)
         for n in weights:
-            assert {k: v for k, v in r.load(n).items() if k not in ("active", "weight")} == (
-                ref.load(n)
-            )
+            load = r.load(n)
+            assert load.pop("others") == IDLE
+            assert {k: v for k, v in load.items() if k not in ("active", "weight")} == ref.load(n)
     for d in live:
         r.finish(d, now=0.0)
     for n in weights:
