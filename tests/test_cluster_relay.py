@@ -156,17 +156,23 @@ def test_replicas_follow_the_engines_through_one_relay(setup):
         return False
 
     wait_for(probe, "the engines' subscribers", 10)
+
+    def sent_and_read() -> None:
+        wait_for(lambda: read_all(ref) and read_all(relay.subscriber), "the batches to be read", 10)
+
     send(batches[:200])
+    sent_and_read()
     wait_for(lambda: converged(followers), "followers to hold the subscriber's index", 15)
     assert ref.index.num_blocks("e-0") > 0
 
     nats.kill()
     wait_for(lambda: not relay.connected, "the relay to see NATS down", 10)
     send(batches[200:300])
-    wait_for(lambda: read_all(ref) and read_all(relay.subscriber), "the batches to be read", 10)
+    sent_and_read()
     assert relay.pending > 0  # kept while NATS is down
     nats.start()
     send(batches[300:])
+    sent_and_read()
     wait_for(lambda: converged(followers), "followers to converge after NATS came back", 20)
     assert relay.dropped == 0
     for f in followers:

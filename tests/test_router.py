@@ -280,6 +280,7 @@ def test_kv_aware_cost_matches_reference_in_events_mode():
             "decode_blocks": 0,
             "written_blocks": 0,
             "weight": weights[n],
+            "others": IDLE,
         }
 
 
@@ -369,6 +370,7 @@ def test_withdrawing_a_begun_decision_takes_back_its_in_flight_prefix_and_load()
             "decode_blocks": 0,
             "written_blocks": 0,
             "weight": 1.0,
+            "others": IDLE,
         }
 
 
