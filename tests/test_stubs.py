@@ -160,6 +160,9 @@ def test_stub_defaults_are_the_routers_effective_config():
     None for a keyword is the same as leaving it out."""
     params = stub_params(members(CLASSES["Router"])["__new__"], skip_first=True)
     shown = {n: d for n, kind, d in params if kind == "KEYWORD_ONLY"}
+    # `roles` is per worker, like `workers`: shown by `router.roles`, not by `config`.
+    assert shown.pop("roles") is None
+    assert kvroute.Router(["a"]).roles == {"a": "both"}
     assert kvroute.Router(["a"]).config == shown
     assert kvroute.Router(["a"], **dict.fromkeys(shown)).config == shown
     # Every keyword is in `config`, and a value given is the value in effect.
@@ -182,6 +185,9 @@ def test_stub_defaults_are_the_routers_effective_config():
         "hash_algo": "sha256",
         "vllm_version": "0.31",
         "updates": False,  # True needs index="approx": checked below
+        "pd_threshold": 100,
+        "pd_saturation": 2.5,
+        "pd_local_prefill": False,
     }
     assert set(given) == set(shown)
     assert kvroute.Router(["a"], **given).config == given

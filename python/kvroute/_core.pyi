@@ -15,6 +15,7 @@ __all__ = [
     "KvEventApplier",
     "Maglev",
     "NoWorkerError",
+    "PdDecision",
     "PrefixIndex",
     "ReadOnlyError",
     "Rendezvous",
@@ -33,6 +34,7 @@ _U64Array = npt.NDArray[np.uint64] | Sequence[int]
 _Nodes = Iterable[str] | Mapping[str, float]
 _Weights = Sequence[float] | Mapping[str, float]
 _Keys = Iterable[_Key] | npt.NDArray[np.integer]
+_Role = Literal["prefill", "decode", "both"]
 
 def hash_key(key: _Key) -> int:
     """XXH3-64 (seed 0) of a str's UTF-8 bytes, bytes as given, or an int's 8 LE bytes."""
@@ -453,6 +455,30 @@ class Decision:
     def id(self) -> int: ...
     @property
     def stage(self) -> Literal["routed", "active", "finished", "withdrawn"]: ...
+    @property
+    def half(self) -> Literal["whole", "prefill", "decode"]:
+        """The part of the request: ``whole``, or a half of a ``route_pd`` pair."""
+
+@final
+class PdDecision:
+    """A prefill/decode pair from ``Router.route_pd``.
+
+    ``prefill`` and ``decode`` are ``Decision``s, the same object when ``disaggregate`` is False
+    (the whole request runs on the decode worker). Begin, finish and observe each half with the
+    router (once when they are the same object).
+    """
+
+    @property
+    def prefill(self) -> Decision: ...
+    @property
+    def decode(self) -> Decision: ...
+    @property
+    def disaggregate(self) -> bool:
+        """True when the prefill runs on another worker than the decode."""
+
+    @property
+    def reason(self) -> Literal["remote", "short", "saturated", "same_worker", "no_prefill"]:
+        """Why the pair is, or is not, disaggregated."""
 
 @final
 class Router:
@@ -494,6 +520,10 @@ class Router:
         hash_algo: Literal["sha256", "sha256_cbor"] | None = None,
         vllm_version: str | None = None,
         updates: bool = False,
+        roles: Mapping[str, _Role] | None = None,
+        pd_threshold: int = 512,
+        pd_saturation: float | None = None,
+        pd_local_prefill: bool = True,
     ) -> Router: ...
     def route(
         self,
@@ -507,6 +537,22 @@ class Router:
     ) -> Decision:
         """Route one request: at most one of ``tokens`` and ``block_hashes``; with neither, the
         request has no prefix to match (routed by ``key``, ``endpoint`` or load)."""
+
+    def route_pd(
+        self,
+        tokens: _TokenArray | None = None,
+        *,
+        block_hashes: _U64Array | None = None,
+        key: _Key | None = None,
+        endpoint: str | None = None,
+        exclude: Iterable[str] | None = None,
+        now: float | None = None,
+    ) -> PdDecision:
+        """Route one request as a prefill/decode pair (arguments as for ``route``; ``exclude``
+        applies to both halves): the decode worker by its KV load less the prefix it holds, the
+        prefill on it when it lacks at most ``pd_threshold`` tokens of the prompt (or the
+        prefill side is ``pd_saturation`` times costlier), else on the policy's prefill
+        worker."""
 
     def begin(self, decision: Decision) -> None:
         """The request starts: counted in its worker's load."""
@@ -525,7 +571,13 @@ class Router:
     def observe(self, decision: Decision, cached_tokens: int, *, now: float | None = None) -> None:
         """Feed back the engine's reported cached tokens (corrects the approx model)."""
 
-    def add_worker(self, name: str, weight: float = 1.0) -> None: ...
+    def add_worker(self, name: str, weight: float = 1.0, *, role: _Role | None = None) -> None: ...
+    def set_role(self, name: str, role: _Role) -> None:
+        """Endpoint pools follow the new role; the worker's load and cached blocks stay."""
+
+    def role(self, name: str) -> _Role: ...
+    @property
+    def roles(self) -> dict[str, _Role]: ...
     def remove_worker(self, name: str) -> None: ...
     def set_healthy(self, name: str, ok: bool) -> None: ...
     def is_healthy(self, name: str) -> bool: ...
@@ -585,7 +637,11 @@ class Router:
         """The scheduling priority of the endpoint's requests (higher first)."""
 
     def remove_endpoint(self, endpoint_id: str) -> None: ...
-    def endpoint_pool(self, endpoint_id: str) -> list[str]: ...
+    def endpoint_pool(
+        self, endpoint_id: str, *, phase: Literal["prefill", "decode"] | None = None
+    ) -> list[str]:
+        """The pool's workers: those serving ``phase``, or (None) every member."""
+
     def endpoint_salt(self, endpoint_id: str) -> str | None:
         """The ``cache_salt`` to send upstream for this endpoint (None if not isolated)."""
 

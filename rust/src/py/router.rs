@@ -21,7 +21,10 @@ use super::index::PyPrefixIndex;
 use super::with_mutex;
 use crate::blocks::{ChainState, Options};
 use crate::hashing::Key;
-use crate::router::{Config, CostWeights, Decision, EndpointSpec, IndexMode, RouteRequest, Router};
+use crate::router::{
+    Config, CostWeights, Decision, EndpointSpec, IndexMode, PdConfig, PdReason, Phase, Role,
+    RouteRequest, Router,
+};
 
 /// The `ReadOnlyError` message of a write to `router.index` in approx mode.
 const APPROX_INDEX_OWNED: &str = "router.index is read-only with index=\"approx\": the router \
@@ -34,6 +37,7 @@ const DETACH_MIN_TOKENS: usize = 512;
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRouter>()?;
     m.add_class::<PyDecision>()?;
+    m.add_class::<PyPdDecision>()?;
     m.add("NoWorkerError", m.py().get_type::<NoWorkerError>())?;
     Ok(())
 }
@@ -100,7 +104,88 @@ pub struct PyRouter {
     clock: MonotonicClock,
 }
 
+/// The arguments `route` and `route_pd` share: tokens, block_hashes, key, endpoint, exclude,
+/// now.
+type RouteArgs<'a, 'py> = (
+    Option<&'a Bound<'py, PyAny>>,
+    Option<&'a Bound<'py, PyAny>>,
+    Option<&'a Bound<'py, PyAny>>,
+    Option<Name<'a>>,
+    Option<&'a Bound<'py, PyAny>>,
+    Option<f64>,
+);
+
 impl PyRouter {
+    /// Converts a request's arguments, hashes its tokens (with the GIL released for long
+    /// prompts) and runs `f` (route or route_pd) on the core with it.
+    fn routed<T: Send>(
+        &self,
+        py: Python<'_>,
+        (tokens, block_hashes, key, endpoint, exclude, now): RouteArgs<'_, '_>,
+        f: impl Fn(&mut Router, RouteRequest<'_>) -> crate::Result<T> + Send + Sync,
+    ) -> PyResult<T> {
+        let key = optional(key, |k| {
+            with_key(k, |k| match k {
+                Key::Bytes(b) => OwnedKey::Bytes(b.to_vec()),
+                Key::Int(v) => OwnedKey::Int(v),
+            })
+        })?;
+        let exclude =
+            optional(exclude, |e| names_from_py(e, "exclude", "exclude item"))?.unwrap_or_default();
+        let excluded: Vec<&str> = exclude.iter().map(String::as_str).collect();
+        let endpoint = endpoint.as_deref();
+        let request = RouteRequest {
+            hashes: Vec::new(),
+            prompt_tokens: None,
+            key: key.as_ref().map(OwnedKey::as_key),
+            endpoint,
+            exclude: &excluded,
+            now: self.clock.now(now),
+        };
+        let out = match (tokens, block_hashes) {
+            (Some(_), Some(_)) => {
+                return Err(PyTypeError::new_err(
+                    "route() takes tokens or block_hashes, not both",
+                ))
+            }
+            // No prompt: nothing to hash or match (routed by key, endpoint or load).
+            (None, None) => self.run(py, true, |r| f(r, request))?,
+            (Some(tokens), None) => {
+                let array = tokens_from_py(tokens)?;
+                let tokens = Tokens::of(&array);
+                let n = tokens.len();
+                let hasher = self.run(py, true, |r| r.hasher_for(endpoint))?;
+                let hash = || -> crate::Result<RouteRequest<'_>> {
+                    let mut hashes = Vec::with_capacity(hasher.num_blocks(n));
+                    typed!(tokens, |s| {
+                        hasher.hash_into(s, &ChainState::Root, &[], &mut hashes)
+                    })?;
+                    Ok(RouteRequest {
+                        hashes,
+                        prompt_tokens: Some(n),
+                        ..request
+                    })
+                };
+                if n < DETACH_MIN_TOKENS {
+                    let request = hash()?;
+                    self.run(py, true, |r| f(r, request))?
+                } else {
+                    // Hashing a long prompt is long work too: both run with the GIL released.
+                    py.detach(|| f(&mut self.core.lock(), hash()?))?
+                }
+            }
+            (None, Some(hashes)) => {
+                let hashes = u64_slice(hashes, "block_hashes", Negative::Reinterpret)?;
+                let mut hashes = hashes.as_slice().to_vec();
+                self.run(py, hashes.len() < DETACH_MIN_TOKENS, |r| {
+                    r.salt_block_hashes(endpoint, &mut hashes)?;
+                    f(r, RouteRequest { hashes, ..request })
+                })?
+            }
+        };
+        Ok(out)
+    }
+
     /// Runs `f` on the core: with the GIL held when `light` and the lock is free, else with the
     /// GIL released.
     fn run<R: Send>(
@@ -121,7 +206,8 @@ impl PyRouter {
         capacity_blocks = None, ttl = None, queue_weight = None, decode_weight = None,
         load_bound = None, seed = None, stale_half_life = None, tier_weights = None, salt = None,
         hash_seed = None, event_mode = None, hash_algo = None, vllm_version = None,
-        updates = None
+        updates = None, roles = None, pd_threshold = None, pd_saturation = None,
+        pd_local_prefill = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -145,8 +231,27 @@ impl PyRouter {
         hash_algo: Option<Name<'_>>,
         vllm_version: Option<Name<'_>>,
         updates: Option<bool>,
+        roles: Option<&Bound<'_, PyAny>>,
+        pd_threshold: Option<&Bound<'_, PyAny>>,
+        pd_saturation: Option<f64>,
+        pd_local_prefill: Option<bool>,
     ) -> PyResult<Self> {
         let workers = weighted_names(workers, "workers", "worker")?;
+        let roles = match roles {
+            None => Vec::new(),
+            Some(obj) => {
+                let dict = obj
+                    .cast::<PyDict>()
+                    .map_err(|_| type_error(obj, "roles must be a dict of worker name to role"))?;
+                let mut out = Vec::with_capacity(dict.len());
+                for (name, role) in dict.iter() {
+                    let name = name_item(&name, "worker name in roles")?;
+                    let role: String = role.extract()?;
+                    out.push((name, role.parse::<Role>()?));
+                }
+                out
+            }
+        };
         // Every argument not given keeps the core's default.
         let d = Config::default();
         let mut config = Config {
@@ -178,6 +283,12 @@ impl PyRouter {
             stale_half_life: stale_half_life.unwrap_or(d.stale_half_life),
             event_mode: optional_parse(event_mode)?.unwrap_or(d.event_mode),
             updates: updates.unwrap_or(d.updates),
+            pd: PdConfig {
+                threshold: optional(pd_threshold, |t| usize_from_int(t, "pd_threshold"))?
+                    .unwrap_or(d.pd.threshold),
+                saturation: pd_saturation.or(d.pd.saturation),
+                local_prefill: pd_local_prefill.unwrap_or(d.pd.local_prefill),
+            },
             ..d
         };
         if let Some(obj) = tier_weights {
@@ -192,6 +303,9 @@ impl PyRouter {
             }
         }
         let mut core = Router::new(workers.iter().map(|(n, w)| (n.as_str(), *w)), config)?;
+        for (name, role) in &roles {
+            core.set_role(name, *role)?;
+        }
         let shared = core.index().clone();
         let index = Py::new(
             py,
@@ -231,66 +345,37 @@ impl PyRouter {
         exclude: Option<&Bound<'_, PyAny>>,
         now: Option<f64>,
     ) -> PyResult<PyDecision> {
-        let key = optional(key, |k| {
-            with_key(k, |k| match k {
-                Key::Bytes(b) => OwnedKey::Bytes(b.to_vec()),
-                Key::Int(v) => OwnedKey::Int(v),
-            })
-        })?;
-        let exclude =
-            optional(exclude, |e| names_from_py(e, "exclude", "exclude item"))?.unwrap_or_default();
-        let excluded: Vec<&str> = exclude.iter().map(String::as_str).collect();
-        let endpoint = endpoint.as_deref();
-        let request = RouteRequest {
-            hashes: Vec::new(),
-            prompt_tokens: None,
-            key: key.as_ref().map(OwnedKey::as_key),
-            endpoint,
-            exclude: &excluded,
-            now: self.clock.now(now),
-        };
-        let decision = match (tokens, block_hashes) {
-            (Some(_), Some(_)) => {
-                return Err(PyTypeError::new_err(
-                    "route() takes tokens or block_hashes, not both",
-                ))
-            }
-            // No prompt: nothing to hash or match (routed by key, endpoint or load).
-            (None, None) => self.run(py, true, |r| r.route(request))?,
-            (Some(tokens), None) => {
-                let array = tokens_from_py(tokens)?;
-                let tokens = Tokens::of(&array);
-                let n = tokens.len();
-                let hasher = self.run(py, true, |r| r.hasher_for(endpoint))?;
-                let hash = || -> crate::Result<RouteRequest<'_>> {
-                    let mut hashes = Vec::with_capacity(hasher.num_blocks(n));
-                    typed!(tokens, |s| {
-                        hasher.hash_into(s, &ChainState::Root, &[], &mut hashes)
-                    })?;
-                    Ok(RouteRequest {
-                        hashes,
-                        prompt_tokens: Some(n),
-                        ..request
-                    })
-                };
-                if n < DETACH_MIN_TOKENS {
-                    let request = hash()?;
-                    self.run(py, true, |r| r.route(request))?
-                } else {
-                    // Hashing a long prompt is long work too: both run with the GIL released.
-                    py.detach(|| self.core.lock().route(hash()?))?
-                }
-            }
-            (None, Some(hashes)) => {
-                let hashes = u64_slice(hashes, "block_hashes", Negative::Reinterpret)?;
-                let mut hashes = hashes.as_slice().to_vec();
-                self.run(py, hashes.len() < DETACH_MIN_TOKENS, |r| {
-                    r.salt_block_hashes(endpoint, &mut hashes)?;
-                    r.route(RouteRequest { hashes, ..request })
-                })?
-            }
-        };
+        let args = (tokens, block_hashes, key, endpoint, exclude, now);
+        let decision = self.routed(py, args, |r, req| r.route(req))?;
         Ok(PyDecision { inner: decision })
+    }
+
+    /// Routes one request as a prefill/decode pair; returns a `PdDecision`. Arguments as for
+    /// `route` (`exclude` applies to both halves).
+    #[pyo3(signature = (tokens = None, *, block_hashes = None, key = None, endpoint = None, exclude = None, now = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn route_pd(
+        &self,
+        py: Python<'_>,
+        tokens: Option<&Bound<'_, PyAny>>,
+        block_hashes: Option<&Bound<'_, PyAny>>,
+        key: Option<&Bound<'_, PyAny>>,
+        endpoint: Option<Name<'_>>,
+        exclude: Option<&Bound<'_, PyAny>>,
+        now: Option<f64>,
+    ) -> PyResult<PyPdDecision> {
+        let args = (tokens, block_hashes, key, endpoint, exclude, now);
+        let pair = self.routed(py, args, |r, req| r.route_pd(req))?;
+        let decode = Py::new(py, PyDecision { inner: pair.decode })?;
+        let prefill = match pair.prefill {
+            Some(d) => Py::new(py, PyDecision { inner: d })?,
+            None => decode.clone_ref(py),
+        };
+        Ok(PyPdDecision {
+            prefill,
+            decode,
+            reason: pair.reason,
+        })
     }
 
     /// The request of `decision` starts: counted in its worker's load. `ValueError` if it was
@@ -348,11 +433,48 @@ impl PyRouter {
         Ok(self.run(py, false, |r| r.observe(d, cached, now))?)
     }
 
-    /// Adds worker `name` with relative capacity `weight`.
-    #[pyo3(signature = (name, weight = 1.0))]
-    fn add_worker(&self, py: Python<'_>, name: Name<'_>, weight: f64) -> PyResult<()> {
+    /// Adds worker `name` with relative capacity `weight` and `role` ("prefill", "decode" or
+    /// "both"; default: both).
+    #[pyo3(signature = (name, weight = 1.0, *, role = None))]
+    fn add_worker(
+        &self,
+        py: Python<'_>,
+        name: Name<'_>,
+        weight: f64,
+        role: Option<&str>,
+    ) -> PyResult<()> {
         let name = &*name;
-        Ok(self.run(py, false, |r| r.add_worker(name, weight))?)
+        let role = optional_parse::<Role>(role)?.unwrap_or_default();
+        Ok(self.run(py, false, |r| r.add_worker_as(name, weight, role))?)
+    }
+
+    /// Gives worker `name` the role `role` ("prefill", "decode" or "both"): endpoint pools
+    /// follow; its load and cached blocks stay.
+    fn set_role(&self, py: Python<'_>, name: Name<'_>, role: &str) -> PyResult<()> {
+        let (name, role) = (&*name, role.parse::<Role>()?);
+        Ok(self.run(py, false, |r| r.set_role(name, role))?)
+    }
+
+    /// Worker `name`'s role: "prefill", "decode" or "both".
+    fn role(&self, py: Python<'_>, name: Name<'_>) -> PyResult<&'static str> {
+        let name = &*name;
+        Ok(self.run(py, true, |r| r.role(name).map(Role::name))?)
+    }
+
+    /// `{worker: role}` of every worker.
+    #[getter]
+    fn roles<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let roles: Vec<(String, &'static str)> = self.run(py, true, |r| {
+            r.workers()
+                .iter()
+                .map(|w| (w.name.to_string(), w.role.name()))
+                .collect()
+        });
+        let d = PyDict::new(py);
+        for (name, role) in roles {
+            d.set_item(name, role)?;
+        }
+        Ok(d)
     }
 
     /// Removes worker `name` (its load, its blocks in the index, its pool places).
@@ -547,10 +669,18 @@ impl PyRouter {
         Ok(self.run(py, false, |r| r.remove_endpoint(id))?)
     }
 
-    /// The workers of endpoint `endpoint_id`'s pool (in the order workers were added).
-    fn endpoint_pool(&self, py: Python<'_>, endpoint_id: Name<'_>) -> PyResult<Vec<String>> {
+    /// The workers of endpoint `endpoint_id`'s pool (in the order workers were added): those of
+    /// `phase` ("prefill" or "decode"), or of either.
+    #[pyo3(signature = (endpoint_id, *, phase = None))]
+    fn endpoint_pool(
+        &self,
+        py: Python<'_>,
+        endpoint_id: Name<'_>,
+        phase: Option<&str>,
+    ) -> PyResult<Vec<String>> {
         let id = &*endpoint_id;
-        let pool = self.run(py, true, |r| r.endpoint_pool(id))?;
+        let phase = optional_parse::<Phase>(phase)?;
+        let pool = self.run(py, true, |r| r.endpoint_pool(id, phase))?;
         Ok(pool.iter().map(|n| n.to_string()).collect())
     }
 
@@ -691,6 +821,9 @@ impl PyRouter {
         let flavor = c.profile.vllm_flavor();
         d.set_item("hash_algo", flavor.map(|f| f.algo.name()))?;
         d.set_item("vllm_version", flavor.map(|f| f.version.to_string()))?;
+        d.set_item("pd_threshold", c.pd.threshold)?;
+        d.set_item("pd_saturation", c.pd.saturation)?;
+        d.set_item("pd_local_prefill", c.pd.local_prefill)?;
         Ok(d)
     }
 
@@ -813,6 +946,12 @@ impl PyDecision {
         self.inner.stage().name()
     }
 
+    /// The part of the request: "whole", "prefill" or "decode" (halves of a `route_pd` pair).
+    #[getter]
+    fn half(&self) -> &'static str {
+        self.inner.half.name()
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "Decision(id={}, worker={:?}, cached_tokens={}, prompt_tokens={}, policy={:?}, \
@@ -823,6 +962,55 @@ impl PyDecision {
             self.inner.prompt_tokens,
             self.inner.policy.name(),
             self.inner.reason.name()
+        )
+    }
+}
+
+/// A prefill/decode pair from `Router.route_pd`: `prefill` and `decode` are `Decision`s (the
+/// same object when `disaggregate` is False: the whole request runs on the decode worker),
+/// `reason` says why ("remote", "short", "saturated", "same_worker", "no_prefill"). Begin,
+/// finish and observe each half with the router (once when they are the same).
+#[pyclass(frozen, module = "kvroute._core", name = "PdDecision")]
+pub struct PyPdDecision {
+    prefill: Py<PyDecision>,
+    decode: Py<PyDecision>,
+    reason: PdReason,
+}
+
+#[pymethods]
+impl PyPdDecision {
+    /// The prefill half (the decode `Decision` itself when not disaggregated).
+    #[getter]
+    fn prefill(&self, py: Python<'_>) -> Py<PyDecision> {
+        self.prefill.clone_ref(py)
+    }
+
+    /// The decode half (the whole request when not disaggregated).
+    #[getter]
+    fn decode(&self, py: Python<'_>) -> Py<PyDecision> {
+        self.decode.clone_ref(py)
+    }
+
+    /// True when the prefill runs on another worker than the decode.
+    #[getter]
+    fn disaggregate(&self) -> bool {
+        !self.prefill.is(&self.decode)
+    }
+
+    /// Why the pair is (or is not) disaggregated.
+    #[getter]
+    fn reason(&self) -> &'static str {
+        self.reason.name()
+    }
+
+    fn __repr__(&self) -> String {
+        let (p, d) = (self.prefill.get(), self.decode.get());
+        format!(
+            "PdDecision(prefill={:?}, decode={:?}, disaggregate={}, reason={:?})",
+            &*p.inner.worker,
+            &*d.inner.worker,
+            if self.disaggregate() { "True" } else { "False" },
+            self.reason.name()
         )
     }
 }

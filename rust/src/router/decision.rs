@@ -49,6 +49,31 @@ impl Stage {
     }
 }
 
+/// Which part of a request a decision is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Half {
+    /// The whole request: prefill and decode on one worker ([`super::Router::route`], or a
+    /// pair that is not disaggregated).
+    Whole,
+    /// The prefill of a disaggregated pair: its worker computes the prompt's KV and hands it
+    /// over.
+    Prefill,
+    /// The decode of a disaggregated pair: its worker receives the KV (no prefill work of its
+    /// own) and generates.
+    Decode,
+}
+
+impl Half {
+    /// `"whole"`, `"prefill"` or `"decode"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Half::Whole => "whole",
+            Half::Prefill => "prefill",
+            Half::Decode => "decode",
+        }
+    }
+}
+
 /// The answer of [`super::Router::route`]: which worker, why, and how much of the prompt it is
 /// expected to hold.
 #[derive(Debug)]
@@ -64,6 +89,8 @@ pub struct Decision {
     pub policy: Policy,
     /// Why (see [`Reason`]).
     pub reason: Reason,
+    /// The part of the request it is for.
+    pub half: Half,
     /// Tokens per block.
     pub block_size: usize,
     /// Prompt length in tokens (blocks × block size when block hashes were given).
@@ -106,10 +133,15 @@ impl Decision {
     }
 
     /// Blocks the worker is expected to prefill: prompt blocks neither cached nor held by the
-    /// requests in flight there.
+    /// requests in flight there (none for a decode half, whose worker receives them).
     pub fn prefill_blocks(&self) -> usize {
-        let held = self.cached_blocks.max(self.inflight_blocks);
-        self.prompt_blocks.saturating_sub(held)
+        match self.half {
+            Half::Decode => 0,
+            Half::Whole | Half::Prefill => {
+                let held = self.cached_blocks.max(self.inflight_blocks);
+                self.prompt_blocks.saturating_sub(held)
+            }
+        }
     }
 
     /// The value the policy compared for each worker it considered (see

@@ -2,19 +2,23 @@
 //! namespace.
 //!
 //! Invariants:
-//! - **Pool.** An endpoint's pool is the first `pool_size` *healthy* workers in the rendezvous
-//!   order of the endpoint id ([`crate::hashing::Rendezvous`] over every worker, weighted). So
-//!   removing or adding a worker outside the pool leaves it alone; removing (or marking
-//!   unhealthy) a member replaces only that member, by the next healthy worker in the order; and
-//!   when the member comes back it takes its place again, so the pool returns to what it was.
-//!   When fewer than `pool_size` workers are healthy the pool is all of them (routing fails only
-//!   when none is). [`add`](super::Router::add_endpoint) refuses a pool larger than the healthy
-//!   fleet.
-//! - **Cost.** The endpoint keeps the head of that order (`ranked`: about twice `pool_size`
-//!   workers, or all of them), so a worker joining, leaving or changing health costs O(pool)
-//!   per endpoint; only when the head runs out of healthy workers (members removed one by one)
-//!   is the order drawn again from every worker, O(n), which a random removal triggers with
-//!   probability about 1/n per member it takes: O(1) amortised. Creating the pool draws it once.
+//! - **Pool.** An endpoint's pool has a part per phase ([`Phase`]): its *prefill pool* is the
+//!   first `pool_size` *healthy* workers able to prefill in the rendezvous order of the endpoint
+//!   id ([`crate::hashing::Rendezvous`] over those workers, weighted), its *decode pool* the
+//!   first `pool_size` healthy workers able to decode in that order. In a fleet without roles
+//!   (every worker `both`) the two are the same workers: the pool. So removing or adding a
+//!   worker outside the pool leaves it alone; removing (or marking unhealthy, or giving another
+//!   role) a member replaces only that member, by the next healthy worker of its phase in the
+//!   order; and when the member comes back it takes its place again, so the pool returns to what
+//!   it was. When fewer than `pool_size` workers of a phase are healthy, that part is all of them
+//!   (routing fails only when none is). [`add`](super::Router::add_endpoint) refuses a pool
+//!   larger than the healthy workers of every phase.
+//! - **Cost.** Per phase the endpoint keeps the head of that order (`ranked`: about twice
+//!   `pool_size` workers, or all of them), so a worker joining, leaving or changing health or
+//!   role costs O(pool) per endpoint; only when a head runs out of healthy workers (members
+//!   removed one by one) is its order drawn again from every worker, O(n), which a random
+//!   removal triggers with probability about 1/n per member it takes: O(1) amortised. Creating
+//!   the pool draws it once per phase.
 //! - **Isolation.** An isolated endpoint (the default) hashes its requests' tokens with its own
 //!   salt: the router's [`BlockHasher`] with `salt` = the endpoint's salt (the endpoint id unless
 //!   given), so its blocks never equal another tenant's and no other request can match them.
@@ -24,15 +28,16 @@
 //!   per block: deterministic and chain-preserving (each salted hash still identifies its whole
 //!   prefix), but not what an engine publishes — pass tokens to match engine events.
 //! - **Reservations.** In approx mode an endpoint with `reserved_blocks` holds a partition of that
-//!   size (named by the endpoint id) in every pool member's modelled cache; a worker that leaves the
-//!   pool keeps the partition with a reservation of 0 (its blocks become ordinary borrowers), and a
-//!   replacement gets as much of the reservation as its cache has unreserved (never more than the
-//!   capacity).
+//!   size (named by the endpoint id) in the modelled cache of every member of its *prefill* pool
+//!   (where its prefixes are computed and reused); a worker that leaves that pool keeps the
+//!   partition with a reservation of 0 (its blocks become ordinary borrowers), and a replacement
+//!   gets as much of the reservation as its cache has unreserved (never more than the capacity).
 //! - **Priority.** Every decision routed for an endpoint carries the endpoint's scheduling
 //!   priority ([`super::Decision::priority`]; 0 for requests without an endpoint), for a gateway
 //!   to ask the engine for (vLLM `priority` with `--scheduling-policy priority`, SGLang `priority`
 //!   with `--enable-priority-scheduling`). kvroute's convention is SGLang's default: a higher
-//!   value is served first. The router itself does not order requests.
+//!   value is served first. The router itself does not order requests. Both halves of a
+//!   prefill/decode pair carry it.
 
 use std::sync::Arc;
 
@@ -44,6 +49,7 @@ use crate::blocks::BlockHasher;
 use crate::error::Result;
 use crate::hashing::{hash_key, RendezvousScore};
 
+use super::pd::Phase;
 use super::workers::{rendezvous_order, WorkerTable};
 
 /// How an endpoint is declared to [`super::Router::add_endpoint`] (build it as a struct literal
@@ -79,9 +85,9 @@ impl Default for EndpointSpec<'_> {
 pub struct Endpoint {
     /// The endpoint id.
     pub id: Arc<str>,
-    /// Requested pool size.
+    /// Requested pool size (per phase).
     pub pool_size: usize,
-    /// Blocks reserved in each member's modelled cache (approx mode).
+    /// Blocks reserved in each prefill-pool member's modelled cache (approx mode).
     pub reserved_blocks: Option<usize>,
     /// The endpoint's salt (`None`: not isolated, shares the router's namespace).
     pub salt: Option<String>,
@@ -93,12 +99,19 @@ pub struct Endpoint {
     pub(super) salt_seed: Option<u64>,
     /// `hash_key` of the id: the pool is drawn in the rendezvous order of this key.
     key_hash: u64,
-    /// The first `ranked.len()` workers (slots) of that order over every worker, best first.
+    /// Per phase (prefill, decode): the head of the order and the members it gives.
+    parts: [Part; 2],
+}
+
+/// One phase's part of an endpoint's pool.
+#[derive(Default)]
+struct Part {
+    /// The first `ranked.len()` workers (slots) able to do the phase, in the order, best first.
     ranked: Vec<u32>,
-    /// `ranked` holds every worker.
+    /// `ranked` holds every worker able to do the phase.
     complete: bool,
     /// Current members (slots), ascending.
-    pub pool: Vec<u32>,
+    pool: Vec<u32>,
 }
 
 impl Endpoint {
@@ -115,8 +128,7 @@ impl Endpoint {
         };
         Ok(Endpoint {
             key_hash: hash_key(id.as_bytes()),
-            ranked: Vec::new(),
-            complete: true,
+            parts: Default::default(),
             id: Arc::from(id),
             pool_size: spec.pool_size,
             reserved_blocks: spec.reserved_blocks,
@@ -124,7 +136,6 @@ impl Endpoint {
             salt,
             priority: spec.priority,
             hasher: Arc::new(hasher),
-            pool: Vec::new(),
         })
     }
 
@@ -138,7 +149,37 @@ impl Endpoint {
         }
     }
 
-    /// How many workers `ranked` keeps when it does not hold them all: enough spares that
+    /// The members of the pool able to do `phase` (slots, ascending).
+    pub fn pool(&self, phase: Phase) -> &[u32] {
+        &self.part(phase).pool
+    }
+
+    /// Every member, of either phase (slots, ascending, each once).
+    pub fn members(&self) -> Vec<u32> {
+        let [p, d] = &self.parts;
+        let mut all: Vec<u32> = p.pool.iter().chain(&d.pool).copied().collect();
+        all.sort_unstable();
+        all.dedup();
+        all
+    }
+
+    fn part(&self, phase: Phase) -> &Part {
+        let [p, d] = &self.parts;
+        match phase {
+            Phase::Prefill => p,
+            Phase::Decode => d,
+        }
+    }
+
+    fn part_mut(&mut self, phase: Phase) -> &mut Part {
+        let [p, d] = &mut self.parts;
+        match phase {
+            Phase::Prefill => p,
+            Phase::Decode => d,
+        }
+    }
+
+    /// How many workers a head keeps when it does not hold them all: enough spares that
     /// members can leave many times before the order must be drawn again.
     fn head_len(&self) -> usize {
         self.pool_size.saturating_mul(2).max(self.pool_size + 8)
@@ -163,10 +204,17 @@ impl Endpoint {
         }
     }
 
-    /// Draws the head of the order from every worker again: O(n).
+    /// Draws the head of every phase's order from every worker again: O(n).
     pub(super) fn rank(&mut self, workers: &WorkerTable) {
+        for phase in Phase::BOTH {
+            self.rank_phase(workers, phase);
+        }
+    }
+
+    fn rank_phase(&mut self, workers: &WorkerTable, phase: Phase) {
         let mut scored: Vec<(RendezvousScore, u32)> = workers
             .iter_slots()
+            .filter(|(_, w)| w.role.does(phase))
             .map(|(s, w)| (workers.rendezvous(w, self.key_hash), s))
             .collect();
         let keep = self.head_len();
@@ -175,94 +223,121 @@ impl Endpoint {
             scored.truncate(keep);
         }
         scored.sort_unstable_by(|&a, &b| Self::order(workers, a, b));
-        self.ranked.clear();
-        self.ranked.extend(scored.iter().map(|&(_, s)| s));
-        self.complete = self.ranked.len() == workers.len();
+        let part = self.part_mut(phase);
+        part.ranked.clear();
+        part.ranked.extend(scored.iter().map(|&(_, s)| s));
+        part.complete = part.ranked.len() == workers.capable(phase);
     }
 
-    /// Re-sorts `ranked` (after the table's weights became, or stopped being, all equal: the
+    /// Re-sorts the heads (after the table's weights became, or stopped being, all equal: the
     /// scores change form, their order only where two were equal).
     pub(super) fn resort(&mut self, workers: &WorkerTable) {
-        let mut scored: Vec<(RendezvousScore, u32)> = self
-            .ranked
-            .iter()
-            .filter_map(|&s| Some((self.score(workers, s)?, s)))
-            .collect();
-        scored.sort_unstable_by(|&a, &b| Self::order(workers, a, b));
-        self.ranked.clear();
-        self.ranked.extend(scored.iter().map(|&(_, s)| s));
+        for phase in Phase::BOTH {
+            let mut scored: Vec<(RendezvousScore, u32)> = self
+                .part(phase)
+                .ranked
+                .iter()
+                .filter_map(|&s| Some((self.score(workers, s)?, s)))
+                .collect();
+            scored.sort_unstable_by(|&a, &b| Self::order(workers, a, b));
+            let ranked = &mut self.part_mut(phase).ranked;
+            ranked.clear();
+            ranked.extend(scored.iter().map(|&(_, s)| s));
+        }
     }
 
-    /// The worker in `slot` joined: it enters `ranked` if it belongs to the head. Returns
-    /// whether it did (the pool may change).
+    /// The worker in `slot` joined (or took a role): it enters the head of each phase it does
+    /// where it belongs to the head. Returns whether it entered one (the pool may change).
     pub(super) fn joined(&mut self, workers: &WorkerTable, slot: u32) -> bool {
+        let Some(w) = workers.get(slot) else {
+            return false;
+        };
         let Some(score) = self.score(workers, slot) else {
             return false;
         };
         let key = (score, slot);
-        let at = self.ranked.partition_point(|&s| {
-            self.score(workers, s)
-                .is_some_and(|x| Self::order(workers, (x, s), key) == Ordering::Less)
-        });
-        if !self.complete && at == self.ranked.len() {
-            return false; // after the head: outside it
-        }
-        self.ranked.insert(at, slot);
-        if self.complete {
-            if self.ranked.len() > 2 * self.head_len() {
-                self.ranked.truncate(self.head_len());
-                self.complete = false;
+        let (head_len, key_hash) = (self.head_len(), self.key_hash);
+        let mut entered = false;
+        for phase in Phase::BOTH {
+            if !w.role.does(phase) {
+                continue;
             }
-        } else {
-            self.ranked.pop();
+            let part = self.part_mut(phase);
+            let at = part.ranked.partition_point(|&s| {
+                workers
+                    .get(s)
+                    .map(|x| workers.rendezvous(x, key_hash))
+                    .is_some_and(|x| Self::order(workers, (x, s), key) == Ordering::Less)
+            });
+            if !part.complete && at == part.ranked.len() {
+                continue; // after the head: outside it
+            }
+            part.ranked.insert(at, slot);
+            if part.complete {
+                if part.ranked.len() > 2 * head_len {
+                    part.ranked.truncate(head_len);
+                    part.complete = false;
+                }
+            } else {
+                part.ranked.pop();
+            }
+            entered = true;
         }
-        true
+        entered
     }
 
-    /// The worker in `slot` left (or is leaving): it leaves `ranked`. Returns whether it was
-    /// there (the pool may change).
+    /// The worker in `slot` left (or is leaving, or gave up a role): it leaves every head.
+    /// Returns whether it was in one (the pool may change).
     pub(super) fn left(&mut self, slot: u32) -> bool {
-        match self.ranked.iter().position(|&s| s == slot) {
-            Some(i) => {
-                self.ranked.remove(i);
-                true
+        let mut was = false;
+        for part in &mut self.parts {
+            if let Some(i) = part.ranked.iter().position(|&s| s == slot) {
+                part.ranked.remove(i);
+                was = true;
             }
-            None => false,
         }
+        was
     }
 
-    /// Whether the worker in `slot` is in the head of the order (its health matters).
+    /// Whether the worker in `slot` is in the head of an order (its health matters).
     pub(super) fn ranks(&self, slot: u32) -> bool {
-        self.ranked.contains(&slot)
+        self.parts.iter().any(|p| p.ranked.contains(&slot))
     }
 
-    /// Recomputes the pool: the first `pool_size` healthy workers of the order, drawing the
-    /// order again from every worker when the head has too few.
+    /// Recomputes the pool: per phase, the first `pool_size` healthy workers of the order,
+    /// drawing the order again from every worker when the head has too few.
     pub(super) fn refresh_pool(&mut self, workers: &WorkerTable) {
-        self.fill_pool(workers);
-        if self.pool.len() < self.pool_size && !self.complete {
-            self.rank(workers);
-            self.fill_pool(workers);
+        for phase in Phase::BOTH {
+            self.fill_pool(workers, phase);
+            let part = self.part(phase);
+            if part.pool.len() < self.pool_size && !part.complete {
+                self.rank_phase(workers, phase);
+                self.fill_pool(workers, phase);
+            }
         }
     }
 
-    fn fill_pool(&mut self, workers: &WorkerTable) {
-        self.pool.clear();
-        for &s in &self.ranked {
-            if self.pool.len() >= self.pool_size {
+    fn fill_pool(&mut self, workers: &WorkerTable, phase: Phase) {
+        let size = self.pool_size;
+        let part = self.part_mut(phase);
+        part.pool.clear();
+        for &s in &part.ranked {
+            if part.pool.len() >= size {
                 break;
             }
             if workers.get(s).is_some_and(|w| w.healthy) {
-                self.pool.push(s);
+                part.pool.push(s);
             }
         }
-        self.pool.sort_unstable();
+        part.pool.sort_unstable();
     }
 
     /// The worker table was compacted: `renumber[old slot]` is the new slot.
     pub(super) fn renumber(&mut self, renumber: &[Option<u32>]) {
         let map = |s: &u32| renumber.get(*s as usize).copied().flatten();
-        self.ranked = self.ranked.iter().filter_map(map).collect();
-        self.pool = self.pool.iter().filter_map(map).collect();
+        for part in &mut self.parts {
+            part.ranked = part.ranked.iter().filter_map(map).collect();
+            part.pool = part.pool.iter().filter_map(map).collect();
+        }
     }
 }

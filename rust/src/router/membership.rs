@@ -12,12 +12,18 @@ use crate::{key_err, value_err};
 
 use super::approx::Model;
 use super::endpoints::{Endpoint, EndpointSpec};
+use super::pd::{Phase, Role};
 use super::workers::WorkerTable;
 use super::{IndexMode, Router};
 
 impl Router {
-    /// Adds worker `name` with relative capacity `weight`.
+    /// Adds worker `name` with relative capacity `weight`, doing both phases.
     pub fn add_worker(&mut self, name: &str, weight: f64) -> Result<()> {
+        self.add_worker_as(name, weight, Role::default())
+    }
+
+    /// Adds worker `name` with relative capacity `weight` and `role` (see [`super::pd`]).
+    pub fn add_worker_as(&mut self, name: &str, weight: f64, role: Role) -> Result<()> {
         self.workers.check_new(name, weight)?;
         let cache = match &self.model {
             Some(m) => Some(Box::new(m.new_cache()?)),
@@ -28,7 +34,7 @@ impl Router {
             IndexMode::Events => None,
         };
         let uniform = self.workers.uniform();
-        let slot = self.workers.push(name, weight)?;
+        let slot = self.workers.push(name, weight, role)?;
         if let Some(w) = self.workers.get_mut(slot) {
             w.cache = cache;
             w.index_id = index_id;
@@ -78,6 +84,24 @@ impl Router {
         Ok(())
     }
 
+    /// Gives worker `name` the role `role`: it leaves the endpoint pools of the phases it no
+    /// longer does and may join those of the phases it now does. Its load and blocks stay.
+    pub fn set_role(&mut self, name: &str, role: Role) -> Result<()> {
+        let (slot, changed) = self.workers.set_role(name, role)?;
+        if changed {
+            self.update_pools(|workers, ep| {
+                let was = ep.left(slot);
+                ep.joined(workers, slot) || was
+            });
+        }
+        Ok(())
+    }
+
+    /// Worker `name`'s role.
+    pub fn role(&self, name: &str) -> Result<Role> {
+        Ok(self.workers.named(name)?.role)
+    }
+
     /// Marks worker `name` healthy or not (unhealthy workers are never chosen).
     pub fn set_healthy(&mut self, name: &str, healthy: bool) -> Result<()> {
         let (slot, changed) = self.workers.set_healthy(name, healthy)?;
@@ -110,8 +134,8 @@ impl Router {
 
     /// Refreshes the pool of every endpoint for which `touched` (which may update its order
     /// first) says the change matters and, in approx mode, moves the reservations with the
-    /// members: a worker leaving a pool keeps the endpoint's partition at 0 blocks, one
-    /// joining gets the reservation (as far as its cache has room).
+    /// members of the prefill pool: a worker leaving it keeps the endpoint's partition at 0
+    /// blocks, one joining gets the reservation (as far as its cache has room).
     fn update_pools(&mut self, mut touched: impl FnMut(&WorkerTable, &mut Endpoint) -> bool) {
         let Router {
             endpoints,
@@ -125,20 +149,21 @@ impl Router {
             if !touched(workers, ep) {
                 continue;
             }
-            let before = std::mem::take(&mut ep.pool);
+            let before = ep.pool(Phase::Prefill).to_vec();
             ep.refresh_pool(workers);
             let Some(blocks) = ep.reserved_blocks else {
                 continue;
             };
+            let pool = ep.pool(Phase::Prefill);
             for &s in &before {
-                if ep.pool.binary_search(&s).is_err() {
+                if pool.binary_search(&s).is_err() {
                     if let Some(w) = workers.get_mut(s) {
                         Model::reserve(w, &ep.id, 0);
                         freed.push(s);
                     }
                 }
             }
-            for &s in &ep.pool {
+            for &s in pool {
                 if before.binary_search(&s).is_err() {
                     if let Some(w) = workers.get_mut(s) {
                         Model::reserve(w, &ep.id, blocks);
@@ -151,29 +176,37 @@ impl Router {
 
     // ---- endpoints --------------------------------------------------------------------------
 
-    /// Adds dedicated endpoint `id` as `spec` declares it: a pool of `spec.pool_size` workers;
-    /// `salt`: the endpoint's hash namespace (`None`: the endpoint id); `isolate = false` shares
-    /// the router's namespace instead; `reserved_blocks` (approx mode) reserves that many blocks
-    /// in each member's modelled cache; `priority` goes on its decisions.
+    /// Adds dedicated endpoint `id` as `spec` declares it: a pool of `spec.pool_size` workers
+    /// per phase; `salt`: the endpoint's hash namespace (`None`: the endpoint id); `isolate =
+    /// false` shares the router's namespace instead; `reserved_blocks` (approx mode) reserves
+    /// that many blocks in each prefill-pool member's modelled cache; `priority` goes on its
+    /// decisions.
     ///
-    /// Errors: the id exists (`Value`), `pool_size` is 0 or above the healthy workers, a
-    /// reservation does not fit in a member's cache (`Value`).
+    /// Errors: the id exists (`Value`), `pool_size` is 0 or above the healthy workers of every
+    /// phase, a reservation does not fit in a member's cache (`Value`).
     pub fn add_endpoint(&mut self, id: &str, spec: EndpointSpec<'_>) -> Result<()> {
         if self.endpoints.contains_key(id) {
             return value_err!("endpoint {id:?} already exists");
         }
-        let healthy = self.workers.healthy();
+        let healthy = |phase: Phase| {
+            self.workers
+                .iter()
+                .filter(|w| w.healthy && w.role.does(phase))
+                .count()
+        };
+        let most = healthy(Phase::Prefill).max(healthy(Phase::Decode));
         let pool_size = spec.pool_size;
-        if pool_size == 0 || pool_size > healthy {
+        if pool_size == 0 || pool_size > most {
             return value_err!(
-                "pool_size must be between 1 and the {healthy} healthy workers, got {pool_size}"
+                "pool_size must be between 1 and the {most} healthy workers of a phase, got \
+                 {pool_size}"
             );
         }
         let mut ep = Endpoint::new(id, &spec, &self.hasher)?;
         ep.rank(&self.workers);
         ep.refresh_pool(&self.workers);
         if let Some(blocks) = spec.reserved_blocks {
-            for &s in &ep.pool {
+            for &s in ep.pool(Phase::Prefill) {
                 if let Some(w) = self.workers.get(s) {
                     if !Model::can_reserve(w, blocks) {
                         return value_err!(
@@ -186,7 +219,7 @@ impl Router {
             }
         }
         if let Some(blocks) = spec.reserved_blocks {
-            for &s in &ep.pool {
+            for &s in ep.pool(Phase::Prefill) {
                 if let Some(w) = self.workers.get_mut(s) {
                     Model::reserve(w, &ep.id, blocks);
                 }
@@ -203,12 +236,13 @@ impl Router {
         };
         if ep.reserved_blocks.is_some() {
             // Only members hold more than 0 blocks of it (a worker leaving the pool drops to 0).
-            for &s in &ep.pool {
+            let pool = ep.pool(Phase::Prefill);
+            for &s in pool {
                 if let Some(w) = self.workers.get_mut(s) {
                     Model::reserve(w, &ep.id, 0);
                 }
             }
-            top_up(self.endpoints.values(), &mut self.workers, &ep.pool);
+            top_up(self.endpoints.values(), &mut self.workers, pool);
         }
         Ok(())
     }
@@ -221,11 +255,15 @@ impl Router {
         }
     }
 
-    /// Names of endpoint `id`'s pool members, in slot order.
-    pub fn endpoint_pool(&self, id: &str) -> Result<Vec<Arc<str>>> {
+    /// Names of endpoint `id`'s pool members, in slot order: those of `phase`, or (`None`) of
+    /// either phase.
+    pub fn endpoint_pool(&self, id: &str, phase: Option<Phase>) -> Result<Vec<Arc<str>>> {
         let ep = self.endpoint(id)?;
-        Ok(ep
-            .pool
+        let slots = match phase {
+            Some(p) => ep.pool(p).to_vec(),
+            None => ep.members(),
+        };
+        Ok(slots
             .iter()
             .filter_map(|&s| self.workers.get(s).map(|w| w.name.clone()))
             .collect())
@@ -247,7 +285,7 @@ fn top_up<'a>(
             continue;
         };
         for &s in slots {
-            if ep.pool.binary_search(&s).is_ok() {
+            if ep.pool(Phase::Prefill).binary_search(&s).is_ok() {
                 if let Some(w) = workers.get_mut(s) {
                     Model::reserve(w, &ep.id, blocks);
                 }

@@ -17,13 +17,16 @@
 //! 5. **Commit**: the pick's state change, the chosen worker's modelled cache, the decision count;
 //!    the [`Decision`] is returned.
 //!
-//! Membership (workers, health, endpoints) is in `membership.rs`; load accounting (`begin`,
-//! `prefilled`, `finish`, `observe`) here.
+//! [`Router::route_pd`] (in `pd.rs`) runs the same steps for a prefill/decode pair: worker roles,
+//! the decode worker's choice and conditional disaggregation are described in [`pd`].
+//! Membership (workers, roles, health, endpoints) is in `membership.rs`; load accounting
+//! (`begin`, `prefilled`, `finish`, `observe`) here.
 //!
 //! # Guarantees
 //! - **Candidates.** Only healthy workers are ever chosen; with `endpoint`, only members of its
-//!   pool ([`endpoints`]); never a worker listed in `exclude`. No candidate →
-//!   [`Error::NoWorker`] (`kvroute.NoWorkerError`, a `ValueError`), and nothing else raises it.
+//!   pool ([`endpoints`]); never a worker listed in `exclude`; for a phase, only workers whose
+//!   role does it (a whole request: workers that decode). No candidate → [`Error::NoWorker`]
+//!   (`kvroute.NoWorkerError`, a `ValueError`), and nothing else raises it.
 //! - **Whole requests without tokens.** A request with no block hashes (no tokens, or less than
 //!   one block) has no prefix to match; every policy routes it (`hash` by its key or endpoint,
 //!   `kv_aware` by load alone).
@@ -76,6 +79,7 @@ mod decision;
 mod endpoints;
 mod inflight;
 mod membership;
+mod pd;
 mod policy;
 mod route;
 mod snapshot;
@@ -96,8 +100,9 @@ use crate::hashing::{BoundedLoad, Key};
 use crate::index::{PrefixIndex, SharedPrefixIndex, WorkerId};
 use crate::{key_err, value_err};
 
-pub use decision::{Decision, Stage};
+pub use decision::{Decision, Half, Stage};
 pub use endpoints::{Endpoint, EndpointSpec};
+pub use pd::{PdConfig, PdDecision, PdReason, Phase, Role};
 pub use policy::{CostWeights, Policy, Reason, SplitMix64};
 pub use sync::ApplyStats;
 pub use workers::{Freshness, Load, Worker, WorkerTable};
@@ -175,6 +180,9 @@ pub struct Config {
     /// Keep an outbox of updates for other replicas: load changes and, in approx mode, model
     /// changes ([`sync`]; default off).
     pub updates: bool,
+    /// Prefill/decode pairs: when [`Router::route_pd`] runs the prefill on the decode worker
+    /// ([`PdConfig`]).
+    pub pd: PdConfig,
 }
 
 impl Default for Config {
@@ -194,6 +202,7 @@ impl Default for Config {
             tier_weights: vec![("CPU".into(), 0.5), ("CPU_PINNED".into(), 0.5)],
             event_mode: crate::events::Config::default().mode,
             updates: false,
+            pd: PdConfig::default(),
         }
     }
 }
@@ -255,6 +264,8 @@ struct Scratch {
     inflight: Vec<u32>,
     credit: Vec<f64>,
     candidates: Vec<u32>,
+    /// `route_pd`: the decode candidates (`candidates` holds the prefill ones).
+    decoders: Vec<u32>,
     /// Workers whose reservations dropped in a pool update.
     freed: Vec<u32>,
     pick: policy::Buffers,
@@ -291,6 +302,7 @@ impl Router {
                 return value_err!("tier weight of {tier:?} must be in [0, 1], got {w}");
             }
         }
+        config.pd.check()?;
         if config.mode == IndexMode::Approx && config.capacity_blocks == 0 {
             return value_err!("capacity_blocks must be >= 1");
         }

@@ -461,7 +461,11 @@ fn no_candidate() -> Error {
 
 /// The slot with the lowest value; ties (within 1e-9 relative) broken by the rendezvous order of
 /// `tie_key` (the first of the tied in that order).
-fn argmin(scores: &[(u32, f64)], workers: &WorkerTable, tie_key: Key<'_>) -> Result<u32> {
+pub(super) fn argmin(
+    scores: &[(u32, f64)],
+    workers: &WorkerTable,
+    tie_key: Key<'_>,
+) -> Result<u32> {
     let Some(min) = scores.iter().map(|&(_, v)| v).reduce(f64::min) else {
         return Err(no_candidate());
     };

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use crate::blocks::{BlockHasher, ChainState, TokenId};
+use crate::cache::TouchMark;
 use crate::error::{Error, Result};
 use crate::events::TierRegistry;
 use crate::hashing::Key;
@@ -12,8 +13,10 @@ use crate::index::{PrefixIndex, WorkerId};
 use crate::value_err;
 
 use super::approx::Model;
-use super::decision::{engine_hit_blocks, Decision};
-use super::policy::{self, View};
+use super::decision::{engine_hit_blocks, Decision, Half};
+use super::endpoints::Endpoint;
+use super::pd::Phase;
+use super::policy::{self, Pick, Reason, View};
 use super::workers::{check_finite, Freshness, WorkerTable};
 use super::{reserved_partition, RouteRequest, Router, Scratch, OTHER_TIER_WEIGHT};
 
@@ -58,6 +61,8 @@ impl Router {
 
     /// Routes one request (see the module docs). A request without block hashes (no tokens, or
     /// fewer than one block) is whole: it has no prefix to match, and every policy routes it.
+    /// Only workers that decode are candidates (a whole request prefills and decodes on one
+    /// worker); [`Router::route_pd`] routes a request as a prefill/decode pair.
     ///
     /// Errors change nothing: `now` not finite, `prompt_tokens` disagreeing with the hashes, a
     /// chain contradicting the index (approx mode) (`Value`); an unknown endpoint or excluded
@@ -65,14 +70,13 @@ impl Router {
     pub fn route(&mut self, req: RouteRequest<'_>) -> Result<Decision> {
         // 1. Check the request and gather the candidates.
         let prompt_tokens = self.check_request(&req)?;
-        let (endpoint, priority) = match req.endpoint {
-            Some(id) => {
-                let ep = self.endpoint(id)?;
-                (Some(ep.id.clone()), ep.priority)
-            }
-            None => (None, 0),
-        };
-        self.gather_candidates(endpoint.as_ref(), req.exclude)?;
+        let endpoint = self.endpoint_arc(req.endpoint)?;
+        let Scratch { candidates, .. } = &mut self.scratch;
+        let ep = endpoint.as_ref().and_then(|e| self.endpoints.get(e));
+        gather_candidates(&self.workers, ep, req.exclude, Phase::Decode, candidates)?;
+        if candidates.is_empty() {
+            return Err(no_worker(&self.workers, ep, req.exclude, Phase::Decode));
+        }
 
         // 2. Match: drop blocks idle past the TTL, then one index walk → each worker's credit.
         let shared = self.index.clone();
@@ -81,10 +85,57 @@ impl Router {
         self.credit(&index, &req.hashes, req.now);
 
         // 3. Pick: pure; returns the choice and the state change it implies.
-        let first_block = req.hashes.first().map(|&h| Key::Int(h));
-        let endpoint_key = endpoint.as_deref().map(|e| Key::Bytes(e.as_bytes()));
-        let hash_key = req.key.or(endpoint_key).or(first_block);
-        let tie_key = first_block.or(req.key).or(endpoint_key);
+        let keys = RequestKeys::of(&req, endpoint.as_ref());
+        let pick = self.pick(&keys, req.hashes.len())?;
+
+        // 4. Validate (approx): the chosen worker's chain must agree with the index. This is
+        //    the last step that can fail; it stores the chain in the index or changes nothing.
+        let who = self.who(pick.slot)?;
+        self.validate_on(&mut index, pick.slot, &req.hashes)?;
+
+        // 5. Commit: nothing fails from here on. The modelled cache of the chosen worker now
+        //    holds the prompt (the decision keeps it for finish / observe) …
+        let mark = self.commit_on(
+            &mut index,
+            pick.slot,
+            &req.hashes,
+            endpoint.as_ref(),
+            req.now,
+        );
+        // … the policy's state change applies, and the decision is counted.
+        policy::commit(
+            pick.effect,
+            pick.slot,
+            &self.scratch.candidates,
+            &mut self.workers,
+            &mut self.rng,
+        );
+        drop(index);
+        let prompt = (prompt_tokens, req.hashes.len());
+        // The decision keeps the prompt (approx: for finish / observe / withdraw; events: its
+        // in-flight blocks from begin to finish).
+        let hashes = req.hashes;
+        let made = Made {
+            slot: pick.slot,
+            who,
+            reason: pick.reason,
+            scores: pick.scores,
+            half: Half::Whole,
+            mark,
+        };
+        Ok(self.decision(made, prompt, hashes, endpoint))
+    }
+
+    /// Step 1: the endpoint's own id (`None` without one); `KeyError` for an unknown one.
+    pub(super) fn endpoint_arc(&self, endpoint: Option<&str>) -> Result<Option<Arc<str>>> {
+        match endpoint {
+            Some(id) => Ok(Some(self.endpoint(id)?.id.clone())),
+            None => Ok(None),
+        }
+    }
+
+    /// Step 3: the router's policy over `scratch.candidates` (pure: see [`policy::pick`]).
+    pub(super) fn pick(&mut self, keys: &RequestKeys<'_>, prompt_blocks: usize) -> Result<Pick> {
         let Scratch {
             candidates,
             credit,
@@ -99,57 +150,80 @@ impl Router {
         };
         let request = policy::Request {
             candidates: candidates.as_slice(),
-            prompt_blocks: req.hashes.len(),
+            prompt_blocks,
             credit,
-            hash_key: hash_key.unwrap_or(Key::Int(0)),
-            tie_key: tie_key.unwrap_or(Key::Int(0)),
+            hash_key: keys.hash,
+            tie_key: keys.tie,
         };
-        let pick = policy::pick(self.config.policy, &view, &request, buffers)?;
+        policy::pick(self.config.policy, &view, &request, buffers)
+    }
 
-        // 4. Validate (approx): the chosen worker's chain must agree with the index. This is
-        //    the last step that can fail; it stores the chain in the index or changes nothing.
-        let Some(worker) = self.workers.get_mut(pick.slot) else {
-            return Err(picked_missing(pick.slot));
-        };
-        let prompt_blocks = req.hashes.len();
-        let mut mark = None;
-        if let Some(model) = self.model.as_mut() {
-            Model::validate(worker, &mut index, &req.hashes)?;
-            // 5. Commit: nothing fails from here on. The modelled cache of the chosen worker
-            //    now holds the prompt …
-            let partition = reserved_partition(&self.endpoints, endpoint.as_ref());
-            model.commit(worker, &mut index, &req.hashes, partition, req.now);
-            mark = worker.cache.as_ref().map(|c| c.touch_mark());
-            // … other replicas hear of the blocks newly predicted there …
-            let known = self.scratch.overlap.get(pick.slot as usize).copied();
-            self.outbox.record(
-                &worker.name,
-                partition,
-                &req.hashes,
-                known.unwrap_or(0) as usize,
-            );
+    /// The name and uid of the worker a pick chose in `slot`.
+    pub(super) fn who(&self, slot: u32) -> Result<(Arc<str>, u64)> {
+        match self.workers.get(slot) {
+            Some(w) => Ok((w.name.clone(), w.uid)),
+            None => Err(picked_missing(slot)),
         }
-        // … the decision keeps the prompt (approx: for finish / observe / withdraw; events: its
-        // in-flight blocks from begin to finish) …
-        let hashes = req.hashes;
-        let (name, uid) = (worker.name.clone(), worker.uid);
-        // … the policy's state change applies, and the decision is counted.
-        policy::commit(
-            pick.effect,
-            pick.slot,
-            &self.scratch.candidates,
-            &mut self.workers,
-            &mut self.rng,
-        );
-        drop(index);
+    }
+
+    /// Step 4 (approx mode): the chain must agree with the index for the worker in `slot`:
+    /// stores it there, or fails changing nothing. Must be followed by [`Router::commit_on`].
+    pub(super) fn validate_on(
+        &mut self,
+        index: &mut PrefixIndex,
+        slot: u32,
+        hashes: &[u64],
+    ) -> Result<()> {
+        match (&self.model, self.workers.get(slot)) {
+            (Some(_), Some(worker)) => Model::validate(worker, index, hashes),
+            (Some(_), None) => Err(picked_missing(slot)),
+            (None, _) => Ok(()),
+        }
+    }
+
+    /// Step 5 (approx mode, after [`Router::validate_on`]): the modelled cache of the worker in
+    /// `slot` holds the prompt at `now`, in the endpoint's partition when it reserves one. Returns
+    /// the worker's touch mark right after (what only this decision touched since can be
+    /// withdrawn exactly).
+    pub(super) fn commit_on(
+        &mut self,
+        index: &mut PrefixIndex,
+        slot: u32,
+        hashes: &[u64],
+        endpoint: Option<&Arc<str>>,
+        now: f64,
+    ) -> Option<TouchMark> {
+        let (Some(model), Some(worker)) = (self.model.as_mut(), self.workers.get_mut(slot)) else {
+            return None;
+        };
+        let partition = reserved_partition(&self.endpoints, endpoint);
+        model.commit(worker, index, hashes, partition, now);
+        let mark = worker.cache.as_ref().map(|c| c.touch_mark());
+        // Other replicas hear of the blocks newly predicted there.
+        let known = self.scratch.overlap.get(slot as usize).copied();
+        self.outbox
+            .record(&worker.name, partition, hashes, known.unwrap_or(0) as usize);
+        mark
+    }
+
+    /// Step 5: counts a decision `made` for a prompt of `(tokens, blocks)` and returns it (its
+    /// cached blocks are the match step's overlap on its worker).
+    pub(super) fn decision(
+        &mut self,
+        made: Made,
+        (prompt_tokens, prompt_blocks): (usize, usize),
+        hashes: Vec<u64>,
+        endpoint: Option<Arc<str>>,
+    ) -> Decision {
+        let (name, uid) = made.who;
         if self.roster_stale {
             self.roster = self.workers.roster();
             self.roster_stale = false;
         }
         self.decisions += 1;
-        let matched_blocks = self.scratch.overlap.get(pick.slot as usize).copied();
+        let matched_blocks = self.scratch.overlap.get(made.slot as usize).copied();
         let matched_blocks = matched_blocks.unwrap_or(0) as usize;
-        let inflight_blocks = self.scratch.inflight.get(pick.slot as usize).copied();
+        let inflight_blocks = self.scratch.inflight.get(made.slot as usize).copied();
         let engine_hit = |held: usize| {
             engine_hit_blocks(
                 self.config.profile,
@@ -158,14 +232,19 @@ impl Router {
                 held,
             )
         };
-        Ok(Decision {
+        let priority = endpoint
+            .as_ref()
+            .and_then(|e| self.endpoints.get(e))
+            .map_or(0, |e| e.priority);
+        Decision {
             id: self.decisions,
             router: self.id,
             worker: name,
             worker_uid: uid,
-            slot_hint: pick.slot,
+            slot_hint: made.slot,
             policy: self.config.policy,
-            reason: pick.reason,
+            reason: made.reason,
+            half: made.half,
             block_size: self.config.block_size,
             prompt_tokens,
             prompt_blocks,
@@ -176,14 +255,14 @@ impl Router {
             priority,
             hashes,
             roster: self.roster.clone(),
-            scores: pick.scores,
-            mark,
+            scores: made.scores,
+            mark: made.mark,
             state: Default::default(),
-        })
+        }
     }
 
     /// Step 1: the prompt's length in tokens, once `now` and the lengths are checked.
-    fn check_request(&self, req: &RouteRequest<'_>) -> Result<usize> {
+    pub(super) fn check_request(&self, req: &RouteRequest<'_>) -> Result<usize> {
         check_finite(req.now, "now")?;
         let bs = self.config.block_size;
         match req.prompt_tokens {
@@ -196,48 +275,9 @@ impl Router {
         }
     }
 
-    /// Step 1: the candidates into `scratch.candidates` (ascending slots): healthy, in the
-    /// endpoint's pool, not excluded.
-    fn gather_candidates(&mut self, endpoint: Option<&Arc<str>>, exclude: &[&str]) -> Result<()> {
-        let candidates = &mut self.scratch.candidates;
-        candidates.clear();
-        let ep = endpoint.and_then(|e| self.endpoints.get(e));
-        match ep {
-            Some(ep) => candidates.extend_from_slice(&ep.pool),
-            None => candidates.extend(
-                self.workers
-                    .iter_slots()
-                    .filter(|(_, w)| w.healthy)
-                    .map(|(s, _)| s),
-            ),
-        }
-        for name in exclude {
-            let slot = self.workers.require(name)?;
-            candidates.retain(|&c| c != slot);
-        }
-        if !candidates.is_empty() {
-            return Ok(());
-        }
-        let healthy = self.workers.healthy();
-        Err(Error::NoWorker(format!(
-            "no worker to route to: {} workers, {healthy} healthy{}{}",
-            self.workers.len(),
-            ep.map_or(String::new(), |ep| format!(
-                ", endpoint {:?} with {} in its pool",
-                ep.id,
-                ep.pool.len()
-            )),
-            if exclude.is_empty() {
-                String::new()
-            } else {
-                format!(", {} excluded", exclude.len())
-            }
-        )))
-    }
-
     /// Step 2 (approx mode with a TTL): every worker's blocks idle past the TTL at `now` leave
     /// the model.
-    fn expire_idle(&mut self, index: &mut PrefixIndex, now: f64) {
+    pub(super) fn expire_idle(&mut self, index: &mut PrefixIndex, now: f64) {
         if let Some(model) = self.model.as_mut() {
             for w in self.workers.iter_mut() {
                 model.expire_idle(w, index, now);
@@ -249,7 +289,7 @@ impl Router {
     /// `scratch.credit` (freshness × the overlap, or the tiered sum in events mode); in events
     /// mode `scratch.inflight` (the prefix held by each worker's in-flight requests, which it
     /// will have computed when it reaches this one) and the credit raised to it.
-    fn credit(&mut self, index: &PrefixIndex, hashes: &[u64], now: f64) {
+    pub(super) fn credit(&mut self, index: &PrefixIndex, hashes: &[u64], now: f64) {
         let scratch = &mut self.scratch;
         let n = self.workers.slot_count();
         scratch.overlap.clear();
@@ -305,8 +345,108 @@ impl Router {
     }
 }
 
+/// The keys a pick uses: `hash` routes by the request's key, else its endpoint, else its first
+/// block; ties break by the first block, else the key, else the endpoint.
+pub(super) struct RequestKeys<'a> {
+    pub hash: Key<'a>,
+    pub tie: Key<'a>,
+}
+
+impl<'a> RequestKeys<'a> {
+    pub(super) fn of(req: &RouteRequest<'a>, endpoint: Option<&'a Arc<str>>) -> Self {
+        let first_block = req.hashes.first().map(|&h| Key::Int(h));
+        let endpoint_key = endpoint.map(|e| Key::Bytes(e.as_bytes()));
+        RequestKeys {
+            hash: req
+                .key
+                .or(endpoint_key)
+                .or(first_block)
+                .unwrap_or(Key::Int(0)),
+            tie: first_block
+                .or(req.key)
+                .or(endpoint_key)
+                .unwrap_or(Key::Int(0)),
+        }
+    }
+}
+
+/// A choice about to become a [`Decision`].
+pub(super) struct Made {
+    pub slot: u32,
+    /// The worker's name and uid (from [`Router::who`]).
+    pub who: (Arc<str>, u64),
+    pub reason: Reason,
+    pub scores: Vec<(u32, f64)>,
+    pub half: Half,
+    /// Approx mode: the worker's touch mark after the prompt was recorded on it.
+    pub mark: Option<TouchMark>,
+}
+
+/// Step 1: the candidates for `phase` into `out` (ascending slots): healthy, able to do the
+/// phase, in the endpoint's pool for it, not excluded. `out` may end empty.
+pub(super) fn gather_candidates(
+    workers: &WorkerTable,
+    ep: Option<&Endpoint>,
+    exclude: &[&str],
+    phase: Phase,
+    out: &mut Vec<u32>,
+) -> Result<()> {
+    out.clear();
+    match ep {
+        Some(ep) => out.extend_from_slice(ep.pool(phase)),
+        None => out.extend(
+            workers
+                .iter_slots()
+                .filter(|(_, w)| w.healthy && w.role.does(phase))
+                .map(|(s, _)| s),
+        ),
+    }
+    for name in exclude {
+        let slot = workers.require(name)?;
+        out.retain(|&c| c != slot);
+    }
+    Ok(())
+}
+
+/// The error for no candidate of `phase`, saying why (the phase only when some worker does not
+/// do it).
+pub(super) fn no_worker(
+    workers: &WorkerTable,
+    ep: Option<&Endpoint>,
+    exclude: &[&str],
+    phase: Phase,
+) -> Error {
+    let able = workers.capable(phase);
+    let roles = able < workers.len();
+    Error::NoWorker(format!(
+        "no worker to route to: {} workers, {} healthy{}{}{}",
+        workers.len(),
+        workers.healthy(),
+        if roles {
+            format!(", {able} able to {}", phase.name())
+        } else {
+            String::new()
+        },
+        ep.map_or(String::new(), |ep| format!(
+            ", endpoint {:?} with {} in its {}pool",
+            ep.id,
+            ep.pool(phase).len(),
+            if roles {
+                format!("{} ", phase.name())
+            } else {
+                String::new()
+            }
+        )),
+        if exclude.is_empty() {
+            String::new()
+        } else {
+            format!(", {} excluded", exclude.len())
+        }
+    ))
+}
+
 /// The pick named a slot without a worker (cannot happen: picks choose among candidates).
-fn picked_missing(slot: u32) -> Error {
+pub(super) fn picked_missing(slot: u32) -> Error {
     Error::NoWorker(format!(
         "no worker to route to: slot {slot} was picked but is empty"
     ))

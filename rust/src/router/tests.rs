@@ -781,3 +781,206 @@ mod sync {
         assert!(r.set_load("nope", Some(1), None, None, None).is_err());
     }
 }
+
+mod pd {
+    use super::super::pd::*;
+    use super::*;
+
+    fn fleet(roles: &[(&str, Role)], pd: PdConfig) -> Router {
+        let config = Config {
+            block_size: 4,
+            capacity_blocks: 64,
+            pd,
+            ..Config::default()
+        };
+        let mut r = Router::new(roles.iter().map(|&(n, _)| (n, 1.0)), config).unwrap();
+        for &(n, role) in roles {
+            r.set_role(n, role).unwrap();
+        }
+        r
+    }
+
+    const P: Role = Role::Prefill;
+    const D: Role = Role::Decode;
+
+    #[test]
+    fn a_long_prompt_is_split_and_its_prefix_followed_on_the_prefill_side() {
+        let pd = PdConfig {
+            threshold: 8,
+            ..PdConfig::default()
+        };
+        let mut r = fleet(&[("p0", P), ("p1", P), ("d0", D), ("d1", D)], pd);
+        let first = r.route_pd_tokens(&tokens(1, 64), None, 0.0).unwrap();
+        assert_eq!(first.reason, PdReason::Remote);
+        let prefill = first.prefill.as_ref().unwrap();
+        assert!(prefill.worker.starts_with('p') && first.decode.worker.starts_with('d'));
+        assert_eq!(
+            (prefill.half, first.decode.half),
+            (Half::Prefill, Half::Decode)
+        );
+        assert_eq!(first.decode.prefill_blocks(), 0);
+        r.begin(prefill).unwrap();
+        r.begin(&first.decode).unwrap();
+        let pw = r.workers().named(&prefill.worker).unwrap();
+        assert_eq!(
+            (pw.active, pw.prefill_blocks, pw.decode_blocks),
+            (1, 16, 16)
+        );
+        let dw = r.workers().named(&first.decode.worker).unwrap();
+        assert_eq!((dw.active, dw.prefill_blocks, dw.decode_blocks), (1, 0, 16));
+        r.finish(prefill, 1.0).unwrap();
+        // The same prompt plus a long new part: prefill where the prefix is, the decode worker
+        // (which received the prompt's KV) holds it too, but lacks the new part.
+        let mut longer = tokens(1, 64);
+        longer.extend(tokens(2, 64));
+        let next = r.route_pd_tokens(&longer, None, 2.0).unwrap();
+        assert_eq!(next.reason, PdReason::Remote);
+        assert_eq!(next.prefill.as_ref().unwrap().worker, prefill.worker);
+        assert_eq!(next.prefill.as_ref().unwrap().cached_blocks, 16);
+        // A short continuation of what the decode worker holds runs there whole.
+        let mut turn = longer.clone();
+        turn.extend(tokens(3, 8));
+        let local = r.route_pd_tokens(&turn, None, 3.0).unwrap();
+        assert_eq!(local.reason, PdReason::Short);
+        assert!(!local.disaggregate());
+        assert_eq!(local.decode.half, Half::Whole);
+        assert_eq!(local.decode.worker, next.decode.worker);
+        assert_eq!(local.decode.prefill_blocks(), 2);
+        r.check_model().unwrap();
+    }
+
+    #[test]
+    fn decode_goes_where_kv_is_free_and_short_prompts_stay_whole() {
+        let mut r = fleet(&[("p0", P), ("d0", D), ("d1", D)], PdConfig::default());
+        let big = r.route_pd_tokens(&tokens(4, 4096), None, 0.0).unwrap();
+        r.begin(&big.decode).unwrap();
+        // d_big holds 1024 blocks of running requests: the next decode goes to the other one.
+        let other = r.route_pd_tokens(&tokens(5, 4096), None, 1.0).unwrap();
+        assert_ne!(other.decode.worker, big.decode.worker);
+        assert_eq!(other.reason, PdReason::Remote);
+        // 512 tokens (the default threshold) or fewer: prefilled on the decode worker.
+        let short = r.route_pd_tokens(&tokens(6, 512), None, 2.0).unwrap();
+        assert_eq!(
+            (short.reason, short.disaggregate()),
+            (PdReason::Short, false)
+        );
+        let long = r.route_pd_tokens(&tokens(7, 516), None, 3.0).unwrap();
+        assert_eq!(long.reason, PdReason::Remote);
+    }
+
+    #[test]
+    fn without_local_prefill_every_pair_is_split_unless_a_worker_does_both() {
+        let pd = PdConfig {
+            local_prefill: false,
+            ..PdConfig::default()
+        };
+        let mut r = fleet(&[("p0", P), ("d0", D)], pd);
+        let d = r.route_pd_tokens(&tokens(8, 8), None, 0.0).unwrap();
+        assert_eq!(d.reason, PdReason::Remote);
+        r.set_healthy("p0", false).unwrap();
+        assert!(matches!(
+            r.route_pd_tokens(&tokens(8, 8), None, 1.0),
+            Err(Error::NoWorker(_))
+        ));
+        // A worker doing both can take the whole request.
+        r.add_worker_as("b0", 1.0, Role::Both).unwrap();
+        r.set_healthy("d0", false).unwrap();
+        let d = r.route_pd_tokens(&tokens(8, 8), None, 2.0).unwrap();
+        assert_eq!((d.reason, &*d.decode.worker), (PdReason::Short, "b0"));
+        // Decode workers that may prefill take the whole request when nothing else prefills.
+        let mut r = fleet(&[("p0", P), ("d0", D)], PdConfig::default());
+        r.set_healthy("p0", false).unwrap();
+        let d = r.route_pd_tokens(&tokens(8, 4096), None, 0.0).unwrap();
+        assert_eq!((d.reason, &*d.decode.worker), (PdReason::NoPrefill, "d0"));
+        // Plain route() never picks a prefill-only worker.
+        r.add_worker_as("b0", 1.0, Role::Both).unwrap();
+        r.set_healthy("p0", true).unwrap();
+        r.set_healthy("b0", false).unwrap();
+        r.set_healthy("d0", false).unwrap();
+        assert!(matches!(
+            r.route_tokens(&tokens(9, 8), None, None, 3.0),
+            Err(Error::NoWorker(_))
+        ));
+    }
+
+    #[test]
+    fn a_saturated_prefill_side_sends_the_prefill_to_the_decode_worker() {
+        let pd = PdConfig {
+            threshold: 0,
+            saturation: Some(1.0),
+            ..PdConfig::default()
+        };
+        let mut r = fleet(&[("p0", P), ("d0", D), ("d1", D)], pd);
+        let first = r.route_pd_tokens(&tokens(10, 400), None, 0.0).unwrap();
+        assert_eq!(first.reason, PdReason::Remote);
+        r.begin(first.prefill.as_ref().unwrap()).unwrap();
+        // p0 has 100 blocks queued (1 request: each block delays 2 others): a 100-block prompt
+        // costs 100 + 3 × 100 + 0.05 × 100 there, 3 × 100 on a decode worker.
+        let next = r.route_pd_tokens(&tokens(11, 400), None, 1.0).unwrap();
+        assert_eq!(next.reason, PdReason::Saturated);
+        assert_eq!(next.decode.half, Half::Whole);
+    }
+
+    #[test]
+    fn endpoint_pools_have_a_part_per_phase_and_follow_roles() {
+        let names: Vec<String> = (0..12).map(|i| format!("w{i}")).collect();
+        let roles: Vec<(&str, Role)> = names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.as_str(), if i % 3 == 0 { P } else { D }))
+            .collect();
+        let mut r = fleet(&roles, PdConfig::default());
+        let spec = EndpointSpec {
+            pool_size: 2,
+            reserved_blocks: Some(8),
+            ..EndpointSpec::default()
+        };
+        r.add_endpoint("ep", spec).unwrap();
+        let prefill = r.endpoint_pool("ep", Some(Phase::Prefill)).unwrap();
+        let decode = r.endpoint_pool("ep", Some(Phase::Decode)).unwrap();
+        assert_eq!((prefill.len(), decode.len()), (2, 2));
+        assert!(prefill.iter().all(|n| r.role(n).unwrap() == P));
+        assert!(decode.iter().all(|n| r.role(n).unwrap() == D));
+        // Reservations live on the prefill members only.
+        let reserved = |r: &Router, n: &str| {
+            let w = r.workers().named(n).unwrap();
+            w.cache
+                .as_ref()
+                .unwrap()
+                .reservations()
+                .map(|(_, b)| b)
+                .sum::<usize>()
+        };
+        assert!(prefill.iter().all(|n| reserved(&r, n) == 8));
+        assert!(decode.iter().all(|n| reserved(&r, n) == 0));
+        // A prefill member turned decoder leaves the prefill part (its reservation drops) …
+        let moved = prefill[0].clone();
+        r.set_role(&moved, D).unwrap();
+        let after = r.endpoint_pool("ep", Some(Phase::Prefill)).unwrap();
+        assert!(!after.contains(&moved) && after.len() == 2);
+        assert_eq!(reserved(&r, &moved), 0);
+        // … and takes its place back when it prefills again.
+        r.set_role(&moved, P).unwrap();
+        assert_eq!(
+            r.endpoint_pool("ep", Some(Phase::Prefill)).unwrap(),
+            prefill
+        );
+        assert_eq!(reserved(&r, &moved), 8);
+        let pair = r
+            .route_pd_tokens(&tokens(12, 4096), Some("ep"), 0.0)
+            .unwrap();
+        assert!(prefill.contains(&pair.prefill.unwrap().worker));
+        assert!(decode.contains(&pair.decode.worker));
+        assert!(
+            r.add_endpoint(
+                "big",
+                EndpointSpec {
+                    pool_size: 9,
+                    ..EndpointSpec::default()
+                }
+            )
+            .is_err(),
+            "8 decoders at most"
+        );
+    }
+}

@@ -15,6 +15,8 @@
 //!   decode steps read) and `written_blocks` (the blocks they add to the worker's cache: their
 //!   prompt blocks not held there when routed, prefilled or still to be). A removed worker's
 //!   counters leave with it.
+//! - **Roles** ([`Role`]): every worker prefills, decodes or both; the table counts the workers
+//!   able to do each phase, so a prefill/decode order knows when it holds them all.
 //! - **Rendezvous.** Each worker's rendezvous seed is `XXH3-64(name)`; the table knows whether
 //!   every worker has the same weight, so its scores ([`WorkerTable::rendezvous`]) rank exactly
 //!   as a [`crate::hashing::Rendezvous`] over the same workers does, ties to the name sorting
@@ -33,6 +35,8 @@ use crate::cache::BlockCache;
 use crate::error::{Error, Result};
 use crate::hashing::{check_weight, Rendezvous, RendezvousScore};
 use crate::index::WorkerId;
+
+use super::pd::{Phase, Role};
 
 /// How a worker's freshness is currently set.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -56,6 +60,8 @@ pub struct Worker {
     pub weight: f64,
     /// Unhealthy workers are never chosen.
     pub healthy: bool,
+    /// What the worker does: prefill, decode or both (see [`super::pd`]).
+    pub role: Role,
     /// Rendezvous seed: `XXH3-64(name)`.
     pub(super) seed: u64,
     /// Requests begun and not finished.
@@ -172,6 +178,8 @@ pub struct WorkerTable {
     healthy: usize,
     /// Workers per distinct weight (its bits): rendezvous is uniform with at most one entry.
     weights: HashMap<u64, usize>,
+    /// Workers able to prefill, able to decode (a `Both` worker counts in each).
+    capable: [usize; 2],
     next_uid: u64,
 }
 
@@ -193,6 +201,15 @@ impl WorkerTable {
     /// Number of healthy workers.
     pub fn healthy(&self) -> usize {
         self.healthy
+    }
+
+    /// Number of workers able to do `phase` (see [`Role`]).
+    pub fn capable(&self, phase: Phase) -> usize {
+        let [p, d] = self.capable;
+        match phase {
+            Phase::Prefill => p,
+            Phase::Decode => d,
+        }
     }
 
     /// One past the largest slot (what per-slot buffers must cover).
@@ -275,7 +292,7 @@ impl WorkerTable {
     }
 
     /// Appends a worker (checked with [`WorkerTable::check_new`]); returns its slot.
-    pub(super) fn push(&mut self, name: &str, weight: f64) -> Result<u32> {
+    pub(super) fn push(&mut self, name: &str, weight: f64, role: Role) -> Result<u32> {
         self.check_new(name, weight)?;
         let Ok(slot) = u32::try_from(self.slots.len()) else {
             return crate::value_err!("too many workers");
@@ -287,6 +304,7 @@ impl WorkerTable {
             uid: self.next_uid,
             weight,
             healthy: true,
+            role,
             seed: Rendezvous::node_seed(&name),
             active: 0,
             prefill_blocks: 0,
@@ -303,7 +321,31 @@ impl WorkerTable {
         self.by_name.insert(name, slot);
         self.healthy += 1;
         *self.weights.entry(weight.to_bits()).or_default() += 1;
+        self.count_role(role, true);
         Ok(slot)
+    }
+
+    /// Counts (`add`) or uncounts a worker of `role` in the per-phase totals.
+    fn count_role(&mut self, role: Role, add: bool) {
+        let [p, d] = &mut self.capable;
+        for (phase, n) in [(Phase::Prefill, p), (Phase::Decode, d)] {
+            if role.does(phase) {
+                *n = if add { *n + 1 } else { n.saturating_sub(1) };
+            }
+        }
+    }
+
+    /// Sets worker `name`'s role; returns its slot and whether the role changed.
+    pub(super) fn set_role(&mut self, name: &str, role: Role) -> Result<(u32, bool)> {
+        let slot = self.require(name)?;
+        let w = self.get_mut(slot).ok_or_else(|| unknown(name))?;
+        let old = w.role;
+        w.role = role;
+        if old != role {
+            self.count_role(old, false);
+            self.count_role(role, true);
+        }
+        Ok((slot, old != role))
     }
 
     /// Removes worker `name`, leaving a vacancy; returns its slot and the worker.
@@ -316,6 +358,7 @@ impl WorkerTable {
         if worker.healthy {
             self.healthy -= 1;
         }
+        self.count_role(worker.role, false);
         let bits = worker.weight.to_bits();
         if let Some(n) = self.weights.get_mut(&bits) {
             *n -= 1;
