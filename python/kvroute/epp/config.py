@@ -174,6 +174,11 @@ def parse_config(data: Mapping[str, Any]) -> EppConfig:
     e.done()
     discovered = "epp.pool" if pool is not None else None
     fleet = parse_fleet(top, health, discovered=discovered)
+    if fleet.pd is not None:
+        raise ValueError(
+            "kvroute epp does not route prefill/decode pairs: serve a [pd] fleet with "
+            "kvroute serve (the EPP would send whole requests to its decode workers)"
+        )
     if pool is not None and pool.kv_events_port is not None and not fleet.router.events:
         raise ValueError(
             "epp.pool.kv_events_port is set but router.index is not 'events': set index = 'events'"

@@ -14,7 +14,8 @@ Request path (``POST /v1/chat/completions``, ``POST /v1/completions``):
 5. Limits and admission (``kvroute.gateway.limits``, ``kvroute.gateway.admission``): the key's
    and endpoint's token buckets, the fleet's bound with weighted fair share, the per-worker
    bounds, the request's ``x-slo-ttft-ms`` — 429 with ``Retry-After`` when any refuses.
-6. ``router.route(tokens=..., endpoint=..., exclude=...)`` picks the worker, and the body goes
+6. ``router.route(tokens=..., endpoint=..., exclude=...)`` picks the worker (with ``[pd]``:
+   ``route_pd`` picks a prefill/decode pair, served by ``kvroute.gateway.pd``), and the body goes
    upstream with ``model`` replaced by the real model name. For an endpoint with ``cache_salt =
    true`` and a ``vllm``/``sglang`` worker, ``cache_salt`` is set to the router's salt of that
    endpoint (``Router.endpoint_salt``), so the engine's prefix cache is partitioned per endpoint
@@ -25,7 +26,8 @@ Request path (``POST /v1/chat/completions``, ``POST /v1/completions``):
    a caller's ``priority`` is never forwarded either: it would let anyone jump the queues.
    The upstream's ``x-request-id`` is the caller's prefixed by 16 random hex digits (engines use
    it as their request id: two tenants choosing the same id must not collide); the reply carries
-   the caller's own.
+   the caller's own. The KV hand-over fields of prefill/decode engines (``kv_transfer_params``,
+   ``bootstrap_host`` / ``_port`` / ``_room``) are never forwarded from a caller.
 7. Load accounting (``kvroute.gateway.upstream``): ``router.begin`` when the upstream request
    starts, ``router.prefilled`` at its first output, ``router.observe`` with the reported cached
    tokens and ``router.finish`` exactly once when it ended, failed, or the client went away.
@@ -98,6 +100,7 @@ from .errors import (
 from .limits import RateLimits
 from .listener import ConnectionGuard
 from .metrics import GatewayMetrics
+from .pd import HANDOVER_FIELDS, PdForwarder
 from .prompt import OFFLOAD_CHARS, RequestError, Tokenizer, load_tokenizer
 from .stream import EventTooLarge, ProxyStream, SseScanner, first_events, wait_disconnect
 from .upstream import Flight, Upstreams, release
@@ -215,7 +218,11 @@ class Gateway:
         s = self.server = config.server
         if router is None:
             router = build_router(
-                config.workers, config.router, config.events, updates=config.cluster is not None
+                config.workers,
+                config.router,
+                config.events,
+                config.pd,
+                updates=config.cluster is not None,
             )
             for ep in config.endpoints:
                 router.add_endpoint(
@@ -279,6 +286,7 @@ class Gateway:
                 registry=self.metrics.registry,
                 event_mode=config.events.mode,
             )
+        self.pd = PdForwarder(self) if config.pd is not None else None
         self.routes: dict[str, dict[str, Handler]] = {
             CHAT: {"POST": self._chat},
             COMPLETIONS: {"POST": self._completions},
@@ -373,6 +381,8 @@ class Gateway:
         if self.cluster is not None:
             await self.cluster.stop()
         await self.health.stop()
+        if self.pd is not None:
+            await self.pd.stop()
         if self.subscriber is not None:
             await self.subscriber.__aexit__(None, None, None)
             self.subscriber = None
@@ -638,8 +648,9 @@ class Gateway:
 
         watch = asyncio.ensure_future(wait_disconnect(req.receive))
         watch.add_done_callback(client_gone)
+        forward = self._forward if self.pd is None else self.pd.forward
         try:
-            return await self._forward(call, payload, tokens, upstream)
+            return await forward(call, payload, tokens, upstream)
         except asyncio.CancelledError:
             if not state["gone"]:
                 raise  # this handler itself is being cancelled
@@ -656,6 +667,8 @@ class Gateway:
         body["model"] = target.upstream_model
         body.pop("cache_salt", None)
         body.pop("priority", None)
+        for name in HANDOVER_FIELDS:  # only the gateway may point an engine at another's KV
+            body.pop(name, None)
         strip_usage = False
         if payload.get("stream") is True:
             options = body.get("stream_options")

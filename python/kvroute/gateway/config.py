@@ -84,6 +84,15 @@ Example (every key shown; only ``[[workers]]`` is required)::
     kv_replay = "tcp://10.0.0.1:5558"
     kv_events_bind = false           # true: the gateway binds kv_events and the engine connects
                                      # (vLLM connects when its endpoint names a concrete host)
+    role = "both"                    # "prefill" | "decode" | "both" (roles need [pd])
+    bootstrap_port = 8998            # SGLang prefill servers' --disaggregation-bootstrap-port
+    bootstrap_host = "10.0.0.1"      # default: the url's host
+
+    [pd]                             # route every request as a prefill/decode pair
+    protocol = "vllm"                # KV hand-over: "vllm" (KV connector, e.g. NIXL) | "sglang"
+    threshold = 512                  # Router pd_threshold: prefill on the decode worker when it
+                                     # lacks at most this many prompt tokens (vllm only)
+    saturation = 2.0                 # Router pd_saturation (default: the router's)
 
     [[endpoints]]
     id = "ep-acme"
@@ -117,6 +126,7 @@ from kvroute.server.config import (
     EndpointConfig,
     EventsConfig,
     HealthConfig,
+    PdConfig,
     RouterConfig,
     Table,
     TokenizerConfig,
@@ -126,6 +136,7 @@ from kvroute.server.config import (
     parse_endpoints,
     parse_fleet,
     parse_health,
+    pool_limit,
 )
 
 __all__ = [
@@ -134,6 +145,7 @@ __all__ = [
     "EventsConfig",
     "GatewayConfig",
     "HealthConfig",
+    "PdConfig",
     "RouterConfig",
     "ServerConfig",
     "TokenizerConfig",
@@ -185,6 +197,7 @@ class GatewayConfig:
     events: EventsConfig = field(default_factory=EventsConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     cluster: ClusterConfig | None = None
+    pd: PdConfig | None = None
 
     def worker(self, name: str) -> WorkerConfig:
         for w in self.workers:
@@ -239,7 +252,7 @@ def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
     g.done()
     fleet = parse_fleet(top, health)
 
-    endpoints = parse_endpoints(top, server.models, "gateway.models", len(fleet.workers))
+    endpoints = parse_endpoints(top, server.models, "gateway.models", pool_limit(fleet.workers))
     top.get("epp", dict, {})  # kvroute epp's section of a shared file (kvroute.epp.config)
     cluster = parse_cluster(top)
     top.done()
@@ -252,6 +265,7 @@ def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
         events=fleet.events,
         health=fleet.health,
         cluster=cluster,
+        pd=fleet.pd,
     )
 
 

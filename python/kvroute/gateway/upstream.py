@@ -5,7 +5,8 @@ and the count of requests begun and not finished. ``Upstreams.begin(decision, ..
 attempt as a ``Flight``: ``router.begin(decision)`` at once; ``prefilled()`` when the upstream's
 first output arrives; ``close(usage)`` exactly once whatever happens — the response read, the
 stream ended or broken, the client gone, the attempt failed or cancelled — reporting the
-upstream's ``cached_tokens`` to ``router.observe`` first (in routing tokens) and then calling
+upstream's ``cached_tokens`` to ``router.observe`` first (in routing tokens; not for the decode
+half of a prefill/decode pair, whose engine counts the KV it received) and then calling
 ``router.finish``. A worker with ``max_in_flight_per_worker`` attempts in flight is in
 ``Upstreams.full`` (the router's choice skips it) until one of them ends.
 """
@@ -155,7 +156,9 @@ class Flight:
         self.usage = usage
         u = self.upstreams
         try:
-            cached = cached_tokens(usage)
+            # A decode half's engine counts the KV it received as cached: only the prefill's
+            # report says what its worker held.
+            cached = cached_tokens(usage) if self.decision.half != "decode" else None
             if cached is not None:
                 prompt = usage.get("prompt_tokens")
                 routed = to_routing_tokens(

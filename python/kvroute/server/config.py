@@ -30,6 +30,7 @@ __all__ = [
     "EventsConfig",
     "FleetConfig",
     "HealthConfig",
+    "PdConfig",
     "RouterConfig",
     "Table",
     "TokenizerConfig",
@@ -41,6 +42,7 @@ __all__ = [
     "parse_endpoints",
     "parse_fleet",
     "parse_health",
+    "pool_limit",
 ]
 
 #: Upstream kinds. ``vllm`` and ``sglang`` accept ``cache_salt`` in the request body and report
@@ -49,6 +51,12 @@ __all__ = [
 #: is sent no engine-specific fields.
 WORKER_KINDS = ("vllm", "sglang", "openai")
 SALTING_KINDS = frozenset({"vllm", "sglang"})
+#: What a worker does in a prefill/decode fleet (``kvroute.Router`` roles).
+ROLES = ("prefill", "decode", "both")
+#: The prefill/decode hand-over protocols: vLLM's KV-connector proxy flow, SGLang's bootstrap.
+PD_PROTOCOLS = ("vllm", "sglang")
+#: SGLang's default ``--disaggregation-bootstrap-port``.
+SGLANG_BOOTSTRAP_PORT = 8998
 
 
 def engine_fields(kind: str, cache_salt: str | None, priority: int) -> dict[str, Any]:
@@ -87,6 +95,12 @@ class WorkerConfig:
     #: The subscriber binds ``kv_events`` and the engine connects (vLLM's publisher connects
     #: when its endpoint names a concrete host, and binds only ``*``, ``ipc://``, ``inproc://``).
     kv_events_bind: bool = False
+    #: ``prefill``, ``decode`` or ``both`` (a fleet with roles needs ``[pd]``).
+    role: str = "both"
+    #: SGLang prefill servers: where decode servers fetch the KV (``--disaggregation-bootstrap-
+    #: port``; host: the URL's unless given).
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
 
     @property
     def sends_cache_salt(self) -> bool:
@@ -160,6 +174,17 @@ class EndpointConfig:
 
 
 @dataclass(frozen=True)
+class PdConfig:
+    """``[pd]``: requests are routed as prefill/decode pairs (``Router.route_pd``) and handed
+    over with ``protocol``; ``threshold`` and ``saturation`` are the router's ``pd_threshold``
+    and ``pd_saturation`` (None: the router's defaults)."""
+
+    protocol: str = "vllm"
+    threshold: int | None = None
+    saturation: float | None = None
+
+
+@dataclass(frozen=True)
 class FleetConfig:
     """The sections every server over the same fleet reads alike."""
 
@@ -168,6 +193,7 @@ class FleetConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    pd: PdConfig | None = None
 
 
 class Table:
@@ -289,8 +315,15 @@ def _worker(data: Any, i: int) -> WorkerConfig:
         kv_events=kv_events,
         kv_replay=kv_replay,
         kv_events_bind=t.get("kv_events_bind", bool, False),
+        role=t.get("role", str, "both"),
+        bootstrap_host=t.get("bootstrap_host", str, None) or None,
+        bootstrap_port=t.get("bootstrap_port", int, None),
     )
     t.done()
+    if w.role not in ROLES:
+        raise ValueError(f"{t.where}.role must be one of {ROLES}, got {w.role!r}")
+    if w.bootstrap_port is not None and not 0 < w.bootstrap_port < 65536:
+        raise ValueError(f"{t.where}.bootstrap_port must be in 1..65535, got {w.bootstrap_port}")
     if w.kv_events_bind and kv_events is None:
         raise ValueError(f"{t.where}.kv_events_bind given without kv_events")
     return w
@@ -319,11 +352,18 @@ def _endpoint(data: Any, i: int) -> EndpointConfig:
     return ep
 
 
+def pool_limit(workers: tuple[WorkerConfig, ...]) -> int:
+    """The largest endpoint pool the workers allow: a pool has ``pool_size`` members per phase
+    (prefill, decode), so its size is bounded by the phase most workers do."""
+    return max(sum(w.role in (phase, "both") for w in workers) for phase in ("prefill", "decode"))
+
+
 def parse_endpoints(
     top: Table, models: tuple[str, ...], models_key: str, workers: int | None
 ) -> tuple[EndpointConfig, ...]:
     """``[[endpoints]]``: unique ids, none also a directly served model (``models``, read from
-    ``models_key``), no pool larger than the ``workers`` (None: a fleet that is discovered)."""
+    ``models_key``), no pool larger than ``workers`` (``pool_limit`` of the fleet; None: a fleet
+    that is discovered)."""
     endpoints = tuple(_endpoint(e, i) for i, e in enumerate(top.get("endpoints", list, [])))
     ids = [e.id for e in endpoints]
     dup = duplicates(ids)
@@ -336,6 +376,7 @@ def parse_endpoints(
         if workers is not None and e.pool_size > workers:
             raise ValueError(
                 f"endpoint {e.id!r}: pool_size {e.pool_size} exceeds the {workers} workers"
+                " (of a phase, when workers have roles)"
             )
     return endpoints
 
@@ -404,6 +445,7 @@ def parse_fleet(
         topic=ev.get("topic", str, EventsConfig.topic), mode=ev.get("mode", str, EventsConfig.mode)
     )
     ev.done()
+    pd = _pd(top, workers)
     with_events = [w.name for w in workers if w.kv_events]
     if router.events and not with_events and discovered is None:
         raise ValueError("router.index = 'events' needs kv_events on at least one worker")
@@ -418,7 +460,44 @@ def parse_fleet(
         tokenizer=tokenizer,
         events=events,
         health=health if health is not None else HealthConfig(),
+        pd=pd,
     )
+
+
+def _pd(top: Table, workers: tuple[WorkerConfig, ...]) -> PdConfig | None:
+    """``[pd]``, checked against the workers: roles need it, its protocol needs workers of its
+    kind and (SGLang) bootstrap ports on the workers that prefill."""
+    with_roles = [w.name for w in workers if w.role != "both"]
+    if "pd" not in top.data:
+        top.get("pd", dict, {})
+        if with_roles:
+            raise ValueError(
+                f"workers {with_roles} have roles: add a [pd] section naming the hand-over "
+                f"protocol (protocol = 'vllm' or 'sglang')"
+            )
+        return None
+    t = top.table("pd")
+    d = PdConfig()
+    pd = PdConfig(
+        protocol=t.get("protocol", str, d.protocol),
+        threshold=t.positive("threshold", int, None, zero=True),
+        saturation=t.positive("saturation", float, None, zero=True),
+    )
+    t.done()
+    if pd.protocol not in PD_PROTOCOLS:
+        raise ValueError(f"pd.protocol must be one of {PD_PROTOCOLS}, got {pd.protocol!r}")
+    other = [w.name for w in workers if w.kind != pd.protocol]
+    if other:
+        raise ValueError(
+            f"pd.protocol = {pd.protocol!r} hands KV over between {pd.protocol} engines: "
+            f"workers {other} are of another kind"
+        )
+    if pd.protocol == "sglang" and pd.threshold is not None:
+        raise ValueError(
+            "pd.threshold does not apply to SGLang: its decode servers take KV only from a "
+            "prefill server (every request is split, except on workers with role = 'both')"
+        )
+    return pd
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:

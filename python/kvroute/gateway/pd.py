@@ -1,0 +1,493 @@
+"""Prefill/decode pairs: how the gateway serves a request on two workers (``[pd]``).
+
+With a ``[pd]`` section every request is routed as a pair (``Router.route_pd``): a prefill worker
+chosen by the KV-aware cost over the workers that prefill, a decode worker by its KV load less the
+prompt prefix it holds; a pair that is not disaggregated (a short uncached part, a saturated
+prefill side, one worker best for both) is an ordinary request to the decode worker. A
+disaggregated pair is handed over as the engines' own proxies do (``protocol``):
+
+- **vLLM** (its KV-connector proxy flow, as ``toy_proxy_server.py`` of vLLM's NIXL tests and the
+  disaggregated-serving examples do): the prefill worker gets the request with
+  ``kv_transfer_params = {"do_remote_decode": true, "do_remote_prefill": false,
+  "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port":
+  null}``, ``stream = false``, ``max_tokens = 1`` (and ``max_completion_tokens = 1`` when
+  given), without ``stream_options``, ``min_tokens`` and ``min_completion_tokens``; its reply's
+  ``kv_transfer_params`` (the prefill engine's block ids, engine id, host and port) go with the
+  original request to the decode worker, whose answer (streamed or not, as asked) is the
+  client's. Both carry the same ``x-request-id``.
+- **SGLang** (its bootstrap flow, as ``sglang.srt.disaggregation.mini_lb`` and SGLang's router
+  do): the request goes to the prefill and the decode worker at once, both with the prefill
+  worker's ``bootstrap_host`` (its URL's host unless configured; IPv6 in brackets),
+  ``bootstrap_port`` (its ``bootstrap_port``, default SGLang's 8998) and a fresh random
+  ``bootstrap_room`` (63 bits); the decode worker's answer is the client's, the prefill's is read
+  and dropped.
+
+Fields a client sends under these names (``kv_transfer_params``, ``bootstrap_*``) are never
+forwarded (``kvroute.gateway.app`` drops them): they would point an engine at another host's KV.
+
+Failures (each looked up in ``kvroute.gateway.errors`` as for single requests, and charged to the
+worker that failed): a prefill that fails before the decode has started is retried with another
+prefill worker (the pair routed again without it: for SGLang the waiting decode request is
+aborted first, and the retry gets a new room); a decode failure before the first event retries
+the pair from scratch without that decode worker; a prefill's 4xx answer is the client's. Every
+attempt of either half counts toward ``max_attempts``. The client gets exactly one answer, the
+decode worker's; the prefill's one token is never forwarded nor charged to rate limits (which
+charge the decode's completion tokens), so nothing is billed twice.
+
+Load: each half is a ``Flight`` (``kvroute.gateway.upstream``) — begun when sent, prefilled at
+its first output, finished once; a vLLM prefill half is finished when the decode worker has
+answered (it holds the KV until the decode pulls it). Only the prefill half reports its engine's
+``cached_tokens`` to the router (the decode worker counts the KV it received as cached).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import secrets
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import numpy as np
+from starlette.responses import Response
+
+from kvroute import Decision, PdDecision
+from kvroute.server.config import SGLANG_BOOTSTRAP_PORT, engine_fields
+from kvroute.server.metrics import Counter
+from kvroute.server.routing import NoWorkerError
+
+from .admission import Shed
+from .client import BodyTooLarge, UpstreamError
+from .errors import (
+    BODY_FAILURES,
+    SEND_FAILURES,
+    STATUS_5XX,
+    TOO_LARGE,
+    HTTPError,
+    UpstreamFailure,
+    classify,
+)
+from .upstream import Flight, release
+
+if TYPE_CHECKING:
+    from .app import Call, Gateway, UpstreamBody
+
+__all__ = ["PdForwarder", "bootstrap_host"]
+
+log = logging.getLogger("kvroute.gateway")
+
+#: What the vLLM prefill request asks for: compute the prompt, keep its KV for a remote decode.
+VLLM_PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+#: Fields only the gateway may set upstream (a client's are dropped).
+HANDOVER_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+#: An attempt's outcome: the answer, or (failure, detail, the upstream's own 5xx answer).
+Failed = tuple[UpstreamFailure, object, "tuple[int, bytes, str] | None"]
+Outcome = Response | Failed
+
+
+def bootstrap_host(url: str) -> str:
+    """The host of a worker URL as SGLang's bootstrap fields name it (IPv6 in brackets)."""
+    host = urlsplit(url).hostname or ""
+    with contextlib.suppress(ValueError):
+        if isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address):
+            return f"[{host}]"
+    return host
+
+
+class PdForwarder:
+    """Serves requests as prefill/decode pairs for a ``Gateway`` (see the module docs)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.g = gateway
+        pd = gateway.config.pd
+        assert pd is not None
+        self.protocol = pd.protocol
+        self.bootstrap = {
+            w.name: (
+                w.bootstrap_host or bootstrap_host(w.url),
+                w.bootstrap_port if w.bootstrap_port is not None else SGLANG_BOOTSTRAP_PORT,
+            )
+            for w in gateway.config.workers
+        }
+        self.pairs = gateway.metrics.registry.add(
+            Counter(
+                "kvroute_gateway_pd_pairs_total",
+                "Requests routed as prefill/decode pairs, by why they were (remote) or were not "
+                "disaggregated.",
+                ("reason",),
+            )
+        )
+        self.background: set[asyncio.Task[Any]] = set()
+
+    async def stop(self) -> None:
+        """Cancels the prefill replies still being drained."""
+        for task in list(self.background):
+            task.cancel()
+        for task in list(self.background):
+            with contextlib.suppress(BaseException):
+                await task
+
+    # ---- one request ---------------------------------------------------------------------
+
+    def _choose(self, call: Call, tokens: np.ndarray, tried: list[str]) -> PdDecision | HTTPError:
+        """The router's pair among the workers neither tried for this request nor full."""
+        g = self.g
+        assert call.target is not None
+        full = g.upstreams.full
+        exclude = [*tried, *full] if full else tried
+        endpoint = call.target.endpoint
+        pair = None
+        with contextlib.suppress(NoWorkerError):
+            pair = g.router.route_pd(tokens=tokens, endpoint=endpoint, exclude=exclude)
+        if endpoint is not None and tried and (pair is None or pair.reason == "no_prefill"):
+            # No untried member of the endpoint's pool (of a phase) is left: this request
+            # spills over to the router's choice outside it (still salted upstream), as single
+            # requests do — a failed prefill moves to another prefill worker.
+            with contextlib.suppress(NoWorkerError):
+                pair = g.router.route_pd(tokens=tokens, exclude=exclude)
+        if pair is None:
+            if full and not tried:
+                return g._shed(
+                    Shed("worker_queue", "every worker that can serve this request is full")
+                )
+            return HTTPError(
+                503, "no upstream worker available", "service_unavailable", "no_worker"
+            )
+        shed = g.admission.check_slo(pair.prefill, call.slo)
+        return g._shed(shed) if shed is not None else pair
+
+    async def forward(
+        self, call: Call, payload: dict[str, Any], tokens: np.ndarray, upstream: UpstreamBody
+    ) -> Response:
+        """Serves one request (the pair counterpart of ``Gateway._forward``)."""
+        g = self.g
+        target = call.target
+        assert target is not None
+        stream = payload.get("stream") is True
+        error: HTTPError | None = None
+        failed_response: tuple[int, bytes, str] | None = None
+        tried: list[str] = []
+        suspects: list[str] = []
+        attempt = 0
+        while attempt < g.server.max_attempts:
+            attempt += 1
+            pair = self._choose(call, tokens, tried)
+            if isinstance(pair, HTTPError):
+                if attempt == 1:
+                    error, failed_response = pair, None
+                break
+            if attempt > 1:
+                g.metrics.retries.inc()
+            self.pairs.inc(pair.reason)
+            p, d = pair.prefill, pair.decode
+            for half in (p, d) if pair.disaggregate else (d,):
+                g.metrics.decisions.inc(half.policy, half.reason, half.worker)
+            if not pair.disaggregate:
+                outcome, worker = (
+                    await self._single(call, d, len(tokens), upstream, stream),
+                    d.worker,
+                )
+            elif self.protocol == "vllm":
+                outcome, worker = await self._vllm(call, p, d, len(tokens), upstream, stream)
+            else:
+                outcome, worker = await self._sglang(call, p, d, len(tokens), upstream, stream)
+            if isinstance(outcome, Response):
+                g._settle(call, worker, suspects)
+                if g.server.routing_headers:
+                    outcome.headers["x-kvroute-worker"] = d.worker
+                    outcome.headers["x-kvroute-prefill-worker"] = p.worker
+                    outcome.headers["x-kvroute-cached-tokens"] = str(p.cached_tokens)
+                    outcome.headers["x-kvroute-attempts"] = str(attempt)
+                outcome.headers["x-request-id"] = call.rid
+                return outcome
+            failure, detail, answered = outcome
+            g._failed(failure, worker, detail)
+            tried.append(worker)
+            if failure.health == "count":
+                suspects.append(worker)
+            error, failed_response = failure.error(worker), answered
+            if not failure.retry:
+                break
+        g._settle(call, None, suspects)
+        headers = {"x-request-id": call.rid}
+        if failed_response is not None:
+            status, data, ctype = failed_response
+            g.metrics.done(call.route, target.name, status, call.started)
+            return Response(data, status_code=status, media_type=ctype, headers=headers)
+        assert error is not None
+        g.metrics.done(call.route, target.name, error.status, call.started)
+        return error.response(headers)
+
+    # ---- bodies and flights ----------------------------------------------------------------
+
+    def _body(self, upstream: UpstreamBody, worker: str, **fields: Any) -> bytes:
+        """The upstream body for ``worker`` with ``fields`` set (and the engine fields its kind
+        gets: ``kvroute.server.config.engine_fields``); ``None`` values remove a field."""
+        kind = self.g.workers[worker].kind
+        body = {**upstream.body, **engine_fields(kind, upstream.salt, upstream.priority)}
+        for k, v in fields.items():
+            if v is None:
+                body.pop(k, None)
+            else:
+                body[k] = v
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+    def _refused(self, call: Call, answer: Response) -> Response:
+        """A prefill worker's 4xx answer, passed on: the request itself was refused."""
+        assert call.target is not None
+        self.g.metrics.done(call.route, call.target.name, answer.status_code, call.started)
+        return answer
+
+    def _headers(self, call: Call) -> str:
+        return f"content-type: application/json\r\nx-request-id: {call.upstream_rid}\r\n"
+
+    async def _single(
+        self, call: Call, d: Decision, prompt: int, upstream: UpstreamBody, stream: bool
+    ) -> Outcome:
+        """The whole request on one worker (a pair that is not disaggregated)."""
+        g = self.g
+        flight = g.upstreams.begin(d, prompt)
+        body = upstream.get(g.workers[d.worker].kind)
+        outcome = await g._attempt(
+            call, flight, self._headers(call), body, stream, upstream.strip_usage
+        )
+        if isinstance(outcome, Response):
+            call.flight = flight
+        return outcome
+
+    async def _decode(
+        self,
+        call: Call,
+        d: Decision,
+        prompt: int,
+        body: bytes,
+        upstream: UpstreamBody,
+        stream: bool,
+    ) -> Outcome:
+        g = self.g
+        flight = g.upstreams.begin(d, prompt)
+        outcome = await g._attempt(
+            call, flight, self._headers(call), body, stream, upstream.strip_usage
+        )
+        if isinstance(outcome, Response):
+            call.flight = flight
+        return outcome
+
+    async def _read_prefill(
+        self, call: Call, flight: Flight, body: bytes
+    ) -> dict[str, Any] | Response | Failed:
+        """Sends a prefill request and reads its whole answer: the parsed reply (200), the
+        upstream's 4xx answer for the client, or a failure. Marks the flight prefilled when the
+        answer arrives and closes it on failure (the caller closes it otherwise)."""
+        g = self.g
+        try:
+            resp = await flight.send(call.route, self._headers(call), body)
+        except BaseException as e:
+            flight.close()
+            failure = classify(e, SEND_FAILURES) if isinstance(e, UpstreamError) else None
+            if failure is None:
+                raise
+            return failure, e, None
+        ok = False
+        try:
+            status = resp.status_code
+            try:
+                data = await resp.read(g.server.max_response_bytes)
+            except BodyTooLarge as e:
+                return TOO_LARGE, e, None
+            except UpstreamError as e:
+                failure = classify(e, BODY_FAILURES)
+                if failure is None:
+                    raise
+                return failure, e, None
+            flight.prefilled()
+            ctype = resp.headers.get("content-type", "application/json")
+            if status >= 500 or not 100 <= status <= 599:
+                return STATUS_5XX, f"prefill status {status}", (status, data, ctype)
+            if status != 200:
+                return Response(data, status_code=status, media_type=ctype)
+            reply = _json_object(data)
+            if reply is None:
+                return STATUS_5XX, "the prefill's reply is not a JSON object", None
+            ok = True
+            return reply
+        finally:
+            with contextlib.suppress(BaseException):
+                await resp.aclose()
+            if not ok:
+                flight.close()
+
+    # ---- vLLM ----------------------------------------------------------------------------------
+
+    async def _vllm(
+        self,
+        call: Call,
+        p: Decision,
+        d: Decision,
+        prompt: int,
+        upstream: UpstreamBody,
+        stream: bool,
+    ) -> tuple[Outcome, str]:
+        g = self.g
+        body = self._body(
+            upstream,
+            p.worker,
+            kv_transfer_params=VLLM_PREFILL_PARAMS,
+            stream=False,
+            max_tokens=1,
+            max_completion_tokens=1 if "max_completion_tokens" in upstream.body else None,
+            stream_options=None,
+            min_tokens=None,
+            min_completion_tokens=None,
+        )
+        prefill = g.upstreams.begin(p, prompt)
+        got = await self._read_prefill(call, prefill, body)
+        if isinstance(got, Response):
+            return self._refused(call, got), p.worker
+        if isinstance(got, tuple):
+            return got, p.worker
+        usage = got.get("usage")
+        params = got.get("kv_transfer_params")
+        try:
+            if not isinstance(params, dict) or not params:
+                # vLLM without a KV connector answers without them: the decode worker then
+                # computes the prompt itself (a correct answer, no hand-over).
+                log.warning("prefill on %s returned no kv_transfer_params", p.worker)
+                params = None
+            body = self._body(upstream, d.worker, kv_transfer_params=params)
+            outcome = await self._decode(call, d, prompt, body, upstream, stream)
+        finally:
+            prefill.close(usage)
+        return outcome, d.worker
+
+    # ---- SGLang --------------------------------------------------------------------------------
+
+    async def _sglang(
+        self,
+        call: Call,
+        p: Decision,
+        d: Decision,
+        prompt: int,
+        upstream: UpstreamBody,
+        stream: bool,
+    ) -> tuple[Outcome, str]:
+        g = self.g
+        host, port = self.bootstrap[p.worker]
+        fields = {
+            "bootstrap_host": host,
+            "bootstrap_port": port,
+            "bootstrap_room": secrets.randbits(63),
+        }
+        p_body = self._body(upstream, p.worker, **fields)
+        d_body = self._body(upstream, d.worker, **fields)
+        prefill = g.upstreams.begin(p, prompt)
+        p_task = asyncio.ensure_future(self._drain_prefill(call, prefill, p_body))
+        d_task = asyncio.ensure_future(self._decode(call, d, prompt, d_body, upstream, stream))
+        try:
+            await asyncio.wait((p_task, d_task), return_when=asyncio.FIRST_COMPLETED)
+            if not d_task.done():
+                got = p_task.result()
+                if got is not None:
+                    # The prefill failed (or refused) before the decode answered: the decode
+                    # waits for KV that will not come. Abort it and answer / retry.
+                    await _cancel(d_task)
+                    if isinstance(got, Response):
+                        return self._refused(call, got), p.worker
+                    return got, p.worker
+            outcome = await d_task
+            if isinstance(outcome, Response):
+                return outcome, d.worker
+            await _cancel(p_task)
+            return outcome, d.worker
+        finally:
+            if not p_task.done():
+                # The decode answered: the prefill's reply is drained in the background.
+                self.background.add(p_task)
+                p_task.add_done_callback(self.background.discard)
+            if not d_task.done():
+                await _cancel(d_task)
+
+    async def _drain_prefill(
+        self, call: Call, flight: Flight, body: bytes
+    ) -> Response | Failed | None:
+        """An SGLang prefill request, read to its end and dropped: None when it succeeded,
+        else its 4xx answer or failure. The flight is closed either way."""
+        g = self.g
+        try:
+            resp = await flight.send(call.route, self._headers(call), body)
+        except BaseException as e:
+            flight.close()
+            failure = classify(e, SEND_FAILURES) if isinstance(e, UpstreamError) else None
+            if failure is None:
+                raise
+            return failure, e, None
+        usage = None
+        try:
+            status = resp.status_code
+            ctype = resp.headers.get("content-type", "application/json")
+            if status >= 500 or not 100 <= status <= 599:
+                data = b""
+                with contextlib.suppress(UpstreamError, BodyTooLarge):
+                    data = await resp.read(g.server.max_response_bytes)
+                return STATUS_5XX, f"prefill status {status}", (status, data, ctype)
+            if status != 200:
+                data = b""
+                with contextlib.suppress(UpstreamError, BodyTooLarge):
+                    data = await resp.read(g.server.max_response_bytes)
+                return Response(data, status_code=status, media_type=ctype)
+            first = True
+            tail = b""
+            try:
+                async for chunk in resp:
+                    if first:
+                        first = False
+                        flight.prefilled()
+                    tail = (tail + chunk)[-65536:]
+            except UpstreamError as e:
+                failure = classify(e, BODY_FAILURES)
+                if failure is None:
+                    raise
+                return failure, e, None
+            usage = _last_usage(tail)
+            return None
+        finally:
+            await release(resp, flight, usage)
+
+
+def _json_object(data: bytes) -> dict[str, Any] | None:
+    try:
+        reply = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    return reply if isinstance(reply, dict) else None
+
+
+def _last_usage(tail: bytes) -> Any:
+    """The ``usage`` of a reply's end: a JSON body's, or a stream's last usage chunk."""
+    reply = _json_object(tail)
+    if reply is not None:
+        return reply.get("usage")
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data:") and b'"usage"' in line:
+            chunk = _json_object(line[5:])
+            if chunk is not None and isinstance(chunk.get("usage"), dict):
+                return chunk["usage"]
+    return None
+
+
+async def _cancel(task: asyncio.Future[Any]) -> None:
+    """Cancels ``task`` and waits for it to unwind (its flights close in their ``finally``)."""
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task

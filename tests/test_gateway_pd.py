@@ -1,0 +1,387 @@
+"""``kvroute serve`` with ``[pd]``: requests served as prefill/decode pairs over test upstreams
+that implement vLLM's KV-connector flow and SGLang's bootstrap flow (``support.pd_upstream``),
+whose exchange checks that every decode gets exactly the KV its prefill computed, once.
+
+Checked: the fields each engine expects arrive (and only the gateway's); the decode side gets
+the prefill's ``kv_transfer_params`` / bootstrap room; the client gets the decode's answer,
+streamed or not; short prompts stay on the decode worker (conditional disaggregation); failover
+on each half; load accounting returns to zero; a load run loses and duplicates nothing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+from typing import Any
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from kvroute.gateway import parse_config  # noqa: E402
+from support.gateway_fleet import (  # noqa: E402
+    LONG_SYSTEM,
+    Fleet,
+    GatewayServer,
+    config_dict,
+    wait_for,
+)
+from support.pd_upstream import Exchange, SglangPd, VllmPd  # noqa: E402
+
+VLLM_PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+class PdFleet(Fleet):
+    """Test upstreams with roles: up-0 … up-(p-1) prefill, then d decode workers."""
+
+    def __init__(self, protocol: str, prefill: int, decode: int, **kw: Any) -> None:
+        self.exchange = Exchange()
+        self.protocol = protocol
+        self.roles = ["prefill"] * prefill + ["decode"] * decode
+        n = prefill + decode
+
+        def make(name: str) -> Any:
+            role = self.roles[int(name.rsplit("-", 1)[1])]
+            if protocol == "vllm":
+                return VllmPd(name, self.exchange, **kw)
+            port = 9000 + int(name.rsplit("-", 1)[1])
+            return SglangPd(name, self.exchange, mode=role, bootstrap_port=port, **kw)
+
+        super().__init__(n, factory=lambda name: make(name))
+
+    def config(self, threshold: int | None = 0, **sections: Any) -> dict[str, Any]:
+        data = config_dict(self, **sections)
+        most = max(self.roles.count("prefill"), self.roles.count("decode"))
+        for ep in data["endpoints"]:
+            ep["pool_size"] = min(ep["pool_size"], most)
+        for w, role in zip(data["workers"], self.roles, strict=True):
+            w["role"] = role
+            w["kind"] = self.protocol
+            if self.protocol == "sglang" and role == "prefill":
+                w["bootstrap_port"] = 9000 + int(w["name"].rsplit("-", 1)[1])
+        data["pd"] = {"protocol": self.protocol}
+        if threshold is not None and self.protocol == "vllm":
+            data["pd"]["threshold"] = threshold
+        return data
+
+    def names(self, role: str) -> list[str]:
+        return [u.name for u, r in zip(self.upstreams, self.roles, strict=True) if r == role]
+
+
+@pytest.fixture(params=["vllm", "sglang"])
+def pd(request):
+    fleet = PdFleet(request.param, 2, 2)
+    gw = GatewayServer(fleet.config())
+    yield fleet, gw
+    gw.stop()
+    fleet.close()
+    assert fleet.exchange.errors == []
+
+
+def ask(gw: GatewayServer, question: str, *, stream: bool = False, rid: str | None = None, **kw):
+    """One chat call through the gateway; returns (text, headers)."""
+    client = gw.client("sk-acme")
+    headers = {"x-request-id": rid} if rid else None
+    messages = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": question}]
+    raw = client.chat.completions.with_raw_response.create(
+        model="ep-acme", messages=messages, stream=stream, extra_headers=headers, **kw
+    )
+    if stream:
+        text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
+    else:
+        text = raw.parse().choices[0].message.content
+    return text, raw.headers
+
+
+def idle(gw: GatewayServer) -> None:
+    wait_for(lambda: all(v == 0 for v in gw.active().values()), "every flight to finish")
+    loads = [gw.gateway.router.load(w) for w in gw.gateway.router.workers]
+    assert all(load["prefill_blocks"] == load["decode_blocks"] == 0 for load in loads)
+
+
+# ---- the two protocols ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_pair_hands_the_kv_over_as_the_engine_expects(pd, stream):
+    fleet, gw = pd
+    text, headers = ask(gw, "What fuels R7?", stream=stream, rid="q-1", max_tokens=20)
+    decode, prefill = headers["x-kvroute-worker"], headers["x-kvroute-prefill-worker"]
+    assert decode in fleet.names("decode") and prefill in fleet.names("prefill")
+    assert text.startswith(f"{decode} q-1")  # the decode worker's answer, the client's own id
+    (p_body,) = fleet[prefill].bodies
+    (d_body,) = fleet[decode].bodies
+    assert p_body["model"] == d_body["model"] == "acme-model"
+    assert p_body["cache_salt"] == d_body["cache_salt"] == "ep-acme"
+    assert p_body["messages"] == d_body["messages"]
+    if fleet.protocol == "vllm":
+        assert p_body["kv_transfer_params"] == VLLM_PREFILL_PARAMS
+        assert (p_body["stream"], p_body["max_tokens"]) == (False, 1)
+        assert "stream_options" not in p_body
+        # The decode worker got the original request with the prefill's kv_transfer_params.
+        (key,) = fleet.exchange.pulled
+        assert key == (f"engine-{prefill}", fleet[prefill].records[0]["upstream_id"])
+        params = d_body["kv_transfer_params"]
+        assert params["remote_engine_id"] == f"engine-{prefill}" and params["do_remote_prefill"]
+        assert d_body["max_tokens"] == 20 and d_body.get("stream", False) is stream
+        assert fleet[prefill].records[0]["upstream_id"] == fleet[decode].records[0]["upstream_id"]
+    else:
+        # The same request to both, with the prefill's bootstrap address and one fresh room.
+        fields = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+        assert [p_body[k] for k in fields] == [d_body[k] for k in fields]
+        port = 9000 + int(prefill.rsplit("-", 1)[1])
+        assert (p_body["bootstrap_host"], p_body["bootstrap_port"]) == ("127.0.0.1", port)
+        assert fleet.exchange.consumed_rooms == [p_body["bootstrap_room"]]
+        assert p_body == d_body
+    idle(gw)
+
+
+def test_rooms_are_fresh_and_client_handover_fields_are_dropped():
+    fleet = PdFleet("sglang", 1, 1)
+    with GatewayServer(fleet.config()) as gw:
+        for i in range(6):
+            ask(
+                gw,
+                f"Question {i}?",
+                stream=i % 2 == 1,
+                extra_body={"bootstrap_room": 7, "bootstrap_host": "10.9.9.9"},
+            )
+        rooms = [b["bootstrap_room"] for b in fleet["up-0"].bodies]
+        assert len(set(rooms)) == 6 and 7 not in rooms
+        assert {b["bootstrap_host"] for b in fleet["up-1"].bodies} == {"127.0.0.1"}
+    fleet.close()
+    assert fleet.exchange.errors == []
+    fleet = PdFleet("vllm", 1, 1)
+    with GatewayServer(fleet.config()) as gw:
+        evil = {"do_remote_prefill": True, "remote_host": "10.9.9.9", "remote_block_ids": [1]}
+        ask(gw, "Anything?", extra_body={"kv_transfer_params": evil})
+        assert fleet["up-0"].bodies[0]["kv_transfer_params"] == VLLM_PREFILL_PARAMS
+        assert fleet["up-1"].bodies[0]["kv_transfer_params"]["remote_host"] == "127.0.0.1"
+    fleet.close()
+    assert fleet.exchange.errors == []
+
+
+def test_short_uncached_parts_stay_on_the_decode_worker():
+    """vLLM, threshold 64 tokens: the first turn is split; the next turn, which the decode worker
+    holds but for a few tokens, is prefilled there (no prefill request)."""
+    fleet = PdFleet("vllm", 1, 1)
+    with GatewayServer(fleet.config(threshold=64)) as gw:
+        client = gw.client("sk-acme")
+        turn = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "Hi?"}]
+        raw = client.chat.completions.with_raw_response.create(model="ep-acme", messages=turn)
+        assert raw.headers["x-kvroute-prefill-worker"] == "up-0"
+        turn += [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "R1?"}]
+        raw = client.chat.completions.with_raw_response.create(model="ep-acme", messages=turn)
+        assert raw.headers["x-kvroute-prefill-worker"] == raw.headers["x-kvroute-worker"] == "up-1"
+        assert len(fleet["up-0"].bodies) == 1
+        assert "kv_transfer_params" not in fleet["up-1"].bodies[1]
+        # The decode engine found the first turn cached: it had received its KV.
+        assert raw.parse().usage.prompt_tokens_details.cached_tokens > 1800
+        metrics = gw.metrics()
+        assert 'kvroute_gateway_pd_pairs_total{reason="remote"} 1' in metrics
+        assert 'kvroute_gateway_pd_pairs_total{reason="short"} 1' in metrics
+        idle(gw)
+    fleet.close()
+    assert fleet.exchange.errors == []
+
+
+# ---- failover on each half -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_failed_prefill_is_retried_on_another_prefill_worker(pd, stream):
+    fleet, gw = pd
+    (first,) = gw.gateway.router.endpoint_pool("ep-acme", phase="prefill")
+    fleet[first].fail(500, times=1)  # the endpoint's prefill worker fails once: the retry
+    text, headers = ask(gw, "Retry me?", stream=stream, rid="q-2")  # spills to the other
+    decode = headers["x-kvroute-worker"]
+    assert text.startswith(f"{decode} q-2") and headers["x-kvroute-attempts"] == "2"
+    served = [n for n in fleet.names("prefill") if len(fleet[n].bodies) == 1]
+    assert len(served) == 2  # one failed, the other served
+    answers = [b for n in fleet.names("decode") for b in fleet[n].bodies]
+    if fleet.protocol == "vllm":
+        assert len(answers) == 1  # the decode started only after a prefill succeeded
+    else:
+        # The decode waiting on the failed prefill's room was aborted, then a new room served.
+        wait_for(lambda: len(fleet.exchange.aborted_rooms) == 1, "the waiting decode to abort")
+        assert len(fleet.exchange.consumed_rooms) == 1
+        assert fleet.exchange.aborted_rooms != fleet.exchange.consumed_rooms
+    idle(gw)
+
+
+def test_an_unreachable_prefill_worker_is_ejected_and_skipped(pd):
+    fleet, gw = pd
+    (first,) = gw.gateway.router.endpoint_pool("ep-acme", phase="prefill")
+    (other,) = set(fleet.names("prefill")) - {first}
+    fleet.stop(first)
+    for i in range(4):
+        _text, headers = ask(gw, f"Still there {i}?", stream=i % 2 == 1)
+        assert headers["x-kvroute-prefill-worker"] == other
+    gw.wait_healthy(first, False)
+    idle(gw)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_failed_decode_is_retried_from_scratch(pd, stream):
+    fleet, gw = pd
+    (first,) = gw.gateway.router.endpoint_pool("ep-acme", phase="decode")
+    fleet[first].fail(500, times=1)
+    text, headers = ask(gw, "Decode again?", stream=stream, rid="q-3")
+    decode = headers["x-kvroute-worker"]
+    assert text.startswith(f"{decode} q-3") and headers["x-kvroute-attempts"] == "2"
+    # Two decode workers tried (one failed), each with its own hand-over.
+    assert sorted(len(fleet[n].bodies) for n in fleet.names("decode")) == [1, 1]
+    assert sum(len(fleet[n].bodies) for n in fleet.names("prefill")) == 2
+    idle(gw)
+
+
+def test_a_prefill_refusal_is_the_clients_answer(pd):
+    fleet, gw = pd
+    for name in fleet.names("prefill"):
+        fleet[name].fail(400)
+    with pytest.raises(openai.BadRequestError):
+        ask(gw, "Bad?")
+    assert sum(len(fleet[n].bodies) for n in fleet.names("prefill")) == 1  # not retried
+    idle(gw)
+
+
+def test_no_prefill_worker_left_falls_back_or_fails_by_protocol():
+    """vLLM's decode workers can prefill themselves; SGLang's cannot (503)."""
+    for protocol in ("vllm", "sglang"):
+        fleet = PdFleet(protocol, 1, 1)
+        fleet.stop("up-0")
+        with GatewayServer(fleet.config()) as gw:
+            if protocol == "vllm":
+                ask(gw, "First?")  # the prefill fails: retried on the decode worker alone
+                gw.wait_healthy("up-0", False)
+                _text, headers = ask(gw, "Alone?")
+                assert headers["x-kvroute-prefill-worker"] == headers["x-kvroute-worker"]
+            else:
+                with pytest.raises(openai.APIStatusError) as e:
+                    ask(gw, "First?")
+                assert e.value.status_code in (502, 503)
+                gw.wait_healthy("up-0", False)
+                with pytest.raises(openai.APIStatusError) as e:
+                    ask(gw, "Alone?")
+                assert e.value.status_code == 503
+            idle(gw)
+        fleet.close()
+        assert fleet.exchange.errors == []
+
+
+# ---- config -------------------------------------------------------------------------------------
+
+
+def test_pd_config_is_checked():
+    fleet = PdFleet("vllm", 1, 1)
+    try:
+        good = fleet.config()
+        parse_config(good)
+        cases = [
+            ({"pd": None}, "add a \\[pd\\] section"),
+            ({"pd": {"protocol": "nixl"}}, "pd.protocol must be one of"),
+            ({"pd": {"protocol": "vllm", "treshold": 3}}, "unknown key"),
+            ({"pd": {"protocol": "sglang"}}, "workers \\['up-0', 'up-1'\\] are of another kind"),
+            ({"pd": {"protocol": "vllm", "threshold": -1}}, "must be > 0"),
+        ]
+        for change, message in cases:
+            data = json.loads(json.dumps(good))
+            if change["pd"] is None:
+                del data["pd"]
+            else:
+                data["pd"] = change["pd"]
+            with pytest.raises(ValueError, match=message):
+                parse_config(data)
+        data = json.loads(json.dumps(good))
+        data["workers"][0]["role"] = "prefiller"
+        with pytest.raises(ValueError, match="role must be one of"):
+            parse_config(data)
+        sg = PdFleet("sglang", 1, 1)
+        data = sg.config()
+        data["pd"]["threshold"] = 10
+        with pytest.raises(ValueError, match="threshold does not apply to SGLang"):
+            parse_config(data)
+        data["pd"] = {"protocol": "sglang"}
+        data["workers"][0]["bootstrap_port"] = 70000
+        with pytest.raises(ValueError, match=r"bootstrap_port must be in 1\.\.65535"):
+            parse_config(data)
+        sg.close()
+        # [pd] options reach the router.
+        gw = GatewayServer({**good, "pd": {"protocol": "vllm", "threshold": 77, "saturation": 2.0}})
+        config = gw.gateway.router.config
+        assert (config["pd_threshold"], config["pd_saturation"]) == (77, 2.0)
+        assert gw.gateway.router.roles == {"up-0": "prefill", "up-1": "decode"}
+        gw.stop()
+    finally:
+        fleet.close()
+
+
+# ---- load ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+def test_load_loses_and_duplicates_nothing(protocol):
+    """300 requests from 16 threads, a third streamed, while one prefill and one decode worker
+    fail every seventh request: every request is answered once, with its own id, by exactly one
+    decode that got its own prefill's KV."""
+    fleet = PdFleet(protocol, 2, 3)
+    failing = {"up-0": 7, "up-3": 7}
+    counters = dict.fromkeys(failing, 0)
+
+    # Deterministic intermittent faults: every seventh request on those workers answers 500.
+    for name in failing:
+        up = fleet[name]
+        original = up._failing
+
+        def flaky(up=up, name=name, original=original):
+            with up.lock:
+                counters[name] += 1
+                if counters[name] % failing[name] == 0:
+                    return 500
+            return original()
+
+        up._failing = flaky
+    with GatewayServer(fleet.config(gateway={"max_attempts": 4, "eject_after": 1000})) as gw:
+
+        def one(i: int) -> tuple[str, str, str]:
+            text, headers = ask(gw, f"Load question {i % 40}?", stream=i % 3 == 0, rid=f"L-{i}")
+            return f"L-{i}", text, headers["x-kvroute-worker"]
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(one, range(300)))
+        for rid, text, decode in results:
+            assert text.startswith(f"{decode} {rid}")
+        # Each id answered by exactly one decode worker (its successful attempt) …
+        served = [r["id"] for n in fleet.names("decode") for r in fleet[n].records]
+        answered = [
+            r["id"]
+            for n in fleet.names("decode")
+            for r in fleet[n].records
+            if r.get("cached_tokens") is not None
+        ]
+        assert sorted(answered) == sorted(f"L-{i}" for i in range(300))
+        assert len(served) >= 300
+        idle(gw)
+        time.sleep(0.2)  # background drains of SGLang prefill replies
+        assert gw.gateway.pd is not None and not gw.gateway.pd.background
+    fleet.close()
+    ex = fleet.exchange
+    assert ex.errors == []
+    handed = [b for n in fleet.names("decode") for b in fleet[n].bodies]
+    if protocol == "vllm":
+        # Every decode request pulled its own prefill's KV once; no KV was left unclaimed.
+        assert len(ex.pulled) == len(set(ex.pulled)) == len(handed)
+        assert ex.offers == {}
+    else:
+        assert len(ex.consumed_rooms) == len(set(ex.consumed_rooms)) == len(handed)
