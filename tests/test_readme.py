@@ -81,3 +81,8 @@ def test_readme_python_examples_run_and_show_true_values():
     assert len(ns["dropped"]) == 0  # nothing was idle for 10 minutes
     assert ns["d"].worker in {"gpu-0", "gpu-1", "gpu-2", "gpu-3"}
     assert ns["ring"].preference("ep-0042", 2)[0] == ns["ring"].get("ep-0042")
+    pair, short = ns["pair"], ns["short"]
+    assert (pair.disaggregate, pair.reason) == (True, "remote")
+    assert (pair.prefill.worker, pair.decode.worker) == ("p-0", "d-0")
+    assert (short.disaggregate, short.reason) == (False, "short")
+    assert ns["pd_router"].role("b-0") == "both"

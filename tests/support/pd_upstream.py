@@ -11,10 +11,12 @@ exactly the KV its prefill computed, once.
   ``stream_options``, ``min_tokens``, ``min_completion_tokens``; its reply carries
   ``kv_transfer_params`` (``do_remote_prefill = true``, ``do_remote_decode = false``,
   ``remote_block_ids``, ``remote_engine_id``, ``remote_request_id``, ``remote_host``,
-  ``remote_port``, ``tp_size``) and the KV is offered on the exchange. A request with
-  ``do_remote_prefill`` is a decode: it pulls that KV (which must exist, be for the same prompt
-  and salt, and not have been pulled before) and stores it in its own cache. Anything else is an
-  ordinary request (a decode worker prefilling locally).
+  ``remote_port``, ``tp_size``, ``dcp_size``, ``pp_size``, ``remote_num_tokens``,
+  ``remote_blocks_expiry_time``, ``transfer_mode``: what vLLM 0.32's NIXL pull scheduler
+  returns) and the KV is offered on the exchange. A request with ``do_remote_prefill`` is a
+  decode: it pulls that KV (which must exist, be for the same prompt and salt, come with the
+  prefill's parameters unchanged, and not have been pulled before) and stores it in its own
+  cache. Anything else is an ordinary request (a decode worker prefilling locally).
 - ``SglangPd(mode="prefill" | "decode")``: every request needs ``bootstrap_host``,
   ``bootstrap_port`` and ``bootstrap_room`` (an int in ``[0, 2^63)``), else 400 (a PD-mode
   SGLang server serves nothing else). The prefill server checks that host and port are its own and
@@ -142,9 +144,17 @@ class VllmPd(PdUpstream):
                 "remote_host": "127.0.0.1",
                 "remote_port": 5600,
                 "tp_size": 1,
+                "dcp_size": 1,
+                "pp_size": 1,
+                "remote_num_tokens": len(json.loads(fp)[0]),
+                "remote_blocks_expiry_time": time.time() + 480.0,
+                "transfer_mode": "pull",
             }
             with ex.lock:
-                ex.offers[(f"engine-{self.name}", rid)] = {"fp": fp, "blocks": blocks}
+                ex.offers[(f"engine-{self.name}", rid)] = {
+                    "fp": fp,
+                    "params": reply["kv_transfer_params"],
+                }
             return JSONResponse(reply)
         if isinstance(params, dict) and params.get("do_remote_prefill"):
             key = (params.get("remote_engine_id"), params.get("remote_request_id"))
@@ -154,9 +164,7 @@ class VllmPd(PdUpstream):
                     ex.pulled.append(key)
             if offer is None:
                 return ex.error(f"{self.name}: no KV offered for {key} (or pulled twice)")
-            if offer["fp"] != fp or params.get("remote_block_ids") != list(
-                range(100, 100 + offer["blocks"])
-            ):
+            if offer["fp"] != fp or params != offer["params"]:
                 return ex.error(f"{self.name}: the KV of {key} is for another prompt")
             self._store(fp)
         elif params is not None:
