@@ -784,14 +784,26 @@ class Gateway:
             error, failed_response = failure.error(worker), answered
             if not failure.retry:
                 break
+        return self._give_up(call, suspects, error, failed_response)
+
+    def _give_up(
+        self,
+        call: Call,
+        suspects: list[str],
+        error: HTTPError | None,
+        failed_response: tuple[int, bytes, str] | None,
+    ) -> Response:
+        """The answer when no attempt succeeded: the last upstream's own answer if it gave one,
+        else ``error``."""
+        assert call.target is not None
         self._settle(call, None, suspects)
         headers = {"x-request-id": call.rid}
         if failed_response is not None:
             status, data, ctype = failed_response
-            self.metrics.done(call.route, target.name, status, call.started)
+            self.metrics.done(call.route, call.target.name, status, call.started)
             return Response(data, status_code=status, media_type=ctype, headers=headers)
         assert error is not None
-        self.metrics.done(call.route, target.name, error.status, call.started)
+        self.metrics.done(call.route, call.target.name, error.status, call.started)
         return error.response(headers)
 
     async def _attempt(

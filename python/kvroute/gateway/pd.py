@@ -219,15 +219,7 @@ class PdForwarder:
             error, failed_response = failure.error(worker), answered
             if not failure.retry:
                 break
-        g._settle(call, None, suspects)
-        headers = {"x-request-id": call.rid}
-        if failed_response is not None:
-            status, data, ctype = failed_response
-            g.metrics.done(call.route, target.name, status, call.started)
-            return Response(data, status_code=status, media_type=ctype, headers=headers)
-        assert error is not None
-        g.metrics.done(call.route, target.name, error.status, call.started)
-        return error.response(headers)
+        return g._give_up(call, suspects, error, failed_response)
 
     # ---- bodies and flights ----------------------------------------------------------------
 
@@ -256,15 +248,8 @@ class PdForwarder:
         self, call: Call, d: Decision, prompt: int, upstream: UpstreamBody, stream: bool
     ) -> Outcome:
         """The whole request on one worker (a pair that is not disaggregated)."""
-        g = self.g
-        flight = g.upstreams.begin(d, prompt)
-        body = upstream.get(g.workers[d.worker].kind)
-        outcome = await g._attempt(
-            call, flight, self._headers(call), body, stream, upstream.strip_usage
-        )
-        if isinstance(outcome, Response):
-            call.flight = flight
-        return outcome
+        body = upstream.get(self.g.workers[d.worker].kind)
+        return await self._decode(call, d, prompt, body, upstream, stream)
 
     async def _decode(
         self,
@@ -275,6 +260,7 @@ class PdForwarder:
         upstream: UpstreamBody,
         stream: bool,
     ) -> Outcome:
+        """``body`` sent to ``d``'s worker: its answer (the client's) or failure."""
         g = self.g
         flight = g.upstreams.begin(d, prompt)
         outcome = await g._attempt(
@@ -284,6 +270,17 @@ class PdForwarder:
             call.flight = flight
         return outcome
 
+    async def _send(self, call: Call, flight: Flight, body: bytes) -> Any:
+        """Sends ``body`` on ``flight``: the response, or a failure (the flight then closed)."""
+        try:
+            return await flight.send(call.route, self._headers(call), body)
+        except BaseException as e:
+            flight.close()
+            failure = classify(e, SEND_FAILURES) if isinstance(e, UpstreamError) else None
+            if failure is None:
+                raise
+            return failure, e, None
+
     async def _read_prefill(
         self, call: Call, flight: Flight, body: bytes
     ) -> dict[str, Any] | Response | Failed:
@@ -291,14 +288,9 @@ class PdForwarder:
         upstream's 4xx answer for the client, or a failure. Marks the flight prefilled when the
         answer arrives and closes it on failure (the caller closes it otherwise)."""
         g = self.g
-        try:
-            resp = await flight.send(call.route, self._headers(call), body)
-        except BaseException as e:
-            flight.close()
-            failure = classify(e, SEND_FAILURES) if isinstance(e, UpstreamError) else None
-            if failure is None:
-                raise
-            return failure, e, None
+        resp = await self._send(call, flight, body)
+        if isinstance(resp, tuple):
+            return resp
         ok = False
         try:
             status = resp.status_code
@@ -424,14 +416,9 @@ class PdForwarder:
         """An SGLang prefill request, read to its end and dropped: None when it succeeded,
         else its 4xx answer or failure. The flight is closed either way."""
         g = self.g
-        try:
-            resp = await flight.send(call.route, self._headers(call), body)
-        except BaseException as e:
-            flight.close()
-            failure = classify(e, SEND_FAILURES) if isinstance(e, UpstreamError) else None
-            if failure is None:
-                raise
-            return failure, e, None
+        resp = await self._send(call, flight, body)
+        if isinstance(resp, tuple):
+            return resp
         usage = None
         try:
             status = resp.status_code
