@@ -37,7 +37,9 @@ charge the decode's completion tokens), so nothing is billed twice.
 Load: each half is a ``Flight`` (``kvroute.gateway.upstream``) — begun when sent, prefilled at
 its first output, finished once; a vLLM prefill half is finished when the decode worker has
 answered (it holds the KV until the decode pulls it). Only the prefill half reports its engine's
-``cached_tokens`` to the router (the decode worker counts the KV it received as cached).
+``cached_tokens`` to the router (the decode worker counts the KV it received as cached). A half
+never sent — a pair shed on ``x-slo-ttft-ms``, a vLLM decode whose prefill failed — is withdrawn
+(``Router.withdraw``), so its prompt leaves the router's model.
 """
 
 from __future__ import annotations
@@ -165,7 +167,12 @@ class PdForwarder:
                 503, "no upstream worker available", "service_unavailable", "no_worker"
             )
         shed = g.admission.check_slo(pair.prefill, call.slo)
-        return g._shed(shed) if shed is not None else pair
+        if shed is None:
+            return pair
+        # Never sent: both halves' prompts leave the router's model.
+        for half in (pair.prefill, pair.decode) if pair.disaggregate else (pair.decode,):
+            g.router.withdraw(half)
+        return g._shed(shed)
 
     async def forward(
         self, call: Call, payload: dict[str, Any], tokens: np.ndarray, upstream: UpstreamBody
@@ -345,6 +352,8 @@ class PdForwarder:
         )
         prefill = g.upstreams.begin(p, prompt)
         got = await self._read_prefill(call, prefill, body)
+        if not isinstance(got, dict):
+            g.router.withdraw(d)  # the decode half was never sent
         if isinstance(got, Response):
             return self._refused(call, got), p.worker
         if isinstance(got, tuple):
