@@ -68,7 +68,6 @@ import logging
 import re
 import secrets
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -563,7 +562,7 @@ class Gateway:
         if given and _REQUEST_ID.fullmatch(given):
             call = Call(route, given, f"{secrets.token_hex(8)}-{given}", started)
         else:
-            rid = uuid.uuid4().hex
+            rid = secrets.token_hex(16)  # 32 hex digits, like uuid4().hex, without the UUID object
             call = Call(route, rid, rid, started)
         model = "-"
         try:
@@ -775,7 +774,6 @@ class Gateway:
                     outcome.headers["x-kvroute-worker"] = worker
                     outcome.headers["x-kvroute-cached-tokens"] = str(d.cached_tokens)
                     outcome.headers["x-kvroute-attempts"] = str(attempt)
-                outcome.headers["x-request-id"] = call.rid
                 return outcome
             failure, detail, answered = outcome
             self._failed(failure, worker, detail)
@@ -843,6 +841,7 @@ class Gateway:
             reply_headers = {
                 n: v for n in _FORWARDED_RESPONSE_HEADERS if (v := resp.headers.get(n)) is not None
             }
+            reply_headers["x-request-id"] = call.rid  # at construction: no header rewrite after
             if stream and status == 200:
                 scanner = SseScanner(self.server.max_event_bytes)
                 chunks = resp.__aiter__()
