@@ -46,6 +46,14 @@ def start_with_seq0(sub, engine, payload) -> None:
     wait_for(lambda: sub.stats()["w"]["last_seq"] == 0, "seq 0")
 
 
+def rebind(engine) -> None:
+    """The engine's publisher is back on the same port (after ``engine.pub.close()``)."""
+    engine.pub = engine.ctx.socket(zmq.XPUB)
+    engine.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+    engine.pub.bind(engine.endpoint)
+    engine.wait_subscriber()
+
+
 def counters(s) -> tuple:
     return (s["gaps"], s["replays"], s["replay_failures"], s["resets"], s["restarts"])
 
@@ -79,6 +87,7 @@ def test_gap_is_replayed_over_a_dealer(engines, new_form):
     assert counters(s) == (1, 1, 0, 0, 0)
     assert (s["batches"], s["skipped_unknown_parent"], s["errors"]) == (6, 0, 0)
     assert (s["pending"], s["pending_bytes"], s["malformed"]) == (0, 0, 0)
+    assert s["stale"] is False
 
 
 def test_a_replay_ahead_of_the_live_stream_is_not_a_restart(engines):
@@ -388,10 +397,7 @@ def test_replay_failures_and_disconnects_are_counted_each_time(engines):
         assert counters(s) == (2, 2, 2, 2, 0)
         engine.pub.close(linger=0)
         wait_for(lambda: sub.stats()["w"]["disconnects"] == 1, "the disconnect")
-        engine.pub = engine.ctx.socket(zmq.XPUB)
-        engine.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
-        engine.pub.bind(engine.endpoint)  # the engine is back on the same port
-        engine.wait_subscriber()
+        rebind(engine)
         engine.pub.close(linger=0)
         wait_for(lambda: sub.stats()["w"]["disconnects"] == 2, "the second disconnect")
         s = sub.stats()["w"]
@@ -416,16 +422,22 @@ def test_a_disconnect_during_a_replay_abandons_it(engines):
         engine.pub.close(linger=0)
         wait_for(lambda: sub.stats()["w"]["disconnects"] == 1, "the disconnect")
         s = sub.stats()["w"]
-    assert (s["stale"], s["pending"], s["pending_bytes"], s["resets"], s["errors"]) == (
-        False,
-        0,
-        0,
-        1,
-        0,
-    )
-    assert router.index.match(own(tokens)) == {}
+        assert (s["stale"], s["pending"], s["pending_bytes"], s["resets"], s["errors"]) == (
+            False,
+            0,
+            0,
+            1,
+            0,
+        )
+        assert router.index.match(own(tokens)) == {}
+        # The engine comes back (a new process: numbering from 0): followed at once, not buffered.
+        rebind(engine)
+        engine.restart()
+        engine.publish(payloads[0])
+        wait_for(lambda: sub.stats()["w"]["batches"] == 2, "the new engine's seq 0")
+        assert router.index.match(own(tokens)) == {"w": 1}
+        assert (sub.stats()["w"]["pending"], sub.stats()["w"]["replays"]) == (0, 1)
     assert freshness(router, "w") == 1.0
-    engine.pub = engine.ctx.socket(zmq.PUB)  # for the fixture's close()
 
 
 def test_late_answers_to_an_abandoned_replay_are_dropped(engines):
@@ -458,3 +470,69 @@ def test_late_answers_to_an_abandoned_replay_are_dropped(engines):
     # on 2. Seq 1 never arrived: 5 batches.
     assert (s["skipped_unknown_parent"], s["batches"], s["errors"]) == (4, 5, 0)
     assert router.index.match(own(tokens)) == {}
+
+
+def test_buffered_messages_after_a_replay(engines):
+    """When a replay ends, the buffered live messages it already delivered are skipped and the
+    others applied in order; a new gap among them starts the next replay, which keeps the rest
+    buffered."""
+    engine = engines(answer_replays=False)
+    router = events_router()
+    tokens = list(range(16 * 7))
+    payloads = chain_payloads(tokens, 7)
+    with subscriber(router, engine) as sub:
+        start_with_seq0(sub, engine, payloads[0])
+        engine.publish(payloads[1], send=False)
+        engine.publish(payloads[2])  # the gap: a replay from 1
+        engine.publish(payloads[3])
+        engine.publish(payloads[4], send=False)
+        engine.publish(payloads[5])
+        engine.publish(payloads[6])
+        first, start = engine.take_replay_request()
+        assert start == 1
+        wait_for(lambda: sub.stats()["w"]["pending"] == 4, "2, 3, 5 and 6 to be buffered")
+        engine.answer(first, engine.buffered_from(1)[:2])  # 1 and 2, then the end marker
+        # 2 was delivered by the replay, 3 is applied, 5 shows a new gap: a replay from 4.
+        second, start = engine.take_replay_request()
+        assert start == 4
+        wait_for(lambda: sub.stats()["w"]["pending"] == 2, "5 and 6 to stay buffered")
+        s = sub.stats()["w"]
+        assert (s["last_seq"], s["pending_bytes"]) == (3, len(payloads[5]) + len(payloads[6]))
+        assert router.index.match(own(tokens)) == {"w": 4} and sub.is_stale("w")
+        engine.answer(second, engine.buffered_from(4))
+        wait_for(lambda: not sub.is_stale("w"), "the second replay to end")
+        s = sub.stats()["w"]
+    assert router.index.match(own(tokens)) == {"w": 7}
+    assert counters(s) == (2, 2, 0, 0, 0)
+    assert (s["batches"], s["pending"], s["pending_bytes"], s["errors"]) == (7, 0, 0, 0)
+
+
+def test_each_replay_that_loses_history_is_one_failure(engines):
+    """A replay that starts after the gap and also ends before the batch that showed it is one
+    failure, not two; a later replay that starts after its gap is one more."""
+    engine = engines(answer_replays=False)
+    router = events_router()
+    tokens = list(range(16 * 8))
+    blocks = [tokens[16 * i : 16 * i + 16] for i in range(8)]
+    payloads = [stored([80 + i], None, blocks[i]) for i in range(8)]  # independent blocks
+    with subscriber(router, engine) as sub:
+        start_with_seq0(sub, engine, payloads[0])
+        for p in payloads[1:4]:
+            engine.publish(p, send=False)
+        engine.publish(payloads[4])  # 1-3 lost
+        identity, start = engine.take_replay_request()
+        assert start == 1
+        engine.answer(identity, [(2, payloads[2])])  # starts after the gap, ends before 4
+        wait_for(lambda: sub.stats()["w"]["last_seq"] == 4, "the live stream followed")
+        assert counters(sub.stats()["w"]) == (1, 1, 1, 2, 0)
+        engine.publish(payloads[5], send=False)
+        engine.publish(payloads[6], send=False)
+        engine.publish(payloads[7])  # 5 and 6 lost
+        identity, start = engine.take_replay_request()
+        assert start == 5
+        engine.answer(identity, engine.buffered_from(6))  # 5 fell out of the engine's buffer
+        wait_for(lambda: sub.stats()["w"]["last_seq"] == 7 and not sub.is_stale("w"), "seq 7")
+        s = sub.stats()["w"]
+    assert counters(s) == (2, 2, 2, 3, 0)
+    held = {i for i in range(8) if router.index.match(own(blocks[i]))}
+    assert held == {6, 7}  # cleared at each hole; nothing guessed

@@ -629,8 +629,8 @@ class KvEventSubscriber:
     def _finish_replay(self, w: _Worker, drop_rest: bool = False) -> None:
         """The replay has given what it can (its end marker, or ``drop_rest``: it went past the
         live stream's head, and a new dealer drops the rest of its answer)."""
-        gap_end = w.pending[0][0] if w.pending else None
-        if gap_end is not None and (w.expected is None or w.expected < gap_end):
+        gap_end = w.pending[0][0]  # never empty: a replay starts with the message showing the gap
+        if w.expected is None or w.expected < gap_end:
             # The replay ended before the batch that showed the gap: what was missed is lost.
             self._replay_failed(w, counted=w.replay_lost)
             return
