@@ -166,7 +166,8 @@ def test_a_replay_that_ends_before_the_gap_clears_the_worker(engines):
 
 def test_a_restart_seen_during_a_replay_clears_the_worker(engines):
     """The replay fills the gap, but the buffered live messages show the engine restarted
-    meanwhile (its numbering went back): its old blocks are gone, its new ones are indexed."""
+    meanwhile (its numbering went back): its old blocks are gone, its new ones are indexed. Each
+    restart counts, the one seen on the live stream before and the one seen during the replay."""
     engine = engines(answer_replays=False)
     router = events_router()
     tokens = list(range(16 * 3))
@@ -174,6 +175,9 @@ def test_a_restart_seen_during_a_replay_clears_the_worker(engines):
     payloads = chain_payloads(tokens, 3)
     with subscriber(router, engine) as sub:
         start_with_seq0(sub, engine, payloads[0])
+        engine.restart()
+        engine.publish(payloads[0])  # a restart on the live stream: seq 0 again
+        wait_for(lambda: sub.stats()["w"]["restarts"] == 1, "the first restart")
         engine.publish(payloads[1], send=False)
         engine.publish(payloads[2])
         identity, start = engine.take_replay_request()
@@ -188,7 +192,7 @@ def test_a_restart_seen_during_a_replay_clears_the_worker(engines):
         s = sub.stats()["w"]
     assert router.index.match(own(tokens)) == {}
     assert router.index.match(own(fresh_tokens)) == {"w": 1}
-    assert counters(s) == (1, 1, 0, 1, 1)
+    assert counters(s) == (1, 1, 0, 2, 2)
     assert (s["last_seq"], s["errors"]) == (0, 0)
 
 
