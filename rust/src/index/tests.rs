@@ -521,6 +521,25 @@ fn remove_into_lists_descendants_first() {
     ix.check_invariants().unwrap();
 }
 
+#[test]
+fn worker_names_by_id() {
+    let mut ix = PrefixIndex::new(None).unwrap();
+    ix.store("a", &[1], None).unwrap();
+    ix.store("b", &[2], None).unwrap();
+    for name in ["a", "b"] {
+        let id = ix.worker_id(name).unwrap();
+        assert_eq!(ix.worker_name(id), Some(name));
+        let shared = ix.worker_name_ref(id).unwrap();
+        assert_eq!(&**shared, name);
+        // The index's own string: a caller may cache a conversion keyed by its identity.
+        assert!(Arc::ptr_eq(shared, &ix.worker_name_arc(id).unwrap()));
+    }
+    let gone = ix.worker_id("b").unwrap();
+    ix.remove_worker("b").unwrap();
+    assert_eq!(ix.worker_name_ref(gone), None);
+    assert_eq!(ix.worker_name(gone), None);
+}
+
 /// `worker_set.rs`.
 mod worker_set {
     use super::super::worker_set::*;
