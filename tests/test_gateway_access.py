@@ -35,7 +35,13 @@ headers = st.one_of(
 def configs(draw):
     n_ep = draw(st.integers(0, 3))
     endpoints = [
-        {"id": f"ep{i}", "model": f"m{i}", "pool_size": 1, "api_keys": draw(keys)}
+        {
+            "id": f"ep{i}",
+            "model": f"m{i}",
+            "pool_size": 1,
+            "api_keys": draw(keys),
+            "cache_salt": draw(st.booleans()),
+        }
         for i in range(n_ep)
     ]
     models = draw(st.lists(st.sampled_from(["direct-a", "direct-b"]), unique=True, max_size=2))
@@ -53,16 +59,25 @@ def reference_key(header: str | None) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-def reference_targets(data) -> dict[str, tuple[str, str | None, list[str]]]:
-    """name -> (upstream model, endpoint id or None, keys that open it; none: open)."""
-    out = {e["id"]: (e["model"], e["id"], e["api_keys"]) for e in data.get("endpoints", [])}
+def reference_targets(data) -> dict[str, tuple[str, str | None, list[str], bool]]:
+    """name -> (upstream model, endpoint id or None, keys that open it (none: open), salted)."""
+    out = {
+        e["id"]: (e["model"], e["id"], e["api_keys"], e["cache_salt"])
+        for e in data.get("endpoints", [])
+    }
     for m in data["gateway"]["models"]:
-        out[m] = (m, None, data["gateway"]["api_keys"])
+        out[m] = (m, None, data["gateway"]["api_keys"], False)
     return out
 
 
 def check_target(t, name, expected) -> None:
-    assert (t.name, t.upstream_model, t.endpoint) == (name, expected[0], expected[1])
+    assert (t.name, t.upstream_model, t.endpoint, t.salted) == (name, *expected[:2], expected[3])
+
+
+def refusal(e: HTTPError) -> tuple:
+    """The OpenAI-style error a client sees: (status, type, code, message)."""
+    error = e.body()["error"]
+    return (e.status, error["type"], error["code"], error["message"])
 
 
 @settings(max_examples=300, deadline=None)
@@ -72,17 +87,22 @@ def test_each_key_opens_exactly_its_targets(data, header, model):
     targets = reference_targets(data)
     key = reference_key(header)
     assert bearer(header) == key
-    open_ = {n for n, (_, _, ks) in targets.items() if not ks}
-    keyed = {n for n, (_, _, ks) in targets.items() if key is not None and key in ks}
-    assert {n: (t.upstream_model, t.endpoint) for n, t in auth.targets.items()} == {
-        n: (m, ep) for n, (m, ep, _) in targets.items()
-    }
+    open_ = {n for n, (_, _, ks, _) in targets.items() if not ks}
+    keyed = {n for n, (_, _, ks, _) in targets.items() if key is not None and key in ks}
+    for n, t in auth.targets.items():
+        check_target(t, n, targets[n])
+    assert set(auth.targets) == set(targets)
     assert auth.is_admin(header) == (key is not None and key in data["gateway"]["admin_api_keys"])
     assert {t.name for t in auth.visible(header)} == (keyed | open_ if keyed else open_)
     if not keyed and not open_:
         with pytest.raises(HTTPError) as refused:
             auth.access(header)
-        assert refused.value.status == 401
+        assert refusal(refused.value) == (
+            401,
+            "invalid_request_error",
+            "invalid_api_key",
+            "missing or invalid API key (Authorization: Bearer ...)",
+        )
         return
     access = auth.access(header)
     assert (access.digest is not None) == bool(keyed)
@@ -92,8 +112,20 @@ def test_each_key_opens_exactly_its_targets(data, header, model):
         return
     with pytest.raises(HTTPError) as refused:
         access.target(model)
-    assert refused.value.status == (404 if keyed else 401)
-    assert repr(model) in str(refused.value)
+    if keyed:
+        assert refusal(refused.value) == (
+            404,
+            "invalid_request_error",
+            "model_not_found",
+            f"the model {model!r} does not exist or you do not have access to it",
+        )
+    else:
+        assert refusal(refused.value) == (
+            401,
+            "invalid_request_error",
+            "invalid_api_key",
+            f"missing or invalid API key for model {model!r} (Authorization: Bearer ...)",
+        )
 
 
 def test_a_model_that_is_not_a_string_or_too_long_is_not_echoed():
@@ -104,8 +136,10 @@ def test_a_model_that_is_not_a_string_or_too_long_is_not_echoed():
     auth = Auth(parse_config(data))
     access = auth.access(None)
     for model in (None, 7, ["m"], "x" * 257):
-        with pytest.raises(HTTPError, match=r"\(invalid\)") as refused:
+        with pytest.raises(HTTPError) as refused:
             access.target(model)
-        assert refused.value.status == 401
+        assert str(refused.value) == (
+            "missing or invalid API key for model '(invalid)' (Authorization: Bearer ...)"
+        )
     with pytest.raises(HTTPError, match="'" + "x" * 256 + "'"):
         access.target("x" * 256)

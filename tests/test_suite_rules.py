@@ -73,3 +73,32 @@ def test_skips_can_be_allowed_explicitly(tmp_path):
     result = run(tmp_path, allow=True)
     assert result.returncode == 0, result.stdout
     assert "1 passed, 4 skipped, 1 xfailed" in result.stdout
+
+
+def test_make_mutants_scores_and_equivalents():
+    """tests/mutants/run.py: the accepted equivalents are read from docs/mutants.md (a ``\\|``
+    in a cell is a ``|``), and a listed mutant is neither missed nor in the score."""
+    sys.path.insert(0, str(Path(__file__).parent / "mutants"))
+    try:
+        import run as mutants
+    finally:
+        sys.path.pop(0)
+    accepted = mutants.accepted()
+    ketama = "rust/src/hashing/ketama.rs:155:13: replace && with || in md5_word0_lanes"
+    assert mutants.rust_id(ketama) in accepted["rust/hashing"]
+    first = "kvroute.events.xǁKvEventSubscriberǁ_on_monitor__mutmut_1"
+    assert first in accepted["py-events"]
+    results = "\n".join(
+        [
+            f"    {first}: survived",
+            "    kvroute.events.x_a__mutmut_1: survived",
+            "    kvroute.events.x_a__mutmut_2: killed",
+            "    kvroute.events.x_a__mutmut_3: timeout",
+            "    kvroute.events.x_a__mutmut_4: not checked",
+        ]
+    )
+    score = mutants.python_score("py-events", results, accepted["py-events"])
+    assert (score.caught, score.timeout, score.unviable) == (1, 1, 0)  # not checked: not run
+    assert score.missed == ["kvroute.events.x_a__mutmut_1 (survived)"]
+    assert score.equivalent == [f"{first} (survived)"]
+    assert score.row() == "| py-events | 4 | 1 | 1 | 1 | 1 | 0 | 66.7% |"

@@ -105,9 +105,9 @@ def accepted() -> dict[str, set[str]]:
     if not EQUIVALENTS.exists():
         return out
     for line in EQUIVALENTS.read_text().splitlines():
-        m = re.match(r"^\|\s*([\w-]+)\s*\|\s*`([^`]+)`\s*\|", line)
-        if m and m.group(1) != "module":
-            out.setdefault(m.group(1), set()).add(m.group(2).strip())
+        m = re.match(r"^\|\s*([\w/-]+)\s*\|\s*`([^`]+)`\s*\|", line)
+        if m and m.group(1) != "module":  # a | inside a table cell is written \|
+            out.setdefault(m.group(1), set()).add(m.group(2).replace("\\|", "|").strip())
     return out
 
 
@@ -243,8 +243,8 @@ def python_score(group: str, results: str, equivalents: set[str]) -> Score:
             (score.equivalent if name in equivalents else score.missed).append(f"{name} ({status})")
         elif status in ("suspicious", "segfault"):
             score.timeout += 1
-        else:  # "skipped", "not checked", "caught by type check": not judged
-            score.unviable += 1
+        elif status != "not checked":  # not run (yet): not counted at all
+            score.unviable += 1  # "skipped", "caught by type check": not judged
     return score
 
 
