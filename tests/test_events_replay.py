@@ -20,7 +20,8 @@ import pytest
 import zmq
 from kvroute import Router
 from kvroute.events import KvEventSubscriber
-from support.events_engine import chain_payloads, own, stored, wait_for
+from support.events_engine import chain_payloads, own, stored
+from support.helpers import wait_for
 
 FAR = 3600.0  # seconds: a stale worker's freshness is ~0 by then, a fresh one's still 1
 

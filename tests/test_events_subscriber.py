@@ -20,7 +20,8 @@ import zmq
 from kvroute import KvEventApplier, PrefixIndex, Router
 from kvroute.events import KvEventSubscriber
 from support import events_payloads as P
-from support.events_engine import chain_payloads, own, stored, wait_for
+from support.events_engine import chain_payloads, own, stored
+from support.helpers import wait_for
 
 VECTORS = Path(__file__).parent / "data" / "vectors"
 VLLM = json.loads((VECTORS / "vllm_0.33.0_block_hash_and_kv_event_vectors.json").read_text())

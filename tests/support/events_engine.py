@@ -15,8 +15,7 @@ repeating old numbers, claiming numbers the engine never reached — by the test
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import zmq
 from kvroute import BlockHasher
@@ -28,15 +27,6 @@ from support import events_payloads as P
 def own(tokens: Sequence[int], block_size: int = 16, **opts) -> list[int]:
     """The router's own (native) block hashes of ``tokens``: what rehash mode indexes."""
     return [int(h) for h in BlockHasher(block_size, **opts).hash(list(tokens))]
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def stored(hashes: Sequence[int], parent: int | None, tokens: Sequence[int]) -> bytes:

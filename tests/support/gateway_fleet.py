@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +19,7 @@ from kvroute.gateway.listener import uvicorn_config
 from prometheus_client import parser as prometheus_parser
 
 from support.gateway_upstream import ServerThread, Upstream
+from support.helpers import wait_for
 
 ADMIN_KEY = "sk-admin"
 
@@ -176,15 +176,6 @@ def toml_text(config: dict[str, Any]) -> str:
             lines.insert(0, f"{key} = {_toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
-
-
-def wait_for(predicate: Any, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def messages(question: str, system: str = LONG_SYSTEM) -> list[dict]:

@@ -1,9 +1,10 @@
-"""Helpers shared by several test modules: running work in threads, and independent references
-that more than one module checks against."""
+"""Helpers shared by several test modules: running work in threads, waiting for a condition, and
+independent references that more than one module checks against."""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,17 @@ def run_threads(*calls: tuple[Callable[..., Any], tuple]) -> None:
         t.join()
     if errors:
         raise errors[0]
+
+
+def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 20.0) -> None:
+    """Polls ``predicate`` until it holds; fails naming ``what`` after ``timeout`` seconds (only
+    a failing test waits that long: a loaded machine delays, it does not fail)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 def paper_jump(key: int, n: int) -> int:
