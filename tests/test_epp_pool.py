@@ -14,6 +14,8 @@ import asyncio
 import json
 import queue
 import socket
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -26,10 +28,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from support.epp_client import EnvoyClient, EppThread
-from support.gateway_fleet import wait_for
 from support.gateway_upstream import Upstream
+from support.helpers import wait_for
 
 LABELS = {"app": "vllm-llama"}
+# Deadline for a condition this test waits on: generous, since on a loaded box the EPP's first
+# listing follows loading the kubernetes client (seconds of imports); a met condition ends the wait.
+DEADLINE = 120.0
 
 
 class Served:
@@ -77,6 +82,7 @@ class FakeKube:
         self.listed = threading.Event()
         self.release = threading.Event()
         self.selectors: list[str] = []
+        self.reads = self.lists = 0  # GETs of the pool, pod lists (watches aside)
         self.version = 100
         self.target_port = port
         app = Starlette(
@@ -91,6 +97,7 @@ class FakeKube:
         self.server = Served(app, "127.0.0.1")
 
     async def _pool(self, request: Request) -> Response:
+        self.reads += 1
         return JSONResponse(
             {
                 "apiVersion": "inference.networking.k8s.io/v1",
@@ -107,9 +114,11 @@ class FakeKube:
     async def _pods(self, request: Request) -> Response:
         self.selectors.append(request.query_params.get("labelSelector", ""))
         if request.query_params.get("watch") in ("true", "1", "True"):
-            return StreamingResponse(self._watch(), media_type="application/json")
+            seconds = int(request.query_params.get("timeoutSeconds", 1800))
+            return StreamingResponse(self._watch(seconds), media_type="application/json")
         while not self.release.is_set():
             await asyncio.sleep(0.01)
+        self.lists += 1
         self.listed.set()
         items = [p for p in self.pods.values() if p["metadata"]["labels"] == LABELS]
         return JSONResponse(
@@ -121,8 +130,8 @@ class FakeKube:
             }
         )
 
-    async def _watch(self):
-        deadline = time.monotonic() + 30
+    async def _watch(self, seconds: int):
+        deadline = time.monotonic() + seconds  # the API server ends a watch after timeoutSeconds
         while time.monotonic() < deadline:
             try:
                 event = self.events.get_nowait()
@@ -222,7 +231,7 @@ def test_workers_follow_the_inference_pools_ready_pods(pods, tmp_path):
 
         assert run(health) == health_pb2.HealthCheckResponse.NOT_SERVING  # not listed yet
         kube.release.set()
-        wait_for(lambda: epp.server.ready, "the first listing")
+        wait_for(lambda: epp.server.ready, "the first listing", DEADLINE)
         assert run(health) == health_pb2.HealthCheckResponse.SERVING
         assert kube.selectors[0] == "app=vllm-llama"
         assert sorted(epp.server.picker.members) == ["pod-0", "pod-1"]
@@ -234,21 +243,93 @@ def test_workers_follow_the_inference_pools_ready_pods(pods, tmp_path):
         assert early.status == 503 and "fewer workers than its pool_size" in early.body.decode()
 
         kube.emit("MODIFIED", pod("pod-2", "127.0.0.4"))  # becomes ready
-        wait_for(lambda: "pod-2" in epp.server.picker.members, "pod-2 to join")
+        wait_for(lambda: "pod-2" in epp.server.picker.members, "pod-2 to join", DEADLINE)
         assert run(lambda c: c.exchange(big)).status == 200  # three workers: ep-big exists now
         before = len(ups[0].records)
         kube.emit("DELETED", pod("pod-0", "127.0.0.2"))
-        wait_for(lambda: "pod-0" not in epp.server.picker.members, "pod-0 to leave")
+        wait_for(lambda: "pod-0" not in epp.server.picker.members, "pod-0 to leave", DEADLINE)
         assert "pod-0" not in epp.router.workers
         got = run(picks, 8)
         assert set(got) == {f"127.0.0.3:{port}", f"127.0.0.4:{port}"}
         served = {u.name: len(u.records) for u in ups}
         assert served["pod-2"] > 0 and served["pod-0"] == before  # nothing reached the gone pod
-        assert len(kube.selectors) == 2  # one list, one watch: no error made it start over
+        assert (kube.reads, kube.lists) == (1, 1)  # no error made it start over (a watch that
+        # timed out is resumed without a new list)
     finally:
         kube.events.put(None)  # ends the watch, so the picker's watch thread stops at once
         epp.stop()
         kube.stop()
+
+
+LOADING_CHILD = """
+import importlib.abc, importlib.machinery, os, sys, threading, time
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+loading = threading.Event()
+gate = threading.Event()
+
+
+class Gate(importlib.abc.MetaPathFinder):  # holds ``import kubernetes`` until the check is done
+    def find_spec(self, name, path, target=None):
+        if name != "kubernetes":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        run = spec.loader.exec_module
+
+        def exec_module(module):  # runs under the module's own lock only
+            loading.set()
+            gate.wait()
+            run(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, Gate())
+from kvroute.epp import EppServer
+from kvroute.epp.config import parse_config
+
+server = EppServer(parse_config({"epp": {"port": 0, "metrics_port": 0, "models": ["m"],
+                                          "pool": {"name": "p", "kubeconfig": sys.argv[1]}}}))
+
+
+def check():
+    loading.wait()
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        answers = [
+            health_pb2.HealthCheckResponse.ServingStatus.Name(
+                stub.Check(health_pb2.HealthCheckRequest(service=s), timeout=20).status
+            )
+            for s in ("liveness", "readiness")
+        ]
+    except grpc.RpcError as e:
+        answers = [e.code().name]
+    print(*answers, flush=True)
+    os._exit(0)
+
+
+threading.Thread(target=check, daemon=True).start()
+import asyncio
+asyncio.run(server.start())
+time.sleep(60)
+"""
+
+
+def test_the_server_answers_health_checks_while_the_kubernetes_client_loads(tmp_path):
+    """Loading the client takes seconds (hundreds of API classes): not on the event loop."""
+    kubeconfig = tmp_path / "kubeconfig"  # never read: the child ends before the client loads
+    kubeconfig.write_text("{}")
+    proc = subprocess.run(
+        [sys.executable, "-c", LOADING_CHILD, str(kubeconfig)],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+        check=False,
+    )
+    assert proc.stdout.split() == ["SERVING", "NOT_SERVING"], proc.stderr[-2000:]
 
 
 def test_a_pool_config_is_validated():

@@ -325,7 +325,7 @@ class EppThread:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.call(self.server.start())
+        self.call(self.server.start(), timeout=120)  # loads the kubernetes client for [epp.pool]
         self.port = self.server.port
         self.router = self.server.router
 

@@ -6,7 +6,8 @@ The pool's ``spec.selector.matchLabels`` selects pods in its namespace; every **
 ``podIP:port``, of ``[epp.pool] kind`` with its ``api_key``; with ``kv_events_port`` (and
 ``kv_replay_port``), ``tcp://podIP:port`` is its KV-event stream (single-port pools).
 
-The official ``kubernetes`` client runs in one daemon thread: it reads the pool, lists the pods
+The official ``kubernetes`` client is loaded by ``start()`` off the event loop (its API classes take
+seconds to import) and runs in one daemon thread: it reads the pool, lists the pods
 (then calls ``on_change`` with the whole member set — the picker becomes ready), and watches from
 the list's ``resourceVersion``; each change of the member set calls ``on_change`` again, on the
 server's event loop. A watch that ends is resumed; one that expired (410), or any API error,
@@ -88,18 +89,16 @@ class PoolWatch:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._watch: Any = None
+        self._core: Any = None
+        self._custom: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._last: dict[str, str] | None = None
 
     async def start(self) -> None:
-        try:
-            import kubernetes  # noqa: F401
-        except ImportError as e:
-            raise ImportError(
-                "[epp.pool] needs the kubernetes client: pip install 'kvroute[kubernetes]'"
-            ) from e
         self._loop = asyncio.get_running_loop()
-        self._api = await asyncio.to_thread(self._client)
+        # Off the event loop: loading the client's API classes (hundreds of models) takes
+        # seconds, during which the server keeps answering health checks.
+        self._core, self._custom = await asyncio.to_thread(self._client)
         self._thread = threading.Thread(target=self._run, name="kvroute-pool", daemon=True)
         self._thread.start()
 
@@ -111,23 +110,30 @@ class PoolWatch:
             await asyncio.to_thread(self._thread.join, 2.0)
             self._thread = None
 
-    def _client(self) -> Any:
-        from kubernetes import client, config
+    def _client(self) -> tuple[Any, Any]:
+        """The core and custom-objects APIs, authenticated (see the module docs)."""
+        try:
+            from kubernetes import client, config
+        except ImportError as e:
+            raise ImportError(
+                "[epp.pool] needs the kubernetes client: pip install 'kvroute[kubernetes]'"
+            ) from e
 
         if self.pool.kubeconfig:
-            return config.new_client_from_config(os.path.expanduser(self.pool.kubeconfig))
-        try:
-            config.load_incluster_config()
-            return client.ApiClient()
-        except config.ConfigException:
-            return config.new_client_from_config()
+            api = config.new_client_from_config(os.path.expanduser(self.pool.kubeconfig))
+        else:
+            try:
+                config.load_incluster_config()
+                api = client.ApiClient()
+            except config.ConfigException:
+                api = config.new_client_from_config()
+        return client.CoreV1Api(api), client.CustomObjectsApi(api)
 
     def _run(self) -> None:
-        from kubernetes import client, watch
+        from kubernetes import watch
         from kubernetes.client.exceptions import ApiException
 
-        core = client.CoreV1Api(self._api)
-        custom = client.CustomObjectsApi(self._api)
+        core, custom = self._core, self._custom
         p = self.pool
         while not self._stop.is_set():
             try:
