@@ -1,30 +1,35 @@
-//! Bindings for `crate::router`: `kvroute.Router` and `kvroute.Decision`.
+//! Bindings for `crate::router`: `kvroute.Router`, `kvroute.Decision` and `kvroute.PdDecision`.
 //!
 //! The router's core sits behind a `parking_lot::Mutex`. `route` converts its arguments under the
 //! GIL, then hashes the tokens (the hasher is an `Arc` taken under the lock, so threads hash in
 //! parallel) and routes with the lock held; for prompts of at least [`DETACH_MIN_TOKENS`] tokens
 //! (or when the lock is busy) that work runs with the GIL released. `d.scores` is built only when
 //! read.
+//!
+//! Files: this one holds the `Router` class (every method converts its arguments and forwards
+//! to the core); `request.rs` the arguments `route` and `route_pd` share, `config.rs` the
+//! constructor's keywords and `Router.config`, `decision.rs` the decision classes.
+
+mod config;
+mod decision;
+mod request;
 
 use parking_lot::Mutex;
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use super::convert::{
-    i32_from_int, name_item, names_from_py, optional, tokens_from_py, type_error, typed, u64_array,
-    u64_from_int, u64_slice, usize_from_int, weighted_names, with_bytes, with_key, MonotonicClock,
-    Name, Negative, NoWorkerError, Tokens,
+    i32_from_int, optional, u64_array, u64_from_int, u64_slice, usize_from_int, weighted_names,
+    with_bytes, MonotonicClock, Name, Negative, NoWorkerError,
 };
 use super::events::PyKvEventApplier;
 use super::index::PyPrefixIndex;
 use super::with_mutex;
-use crate::blocks::{ChainState, Options};
-use crate::hashing::Key;
-use crate::router::{
-    Config, CostWeights, Decision, EndpointSpec, IndexMode, PdConfig, PdReason, Phase, Role,
-    RouteRequest, Router,
-};
+use crate::blocks::Options;
+use crate::router::{Config, CostWeights, EndpointSpec, PdConfig, Phase, Role, Router};
+use config::{config_dict, roles_from_py, tier_weights_from_py};
+use decision::{PyDecision, PyPdDecision};
 
 /// The `ReadOnlyError` message of a write to `router.index` in approx mode.
 const APPROX_INDEX_OWNED: &str = "router.index is read-only with index=\"approx\": the router \
@@ -47,21 +52,6 @@ fn optional_parse<T: std::str::FromStr<Err = crate::Error>>(
     s: Option<&str>,
 ) -> PyResult<Option<T>> {
     Ok(s.map(str::parse).transpose()?)
-}
-
-/// A routing key copied out of Python (so routing can run without the GIL).
-enum OwnedKey {
-    Bytes(Vec<u8>),
-    Int(u64),
-}
-
-impl OwnedKey {
-    fn as_key(&self) -> Key<'_> {
-        match self {
-            OwnedKey::Bytes(b) => Key::Bytes(b),
-            OwnedKey::Int(k) => Key::Int(*k),
-        }
-    }
 }
 
 /// Which worker gets a request, why, and how much of the prompt is expected cached there.
@@ -104,88 +94,7 @@ pub struct PyRouter {
     clock: MonotonicClock,
 }
 
-/// The arguments `route` and `route_pd` share: tokens, block_hashes, key, endpoint, exclude,
-/// now.
-type RouteArgs<'a, 'py> = (
-    Option<&'a Bound<'py, PyAny>>,
-    Option<&'a Bound<'py, PyAny>>,
-    Option<&'a Bound<'py, PyAny>>,
-    Option<Name<'a>>,
-    Option<&'a Bound<'py, PyAny>>,
-    Option<f64>,
-);
-
 impl PyRouter {
-    /// Converts a request's arguments, hashes its tokens (with the GIL released for long
-    /// prompts) and runs `f` (route or route_pd) on the core with it.
-    fn routed<T: Send>(
-        &self,
-        py: Python<'_>,
-        (tokens, block_hashes, key, endpoint, exclude, now): RouteArgs<'_, '_>,
-        f: impl Fn(&mut Router, RouteRequest<'_>) -> crate::Result<T> + Send + Sync,
-    ) -> PyResult<T> {
-        let key = optional(key, |k| {
-            with_key(k, |k| match k {
-                Key::Bytes(b) => OwnedKey::Bytes(b.to_vec()),
-                Key::Int(v) => OwnedKey::Int(v),
-            })
-        })?;
-        let exclude =
-            optional(exclude, |e| names_from_py(e, "exclude", "exclude item"))?.unwrap_or_default();
-        let excluded: Vec<&str> = exclude.iter().map(String::as_str).collect();
-        let endpoint = endpoint.as_deref();
-        let request = RouteRequest {
-            hashes: Vec::new(),
-            prompt_tokens: None,
-            key: key.as_ref().map(OwnedKey::as_key),
-            endpoint,
-            exclude: &excluded,
-            now: self.clock.now(now),
-        };
-        let out = match (tokens, block_hashes) {
-            (Some(_), Some(_)) => {
-                return Err(PyTypeError::new_err(
-                    "route() takes tokens or block_hashes, not both",
-                ))
-            }
-            // No prompt: nothing to hash or match (routed by key, endpoint or load).
-            (None, None) => self.run(py, true, |r| f(r, request))?,
-            (Some(tokens), None) => {
-                let array = tokens_from_py(tokens)?;
-                let tokens = Tokens::of(&array);
-                let n = tokens.len();
-                let hasher = self.run(py, true, |r| r.hasher_for(endpoint))?;
-                let hash = || -> crate::Result<RouteRequest<'_>> {
-                    let mut hashes = Vec::with_capacity(hasher.num_blocks(n));
-                    typed!(tokens, |s| {
-                        hasher.hash_into(s, &ChainState::Root, &[], &mut hashes)
-                    })?;
-                    Ok(RouteRequest {
-                        hashes,
-                        prompt_tokens: Some(n),
-                        ..request
-                    })
-                };
-                if n < DETACH_MIN_TOKENS {
-                    let request = hash()?;
-                    self.run(py, true, |r| f(r, request))?
-                } else {
-                    // Hashing a long prompt is long work too: both run with the GIL released.
-                    py.detach(|| f(&mut self.core.lock(), hash()?))?
-                }
-            }
-            (None, Some(hashes)) => {
-                let hashes = u64_slice(hashes, "block_hashes", Negative::Reinterpret)?;
-                let mut hashes = hashes.as_slice().to_vec();
-                self.run(py, hashes.len() < DETACH_MIN_TOKENS, |r| {
-                    r.salt_block_hashes(endpoint, &mut hashes)?;
-                    f(r, RouteRequest { hashes, ..request })
-                })?
-            }
-        };
-        Ok(out)
-    }
-
     /// Runs `f` on the core: with the GIL held when `light` and the lock is free, else with the
     /// GIL released.
     fn run<R: Send>(
@@ -237,21 +146,7 @@ impl PyRouter {
         pd_local_prefill: Option<bool>,
     ) -> PyResult<Self> {
         let workers = weighted_names(workers, "workers", "worker")?;
-        let roles = match roles {
-            None => Vec::new(),
-            Some(obj) => {
-                let dict = obj
-                    .cast::<PyDict>()
-                    .map_err(|_| type_error(obj, "roles must be a dict of worker name to role"))?;
-                let mut out = Vec::with_capacity(dict.len());
-                for (name, role) in dict.iter() {
-                    let name = name_item(&name, "worker name in roles")?;
-                    let role: String = role.extract()?;
-                    out.push((name, role.parse::<Role>()?));
-                }
-                out
-            }
-        };
+        let roles = optional(roles, roles_from_py)?.unwrap_or_default();
         // Every argument not given keeps the core's default.
         let d = Config::default();
         let mut config = Config {
@@ -292,43 +187,13 @@ impl PyRouter {
             ..d
         };
         if let Some(obj) = tier_weights {
-            let dict = obj.cast::<PyDict>().map_err(|_| {
-                type_error(obj, "tier_weights must be a dict of tier name to weight")
-            })?;
-            config.tier_weights.clear();
-            for (tier, w) in dict.iter() {
-                let tier = name_item(&tier, "tier name")?;
-                let w: f64 = w.extract()?;
-                config.tier_weights.push((tier, w));
-            }
+            config.tier_weights = tier_weights_from_py(obj)?;
         }
         let mut core = Router::new(workers.iter().map(|(n, w)| (n.as_str(), *w)), config)?;
         for (name, role) in &roles {
             core.set_role(name, *role)?;
         }
-        let shared = core.index().clone();
-        let index = Py::new(
-            py,
-            match core.config().mode {
-                IndexMode::Events => PyPrefixIndex::from_shared(shared),
-                IndexMode::Approx => PyPrefixIndex::owned_by(shared, APPROX_INDEX_OWNED),
-            },
-        )?;
-        let applier = if core.config().mode == IndexMode::Events {
-            let applier = core.new_event_applier()?;
-            Some(Py::new(
-                py,
-                PyKvEventApplier::from_core(applier, index.clone_ref(py)),
-            )?)
-        } else {
-            None
-        };
-        Ok(PyRouter {
-            core: Mutex::new(core),
-            index,
-            applier,
-            clock: MonotonicClock::new(py)?,
-        })
+        PyRouter::from_core(py, core)
     }
 
     /// Routes one request; returns a `Decision`. In approx mode the prompt is recorded on the
@@ -366,16 +231,7 @@ impl PyRouter {
     ) -> PyResult<PyPdDecision> {
         let args = (tokens, block_hashes, key, endpoint, exclude, now);
         let pair = self.routed(py, args, |r, req| r.route_pd(req))?;
-        let decode = Py::new(py, PyDecision { inner: pair.decode })?;
-        let prefill = match pair.prefill {
-            Some(d) => Py::new(py, PyDecision { inner: d })?,
-            None => decode.clone_ref(py),
-        };
-        Ok(PyPdDecision {
-            prefill,
-            decode,
-            reason: pair.reason,
-        })
+        PyPdDecision::from_core(py, pair)
     }
 
     /// The request of `decision` starts: counted in its worker's load. `ValueError` if it was
@@ -796,35 +652,7 @@ impl PyRouter {
     /// The configuration in effect, keyed like the constructor's keywords.
     #[getter]
     fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let c = self.run(py, true, |r| r.config().clone());
-        let d = PyDict::new(py);
-        d.set_item("policy", c.policy.name())?;
-        d.set_item("block_size", c.block_size)?;
-        d.set_item("hash_profile", c.profile.name())?;
-        d.set_item("index", c.mode.name())?;
-        d.set_item("capacity_blocks", c.capacity_blocks)?;
-        d.set_item("ttl", c.ttl)?;
-        d.set_item("queue_weight", c.weights.queue)?;
-        d.set_item("decode_weight", c.weights.decode)?;
-        d.set_item("load_bound", c.bound_c)?;
-        d.set_item("seed", c.seed)?;
-        d.set_item("stale_half_life", c.stale_half_life)?;
-        let tiers = PyDict::new(py);
-        for (tier, w) in &c.tier_weights {
-            tiers.set_item(tier, w)?;
-        }
-        d.set_item("tier_weights", tiers)?;
-        d.set_item("salt", c.hash_options.salt)?;
-        d.set_item("hash_seed", c.hash_options.seed)?;
-        d.set_item("event_mode", c.event_mode.name())?;
-        d.set_item("updates", c.updates)?;
-        let flavor = c.profile.vllm_flavor();
-        d.set_item("hash_algo", flavor.map(|f| f.algo.name()))?;
-        d.set_item("vllm_version", flavor.map(|f| f.version.to_string()))?;
-        d.set_item("pd_threshold", c.pd.threshold)?;
-        d.set_item("pd_saturation", c.pd.saturation)?;
-        d.set_item("pd_local_prefill", c.pd.local_prefill)?;
-        Ok(d)
+        config_dict(py, &self.run(py, true, |r| r.config().clone()))
     }
 
     /// Raises ValueError if the approx model's index and caches disagree (for tests).
@@ -848,169 +676,5 @@ impl PyRouter {
                 r.config().profile.name()
             )
         })
-    }
-}
-
-/// A routing decision: `worker`, `cached_blocks` / `cached_tokens` (expected cached prefix on
-/// it, per the index), `inflight_blocks` (events mode: the prefix requests in flight there hold), `prompt_blocks` / `prompt_tokens`, `scores` (per worker, the value the policy compared:
-/// the `kv_aware` cost, a load, …), `policy`, `reason`, `endpoint`, `id`, `stage`. Pass it to
-/// the router's `begin`, `prefilled`, `finish` and `observe`.
-#[pyclass(frozen, module = "kvroute._core", name = "Decision")]
-pub struct PyDecision {
-    inner: Decision,
-}
-
-#[pymethods]
-impl PyDecision {
-    /// The chosen worker.
-    #[getter]
-    fn worker(&self) -> &str {
-        &self.inner.worker
-    }
-
-    /// Leading prompt blocks the worker holds, per the router's index.
-    #[getter]
-    fn cached_blocks(&self) -> usize {
-        self.inner.cached_blocks
-    }
-
-    /// Events mode: leading prompt blocks held by the requests in flight on the worker when
-    /// routed (0 in approx mode).
-    #[getter]
-    fn inflight_blocks(&self) -> usize {
-        self.inner.inflight_blocks
-    }
-
-    /// `cached_blocks * block_size`.
-    #[getter]
-    fn cached_tokens(&self) -> usize {
-        self.inner.cached_tokens()
-    }
-
-    /// Full blocks of the prompt.
-    #[getter]
-    fn prompt_blocks(&self) -> usize {
-        self.inner.prompt_blocks
-    }
-
-    /// The prompt's tokens (blocks × block size when block hashes were given).
-    #[getter]
-    fn prompt_tokens(&self) -> usize {
-        self.inner.prompt_tokens
-    }
-
-    /// `{worker: value}`: what the policy compared (built on access).
-    #[getter]
-    fn scores<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        for (name, value) in self.inner.scores() {
-            d.set_item(&**name, value)?;
-        }
-        Ok(d)
-    }
-
-    /// The policy that chose.
-    #[getter]
-    fn policy(&self) -> &'static str {
-        self.inner.policy.name()
-    }
-
-    /// Why: "prefix" / "load" (kv_aware), "hash" / "hash_bounded", or the policy's name.
-    #[getter]
-    fn reason(&self) -> &'static str {
-        self.inner.reason.name()
-    }
-
-    /// The endpoint routed for, or None.
-    #[getter]
-    fn endpoint(&self) -> Option<&str> {
-        self.inner.endpoint.as_deref()
-    }
-
-    /// The scheduling priority to ask the engine for: the endpoint's, 0 without one (higher is
-    /// served first).
-    #[getter]
-    fn priority(&self) -> i32 {
-        self.inner.priority
-    }
-
-    /// Unique per router (1, 2, …).
-    #[getter]
-    fn id(&self) -> u64 {
-        self.inner.id
-    }
-
-    /// "routed", "active" or "finished".
-    #[getter]
-    fn stage(&self) -> &'static str {
-        self.inner.stage().name()
-    }
-
-    /// The part of the request: "whole", "prefill" or "decode" (halves of a `route_pd` pair).
-    #[getter]
-    fn half(&self) -> &'static str {
-        self.inner.half.name()
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "Decision(id={}, worker={:?}, cached_tokens={}, prompt_tokens={}, policy={:?}, \
-             reason={:?})",
-            self.inner.id,
-            &*self.inner.worker,
-            self.inner.cached_tokens(),
-            self.inner.prompt_tokens,
-            self.inner.policy.name(),
-            self.inner.reason.name()
-        )
-    }
-}
-
-/// A prefill/decode pair from `Router.route_pd`: `prefill` and `decode` are `Decision`s (the
-/// same object when `disaggregate` is False: the whole request runs on the decode worker),
-/// `reason` says why ("remote", "short", "saturated", "same_worker", "no_prefill"). Begin,
-/// finish and observe each half with the router (once when they are the same).
-#[pyclass(frozen, module = "kvroute._core", name = "PdDecision")]
-pub struct PyPdDecision {
-    prefill: Py<PyDecision>,
-    decode: Py<PyDecision>,
-    reason: PdReason,
-}
-
-#[pymethods]
-impl PyPdDecision {
-    /// The prefill half (the decode `Decision` itself when not disaggregated).
-    #[getter]
-    fn prefill(&self, py: Python<'_>) -> Py<PyDecision> {
-        self.prefill.clone_ref(py)
-    }
-
-    /// The decode half (the whole request when not disaggregated).
-    #[getter]
-    fn decode(&self, py: Python<'_>) -> Py<PyDecision> {
-        self.decode.clone_ref(py)
-    }
-
-    /// True when the prefill runs on another worker than the decode.
-    #[getter]
-    fn disaggregate(&self) -> bool {
-        !self.prefill.is(&self.decode)
-    }
-
-    /// Why the pair is (or is not) disaggregated.
-    #[getter]
-    fn reason(&self) -> &'static str {
-        self.reason.name()
-    }
-
-    fn __repr__(&self) -> String {
-        let (p, d) = (self.prefill.get(), self.decode.get());
-        format!(
-            "PdDecision(prefill={:?}, decode={:?}, disaggregate={}, reason={:?})",
-            &*p.inner.worker,
-            &*d.inner.worker,
-            if self.disaggregate() { "True" } else { "False" },
-            self.reason.name()
-        )
     }
 }
