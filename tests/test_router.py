@@ -16,6 +16,7 @@ from support.router_reference import (
     BS,
     IDLE,
     bounded_pick,
+    idle_load,
     toks,
 )
 
@@ -164,15 +165,7 @@ def test_load_accounting_and_lifecycle_errors():
     r.finish(d)
     with pytest.raises(ValueError, match="already finished"):
         r.finish(d)
-    assert r.load(d.worker) == {
-        "active": 0,
-        "queued": 0,
-        "prefill_blocks": 0,
-        "decode_blocks": 0,
-        "written_blocks": 0,
-        "weight": 1.0,
-        "others": IDLE,
-    }
+    assert r.load(d.worker) == idle_load()
     other = kvroute.Router(["a", "b"], block_size=BS)
     for call in (other.begin, other.finish, other.prefilled):
         with pytest.raises(ValueError, match="another router"):
@@ -288,15 +281,7 @@ def test_four_threads_route_and_account_exactly():
     run_threads(*((work, (k,)) for k in range(4)))
     assert sum(begun) == 240
     for n in r.workers:
-        assert r.load(n) == {
-            "active": 0,
-            "queued": 0,
-            "prefill_blocks": 0,
-            "decode_blocks": 0,
-            "written_blocks": 0,
-            "weight": 1.0,
-            "others": IDLE,
-        }
+        assert r.load(n) == idle_load()
     r._check_model()
 
 

@@ -16,6 +16,7 @@ from support.router_reference import (
     SplitMix64,
     bounded_pick,
     first_block,
+    idle_load,
     tie_order,
     toks,
 )
@@ -224,15 +225,7 @@ def test_kv_aware_cost_matches_reference_in_events_mode():
     for d in live:
         r.finish(d, now=0.0)
     for n in weights:
-        assert r.load(n) == {
-            "active": 0,
-            "queued": 0,
-            "prefill_blocks": 0,
-            "decode_blocks": 0,
-            "written_blocks": 0,
-            "weight": weights[n],
-            "others": IDLE,
-        }
+        assert r.load(n) == idle_load(weights[n])
 
 
 def test_kv_aware_trades_affinity_against_queued_work():
@@ -314,12 +307,4 @@ def test_withdrawing_a_begun_decision_takes_back_its_in_flight_prefix_and_load()
     assert r.withdraw(d1)
     assert r.route(follow, now=0.1).inflight_blocks == 0
     for n in ("a", "b"):
-        assert r.load(n) == {
-            "active": 0,
-            "queued": 0,
-            "prefill_blocks": 0,
-            "decode_blocks": 0,
-            "written_blocks": 0,
-            "weight": 1.0,
-            "others": IDLE,
-        }
+        assert r.load(n) == idle_load()

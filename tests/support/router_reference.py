@@ -55,3 +55,16 @@ def bounded_pick(order: list[str], active: dict[str, int], weights: dict[str, fl
         if active[n] < max(cap, 1):
             return n
     raise AssertionError("a full preference order always has room")
+
+
+def idle_load(weight: float = 1.0) -> dict:
+    """``Router.load(name)`` of a worker with no request in flight and no others' load."""
+    return {
+        "active": 0,
+        "queued": 0,
+        "prefill_blocks": 0,
+        "decode_blocks": 0,
+        "written_blocks": 0,
+        "weight": weight,
+        "others": IDLE,
+    }
