@@ -53,7 +53,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
 
-use crate::blocks::{ChainState, TokenId};
+use crate::blocks::TokenId;
 use crate::error::{Error, Result};
 use crate::hashing::Key;
 use crate::value_err;
@@ -280,24 +280,15 @@ enum Plan {
 
 impl Router {
     /// Hashes `tokens` for `endpoint` and routes them as a pair (a convenience over
-    /// [`Router::hasher_for`] + [`Router::route_pd`]).
+    /// [`Router::tokens_request`] + [`Router::route_pd`]).
     pub fn route_pd_tokens<T: TokenId>(
         &mut self,
         tokens: &[T],
         endpoint: Option<&str>,
         now: f64,
     ) -> Result<PdDecision> {
-        let hasher = self.hasher_for(endpoint)?;
-        let mut hashes = Vec::new();
-        hasher.hash_into(tokens, &ChainState::Root, &[], &mut hashes)?;
-        self.route_pd(RouteRequest {
-            hashes,
-            prompt_tokens: Some(tokens.len()),
-            key: None,
-            endpoint,
-            exclude: &[],
-            now,
-        })
+        let req = self.tokens_request(tokens, None, endpoint, now)?;
+        self.route_pd(req)
     }
 
     /// Routes one request as a prefill/decode pair (see the module docs). `exclude` applies to

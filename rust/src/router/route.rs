@@ -38,7 +38,7 @@ impl Router {
     }
 
     /// Hashes `tokens` for `endpoint` and routes them (a convenience over
-    /// [`Router::hasher_for`] + [`Router::route`]).
+    /// [`Router::tokens_request`] + [`Router::route`]).
     pub fn route_tokens<T: TokenId>(
         &mut self,
         tokens: &[T],
@@ -46,11 +46,21 @@ impl Router {
         endpoint: Option<&str>,
         now: f64,
     ) -> Result<Decision> {
+        let req = self.tokens_request(tokens, key, endpoint, now)?;
+        self.route(req)
+    }
+
+    /// The request for a prompt of `tokens`, hashed with `endpoint`'s hasher (nothing excluded).
+    pub fn tokens_request<'a, T: TokenId>(
+        &self,
+        tokens: &[T],
+        key: Option<Key<'a>>,
+        endpoint: Option<&'a str>,
+        now: f64,
+    ) -> Result<RouteRequest<'a>> {
         let hasher = self.hasher_for(endpoint)?;
-        let mut hashes = Vec::new();
-        hasher.hash_into(tokens, &ChainState::Root, &[], &mut hashes)?;
-        self.route(RouteRequest {
-            hashes,
+        Ok(RouteRequest {
+            hashes: prompt_hashes(&hasher, tokens)?,
             prompt_tokens: Some(tokens.len()),
             key,
             endpoint,
@@ -343,6 +353,13 @@ impl Router {
             }
         }
     }
+}
+
+/// The block hashes of a prompt of `tokens` (full blocks, from the root), in one allocation.
+pub fn prompt_hashes<T: TokenId>(hasher: &BlockHasher, tokens: &[T]) -> Result<Vec<u64>> {
+    let mut hashes = Vec::with_capacity(hasher.num_blocks(tokens.len()));
+    hasher.hash_into(tokens, &ChainState::Root, &[], &mut hashes)?;
+    Ok(hashes)
 }
 
 /// The keys a pick uses: `hash` routes by the request's key, else its endpoint, else its first

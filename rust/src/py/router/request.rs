@@ -5,12 +5,11 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
 use super::{PyRouter, DETACH_MIN_TOKENS};
-use crate::blocks::ChainState;
 use crate::hashing::Key;
 use crate::py::convert::{
     names_from_py, optional, tokens_from_py, typed, u64_slice, with_key, Name, Negative, Tokens,
 };
-use crate::router::{RouteRequest, Router};
+use crate::router::{prompt_hashes, RouteRequest, Router};
 
 /// A routing key copied out of Python (so routing can run without the GIL).
 enum OwnedKey {
@@ -79,12 +78,8 @@ impl PyRouter {
                 let n = tokens.len();
                 let hasher = self.run(py, true, |r| r.hasher_for(endpoint))?;
                 let hash = || -> crate::Result<RouteRequest<'_>> {
-                    let mut hashes = Vec::with_capacity(hasher.num_blocks(n));
-                    typed!(tokens, |s| {
-                        hasher.hash_into(s, &ChainState::Root, &[], &mut hashes)
-                    })?;
                     Ok(RouteRequest {
-                        hashes,
+                        hashes: typed!(tokens, |s| prompt_hashes(&hasher, s))?,
                         prompt_tokens: Some(n),
                         ..request
                     })
