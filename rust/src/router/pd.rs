@@ -59,7 +59,7 @@ use crate::hashing::Key;
 use crate::value_err;
 
 use super::decision::{Decision, Half};
-use super::policy::{self, argmin, delayed_requests, kv_cost, Reason};
+use super::policy::{self, delayed_requests, kv_cost};
 use super::route::{gather_candidates, no_worker, Made, RequestKeys};
 use super::workers::{Worker, WorkerTable};
 use super::{RouteRequest, Router, Scratch};
@@ -258,16 +258,10 @@ pub(super) fn pick_decode(
     credit: &[f64],
     prompt_blocks: usize,
     tie_key: Key<'_>,
-) -> Result<(u32, Vec<(u32, f64)>)> {
-    let scores: Vec<(u32, f64)> = candidates
-        .iter()
-        .filter_map(|&s| {
-            let c = credit.get(s as usize).copied().unwrap_or(0.0);
-            Some((s, decode_cost(workers.get(s)?, prompt_blocks, c)))
-        })
-        .collect();
-    let chosen = argmin(&scores, workers, tie_key)?;
-    Ok((chosen, scores))
+) -> Result<policy::Pick> {
+    policy::least_cost(workers, candidates, credit, tie_key, |w, c| {
+        decode_cost(w, prompt_blocks, c)
+    })
 }
 
 /// Where the prefill of a pair runs.
@@ -328,13 +322,14 @@ impl Router {
         // 3. Pick the decode worker, then where the prefill runs (all pure).
         let keys = RequestKeys::of(&req, endpoint.as_ref());
         let prompt_blocks = req.hashes.len();
-        let (d, d_scores) = pick_decode(
+        let decode_pick = pick_decode(
             &self.workers,
             &self.scratch.decoders,
             &self.scratch.credit,
             prompt_blocks,
             keys.tie,
         )?;
+        let d = decode_pick.slot;
         let plan = self.plan(d, &keys, prompt_tokens, prompt_blocks)?;
 
         // 4. Validate (approx): the chain must agree with the index (the last step that can
@@ -344,12 +339,6 @@ impl Router {
 
         // 5. Commit: nothing fails from here on.
         let d_mark = self.commit_on(&mut index, d, &req.hashes, endpoint.as_ref(), req.now);
-        let d_credit = self.scratch.credit.get(d as usize).copied().unwrap_or(0.0);
-        let d_reason = if d_credit > 0.0 {
-            Reason::Prefix
-        } else {
-            Reason::Load
-        };
         let prompt = (prompt_tokens, prompt_blocks);
         let (prefill, reason) = match plan {
             Plan::Remote(p, who) => {
@@ -391,8 +380,8 @@ impl Router {
         let made = Made {
             slot: d,
             who: d_who,
-            reason: d_reason,
-            scores: d_scores,
+            reason: decode_pick.reason,
+            scores: decode_pick.scores,
             half: if prefill.is_some() {
                 Half::Decode
             } else {

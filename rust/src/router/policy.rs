@@ -409,24 +409,13 @@ pub(super) fn pick(
         Policy::Hash => pick_hash(view, req, buf),
         Policy::KvAware => {
             let delayed = delayed_requests(workers, req.candidates);
-            let scores: Vec<(u32, f64)> = req
-                .candidates
-                .iter()
-                .filter_map(|&s| {
-                    let w = workers.get(s)?;
-                    let credit = req.credit.get(s as usize).copied().unwrap_or(0.0);
-                    let cost = kv_cost(w, req.prompt_blocks, credit, delayed, view.weights);
-                    Some((s, cost))
-                })
-                .collect();
-            let chosen = argmin(&scores, workers, req.tie_key)?;
-            let credit = req.credit.get(chosen as usize).copied().unwrap_or(0.0);
-            let reason = if credit > 0.0 {
-                Reason::Prefix
-            } else {
-                Reason::Load
-            };
-            Ok(Pick::new(chosen, reason, scores))
+            least_cost(
+                workers,
+                req.candidates,
+                req.credit,
+                req.tie_key,
+                |w, credit| kv_cost(w, req.prompt_blocks, credit, delayed, view.weights),
+            )
         }
     }
 }
@@ -453,6 +442,30 @@ pub(super) fn commit(
             }
         }
     }
+}
+
+/// The candidate of least `cost(worker, its credit)` (ties: [`argmin`]), with every candidate's
+/// cost; the reason is `prefix` when the chosen worker holds part of the prompt, else `load`.
+/// Pure.
+pub(super) fn least_cost(
+    workers: &WorkerTable,
+    candidates: &[u32],
+    credit: &[f64],
+    tie_key: Key<'_>,
+    cost: impl Fn(&Worker, f64) -> f64,
+) -> Result<Pick> {
+    let credit_of = |s: u32| credit.get(s as usize).copied().unwrap_or(0.0);
+    let scores: Vec<(u32, f64)> = candidates
+        .iter()
+        .filter_map(|&s| Some((s, cost(workers.get(s)?, credit_of(s)))))
+        .collect();
+    let chosen = argmin(&scores, workers, tie_key)?;
+    let reason = if credit_of(chosen) > 0.0 {
+        Reason::Prefix
+    } else {
+        Reason::Load
+    };
+    Ok(Pick::new(chosen, reason, scores))
 }
 
 fn no_candidate() -> Error {
