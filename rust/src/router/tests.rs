@@ -478,13 +478,19 @@ mod sync {
     use super::*;
 
     fn replica(capacity: usize) -> Router {
+        replica_of(&["a", "b", "c"], capacity, true, Config::default().policy)
+    }
+
+    /// An approx-mode router over `names` (weight 1, blocks of 4 tokens).
+    fn replica_of(names: &[&str], capacity: usize, updates: bool, policy: Policy) -> Router {
         let config = Config {
             block_size: 4,
             capacity_blocks: capacity,
-            updates: true,
+            updates,
+            policy,
             ..Config::default()
         };
-        Router::new(["a", "b", "c"].map(|n| (n, 1.0)), config).unwrap()
+        Router::new(names.iter().map(|&n| (n, 1.0)), config).unwrap()
     }
 
     /// A prompt: a shared system part (`family`), then a per-request tail.
@@ -611,17 +617,7 @@ mod sync {
         assert!(b.apply_updates(&batch, f64::NAN, true).is_err());
         assert_eq!(b.dump_model().unwrap(), before);
         // A worker b does not know, and a continuation whose anchor b never learnt.
-        let mut c = Router::new(
-            [("a", 1.0), ("zz", 1.0)],
-            Config {
-                block_size: 4,
-                capacity_blocks: 64,
-                updates: true,
-                policy: Policy::RoundRobin,
-                ..Config::default()
-            },
-        )
-        .unwrap();
+        let mut c = replica_of(&["a", "zz"], 64, true, Policy::RoundRobin);
         let _ = c.route_tokens(&prompt(2, 1), None, None, 0.0).unwrap(); // a
         let _ = c.route_tokens(&prompt(3, 1), None, None, 0.0).unwrap(); // zz
         let _ = c.route_tokens(&prompt(2, 2), None, None, 0.0).unwrap(); // a, anchored
@@ -749,15 +745,7 @@ mod sync {
         assert!(b.load_model(&image, f64::INFINITY).is_err());
         assert_eq!(b.dump_model().unwrap(), before);
         // Another fleet's snapshot: only the shared names load.
-        let mut c = Router::new(
-            [("a", 1.0), ("x", 1.0)],
-            Config {
-                block_size: 4,
-                capacity_blocks: 64,
-                ..Config::default()
-            },
-        )
-        .unwrap();
+        let mut c = replica_of(&["a", "x"], 64, false, Config::default().policy);
         c.load_model(&image, 1.0).unwrap();
         c.check_model().unwrap();
     }
