@@ -430,11 +430,9 @@ impl Router {
         let Some(w) = self.workers.get_mut(slot) else {
             return key_err!("worker {:?} of decision {} was removed", d.worker, d.id);
         };
-        w.active += 1;
-        w.queued += 1;
-        w.prefill_blocks += d.prefill_blocks() as u64;
-        w.decode_blocks += d.prompt_blocks as u64;
-        w.written_blocks += d.prefill_blocks() as u64;
+        let (prefill, prompt) = (d.prefill_blocks() as i64, d.prompt_blocks as i64);
+        let delta = [1, 1, prefill, prompt, prefill];
+        w.add_load(delta);
         if let Some(inflight) = self.inflight.as_mut() {
             // A chain that contradicts the in-flight blocks (given block hashes reusing a hash
             // under another parent) is simply not tracked: the request then gives no in-flight
@@ -444,9 +442,7 @@ impl Router {
             }
         }
         d.set_begun();
-        let (prefill, prompt) = (d.prefill_blocks() as i64, d.prompt_blocks as i64);
-        self.outbox
-            .load(&d.worker, [1, 1, prefill, prompt, prefill]);
+        self.outbox.load(&d.worker, delta);
         Ok(())
     }
 
@@ -488,13 +484,12 @@ impl Router {
         if d.is_prefilled() {
             return value_err!("decision {} was already marked prefilled", d.id);
         }
+        let delta = [0, -1, -(d.prefill_blocks() as i64), 0, 0];
         if let Some(w) = self.worker_of(d) {
-            w.prefill_blocks = w.prefill_blocks.saturating_sub(d.prefill_blocks() as u64);
-            w.queued = w.queued.saturating_sub(1);
+            w.add_load(delta);
         }
         d.set_prefilled();
-        self.outbox
-            .load(&d.worker, [0, -1, -(d.prefill_blocks() as i64), 0, 0]);
+        self.outbox.load(&d.worker, delta);
         Ok(())
     }
 
@@ -509,23 +504,16 @@ impl Router {
             Stage::Finished => return value_err!("decision {} was already finished", d.id),
             Stage::Withdrawn => return value_err!("decision {} was withdrawn", d.id),
         }
+        // A prefilled request has left the prefill queue already.
         let (prefill, queued) = if d.is_prefilled() {
             (0, 0)
         } else {
-            (d.prefill_blocks() as u64, 1)
+            (d.prefill_blocks() as i64, 1)
         };
         d.set_finished();
         let written = d.prefill_blocks() as i64;
-        self.outbox.load(
-            &d.worker,
-            [
-                -1,
-                -(queued as i64),
-                -(prefill as i64),
-                -(d.prompt_blocks as i64),
-                -written,
-            ],
-        );
+        let delta = [-1, -queued, -prefill, -(d.prompt_blocks as i64), -written];
+        self.outbox.load(&d.worker, delta);
         let index = self.index.clone();
         let partition = self.partition_of(d);
         let Some(slot) = self
@@ -537,11 +525,7 @@ impl Router {
         let Some(w) = self.workers.get_mut(slot) else {
             return Ok(());
         };
-        w.active = w.active.saturating_sub(1);
-        w.queued = w.queued.saturating_sub(queued);
-        w.prefill_blocks = w.prefill_blocks.saturating_sub(prefill);
-        w.decode_blocks = w.decode_blocks.saturating_sub(d.prompt_blocks as u64);
-        w.written_blocks = w.written_blocks.saturating_sub(d.prefill_blocks() as u64);
+        w.add_load(delta);
         if let (Some(inflight), true) = (self.inflight.as_mut(), d.is_in_flight()) {
             inflight.release(&w.name, d.id);
         }

@@ -376,9 +376,7 @@ impl Router {
             let model = match update {
                 Update::Load { .. } if !loads => continue,
                 Update::Load { delta, .. } => {
-                    for (v, d) in w.others.counters_mut().into_iter().zip(delta) {
-                        *v = v.saturating_add_signed(d);
-                    }
+                    w.others.add(delta);
                     stats.loads += 1;
                     continue;
                 }

@@ -62,17 +62,14 @@ impl Router {
             return Ok(true);
         };
         if active {
-            w.active = w.active.saturating_sub(1);
-            w.queued = w.queued.saturating_sub(1);
-            w.prefill_blocks = w.prefill_blocks.saturating_sub(d.prefill_blocks() as u64);
-            w.decode_blocks = w.decode_blocks.saturating_sub(d.prompt_blocks as u64);
-            w.written_blocks = w.written_blocks.saturating_sub(d.prefill_blocks() as u64);
+            // Begun and not prefilled: exactly what `begin` added comes off.
+            let (prefill, prompt) = (d.prefill_blocks() as i64, d.prompt_blocks as i64);
+            let delta = [-1, -1, -prefill, -prompt, -prefill];
+            w.add_load(delta);
             if let (Some(inflight), true) = (self.inflight.as_mut(), d.is_in_flight()) {
                 inflight.release(&w.name, d.id);
             }
-            let (prefill, prompt) = (d.prefill_blocks() as i64, d.prompt_blocks as i64);
-            self.outbox
-                .load(&d.worker, [-1, -1, -prefill, -prompt, -prefill]);
+            self.outbox.load(&d.worker, delta);
         }
         let (Some(model), Some(mark), Some(cache)) = (self.model.as_mut(), d.mark, &w.cache) else {
             return Ok(true);

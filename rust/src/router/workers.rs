@@ -117,9 +117,35 @@ impl Load {
             &mut self.written_blocks,
         ]
     }
+
+    /// Adds `delta` (wire order, as [`Load::counters_mut`]), saturating at 0.
+    pub fn add(&mut self, delta: [i64; 5]) {
+        add_signed(self.counters_mut(), delta);
+    }
+}
+
+/// `counters[i] += delta[i]`, saturating.
+fn add_signed(counters: [&mut u64; 5], delta: [i64; 5]) {
+    for (v, d) in counters.into_iter().zip(delta) {
+        *v = v.saturating_add_signed(d);
+    }
 }
 
 impl Worker {
+    /// Adds `delta` (wire order: active, queued, prefill, decode, written) to this router's own
+    /// counters, saturating at 0: what `begin`, `prefilled`, `finish` and `withdraw` change, and
+    /// announce to the other replicas as the same delta.
+    pub(super) fn add_load(&mut self, delta: [i64; 5]) {
+        let own = [
+            &mut self.active,
+            &mut self.queued,
+            &mut self.prefill_blocks,
+            &mut self.decode_blocks,
+            &mut self.written_blocks,
+        ];
+        add_signed(own, delta);
+    }
+
     /// Active requests, this router's and (as last reported) the others'.
     pub fn total_active(&self) -> u64 {
         self.active.saturating_add(self.others.active)
