@@ -425,7 +425,8 @@ impl PyRouter {
         max_bytes: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let max = optional(max_bytes, |m| usize_from_int(m, "max_bytes"))?;
-        let batch = self.run(py, true, |r| r.take_updates(max));
+        // Taking the whole outbox moves it; a cut at `max_bytes` copies what stays behind.
+        let batch = self.run(py, max.is_none(), |r| r.take_updates(max));
         Ok(PyBytes::new(py, &batch))
     }
 
