@@ -12,28 +12,32 @@ use crate::router::{Config, IndexMode, Role, Router};
 
 /// `roles={name: role}`.
 pub(super) fn roles_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Vec<(String, Role)>> {
-    let dict = obj
-        .cast::<PyDict>()
-        .map_err(|_| type_error(obj, "roles must be a dict of worker name to role"))?;
-    let mut out = Vec::with_capacity(dict.len());
-    for (name, role) in dict.iter() {
-        let name = name_item(&name, "worker name in roles")?;
-        let role: String = role.extract()?;
-        out.push((name, role.parse::<Role>()?));
-    }
-    Ok(out)
+    let expected = "roles must be a dict of worker name to role";
+    named_dict(obj, expected, "worker name in roles", |role| {
+        Ok(role.extract::<String>()?.parse::<Role>()?)
+    })
 }
 
 /// `tier_weights={tier: weight}`.
 pub(super) fn tier_weights_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Vec<(String, f64)>> {
+    let expected = "tier_weights must be a dict of tier name to weight";
+    named_dict(obj, expected, "tier name", |w| w.extract::<f64>())
+}
+
+/// The `(name, value)` pairs of a dict keyed by names (`key` names a key in errors, `expected`
+/// says what the argument must be).
+fn named_dict<T>(
+    obj: &Bound<'_, PyAny>,
+    expected: &str,
+    key: &str,
+    value: impl Fn(&Bound<'_, PyAny>) -> PyResult<T>,
+) -> PyResult<Vec<(String, T)>> {
     let dict = obj
         .cast::<PyDict>()
-        .map_err(|_| type_error(obj, "tier_weights must be a dict of tier name to weight"))?;
+        .map_err(|_| type_error(obj, expected))?;
     let mut out = Vec::with_capacity(dict.len());
-    for (tier, w) in dict.iter() {
-        let tier = name_item(&tier, "tier name")?;
-        let w: f64 = w.extract()?;
-        out.push((tier, w));
+    for (name, v) in dict.iter() {
+        out.push((name_item(&name, key)?, value(&v)?));
     }
     Ok(out)
 }
