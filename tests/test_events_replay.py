@@ -59,12 +59,30 @@ def counters(s) -> tuple:
     return (s["gaps"], s["replays"], s["replay_failures"], s["resets"], s["restarts"])
 
 
+def chain(engines, blocks: int, *, first: int = 0, **engine_kw):
+    """``(engine, router, tokens, payloads)``: an engine that answers replays only when the test
+    says so (unless ``answer_replays=True``), a fresh events router for worker "w", and
+    ``blocks`` chained blocks of tokens from ``first`` with their payloads (seq i stores
+    block i)."""
+    engine_kw.setdefault("answer_replays", False)
+    tokens = list(range(first, first + 16 * blocks))
+    return engines(**engine_kw), events_router(), tokens, chain_payloads(tokens, blocks)
+
+
+def open_gap(sub, engine, payloads, *, lost: int = 1, sent: int | None = None) -> None:
+    """Seq 0 is delivered, the next ``lost`` batches are published but lost, then ``sent`` more
+    (default: all the rest) are delivered: the first of them shows the gap."""
+    start_with_seq0(sub, engine, payloads[0])
+    for p in payloads[1 : 1 + lost]:
+        engine.publish(p, send=False)
+    rest = payloads[1 + lost :]
+    for p in rest if sent is None else rest[:sent]:
+        engine.publish(p)
+
+
 @pytest.mark.parametrize("new_form", [True, False])
 def test_gap_is_replayed_over_a_dealer(engines, new_form):
-    engine = engines(new_replay_form=new_form, answer_replays=False)
-    router = events_router()
-    tokens = list(range(1000, 1000 + 16 * 6))
-    payloads = chain_payloads(tokens, 6)
+    engine, router, tokens, payloads = chain(engines, 6, first=1000, new_replay_form=new_form)
     sub = subscriber(router, engine)
     with sub:
         start_with_seq0(sub, engine, payloads[0])
@@ -95,14 +113,9 @@ def test_a_replay_ahead_of_the_live_stream_is_not_a_restart(engines):
     """The replay can give batches that are still on their way over the live connection: they
     arrive after the replay and are not a restart (under load this once cleared the worker and
     replayed everything again)."""
-    engine = engines(answer_replays=False)
-    router = events_router()
-    tokens = list(range(16 * 6))
-    payloads = chain_payloads(tokens, 6)
+    engine, router, tokens, payloads = chain(engines, 6)
     with subscriber(router, engine) as sub:
-        start_with_seq0(sub, engine, payloads[0])
-        engine.publish(payloads[1], send=False)  # lost
-        engine.publish(payloads[2])  # shows the gap
+        open_gap(sub, engine, payloads, sent=1)  # 1 lost, 2 shows the gap
         engine.publish(payloads[3], send=False)  # published, not yet delivered live
         engine.publish(payloads[4], send=False)
         identity, start = engine.take_replay_request()
@@ -122,10 +135,7 @@ def test_a_replay_ahead_of_the_live_stream_is_not_a_restart(engines):
 def test_a_replay_that_does_not_reach_back_clears_the_worker(engines):
     """The engine's replay buffer starts after the gap: what was lost stays lost, so the worker
     is cleared (its later batches chain on the lost one and are skipped)."""
-    engine = engines(answer_replays=False)
-    router = events_router()
-    tokens = list(range(16 * 4))
-    payloads = chain_payloads(tokens, 4)
+    engine, router, tokens, payloads = chain(engines, 4)
     with subscriber(router, engine) as sub:
         start_with_seq0(sub, engine, payloads[0])
         assert router.index.match(own(tokens)) == {"w": 1}
@@ -152,9 +162,7 @@ def test_a_replay_that_ends_before_the_gap_clears_the_worker(engines):
     tokens = list(range(16 * 3))
     payloads = [*chain_payloads(tokens, 2), stored([77], None, tokens[32:48])]
     with subscriber(router, engine) as sub:
-        start_with_seq0(sub, engine, payloads[0])
-        engine.publish(payloads[1], send=False)
-        engine.publish(payloads[2])  # a new chain: applied once the worker follows live again
+        open_gap(sub, engine, payloads)  # 2 is a new chain: applied once the worker follows live
         identity, _ = engine.take_replay_request()
         engine.answer(identity, [])
         wait_for(lambda: not sub.is_stale("w"), "the replay to end")
@@ -169,11 +177,8 @@ def test_a_restart_seen_during_a_replay_clears_the_worker(engines):
     """The replay fills the gap, but the buffered live messages show the engine restarted
     meanwhile (its numbering went back): its old blocks are gone, its new ones are indexed. Each
     restart counts, the one seen on the live stream before and the one seen during the replay."""
-    engine = engines(answer_replays=False)
-    router = events_router()
-    tokens = list(range(16 * 3))
+    engine, router, tokens, payloads = chain(engines, 3)
     fresh_tokens = list(range(5000, 5016))
-    payloads = chain_payloads(tokens, 3)
     with subscriber(router, engine) as sub:
         start_with_seq0(sub, engine, payloads[0])
         engine.restart()
@@ -200,15 +205,10 @@ def test_a_restart_seen_during_a_replay_clears_the_worker(engines):
 def test_a_replay_repeating_old_numbers_times_out(engines):
     """Only progress extends a replay's deadline: an endpoint repeating a number already applied
     cannot keep the worker stale (issue 14 item 7)."""
-    engine = engines(answer_replays=False)
-    router = events_router()
-    tokens = list(range(16 * 3))
-    payloads = chain_payloads(tokens, 3)
+    engine, router, tokens, payloads = chain(engines, 3)
     done = threading.Event()
     with subscriber(router, engine, replay_timeout=0.5) as sub:
-        start_with_seq0(sub, engine, payloads[0])
-        engine.publish(payloads[1], send=False)
-        engine.publish(payloads[2])
+        open_gap(sub, engine, payloads)
         identity, _ = engine.take_replay_request()
 
         def repeat():
@@ -240,10 +240,7 @@ def test_a_replay_claiming_numbers_never_reached_is_not_believed(engines):
     blocks = [tokens[16 * i : 16 * i + 16] for i in range(5)]
     payloads = chain_payloads(tokens, 2) + [stored([50 + i], None, blocks[i]) for i in (2, 3, 4)]
     with subscriber(router, engine) as sub:
-        start_with_seq0(sub, engine, payloads[0])
-        engine.publish(payloads[1], send=False)
-        engine.publish(payloads[2])
-        engine.publish(payloads[3])
+        open_gap(sub, engine, payloads, sent=2)
         identity, _ = engine.take_replay_request()
         wait_for(lambda: sub.stats()["w"]["pending"] == 2, "two buffered batches")
         engine.answer(identity, [(2**64 - 2, payloads[1])])
@@ -261,16 +258,10 @@ def test_a_replay_claiming_numbers_never_reached_is_not_believed(engines):
 def test_live_messages_buffered_during_a_replay_are_bounded_by_bytes(engines):
     """The buffer holds at most ``max_pending_bytes``: one message more and the replay is given
     up, the worker cleared, and the live stream followed (issue 14 item 7)."""
-    engine = engines(answer_replays=False)
-    router = events_router()
-    tokens = list(range(16 * 5))
-    payloads = chain_payloads(tokens, 5)
+    engine, router, tokens, payloads = chain(engines, 5)
     limit = len(payloads[2]) + len(payloads[3])
     with subscriber(router, engine, max_pending_bytes=limit) as sub:
-        start_with_seq0(sub, engine, payloads[0])
-        engine.publish(payloads[1], send=False)
-        engine.publish(payloads[2])
-        engine.publish(payloads[3])
+        open_gap(sub, engine, payloads, sent=2)
         wait_for(lambda: sub.stats()["w"]["pending_bytes"] == limit, "a full buffer")
         assert sub.is_stale("w")
         engine.publish(payloads[4])
@@ -285,15 +276,9 @@ def test_live_messages_buffered_during_a_replay_are_bounded_by_bytes(engines):
 
 
 def test_replay_buffer_overflow_gives_up_and_clears(engines):
-    engine = engines(answer_replays=False)
-    router = events_router()
-    tokens = list(range(16 * 6))
-    payloads = chain_payloads(tokens, 6)
+    engine, router, tokens, payloads = chain(engines, 6)
     with subscriber(router, engine, max_pending=2) as sub:
-        start_with_seq0(sub, engine, payloads[0])
-        engine.publish(payloads[1], send=False)
-        for p in payloads[2:]:
-            engine.publish(p)  # seq 2 opens the replay, 3 fills the buffer, 4 overflows it
+        open_gap(sub, engine, payloads)  # seq 2 opens the replay, 3 fills the buffer, 4 overflows
         wait_for(lambda: sub.stats()["w"]["last_seq"] == 5, "seq 5")
         s = sub.stats()["w"]
     assert counters(s) == (1, 1, 1, 1, 0)
@@ -303,15 +288,9 @@ def test_replay_buffer_overflow_gives_up_and_clears(engines):
 
 
 def test_unanswered_replay_times_out_and_clears(engines):
-    engine = engines(answer_replays=False)
-    router = events_router()
-    tokens = list(range(16 * 4))
-    payloads = chain_payloads(tokens, 4)
+    engine, router, tokens, payloads = chain(engines, 4)
     with subscriber(router, engine, replay_timeout=0.2) as sub:
-        start_with_seq0(sub, engine, payloads[0])
-        engine.publish(payloads[1], send=False)
-        engine.publish(payloads[2])
-        engine.publish(payloads[3])
+        open_gap(sub, engine, payloads)
         wait_for(lambda: sub.stats()["w"]["replay_failures"] == 1, "the replay to time out")
         wait_for(lambda: sub.stats()["w"]["last_seq"] == 3, "seq 3")
         s = sub.stats()["w"]
@@ -322,10 +301,7 @@ def test_unanswered_replay_times_out_and_clears(engines):
 
 
 def test_catch_up_replays_what_was_published_before_joining(engines):
-    engine = engines()
-    router = events_router()
-    tokens = list(range(500, 500 + 16 * 5))
-    payloads = chain_payloads(tokens, 5)
+    engine, router, tokens, payloads = chain(engines, 5, first=500, answer_replays=True)
     for p in payloads[:3]:
         engine.publish(p, send=False)  # before the subscriber existed
     with subscriber(router, engine) as sub:
@@ -347,9 +323,7 @@ def test_freshness_sink_errors_are_counted_and_change_nothing_else(engines):
     tokens = list(range(16 * 3))
     payloads = chain_payloads(tokens, 3)
     with subscriber(router, engine) as sub:
-        start_with_seq0(sub, engine, payloads[0])
-        engine.publish(payloads[1], send=False)
-        engine.publish(payloads[2])
+        open_gap(sub, engine, payloads)
         wait_for(lambda: sub.stats()["w"]["errors"] == 2, "mark_stale and mark_fresh to fail")
         wait_for(lambda: not sub.is_stale("w"), "the replay to end")
         s = sub.stats()["w"]
@@ -369,12 +343,7 @@ def test_a_replay_with_holes_is_one_failure(engines):
     blocks = [tokens[16 * i : 16 * i + 16] for i in range(6)]
     payloads = [stored([60 + i], None, blocks[i]) for i in range(6)]  # independent blocks
     with subscriber(router, engine) as sub:
-        start_with_seq0(sub, engine, payloads[0])
-        engine.publish(payloads[1], send=False)
-        engine.publish(payloads[2], send=False)
-        engine.publish(payloads[3], send=False)
-        engine.publish(payloads[4], send=False)
-        engine.publish(payloads[5])
+        open_gap(sub, engine, payloads, lost=4)
         identity, start = engine.take_replay_request()
         assert start == 1
         replay = dict(engine.buffered_from(start))
@@ -387,10 +356,7 @@ def test_a_replay_with_holes_is_one_failure(engines):
 
 
 def test_replay_failures_and_disconnects_are_counted_each_time(engines):
-    engine = engines(answer_replays=False)
-    router = events_router()
-    tokens = list(range(16 * 7))
-    payloads = chain_payloads(tokens, 7)
+    engine, router, _, payloads = chain(engines, 7)
     with subscriber(router, engine, replay_timeout=0.2) as sub:
         start_with_seq0(sub, engine, payloads[0])
         for round_ in (1, 2):
@@ -413,14 +379,9 @@ def test_replay_failures_and_disconnects_are_counted_each_time(engines):
 def test_a_disconnect_during_a_replay_abandons_it(engines):
     """The engine goes away while its replay is pending: the worker is cleared, the buffered
     messages dropped, and it is fresh again (it holds nothing, which is known)."""
-    engine = engines(answer_replays=False)
-    router = events_router()
-    tokens = list(range(16 * 3))
-    payloads = chain_payloads(tokens, 3)
+    engine, router, tokens, payloads = chain(engines, 3)
     with subscriber(router, engine) as sub:
-        start_with_seq0(sub, engine, payloads[0])
-        engine.publish(payloads[1], send=False)
-        engine.publish(payloads[2])
+        open_gap(sub, engine, payloads)
         engine.take_replay_request()
         wait_for(lambda: sub.stats()["w"]["pending"] == 1, "the buffered batch")
         assert freshness(router, "w") < 0.01
@@ -449,14 +410,9 @@ def test_late_answers_to_an_abandoned_replay_are_dropped(engines):
     """A replay given up on (here: live messages overflowed its buffer) is abandoned with its
     DEALER: when the engine answers it late, during the next replay, that answer is not taken for
     the new one's. (No replay times out here: the test holds on any machine load.)"""
-    engine = engines(answer_replays=False)
-    router = events_router()
-    tokens = list(range(16 * 6))
-    payloads = chain_payloads(tokens, 6)
+    engine, router, tokens, payloads = chain(engines, 6)
     with subscriber(router, engine, max_pending=1) as sub:
-        start_with_seq0(sub, engine, payloads[0])
-        engine.publish(payloads[1], send=False)
-        engine.publish(payloads[2])  # the gap: a replay from 1, 2 buffered
+        open_gap(sub, engine, payloads, sent=1)  # the gap: a replay from 1, 2 buffered
         first, _ = engine.take_replay_request()
         engine.publish(payloads[3])  # one buffered message too many: the replay is given up
         wait_for(lambda: sub.stats()["w"]["last_seq"] == 3, "the live stream followed again")
@@ -481,15 +437,9 @@ def test_buffered_messages_after_a_replay(engines):
     """When a replay ends, the buffered live messages it already delivered are skipped and the
     others applied in order; a new gap among them starts the next replay, which keeps the rest
     buffered."""
-    engine = engines(answer_replays=False)
-    router = events_router()
-    tokens = list(range(16 * 7))
-    payloads = chain_payloads(tokens, 7)
+    engine, router, tokens, payloads = chain(engines, 7)
     with subscriber(router, engine) as sub:
-        start_with_seq0(sub, engine, payloads[0])
-        engine.publish(payloads[1], send=False)
-        engine.publish(payloads[2])  # the gap: a replay from 1
-        engine.publish(payloads[3])
+        open_gap(sub, engine, payloads, sent=2)  # 2 shows the gap: a replay from 1
         engine.publish(payloads[4], send=False)
         engine.publish(payloads[5])
         engine.publish(payloads[6])
@@ -521,10 +471,7 @@ def test_each_replay_that_loses_history_is_one_failure(engines):
     blocks = [tokens[16 * i : 16 * i + 16] for i in range(8)]
     payloads = [stored([80 + i], None, blocks[i]) for i in range(8)]  # independent blocks
     with subscriber(router, engine) as sub:
-        start_with_seq0(sub, engine, payloads[0])
-        for p in payloads[1:4]:
-            engine.publish(p, send=False)
-        engine.publish(payloads[4])  # 1-3 lost
+        open_gap(sub, engine, payloads, lost=3, sent=1)  # 1-3 lost, 4 shows the gap
         identity, start = engine.take_replay_request()
         assert start == 1
         engine.answer(identity, [(2, payloads[2])])  # starts after the gap, ends before 4
