@@ -197,53 +197,44 @@ def test_store_dynamo(benchmark, setup):
     assert dynamo_answer(tree.find_matches(q).scores) == setup["idx"].match(q)
 
 
+#: kvroute's query form per match group: Python lists, or uint64 arrays (``setup`` key).
+KVROUTE_QUERIES = {"lists": "lists", "NumPy": "queries"}
+#: Dynamo's match peers (it takes lists only): label -> (group form, the timed work on a batch).
+DYNAMO_MATCHES = {
+    "dynamo find_matches -> {worker: blocks}": (
+        "lists",
+        lambda find, qs: [dynamo_answer(find(q).scores) for q in qs],
+    ),
+    "dynamo find_matches + .scores": ("NumPy", lambda find, qs: [find(q).scores for q in qs]),
+    "dynamo find_matches only": ("NumPy", lambda find, qs: [find(q) for q in qs]),
+}
+
+
+def match_group(setup: dict, length: int, form: str) -> str:
+    return f"index match {length}-block query, {setup['size']} pairs ({form})"
+
+
+@pytest.mark.parametrize("form", list(KVROUTE_QUERIES))
 @pytest.mark.parametrize("length", QUERY_LENGTHS)
-def test_match_kvroute_lists(benchmark, setup, length):
-    benchmark.group = f"index match {length}-block query, {setup['size']} pairs (lists)"
+def test_match_kvroute(benchmark, setup, length, form):
+    benchmark.group = match_group(setup, length, form)
     benchmark.extra_info.update(impl="kvroute", ops=N_QUERIES)
     match = setup["idx"].match
-    queries = setup["lists"][length]
-    out = benchmark(lambda: [match(q) for q in queries])
-    tree = setup["tree"]
-    assert out == [dynamo_answer(tree.find_matches(q).scores) for q in queries]
-
-
-@pytest.mark.parametrize("length", QUERY_LENGTHS)
-def test_match_dynamo_lists(benchmark, setup, length):
-    benchmark.group = f"index match {length}-block query, {setup['size']} pairs (lists)"
-    benchmark.extra_info.update(impl="dynamo find_matches -> {worker: blocks}", ops=N_QUERIES)
-    find = setup["tree"].find_matches
-    queries = setup["lists"][length]
-    benchmark(lambda: [dynamo_answer(find(q).scores) for q in queries])
-
-
-@pytest.mark.parametrize("length", QUERY_LENGTHS)
-def test_match_kvroute(benchmark, setup, length):
-    benchmark.group = f"index match {length}-block query, {setup['size']} pairs (NumPy)"
-    benchmark.extra_info.update(impl="kvroute", ops=N_QUERIES)
-    match = setup["idx"].match
-    queries = setup["queries"][length]
+    queries = setup[KVROUTE_QUERIES[form]][length]
     out = benchmark(lambda: [match(q) for q in queries])
     tree = setup["tree"]
     assert out == [dynamo_answer(tree.find_matches(q).scores) for q in setup["lists"][length]]
 
 
+@pytest.mark.parametrize("impl", list(DYNAMO_MATCHES))
 @pytest.mark.parametrize("length", QUERY_LENGTHS)
-def test_match_dynamo(benchmark, setup, length):
-    benchmark.group = f"index match {length}-block query, {setup['size']} pairs (NumPy)"
-    benchmark.extra_info.update(impl="dynamo find_matches + .scores", ops=N_QUERIES)
+def test_match_dynamo(benchmark, setup, length, impl):
+    form, work = DYNAMO_MATCHES[impl]
+    benchmark.group = match_group(setup, length, form)
+    benchmark.extra_info.update(impl=impl, ops=N_QUERIES)
     find = setup["tree"].find_matches
     queries = setup["lists"][length]
-    benchmark(lambda: [find(q).scores for q in queries])
-
-
-@pytest.mark.parametrize("length", QUERY_LENGTHS)
-def test_match_dynamo_without_scores(benchmark, setup, length):
-    benchmark.group = f"index match {length}-block query, {setup['size']} pairs (NumPy)"
-    benchmark.extra_info.update(impl="dynamo find_matches only", ops=N_QUERIES)
-    find = setup["tree"].find_matches
-    queries = setup["lists"][length]
-    benchmark(lambda: [find(q) for q in queries])
+    benchmark(lambda: work(find, queries))
 
 
 # ---- memory: RSS growth of one build in a fresh process ------------------------------------------
