@@ -130,13 +130,25 @@ class PolicyMetrics:
     worker_prefill_tokens: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: _json_number(v) for k, v in asdict(self).items()}
+        return json_ready(asdict(self))
 
 
-def _json_number(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
+def json_ready(x: Any) -> Any:
+    """``x`` with every float that is not finite (NaN, ±inf: JSON has none) replaced by None,
+    through dicts, lists and tuples (tuples become lists, as JSON writes them)."""
+    if isinstance(x, float) and not math.isfinite(x):
         return None
-    return v
+    if isinstance(x, dict):
+        return {k: json_ready(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_ready(v) for v in x]
+    return x
+
+
+def dump_json(doc: Any, path: str | os.PathLike[str]) -> None:
+    """Writes ``doc`` to ``path`` (UTF-8, indented, non-finite numbers as null)."""
+    text = json.dumps(json_ready(doc), indent=2, allow_nan=False)
+    Path(path).write_text(text + "\n", encoding="utf-8")
 
 
 def _pct(x: np.ndarray, q: float) -> float:
@@ -226,17 +238,13 @@ class Report:
         if self.tenant is not None:
             doc.update(self.tenant.to_json())
         if self.decisions is not None:
-            doc["decisions"] = {
-                name: {k: _json_number(v) for k, v in d.items()}
-                for name, d in self.decisions.items()
-            }
+            doc["decisions"] = json_ready(self.decisions)
         return doc
 
 
 def write_json(report: Report, path: str | os.PathLike[str]) -> None:
     """Write :meth:`Report.to_json` to ``path`` (UTF-8, indented, NaN written as null)."""
-    text = json.dumps(report.to_json(), indent=2, allow_nan=False)
-    Path(path).write_text(text + "\n", encoding="utf-8")
+    dump_json(report.to_json(), path)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,19 +25,17 @@ point to the next); the same arguments give the same sweep.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .engine import FleetModel
 from .policies import DEFAULT_POLICIES, PEER_POLICIES
-from .report import Report, _fmt_s, pyplot
+from .report import Report, _fmt_s, dump_json, pyplot
 from .simulate import simulate
 from .workloads import Workload
 
@@ -317,18 +315,7 @@ def _verdict_row(v: dict[str, Any]) -> list[str]:
 
 def write_sweep_json(s: Sweep, path: str | os.PathLike[str]) -> None:
     """Write :meth:`Sweep.to_json` (UTF-8, indented, NaN as null)."""
-    doc = _nan_to_none(s.to_json())
-    Path(path).write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n", encoding="utf-8")
-
-
-def _nan_to_none(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _nan_to_none(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_nan_to_none(v) for v in x]
-    return x
+    dump_json(s.to_json(), path)
 
 
 def write_sweep_plot(s: Sweep, path: str | os.PathLike[str]) -> None:

@@ -43,7 +43,7 @@ import numpy as np
 
 from .engine import FleetModel, run, worker_names
 from .policies import KVROUTE_POLICIES, RouterPolicy, make_policy
-from .report import PolicyMetrics, summarize
+from .report import PolicyMetrics, json_ready, summarize
 from .scenario import Endpoint, Scenario
 from .workloads import Workload
 
@@ -93,15 +93,14 @@ class Spread:
         return float(max(self.values)) if self.values else math.nan
 
     def to_dict(self) -> dict[str, Any]:
-        def num(v: float) -> float | None:
-            return v if math.isfinite(v) else None
-
-        return {
-            "median": num(self.median),
-            "min": num(self.min),
-            "max": num(self.max),
-            "per_seed": [num(float(v)) for v in self.values],
-        }
+        return json_ready(
+            {
+                "median": self.median,
+                "min": self.min,
+                "max": self.max,
+                "per_seed": [float(v) for v in self.values],
+            }
+        )
 
 
 @dataclass
