@@ -32,6 +32,7 @@ __all__ = [
     "KVROUTE_POLICIES",
     "PEER_POLICIES",
     "RouterPolicy",
+    "fleet_router",
     "make_policy",
 ]
 
@@ -50,6 +51,33 @@ DEFAULT_POLICIES = (
 )
 #: The router's index modes, by the Router's own names.
 INDEX_MODES = ("events", "approx")
+
+
+def fleet_router(
+    fleet: Fleet, policy: str, *, index: str, seed: int, options: dict[str, Any], **config: Any
+) -> Router:
+    """A Router for ``fleet`` as the simulation runs one: its workers, block size and (approx
+    mode) modelled capacity, ``seed``, ``config`` and ``options`` for the constructor, and every
+    endpoint of the fleet's scenario (pool, reservation, isolation, priority)."""
+    router = Router(
+        fleet.names,
+        policy=policy,
+        block_size=fleet.block_size,
+        index=index,
+        seed=seed,
+        capacity_blocks=fleet.capacity,
+        **config,
+        **options,
+    )
+    for ep in fleet.scenario.endpoints:
+        router.add_endpoint(
+            ep.id,
+            pool_size=ep.pool_size,
+            reserved_blocks=ep.reserved_blocks,
+            isolate=ep.isolate,
+            priority=ep.priority,
+        )
+    return router
 
 
 class RouterPolicy(Policy):
@@ -89,23 +117,9 @@ class RouterPolicy(Policy):
 
     def bind(self, fleet: Fleet) -> None:
         super().bind(fleet)
-        self.router = Router(
-            fleet.names,
-            policy=self.name,
-            block_size=fleet.block_size,
-            index=self.index_mode,
-            seed=self.seed,
-            capacity_blocks=fleet.capacity,
-            **self.options,
+        self.router = fleet_router(
+            fleet, self.name, index=self.index_mode, seed=self.seed, options=self.options
         )
-        for ep in fleet.scenario.endpoints:
-            self.router.add_endpoint(
-                ep.id,
-                pool_size=ep.pool_size,
-                reserved_blocks=ep.reserved_blocks,
-                isolate=ep.isolate,
-                priority=ep.priority,
-            )
         if self.index_mode == "events":
             fleet.subscribe(self.router.index)
         self.sessions = fleet.workload.session

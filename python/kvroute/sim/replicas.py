@@ -42,9 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from kvroute import Router
-
 from .engine import Fleet, FleetModel, Policy, run
+from .policies import fleet_router
 from .report import PolicyMetrics, summarize
 from .workloads import Workload
 
@@ -110,26 +109,17 @@ class ReplicaPolicy(Policy):
 
     def bind(self, fleet: Fleet) -> None:
         super().bind(fleet)
-        self.routers = []
-        for k in range(self.replicas):
-            r = Router(
-                fleet.names,
-                policy=self.name,
-                block_size=fleet.block_size,
+        self.routers = [
+            fleet_router(
+                fleet,
+                self.name,
                 index="approx",
                 seed=self.seed + k,
-                capacity_blocks=fleet.capacity,
+                options=self.options,
                 updates=self.delay is not None,
-                **self.options,
             )
-            for ep in fleet.scenario.endpoints:
-                r.add_endpoint(
-                    ep.id,
-                    pool_size=ep.pool_size,
-                    reserved_blocks=ep.reserved_blocks,
-                    isolate=ep.isolate,
-                )
-            self.routers.append(r)
+            for k in range(self.replicas)
+        ]
         self.sessions = fleet.workload.session
         self.endpoint_of = fleet.scenario.endpoint_of or [None] * len(fleet.workload)
         self.decisions: dict[int, tuple[int, Any]] = {}
