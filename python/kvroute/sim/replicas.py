@@ -44,7 +44,7 @@ import numpy as np
 
 from .engine import Fleet, FleetModel, Policy, run
 from .policies import fleet_router
-from .report import PolicyMetrics, summarize
+from .report import PolicyMetrics, json_ready, summarize
 from .workloads import Workload
 
 __all__ = [
@@ -213,23 +213,29 @@ class ReplicaStudy:
     metrics: dict[tuple[int, str], PolicyMetrics] = field(default_factory=dict)
     stats: dict[tuple[int, str], dict[str, int]] = field(default_factory=dict)
 
-    def to_json(self) -> dict[str, Any]:
-        rows = []
+    def vs_single(self, m: PolicyMetrics) -> float:
+        """``m``'s hit rate ÷ the single router's (NaN when that is missing or 0)."""
         base = self.metrics.get((1, "none"))
+        return m.hit_rate / base.hit_rate if base and base.hit_rate else math.nan
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"title", "rows": [{"replicas", "sync", "hit_rate", "vs_single", "ttft_p50",
+        "ttft_p99", "ttft_mean", stats...}]}``, non-finite numbers as None."""
+        rows = []
         for (n, sync), m in self.metrics.items():
             rows.append(
                 {
                     "replicas": n,
                     "sync": sync,
                     "hit_rate": m.hit_rate,
-                    "vs_single": m.hit_rate / base.hit_rate if base and base.hit_rate else None,
+                    "vs_single": self.vs_single(m),
                     "ttft_p50": m.ttft_p50,
                     "ttft_p99": m.ttft_p99,
                     "ttft_mean": m.ttft_mean,
                     **self.stats.get((n, sync), {}),
                 }
             )
-        return {"title": self.title, "rows": rows}
+        return json_ready({"title": self.title, "rows": rows})
 
 
 def replica_study(
@@ -246,7 +252,7 @@ def replica_study(
 ) -> ReplicaStudy:
     """Runs ``policy`` behind every replica count and sync setting (``(1, "none")`` always, as
     the baseline; a single replica has nothing to sync with, so N = 1 runs once)."""
-    labels = [s.strip() for s in syncs]
+    labels = list(dict.fromkeys(s.strip() for s in syncs))  # each setting runs once
     for s in labels:
         parse_replica_sync(s)
     study = ReplicaStudy(
@@ -274,7 +280,6 @@ def replica_study(
 
 def render_replicas(study: ReplicaStudy) -> str:
     """The study as a Markdown table (hit rate, its ratio to one router, TTFT p50 / p99)."""
-    base = study.metrics[(1, "none")]
     lines = [
         study.title,
         "",
@@ -282,9 +287,8 @@ def render_replicas(study: ReplicaStudy) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for (n, s), m in study.metrics.items():
-        ratio = m.hit_rate / base.hit_rate if base.hit_rate else float("nan")
         lines.append(
-            f"| {n} | {s if n > 1 else '-'} | {m.hit_rate:.1%} | {ratio:.2f} | "
+            f"| {n} | {s if n > 1 else '-'} | {m.hit_rate:.1%} | {study.vs_single(m):.2f} | "
             f"{m.ttft_p50:.2f} s | {m.ttft_p99:.2f} s | {m.ttft_mean:.2f} s |"
         )
     return "\n".join(lines) + "\n"
