@@ -35,7 +35,7 @@ from .policies import DEFAULT_POLICIES, RouterPolicy, make_policy
 from .report import Progress, Report, summarize
 from .scenario import Endpoint, Scenario
 from .synthetic import SCENARIOS
-from .tenant import PRESSURE_SETUPS, pressure_models, run_setup, tenant_study
+from .tenant import PRESSURE_SETUPS, pressure_models, run_setup, study_setups, tenant_study
 from .traces import claude_code_sessions, load_trace, mooncake_conversation
 from .workloads import Workload, WorkloadBuilder
 
@@ -163,11 +163,13 @@ def simulate(
     options = policy_options or {}
     runs: list[str] = list(policies)
     seeds: dict[int, Workload] = {}
+    setups: list[str] = []
     if tenant is not None:  # the tenant's shared-fleet baselines
         endpoint.check(workload, model, pressure)
-        runs += [p for p in ("random", "kv_aware", endpoint.policy) if p not in runs]
+        setups = study_setups(endpoint.policy)
+        runs += [p for p in setups if p != "endpoint" and p not in runs]
         seeds = {seed: workload, **{s: w for s, w in (tenant_workloads or {}).items() if s != seed}}
-    study_runs = sum(len(w) for s, w in seeds.items() if s != seed) * 3
+    study_runs = sum(len(w) for s, w in seeds.items() if s != seed) * len(setups)
     study_runs += sum(len(w) for w in seeds.values()) * len(PRESSURE_SETUPS) * len(pressure)
     total = n * (len(runs) + 1 + (tenant is not None)) + study_runs
     results: dict[str, np.ndarray] = {}

@@ -59,6 +59,7 @@ __all__ = [
     "lru_turnover",
     "pressure_models",
     "run_setup",
+    "study_setups",
     "tenant_study",
 ]
 
@@ -442,7 +443,9 @@ def run_setup(
     return run(workload, p, model, scenario=scenario, progress=progress), p
 
 
-def _setups(policy: str) -> list[str]:
+def study_setups(policy: str) -> list[str]:
+    """The setups the study runs on every seed: :data:`TENANT_SETUPS`, plus the shared fleet
+    under ``policy`` (the endpoint's policy) when that is not among them, endpoint last."""
     shared = [s for s in TENANT_SETUPS if s != "endpoint"]
     return [*shared, *([policy] if policy not in shared else []), "endpoint"]
 
@@ -520,7 +523,7 @@ def tenant_study(
         endpoint=endpoint,
         policy=policy,
         seeds=list(workloads),
-        setups=runs_for(_setups(policy), model),
+        setups=runs_for(study_setups(policy), model),
     )
     for k, fleet in zip(pressure, fleets, strict=True):
         turnover = statistics.median(lru_turnover(w, fleet) for w in workloads.values())
