@@ -307,19 +307,28 @@ def _sections(report: Report) -> list[Section]:
     return sections
 
 
+def text_table(
+    title: str, columns: Sequence[str], rows: list[list[str]], *, left: int = 1
+) -> list[str]:
+    """The lines of an aligned plain-text table: ``title``, the header, a dashed rule, the rows
+    and a blank line; the first ``left`` columns flush left, the others right."""
+    table = [list(columns), *rows]
+    widths = [max(len(r[c]) for r in table) for c in range(len(columns))]
+    out = [title]
+    for k, r in enumerate(table):
+        cells = [v.ljust(widths[c]) if c < left else v.rjust(widths[c]) for c, v in enumerate(r)]
+        out.append("  ".join(cells).rstrip())
+        if k == 0:
+            out.append("  ".join("-" * w for w in widths))
+    out.append("")
+    return out
+
+
 def render_table(report: Report) -> str:
     """The report as aligned plain text (the fallback when rich is not installed)."""
     out: list[str] = []
     for title, columns, rows in _sections(report):
-        table = [list(columns), *rows]
-        widths = [max(len(r[c]) for r in table) for c in range(len(columns))]
-        out.append(title)
-        for k, r in enumerate(table):
-            cells = [r[0].ljust(widths[0])] + [r[c].rjust(widths[c]) for c in range(1, len(r))]
-            out.append("  ".join(cells).rstrip())
-            if k == 0:
-                out.append("  ".join("-" * w for w in widths))
-        out.append("")
+        out += text_table(title, columns, rows)
     out.extend(report.notes)
     if report.decisions:
         out.extend(["", _decisions_text(report)])

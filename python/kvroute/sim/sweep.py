@@ -35,7 +35,7 @@ import numpy as np
 
 from .engine import FleetModel
 from .policies import DEFAULT_POLICIES, PEER_POLICIES
-from .report import Report, _fmt_s, dump_json, pyplot
+from .report import Report, _fmt_s, dump_json, pyplot, text_table
 from .simulate import simulate
 from .workloads import Workload
 
@@ -237,15 +237,7 @@ def sweep(
 # Text, JSON, plot
 # ---------------------------------------------------------------------------------------------
 def _table(title: str, head: list[str], rows: list[list[str]]) -> list[str]:
-    table = [head, *rows]
-    widths = [max(len(r[c]) for r in table) for c in range(len(head))]
-    out = [title]
-    for k, r in enumerate(table):
-        out.append("  ".join(c.rjust(widths[j]) for j, c in enumerate(r)).rstrip())
-        if k == 0:
-            out.append("  ".join("-" * w for w in widths))
-    out.append("")
-    return out
+    return text_table(title, head, rows, left=0)  # every column holds numbers
 
 
 def _axis_cells(s: Sweep, pt: SweepPoint) -> list[str]:
