@@ -120,17 +120,17 @@ def niced(cmd: list[str]) -> list[str]:
     return ["nice", "-n", "10", *cmd]
 
 
+def git(*args: str) -> str:
+    """The output of ``git ARGS`` in the repository (raises if git fails)."""
+    return subprocess.run(
+        ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+
+
 def changed_files(diff: str) -> list[str]:
-    out = subprocess.run(
-        ["git", "diff", "--name-only", f"{diff}...HEAD"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    dirty = subprocess.run(
-        ["git", "diff", "--name-only", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.split()
+    """Files changed since ``diff`` (committed or not)."""
+    out = git("diff", "--name-only", f"{diff}...HEAD").split()
+    dirty = git("diff", "--name-only", "HEAD").split()
     return sorted(set(out) | set(dirty))
 
 
@@ -157,13 +157,7 @@ def run_rust(module: str, args: argparse.Namespace, equivalents: set[str]) -> Sc
         cmd += ["--shard", args.shard]
     if args.diff:
         patch = out / "changes.diff"
-        diff = subprocess.run(
-            ["git", "diff", f"{args.diff}...HEAD", "--", f"rust/src/{module}"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        diff = git("diff", f"{args.diff}...HEAD", "--", f"rust/src/{module}")
         if not diff.strip():
             print(f"{module}: no change since {args.diff}")
             return Score(f"rust/{module}")
