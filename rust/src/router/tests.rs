@@ -22,6 +22,7 @@ fn a_repeated_prefix_follows_its_first_request() {
     let mut r = router(Policy::KvAware, &["a", "b", "c", "d"]);
     let first = r.route_tokens(&tokens(1, 64), None, None, 0.0).unwrap();
     assert_eq!(first.cached_blocks, 0);
+    assert_eq!(first.reason, Reason::Load); // nothing cached anywhere: chosen by load
     for t in 1..10 {
         let d = r
             .route_tokens(&tokens(1, 64), None, None, t as f64)
