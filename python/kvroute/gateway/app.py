@@ -72,6 +72,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
+from starlette.datastructures import MutableHeaders
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
@@ -89,10 +90,10 @@ from .errors import (
     BAD_STATUS,
     BODY_FAILURES,
     EMPTY_STREAM,
-    SEND_FAILURES,
     STATUS_5XX,
     TOO_LARGE,
     HTTPError,
+    Outcome,
     UpstreamFailure,
     classify,
 )
@@ -172,13 +173,16 @@ class Call:
         "started",
         "target",
         "tenant",
-        "upstream_rid",
+        "upstream_headers",
     )
 
     def __init__(self, route: str, rid: str, upstream_rid: str, started: float) -> None:
         self.route = route
         self.rid = rid
-        self.upstream_rid = upstream_rid
+        # The request head every upstream attempt sends (both halves of a pair alike).
+        self.upstream_headers = (
+            f"content-type: application/json\r\nx-request-id: {upstream_rid}\r\n"
+        )
         self.started = started
         self.target: Target | None = None
         self.digest: bytes | None = None
@@ -286,6 +290,8 @@ class Gateway:
                 event_mode=config.events.mode,
             )
         self.pd = PdForwarder(self) if config.pd is not None else None
+        # Who routes and sends each attempt of _forward's loop: single requests or pairs.
+        self._via: Gateway | PdForwarder = self if self.pd is None else self.pd
         self.routes: dict[str, dict[str, Handler]] = {
             CHAT: {"POST": self._chat},
             COMPLETIONS: {"POST": self._completions},
@@ -647,9 +653,8 @@ class Gateway:
 
         watch = asyncio.ensure_future(wait_disconnect(req.receive))
         watch.add_done_callback(client_gone)
-        forward = self._forward if self.pd is None else self.pd.forward
         try:
-            return await forward(call, payload, tokens, upstream)
+            return await self._forward(call, payload, tokens, upstream)
         except asyncio.CancelledError:
             if not state["gone"]:
                 raise  # this handler itself is being cancelled
@@ -698,18 +703,20 @@ class Gateway:
             with contextlib.suppress(NoWorkerError):
                 d = self.router.route(tokens=tokens, exclude=exclude)
         if d is None:
-            if full and not tried:
-                return self._shed(
-                    Shed("worker_queue", "every worker that can serve this request is full")
-                )
-            return HTTPError(
-                503, "no upstream worker available", "service_unavailable", "no_worker"
-            )
+            return self._none_left(tried)
         shed = self.admission.check_slo(d, call.slo)
         if shed is None:
             return d
         self.router.withdraw(d)  # never sent: its prompt leaves the router's model
         return self._shed(shed)
+
+    def _none_left(self, tried: list[str]) -> HTTPError:
+        """The answer when the router has no worker left for a request (single or pair)."""
+        if self.upstreams.full and not tried:
+            return self._shed(
+                Shed("worker_queue", "every worker that can serve this request is full")
+            )
+        return HTTPError(503, "no upstream worker available", "service_unavailable", "no_worker")
 
     def _failed(self, failure: UpstreamFailure, worker: str, error: object) -> None:
         """Counts an upstream failure; a worker that cannot be reached is ejected at once."""
@@ -745,44 +752,70 @@ class Gateway:
         tokens: np.ndarray,
         upstream: UpstreamBody,
     ) -> Response:
-        target = call.target
-        assert target is not None
+        """The attempt / retry / give-up loop of every request, single or a prefill/decode pair
+        (``self._via`` routes and sends each attempt)."""
+        via = self._via
         stream = payload.get("stream") is True
         error: HTTPError | None = None
         failed_response: tuple[int, bytes, str] | None = None
         tried: list[str] = []
         suspects: list[str] = []
         for attempt in range(1, self.server.max_attempts + 1):
-            d = self._choose(call, tokens, tried)
-            if isinstance(d, HTTPError):
+            choice = via._choose(call, tokens, tried)
+            if isinstance(choice, HTTPError):
                 if attempt == 1:  # later, the failures so far are the better answer
-                    error, failed_response = d, None
+                    error, failed_response = choice, None
                 break
             if attempt > 1:
                 self.metrics.retries.inc()
-            worker = d.worker
-            tried.append(worker)
-            self.metrics.decisions.inc(d.policy, d.reason, worker)
-            headers = f"content-type: application/json\r\nx-request-id: {call.upstream_rid}\r\n"
-            flight = self.upstreams.begin(d, len(tokens))
-            body = upstream.get(self.workers[worker].kind)
-            outcome = await self._attempt(call, flight, headers, body, stream, upstream.strip_usage)
+            outcome, worker = await via._send(call, choice, len(tokens), upstream, stream)
             if isinstance(outcome, Response):
-                call.flight = flight
                 self._settle(call, worker, suspects)
                 if self.server.routing_headers:
-                    outcome.headers["x-kvroute-worker"] = worker
-                    outcome.headers["x-kvroute-cached-tokens"] = str(d.cached_tokens)
+                    via._mark(outcome.headers, choice)
                     outcome.headers["x-kvroute-attempts"] = str(attempt)
                 return outcome
             failure, detail, answered = outcome
             self._failed(failure, worker, detail)
+            tried.append(worker)
             if failure.health == "count":
                 suspects.append(worker)
             error, failed_response = failure.error(worker), answered
             if not failure.retry:
                 break
         return self._give_up(call, suspects, error, failed_response)
+
+    async def _send(
+        self, call: Call, d: Decision, prompt: int, upstream: UpstreamBody, stream: bool
+    ) -> tuple[Outcome, str]:
+        """One attempt of a single request: its outcome and the worker it went to."""
+        self.metrics.decisions.inc(d.policy, d.reason, d.worker)
+        body = upstream.get(self.workers[d.worker].kind)
+        return await self._send_to(call, d, prompt, body, upstream, stream), d.worker
+
+    async def _send_to(
+        self,
+        call: Call,
+        d: Decision,
+        prompt: int,
+        body: bytes,
+        upstream: UpstreamBody,
+        stream: bool,
+    ) -> Outcome:
+        """``body`` sent to ``d``'s worker as one flight: its answer (the client's) or failure."""
+        flight = self.upstreams.begin(d, prompt)
+        outcome = await self._attempt(
+            call, flight, call.upstream_headers, body, stream, upstream.strip_usage
+        )
+        if isinstance(outcome, Response):
+            call.flight = flight
+        return outcome
+
+    @staticmethod
+    def _mark(headers: MutableHeaders, d: Decision) -> None:
+        """The routing headers of a single request's answer."""
+        headers["x-kvroute-worker"] = d.worker
+        headers["x-kvroute-cached-tokens"] = str(d.cached_tokens)
 
     def _give_up(
         self,
@@ -812,18 +845,13 @@ class Gateway:
         body: bytes,
         stream: bool,
         strip_usage: bool,
-    ) -> Response | tuple[UpstreamFailure, object, tuple[int, bytes, str] | None]:
+    ) -> Outcome:
         """One upstream attempt: the response to send, or (failure, detail, the upstream's own
         5xx answer if any). The flight is closed unless a ``ProxyStream`` takes it over."""
         assert call.target is not None
-        try:
-            resp = await flight.send(call.route, headers, body)
-        except BaseException as e:
-            flight.close()
-            failure = classify(e, SEND_FAILURES) if isinstance(e, UpstreamError) else None
-            if failure is None:
-                raise
-            return failure, e, None
+        resp = await flight.send(call.route, headers, body)
+        if isinstance(resp, tuple):
+            return resp
         handed_over = False
         usage = None
         try:

@@ -13,7 +13,7 @@ the body); an exception in neither table is a bug and propagates.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeAlias
 
 from starlette.responses import JSONResponse, Response
 
@@ -35,7 +35,9 @@ __all__ = [
     "SEND_FAILURES",
     "STATUS_5XX",
     "TOO_LARGE",
+    "Failed",
     "HTTPError",
+    "Outcome",
     "UpstreamFailure",
     "classify",
 ]
@@ -83,6 +85,12 @@ class UpstreamFailure:
     def error(self, worker: str) -> HTTPError:
         kind = "service_unavailable" if self.status == 503 else "upstream_error"
         return HTTPError(self.status, self.message.format(worker=worker), kind, self.code)
+
+
+#: A failed attempt: (failure, detail, the upstream's own 5xx answer if it gave one).
+Failed: TypeAlias = "tuple[UpstreamFailure, object, tuple[int, bytes, str] | None]"
+#: An attempt's outcome: the response for the client, or how it failed.
+Outcome: TypeAlias = "Response | Failed"
 
 
 CONNECT = UpstreamFailure(

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import numpy as np
+from starlette.datastructures import MutableHeaders
 from starlette.responses import Response
 
 from kvroute import Decision, PdDecision
@@ -61,17 +62,8 @@ from kvroute.server.config import SGLANG_BOOTSTRAP_PORT, engine_fields
 from kvroute.server.metrics import Counter
 from kvroute.server.routing import NoWorkerError
 
-from .admission import Shed
 from .client import BodyTooLarge, UpstreamError
-from .errors import (
-    BODY_FAILURES,
-    SEND_FAILURES,
-    STATUS_5XX,
-    TOO_LARGE,
-    HTTPError,
-    UpstreamFailure,
-    classify,
-)
+from .errors import BODY_FAILURES, STATUS_5XX, TOO_LARGE, Failed, HTTPError, Outcome, classify
 from .upstream import Flight, release
 
 if TYPE_CHECKING:
@@ -92,10 +84,6 @@ VLLM_PREFILL_PARAMS = {
 }
 #: Fields only the gateway may set upstream (a client's are dropped).
 HANDOVER_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
-
-#: An attempt's outcome: the answer, or (failure, detail, the upstream's own 5xx answer).
-Failed = tuple[UpstreamFailure, object, "tuple[int, bytes, str] | None"]
-Outcome = Response | Failed
 
 
 def bootstrap_host(url: str) -> str:
@@ -159,13 +147,7 @@ class PdForwarder:
             with contextlib.suppress(NoWorkerError):
                 pair = g.router.route_pd(tokens=tokens, exclude=exclude)
         if pair is None:
-            if full and not tried:
-                return g._shed(
-                    Shed("worker_queue", "every worker that can serve this request is full")
-                )
-            return HTTPError(
-                503, "no upstream worker available", "service_unavailable", "no_worker"
-            )
+            return g._none_left(tried)
         shed = g.admission.check_slo(pair.prefill, call.slo)
         if shed is None:
             return pair
@@ -174,59 +156,29 @@ class PdForwarder:
             g.router.withdraw(half)
         return g._shed(shed)
 
-    async def forward(
-        self, call: Call, payload: dict[str, Any], tokens: np.ndarray, upstream: UpstreamBody
-    ) -> Response:
-        """Serves one request (the pair counterpart of ``Gateway._forward``)."""
+    async def _send(
+        self, call: Call, pair: PdDecision, prompt: int, upstream: UpstreamBody, stream: bool
+    ) -> tuple[Outcome, str]:
+        """One attempt of ``Gateway._forward``'s loop for a pair: its outcome and the worker it
+        is charged to (the prefill's when the prefill failed or refused, else the decode's)."""
         g = self.g
-        target = call.target
-        assert target is not None
-        stream = payload.get("stream") is True
-        error: HTTPError | None = None
-        failed_response: tuple[int, bytes, str] | None = None
-        tried: list[str] = []
-        suspects: list[str] = []
-        attempt = 0
-        while attempt < g.server.max_attempts:
-            attempt += 1
-            pair = self._choose(call, tokens, tried)
-            if isinstance(pair, HTTPError):
-                if attempt == 1:
-                    error, failed_response = pair, None
-                break
-            if attempt > 1:
-                g.metrics.retries.inc()
-            self.pairs.inc(pair.reason)
-            p, d = pair.prefill, pair.decode
-            for half in (p, d) if pair.disaggregate else (d,):
-                g.metrics.decisions.inc(half.policy, half.reason, half.worker)
-            if not pair.disaggregate:
-                outcome, worker = (
-                    await self._single(call, d, len(tokens), upstream, stream),
-                    d.worker,
-                )
-            elif self.protocol == "vllm":
-                outcome, worker = await self._vllm(call, p, d, len(tokens), upstream, stream)
-            else:
-                outcome, worker = await self._sglang(call, p, d, len(tokens), upstream, stream)
-            if isinstance(outcome, Response):
-                g._settle(call, worker, suspects)
-                if g.server.routing_headers:
-                    outcome.headers["x-kvroute-worker"] = d.worker
-                    outcome.headers["x-kvroute-prefill-worker"] = p.worker
-                    outcome.headers["x-kvroute-cached-tokens"] = str(p.cached_tokens)
-                    outcome.headers["x-kvroute-attempts"] = str(attempt)
-                outcome.headers["x-request-id"] = call.rid
-                return outcome
-            failure, detail, answered = outcome
-            g._failed(failure, worker, detail)
-            tried.append(worker)
-            if failure.health == "count":
-                suspects.append(worker)
-            error, failed_response = failure.error(worker), answered
-            if not failure.retry:
-                break
-        return g._give_up(call, suspects, error, failed_response)
+        self.pairs.inc(pair.reason)
+        p, d = pair.prefill, pair.decode
+        for half in (p, d) if pair.disaggregate else (d,):
+            g.metrics.decisions.inc(half.policy, half.reason, half.worker)
+        if not pair.disaggregate:
+            body = upstream.get(g.workers[d.worker].kind)
+            return await g._send_to(call, d, prompt, body, upstream, stream), d.worker
+        if self.protocol == "vllm":
+            return await self._vllm(call, p, d, prompt, upstream, stream)
+        return await self._sglang(call, p, d, prompt, upstream, stream)
+
+    @staticmethod
+    def _mark(headers: MutableHeaders, pair: PdDecision) -> None:
+        """The routing headers of a pair's answer."""
+        headers["x-kvroute-worker"] = pair.decode.worker
+        headers["x-kvroute-prefill-worker"] = pair.prefill.worker
+        headers["x-kvroute-cached-tokens"] = str(pair.prefill.cached_tokens)
 
     # ---- bodies and flights ----------------------------------------------------------------
 
@@ -245,48 +197,9 @@ class PdForwarder:
     def _refused(self, call: Call, answer: Response) -> Response:
         """A prefill worker's 4xx answer, passed on: the request itself was refused."""
         assert call.target is not None
+        answer.headers["x-request-id"] = call.rid
         self.g.metrics.done(call.route, call.target.name, answer.status_code, call.started)
         return answer
-
-    def _headers(self, call: Call) -> str:
-        return f"content-type: application/json\r\nx-request-id: {call.upstream_rid}\r\n"
-
-    async def _single(
-        self, call: Call, d: Decision, prompt: int, upstream: UpstreamBody, stream: bool
-    ) -> Outcome:
-        """The whole request on one worker (a pair that is not disaggregated)."""
-        body = upstream.get(self.g.workers[d.worker].kind)
-        return await self._decode(call, d, prompt, body, upstream, stream)
-
-    async def _decode(
-        self,
-        call: Call,
-        d: Decision,
-        prompt: int,
-        body: bytes,
-        upstream: UpstreamBody,
-        stream: bool,
-    ) -> Outcome:
-        """``body`` sent to ``d``'s worker: its answer (the client's) or failure."""
-        g = self.g
-        flight = g.upstreams.begin(d, prompt)
-        outcome = await g._attempt(
-            call, flight, self._headers(call), body, stream, upstream.strip_usage
-        )
-        if isinstance(outcome, Response):
-            call.flight = flight
-        return outcome
-
-    async def _send(self, call: Call, flight: Flight, body: bytes) -> Any:
-        """Sends ``body`` on ``flight``: the response, or a failure (the flight then closed)."""
-        try:
-            return await flight.send(call.route, self._headers(call), body)
-        except BaseException as e:
-            flight.close()
-            failure = classify(e, SEND_FAILURES) if isinstance(e, UpstreamError) else None
-            if failure is None:
-                raise
-            return failure, e, None
 
     async def _read_prefill(
         self, call: Call, flight: Flight, body: bytes
@@ -295,7 +208,7 @@ class PdForwarder:
         upstream's 4xx answer for the client, or a failure. Marks the flight prefilled when the
         answer arrives and closes it on failure (the caller closes it otherwise)."""
         g = self.g
-        resp = await self._send(call, flight, body)
+        resp = await flight.send(call.route, call.upstream_headers, body)
         if isinstance(resp, tuple):
             return resp
         ok = False
@@ -367,7 +280,7 @@ class PdForwarder:
                 log.warning("prefill on %s returned no kv_transfer_params", p.worker)
                 params = None
             body = self._body(upstream, d.worker, kv_transfer_params=params)
-            outcome = await self._decode(call, d, prompt, body, upstream, stream)
+            outcome = await g._send_to(call, d, prompt, body, upstream, stream)
         finally:
             prefill.close(usage)
         return outcome, d.worker
@@ -394,7 +307,7 @@ class PdForwarder:
         d_body = self._body(upstream, d.worker, **fields)
         prefill = g.upstreams.begin(p, prompt)
         p_task = asyncio.ensure_future(self._drain_prefill(call, prefill, p_body))
-        d_task = asyncio.ensure_future(self._decode(call, d, prompt, d_body, upstream, stream))
+        d_task = asyncio.ensure_future(g._send_to(call, d, prompt, d_body, upstream, stream))
         try:
             await asyncio.wait((p_task, d_task), return_when=asyncio.FIRST_COMPLETED)
             if not d_task.done():
@@ -425,22 +338,19 @@ class PdForwarder:
         """An SGLang prefill request, read to its end and dropped: None when it succeeded,
         else its 4xx answer or failure. The flight is closed either way."""
         g = self.g
-        resp = await self._send(call, flight, body)
+        resp = await flight.send(call.route, call.upstream_headers, body)
         if isinstance(resp, tuple):
             return resp
         usage = None
         try:
             status = resp.status_code
             ctype = resp.headers.get("content-type", "application/json")
-            if status >= 500 or not 100 <= status <= 599:
+            if status != 200:  # an answer to pass on or charge: read it, as far as it goes
                 data = b""
                 with contextlib.suppress(UpstreamError, BodyTooLarge):
                     data = await resp.read(g.server.max_response_bytes)
-                return STATUS_5XX, f"prefill status {status}", (status, data, ctype)
-            if status != 200:
-                data = b""
-                with contextlib.suppress(UpstreamError, BodyTooLarge):
-                    data = await resp.read(g.server.max_response_bytes)
+                if status >= 500 or not 100 <= status <= 599:
+                    return STATUS_5XX, f"prefill status {status}", (status, data, ctype)
                 return Response(data, status_code=status, media_type=ctype)
             first = True
             tail = b""

@@ -24,6 +24,7 @@ from kvroute import Decision, Router
 
 from .client import Pool, Response, UpstreamError
 from .config import ServerConfig, WorkerConfig
+from .errors import SEND_FAILURES, Failed, classify
 from .metrics import GatewayMetrics
 from .prompt import to_routing_tokens
 from .usage import cached_tokens
@@ -175,9 +176,18 @@ class Flight:
             u._count(self.worker, -1)
             u.router.finish(self.decision)
 
-    async def send(self, path: str, headers: str, body: bytes) -> Response:
-        """POSTs the request; the response with its body still to read."""
-        return await self.pool.request("POST", path, headers, body)
+    async def send(self, path: str, headers: str, body: bytes) -> Response | Failed:
+        """POSTs the request: the response with its body still to read, or how sending failed
+        (the flight then closed). An exception that is no upstream failure propagates (the
+        flight closed too)."""
+        try:
+            return await self.pool.request("POST", path, headers, body)
+        except BaseException as e:
+            self.close()
+            failure = classify(e, SEND_FAILURES) if isinstance(e, UpstreamError) else None
+            if failure is None:
+                raise
+            return failure, e, None
 
 
 async def release(resp: Response, flight: Flight, usage: Any = None) -> None:
