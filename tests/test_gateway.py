@@ -11,14 +11,10 @@ import json
 import os
 import time
 
+import httpx
+import openai
 import pytest
-
-pytest.importorskip("starlette")
-pytest.importorskip("uvicorn")
-httpx = pytest.importorskip("httpx")
-openai = pytest.importorskip("openai")
-
-from support.gateway_fleet import (  # noqa: E402
+from support.gateway_fleet import (
     LONG_SYSTEM,
     Fleet,
     GatewayServer,
@@ -28,7 +24,7 @@ from support.gateway_fleet import (  # noqa: E402
     metric_samples,
     wait_for,
 )
-from support.gateway_upstream import expected_cached, reference_render  # noqa: E402
+from support.gateway_upstream import expected_cached, reference_render
 
 
 @pytest.fixture

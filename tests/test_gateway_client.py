@@ -10,9 +10,6 @@ import json
 import socket
 
 import pytest
-
-pytest.importorskip("httptools")
-
 from kvroute.gateway.client import (
     BodyTooLarge,
     ConnectFailed,

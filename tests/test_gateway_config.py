@@ -11,8 +11,6 @@ import kvroute
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-pytest.importorskip("starlette")
 from kvroute.gateway import load_config, parse_config
 from kvroute.gateway.config import key_digest
 from kvroute.gateway.prompt import (

@@ -5,14 +5,10 @@ gateway, and endpoint prompts salted by the ``cache_salt`` the gateway sent upst
 
 from __future__ import annotations
 
+import openai
 import pytest
-
-pytest.importorskip("starlette")
-zmq = pytest.importorskip("zmq")
-openai = pytest.importorskip("openai")
-
-from support.gateway_fleet import GatewayServer, chat, config_dict, wait_for  # noqa: E402
-from support.publishing_upstream import indexed, publishing_fleet  # noqa: E402
+from support.gateway_fleet import GatewayServer, chat, config_dict, wait_for
+from support.publishing_upstream import indexed, publishing_fleet
 
 
 @pytest.fixture

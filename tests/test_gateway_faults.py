@@ -9,20 +9,17 @@ from __future__ import annotations
 
 import time
 
+import httpx
+import openai
 import pytest
-
-pytest.importorskip("starlette")
-httpx = pytest.importorskip("httpx")
-openai = pytest.importorskip("openai")
-
-from support.gateway_faults import (  # noqa: E402
+from support.gateway_faults import (
     SSE_HEAD,
     FaultServer,
     chunk,
     delta,
     reply,
 )
-from support.gateway_fleet import (  # noqa: E402
+from support.gateway_fleet import (
     ADMIN_KEY,
     Fleet,
     GatewayServer,

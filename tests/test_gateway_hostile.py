@@ -9,14 +9,10 @@ import json
 import socket
 import time
 
+import httpx
 import pytest
-
-pytest.importorskip("starlette")
-httpx = pytest.importorskip("httpx")
-openai = pytest.importorskip("openai")
-
-from kvroute.gateway.listener import uvicorn_config  # noqa: E402
-from support.gateway_fleet import (  # noqa: E402
+from kvroute.gateway.listener import uvicorn_config
+from support.gateway_fleet import (
     Fleet,
     GatewayServer,
     chat,
@@ -24,7 +20,7 @@ from support.gateway_fleet import (  # noqa: E402
     metric_samples,
     wait_for,
 )
-from support.gateway_upstream import ServerThread  # noqa: E402
+from support.gateway_upstream import ServerThread
 
 
 @pytest.fixture(scope="module")

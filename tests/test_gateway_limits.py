@@ -7,16 +7,12 @@ from __future__ import annotations
 import math
 import threading
 
+import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-pytest.importorskip("starlette")
-httpx = pytest.importorskip("httpx")
-openai = pytest.importorskip("openai")
-
-from kvroute.gateway.limits import RateLimits  # noqa: E402
-from support.gateway_fleet import (  # noqa: E402
+from kvroute.gateway.limits import RateLimits
+from support.gateway_fleet import (
     Fleet,
     GatewayServer,
     chat,

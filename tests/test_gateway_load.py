@@ -25,14 +25,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
-
-pytest.importorskip("starlette")
-pytest.importorskip("uvicorn")
-httpx = pytest.importorskip("httpx")
-openai = pytest.importorskip("openai")
-
-from support.gateway_fleet import toml_text  # noqa: E402
+from support.gateway_fleet import toml_text
 
 HERE = Path(__file__).parent
 REQUESTS = int(os.environ.get("KVROUTE_LOAD_REQUESTS", "2000"))

@@ -15,22 +15,17 @@ import json
 import time
 from typing import Any
 
+import openai
 import pytest
-
-pytest.importorskip("starlette")
-pytest.importorskip("uvicorn")
-httpx = pytest.importorskip("httpx")
-openai = pytest.importorskip("openai")
-
-from kvroute.gateway import parse_config  # noqa: E402
-from support.gateway_fleet import (  # noqa: E402
+from kvroute.gateway import parse_config
+from support.gateway_fleet import (
     LONG_SYSTEM,
     Fleet,
     GatewayServer,
     config_dict,
     wait_for,
 )
-from support.pd_upstream import Exchange, SglangPd, VllmPd  # noqa: E402
+from support.pd_upstream import Exchange, SglangPd, VllmPd
 
 VLLM_PREFILL_PARAMS = {
     "do_remote_decode": True,

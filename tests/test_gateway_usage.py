@@ -12,11 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("starlette")
-openai = pytest.importorskip("openai")
-
-from support.gateway_fleet import (  # noqa: E402
+from support.gateway_fleet import (
     Fleet,
     GatewayServer,
     chat,
@@ -24,7 +20,7 @@ from support.gateway_fleet import (  # noqa: E402
     config_dict,
     messages,
 )
-from support.gateway_upstream import expected_cached, reference_render, reference_tokens  # noqa: E402
+from support.gateway_upstream import expected_cached, reference_render, reference_tokens
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "two_calls.py"
 
