@@ -411,11 +411,9 @@ def relay_from_config(data: Mapping[str, Any], registry: Registry | None = None)
     left to their servers."""
     from kvroute.server.config import Table, parse_fleet
 
-    from .config import parse_cluster
-
     top = Table(data, "config", root=True)
     fleet = parse_fleet(top)
-    cluster = parse_cluster(top)
+    cluster = fleet.cluster
     if cluster is None:
         raise ValueError("kvroute relay needs a [cluster] section (where NATS is)")
     workers = [w for w in fleet.workers if w.kv_events]

@@ -48,16 +48,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..cluster.config import ClusterConfig, parse_cluster
 from ..server.config import (
     WORKER_KINDS,
-    EndpointConfig,
-    EventsConfig,
-    HealthConfig,
-    RouterConfig,
+    FleetConfig,
     Table,
-    TokenizerConfig,
-    WorkerConfig,
     load_toml,
     parse_endpoints,
     parse_fleet,
@@ -100,23 +94,11 @@ class PickerConfig:
 
 
 @dataclass(frozen=True)
-class EppConfig:
-    workers: tuple[WorkerConfig, ...]
-    endpoints: tuple[EndpointConfig, ...] = ()
+class EppConfig(FleetConfig):
+    """The fleet's sections (``pd`` always None: the picker refuses pairs) and ``[epp]``."""
+
     server: PickerConfig = field(default_factory=PickerConfig)
-    router: RouterConfig = field(default_factory=RouterConfig)
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    events: EventsConfig = field(default_factory=EventsConfig)
-    health: HealthConfig = field(default_factory=HealthConfig)
     pool: PoolConfig | None = None
-    cluster: ClusterConfig | None = None
-
-
-def _port(t: Table, key: str, default: int | None) -> int | None:
-    value = t.get(key, int, default)
-    if value is not None and not 0 <= value < 65536:
-        raise ValueError(f"{t.where}.{key} must be in 0..65535, got {value!r}")
-    return value
 
 
 def _pool(t: Table) -> PoolConfig:
@@ -126,8 +108,8 @@ def _pool(t: Table) -> PoolConfig:
         kubeconfig=t.get("kubeconfig", str, None),
         kind=t.get("kind", str, "vllm"),
         api_key=t.get("api_key", str, None),
-        kv_events_port=_port(t, "kv_events_port", None),
-        kv_replay_port=_port(t, "kv_replay_port", None),
+        kv_events_port=t.port("kv_events_port", None),
+        kv_replay_port=t.port("kv_replay_port", None),
     )
     t.done()
     if not pool.name or not pool.namespace:
@@ -150,8 +132,8 @@ def _picker(t: Table) -> PickerConfig:
             )
     return PickerConfig(
         host=t.get("host", str, d.host),
-        port=_port(t, "port", d.port),
-        metrics_port=_port(t, "metrics_port", d.metrics_port),
+        port=t.port("port", d.port),
+        metrics_port=t.port("metrics_port", d.metrics_port),
         models=t.strings("models"),
         key_digests=t.digests(),
         max_body_bytes=t.positive("max_body_bytes", int, d.max_body_bytes),
@@ -189,19 +171,8 @@ def parse_config(data: Mapping[str, Any]) -> EppConfig:
     workers = None if pool is not None else len(fleet.workers)
     endpoints = parse_endpoints(top, server.models, "epp.models", workers)
     top.get("gateway", dict, {})  # kvroute serve's section of a shared file
-    cluster = parse_cluster(top)
     top.done()
-    return EppConfig(
-        workers=fleet.workers,
-        endpoints=endpoints,
-        server=server,
-        router=fleet.router,
-        tokenizer=fleet.tokenizer,
-        events=fleet.events,
-        health=fleet.health,
-        pool=pool,
-        cluster=cluster,
-    )
+    return fleet.served(EppConfig, endpoints=endpoints, server=server, pool=pool)
 
 
 def load_config(path: str | Path) -> EppConfig:

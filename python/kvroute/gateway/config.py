@@ -120,11 +120,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvroute.cluster.config import ClusterConfig, parse_cluster
 from kvroute.server.config import (
     WORKER_KINDS,
     EndpointConfig,
     EventsConfig,
+    FleetConfig,
     HealthConfig,
     PdConfig,
     RouterConfig,
@@ -188,16 +188,8 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
-class GatewayConfig:
-    workers: tuple[WorkerConfig, ...]
-    endpoints: tuple[EndpointConfig, ...] = ()
+class GatewayConfig(FleetConfig):
     server: ServerConfig = field(default_factory=ServerConfig)
-    router: RouterConfig = field(default_factory=RouterConfig)
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    events: EventsConfig = field(default_factory=EventsConfig)
-    health: HealthConfig = field(default_factory=HealthConfig)
-    cluster: ClusterConfig | None = None
-    pd: PdConfig | None = None
 
     def worker(self, name: str) -> WorkerConfig:
         for w in self.workers:
@@ -210,7 +202,7 @@ def _server(g: Table) -> ServerConfig:
     d = ServerConfig()
     server = ServerConfig(
         host=g.get("host", str, d.host),
-        port=g.get("port", int, d.port),
+        port=g.port("port", d.port),
         models=g.strings("models"),
         key_digests=g.digests(),
         max_body_bytes=g.positive("max_body_bytes", int, d.max_body_bytes),
@@ -228,7 +220,7 @@ def _server(g: Table) -> ServerConfig:
         max_response_bytes=g.positive("max_response_bytes", int, d.max_response_bytes),
         max_event_bytes=g.positive("max_event_bytes", int, d.max_event_bytes),
         admin_host=g.get("admin_host", str, d.admin_host),
-        admin_port=g.get("admin_port", int, None),
+        admin_port=g.port("admin_port", None),
         admin_key_digests=g.digests("admin_"),
         key_requests_per_minute=g.positive("key_requests_per_minute", int, None),
         key_tokens_per_minute=g.positive("key_tokens_per_minute", int, None),
@@ -237,9 +229,6 @@ def _server(g: Table) -> ServerConfig:
         prefill_tokens_per_second=g.positive("prefill_tokens_per_second", float, None),
         cache_usage_fields=g.get("cache_usage_fields", bool, d.cache_usage_fields),
     )
-    for name, port in (("port", server.port), ("admin_port", server.admin_port)):
-        if port is not None and not 0 <= port < 65536:
-            raise ValueError(f"gateway.{name} must be in 0..65535, got {port!r}")
     return server
 
 
@@ -254,19 +243,8 @@ def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
 
     endpoints = parse_endpoints(top, server.models, "gateway.models", pool_limit(fleet.workers))
     top.get("epp", dict, {})  # kvroute epp's section of a shared file (kvroute.epp.config)
-    cluster = parse_cluster(top)
     top.done()
-    return GatewayConfig(
-        workers=fleet.workers,
-        endpoints=endpoints,
-        server=server,
-        router=fleet.router,
-        tokenizer=fleet.tokenizer,
-        events=fleet.events,
-        health=fleet.health,
-        cluster=cluster,
-        pd=fleet.pd,
-    )
+    return fleet.served(GatewayConfig, endpoints=endpoints, server=server)
 
 
 def load_config(path: str | Path) -> GatewayConfig:

@@ -4,9 +4,11 @@ Every value is checked when the file is loaded — an unknown key, a wrong type,
 and the error names the key and the bad value, so a server never starts half-configured. A server
 (``kvroute serve``, ``kvroute epp``, the event relay) reads its own section with ``Table`` and the
 fleet's sections with ``parse_fleet``: ``[[workers]]``, ``[router]``, ``[tokenizer]``,
-``[events]`` and the worker-health keys, so that one fleet file means the same thing to all of
-them. Secrets may be given as SHA-256 digests (``api_key_sha256``) so that the file holds no
-plaintext key; plaintext keys are hashed on load and only digests are kept in memory.
+``[events]``, ``[pd]``, ``[cluster]`` (``kvroute.cluster.config``) and the worker-health keys, so
+that one fleet file means the same thing to all of them; its configuration extends
+``FleetConfig`` (``FleetConfig.served``). Secrets may be given as SHA-256 digests
+(``api_key_sha256``) so that the file holds no plaintext key; plaintext keys are hashed on load
+and only digests are kept in memory.
 
 The sections and their keys are documented, with an example, in ``kvroute.gateway.config``.
 """
@@ -18,10 +20,13 @@ import math
 import re
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from kvroute.cluster.config import ClusterConfig
 
 __all__ = [
     "SALTING_KINDS",
@@ -184,9 +189,15 @@ class PdConfig:
     saturation: float | None = None
 
 
+F = TypeVar("F", bound="FleetConfig")
+
+
 @dataclass(frozen=True)
 class FleetConfig:
-    """The sections every server over the same fleet reads alike."""
+    """The sections every server over the same fleet reads alike (``parse_fleet`` reads all but
+    ``endpoints``, which each server reads against its own section's models); each
+    server's configuration extends it with its own section (``kvroute.gateway.config``,
+    ``kvroute.epp.config``)."""
 
     workers: tuple[WorkerConfig, ...]
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -194,6 +205,13 @@ class FleetConfig:
     events: EventsConfig = field(default_factory=EventsConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     pd: PdConfig | None = None
+    endpoints: tuple[EndpointConfig, ...] = ()
+    cluster: ClusterConfig | None = None
+
+    def served(self, cls: type[F], **own: Any) -> F:
+        """This fleet as the configuration ``cls`` (a subclass) of one server, with that
+        server's ``own`` sections (and its ``endpoints``)."""
+        return cls(**{**{f.name: getattr(self, f.name) for f in fields(FleetConfig)}, **own})
 
 
 class Table:
@@ -239,6 +257,12 @@ class Table:
             value < 0 or (value == 0 and not zero) or (kind is float and not math.isfinite(value))
         ):
             raise ValueError(f"{self.where}.{key} must be > 0, got {value!r}")
+        return value
+
+    def port(self, key: str, default: int | None) -> int | None:
+        value = self.get(key, int, default)
+        if value is not None and not 0 <= value < 65536:
+            raise ValueError(f"{self.where}.{key} must be in 0..65535, got {value!r}")
         return value
 
     def fraction(self, key: str, default: float) -> float:
@@ -454,6 +478,8 @@ def parse_fleet(
             f"workers {with_events} have kv_events but router.index is not 'events': "
             "set index = 'events'"
         )
+    from kvroute.cluster.config import parse_cluster  # (it reads tables with this module's)
+
     return FleetConfig(
         workers=workers,
         router=router,
@@ -461,6 +487,7 @@ def parse_fleet(
         events=events,
         health=health if health is not None else HealthConfig(),
         pd=pd,
+        cluster=parse_cluster(top),
     )
 
 
