@@ -148,7 +148,9 @@ class Picker:
         self.router = (
             router
             if router is not None
-            else build_router(config.workers, config.router, updates=config.cluster is not None)
+            else build_router(
+                config.workers, config.router, config.events, updates=config.cluster is not None
+            )
         )
         self.tokenizer = tokenizer or load_tokenizer(
             config.tokenizer.path, config.tokenizer.bytes_per_token, config.tokenizer.model_dir
