@@ -227,20 +227,23 @@ def test_kvroute_serve_replicas_route_on_the_relays_events(tmp_path: Path):
     import openai
     from kvroute.cluster.relay import relay_from_config
     from support.gateway_fleet import GatewayServer, chat, config_dict
-    from support.publishing_upstream import indexed, publishing_fleet
+    from support.publishing_upstream import (
+        indexed,
+        publishing_fleet,
+        wait_subscribed,
+        with_kv_events,
+    )
 
     loop = Loop()
     with NatsServer(tmp_path / "js") as nats, publishing_fleet(2) as fleet:
         cluster = {"nats": nats.url, "connect_timeout": 0.5, "relay": True, "scrape_interval": 0}
         cfg = config_dict(fleet, router={"policy": "kv_aware", "index": "events"}, cluster=cluster)
-        for w, u in zip(cfg["workers"], fleet.upstreams, strict=True):
-            w["kv_events"] = u.events_endpoint
+        with_kv_events(cfg, fleet)
         relay = relay_from_config(cfg)
         loop.run(relay.start())
         gateways = [GatewayServer(cfg) for _ in range(2)]
         try:
-            for u in fleet.upstreams:
-                u.wait_subscribed()
+            wait_subscribed(fleet)
             assert all(g.gateway.subscriber is None for g in gateways)
             direct = openai.OpenAI(base_url=f"http://127.0.0.1:{fleet.ports[1]}/v1", api_key="x")
             chat(direct, "base-model", "asked directly")

@@ -10,7 +10,12 @@ import openai
 import pytest
 from support.epp_client import EnvoyClient, EppThread, epp_config
 from support.gateway_fleet import LONG_SYSTEM, chat, wait_for
-from support.publishing_upstream import indexed, publishing_fleet
+from support.publishing_upstream import (
+    indexed,
+    publishing_fleet,
+    wait_subscribed,
+    with_kv_events,
+)
 
 
 @pytest.fixture
@@ -21,11 +26,8 @@ def fleet():
 
 def test_the_pick_follows_the_engines_kv_events(fleet):
     cfg = epp_config(fleet, router={"policy": "kv_aware", "index": "events"})
-    for w, u in zip(cfg["workers"], fleet.upstreams, strict=True):
-        w["kv_events"] = u.events_endpoint
-    with EppThread(cfg) as epp:
-        for u in fleet.upstreams:
-            u.wait_subscribed()
+    with EppThread(with_kv_events(cfg, fleet)) as epp:
+        wait_subscribed(fleet)
         direct = openai.OpenAI(base_url=f"http://127.0.0.1:{fleet.ports[2]}/v1", api_key="x")
         chat(direct, "base-model", "asked directly")  # bypasses the picker: only events tell
         wait_for(lambda: indexed(epp.router, "up-2") > 0, "up-2's KV events")

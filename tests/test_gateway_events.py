@@ -8,7 +8,12 @@ from __future__ import annotations
 import openai
 import pytest
 from support.gateway_fleet import GatewayServer, chat, config_dict, wait_for
-from support.publishing_upstream import indexed, publishing_fleet
+from support.publishing_upstream import (
+    indexed,
+    publishing_fleet,
+    wait_subscribed,
+    with_kv_events,
+)
 
 
 @pytest.fixture
@@ -20,11 +25,8 @@ def fleet():
 @pytest.fixture
 def gw(fleet):
     cfg = config_dict(fleet, router={"policy": "kv_aware", "index": "events"})
-    for w, u in zip(cfg["workers"], fleet.upstreams, strict=True):
-        w["kv_events"] = u.events_endpoint
-    with GatewayServer(cfg) as g:
-        for u in fleet.upstreams:
-            u.wait_subscribed()
+    with GatewayServer(with_kv_events(cfg, fleet)) as g:
+        wait_subscribed(fleet)
         yield g
 
 

@@ -15,7 +15,13 @@ from support import events_payloads as P
 from support.gateway_fleet import Fleet
 from support.gateway_upstream import BLOCK, Upstream
 
-__all__ = ["PublishingUpstream", "indexed", "publishing_fleet"]
+__all__ = [
+    "PublishingUpstream",
+    "indexed",
+    "publishing_fleet",
+    "wait_subscribed",
+    "with_kv_events",
+]
 
 
 class PublishingUpstream(Upstream):
@@ -68,6 +74,20 @@ def publishing_fleet(n: int) -> Iterator[Fleet]:
         fleet.close()
         for u in fleet.upstreams:
             u.close()
+
+
+def with_kv_events(cfg: dict[str, Any], fleet: Fleet) -> dict[str, Any]:
+    """``cfg`` (a config dict of ``fleet``) with each worker's ``kv_events`` set to its
+    upstream's publisher."""
+    for w, u in zip(cfg["workers"], fleet.upstreams, strict=True):
+        w["kv_events"] = u.events_endpoint
+    return cfg
+
+
+def wait_subscribed(fleet: Fleet) -> None:
+    """Waits until every upstream of ``fleet`` has a subscriber (its events are then heard)."""
+    for u in fleet.upstreams:
+        u.wait_subscribed()
 
 
 def indexed(router: Any, worker: str) -> int:
