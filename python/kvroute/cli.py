@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from . import HashRing, JumpHash, Maglev, Rendezvous
 
@@ -270,6 +271,24 @@ def _seeds(text: str) -> list[int]:
     return out
 
 
+def _from_config(
+    command: str, path: str, build: Callable[[str], Any], *also: type[Exception]
+) -> Any:
+    """``build(path)``: a server from its config file, or None after saying on stderr why the
+    file is bad (cannot be read, fails validation, or raises one of ``also``)."""
+    try:
+        return build(path)
+    except (OSError, ValueError, TypeError, KeyError, *also) as e:
+        print(f"kvroute {command}: bad config {path}: {e}", file=sys.stderr)
+        return None
+
+
+def _log_to_stderr(level: str) -> None:
+    import logging
+
+    logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
+
+
 def _serve(args: argparse.Namespace) -> int:
     """Run the OpenAI-compatible gateway (needs the `gateway` extra)."""
     try:
@@ -280,10 +299,9 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    try:
-        gateway = Gateway(load_config(args.config))  # builds the router: validates everything
-    except (OSError, ValueError, TypeError, KeyError) as e:
-        print(f"kvroute serve: bad config {args.config}: {e}", file=sys.stderr)
+    # Building the gateway builds the router: the whole config is validated here.
+    gateway = _from_config("serve", args.config, lambda path: Gateway(load_config(path)))
+    if gateway is None:
         return 2
     serve(
         gateway,
@@ -297,20 +315,16 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _epp(args: argparse.Namespace) -> int:
     """Run the ext_proc endpoint picker (needs the `epp` extra)."""
-    import logging
-
     try:
         from .epp import EppServer
         from .epp.config import load_config
     except ImportError as e:
         print(f"kvroute epp needs the epp extra (pip install 'kvroute[epp]'): {e}", file=sys.stderr)
         return 2
-    try:
-        server = EppServer(load_config(args.config))  # builds the router: validates everything
-    except (OSError, ValueError, TypeError, KeyError) as e:
-        print(f"kvroute epp: bad config {args.config}: {e}", file=sys.stderr)
+    server = _from_config("epp", args.config, lambda path: EppServer(load_config(path)))
+    if server is None:
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    _log_to_stderr(args.log_level)
     server.run()
     return 0
 
@@ -319,7 +333,6 @@ def _relay(args: argparse.Namespace) -> int:
     """Republish the engines' KV events into NATS JetStream for every replica (`cluster` and
     `events` extras)."""
     import asyncio
-    import logging
     import signal
 
     try:
@@ -328,12 +341,12 @@ def _relay(args: argparse.Namespace) -> int:
     except ImportError as e:
         print(f"kvroute relay needs the cluster and events extras: {e}", file=sys.stderr)
         return 2
-    try:
-        relay = relay_from_config(load_toml(args.config))
-    except (OSError, ValueError, TypeError, KeyError, ImportError) as e:
-        print(f"kvroute relay: bad config {args.config}: {e}", file=sys.stderr)
+    relay = _from_config(
+        "relay", args.config, lambda path: relay_from_config(load_toml(path)), ImportError
+    )
+    if relay is None:
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    _log_to_stderr(args.log_level)
 
     async def main() -> None:
         stop = asyncio.Event()
