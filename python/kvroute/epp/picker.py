@@ -58,10 +58,9 @@ from ..gateway.prompt import (
     RequestError,
     Tokenizer,
     load_tokenizer,
-    to_routing_tokens,
 )
 from ..gateway.stream import SseScanner
-from ..gateway.usage import cached_tokens, usage_event
+from ..gateway.usage import routed_cached_tokens, usage_event
 from ..server.config import WorkerConfig, duplicates
 from ..server.routing import NoWorkerError, build_router
 from .config import EppConfig
@@ -458,12 +457,8 @@ class Lease:
         self.closed = True
         p = self.picker
         try:
-            cached = cached_tokens(usage)
-            if cached is not None:
-                prompt = usage.get("prompt_tokens")
-                routed = to_routing_tokens(
-                    cached, prompt if isinstance(prompt, int) else None, len(self.tokens)
-                )
+            routed = routed_cached_tokens(usage, len(self.tokens))
+            if routed is not None:
                 p.router.observe(self.decision, routed)
                 if p.observer is not None:
                     p.observer(self.worker, self.decision.cached_tokens, routed, len(self.tokens))

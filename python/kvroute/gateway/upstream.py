@@ -26,8 +26,7 @@ from .client import Pool, Response, UpstreamError
 from .config import ServerConfig, WorkerConfig
 from .errors import SEND_FAILURES, Failed, classify
 from .metrics import GatewayMetrics
-from .prompt import to_routing_tokens
-from .usage import cached_tokens
+from .usage import routed_cached_tokens
 
 __all__ = ["Flight", "Upstreams", "release"]
 
@@ -159,12 +158,12 @@ class Flight:
         try:
             # A decode half's engine counts the KV it received as cached: only the prefill's
             # report says what its worker held.
-            cached = cached_tokens(usage) if self.decision.half != "decode" else None
-            if cached is not None:
-                prompt = usage.get("prompt_tokens")
-                routed = to_routing_tokens(
-                    cached, prompt if isinstance(prompt, int) else None, self.routing_prompt
-                )
+            routed = (
+                routed_cached_tokens(usage, self.routing_prompt)
+                if self.decision.half != "decode"
+                else None
+            )
+            if routed is not None:
                 u.router.observe(self.decision, routed)
                 m = u.metrics
                 m.predicted.inc(self.worker, by=self.decision.cached_tokens)

@@ -17,9 +17,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .prompt import to_routing_tokens
+
 __all__ = [
     "UsageEvent",
     "cached_tokens",
+    "routed_cached_tokens",
     "usage_event",
     "with_cache_fields",
     "with_cache_fields_body",
@@ -37,6 +40,16 @@ def cached_tokens(usage: Any) -> int | None:
     if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
         return cached
     return None
+
+
+def routed_cached_tokens(usage: Any, routing_prompt: int) -> int | None:
+    """The cached tokens ``usage`` reports, in routing tokens (scaled by the engine's
+    ``prompt_tokens`` to the routed prompt's length), or None when it reports none."""
+    cached = cached_tokens(usage)
+    if cached is None:
+        return None
+    prompt = usage.get("prompt_tokens")
+    return to_routing_tokens(cached, prompt if isinstance(prompt, int) else None, routing_prompt)
 
 
 class UsageEvent:
