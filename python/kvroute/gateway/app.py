@@ -88,14 +88,13 @@ from .client import BodyTooLarge, UpstreamError
 from .config import GatewayConfig, WorkerConfig
 from .errors import (
     BAD_STATUS,
-    BODY_FAILURES,
     EMPTY_STREAM,
     STATUS_5XX,
     TOO_LARGE,
     HTTPError,
     Outcome,
     UpstreamFailure,
-    classify,
+    body_failed,
 )
 from .limits import RateLimits
 from .listener import ConnectionGuard
@@ -904,10 +903,7 @@ class Gateway:
         except (BodyTooLarge, EventTooLarge) as e:
             return TOO_LARGE, e, None
         except UpstreamError as e:
-            failure = classify(e, BODY_FAILURES)
-            if failure is None:
-                raise
-            return failure, e, None
+            return body_failed(e)
         finally:
             if not handed_over:
                 await release(resp, flight, usage)

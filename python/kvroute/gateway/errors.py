@@ -169,3 +169,12 @@ def classify(error: BaseException, table: tuple[Row, ...]) -> UpstreamFailure | 
         if isinstance(error, types):
             return failure
     return None
+
+
+def body_failed(error: UpstreamError) -> Failed:
+    """How an attempt failed while reading its response body (``BODY_FAILURES``); an error in no
+    row of it is a bug and is raised again."""
+    failure = classify(error, BODY_FAILURES)
+    if failure is None:
+        raise error
+    return failure, error, None

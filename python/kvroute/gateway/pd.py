@@ -63,7 +63,7 @@ from kvroute.server.metrics import Counter
 from kvroute.server.routing import NoWorkerError
 
 from .client import BodyTooLarge, UpstreamError
-from .errors import BODY_FAILURES, STATUS_5XX, TOO_LARGE, Failed, HTTPError, Outcome, classify
+from .errors import STATUS_5XX, TOO_LARGE, Failed, HTTPError, Outcome, body_failed
 from .upstream import Flight, release
 
 if TYPE_CHECKING:
@@ -219,10 +219,7 @@ class PdForwarder:
             except BodyTooLarge as e:
                 return TOO_LARGE, e, None
             except UpstreamError as e:
-                failure = classify(e, BODY_FAILURES)
-                if failure is None:
-                    raise
-                return failure, e, None
+                return body_failed(e)
             flight.prefilled()
             ctype = resp.headers.get("content-type", "application/json")
             if status >= 500 or not 100 <= status <= 599:
@@ -361,10 +358,7 @@ class PdForwarder:
                         flight.prefilled()
                     tail = (tail + chunk)[-65536:]
             except UpstreamError as e:
-                failure = classify(e, BODY_FAILURES)
-                if failure is None:
-                    raise
-                return failure, e, None
+                return body_failed(e)
             usage = _last_usage(tail)
             return None
         finally:
