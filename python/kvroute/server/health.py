@@ -61,9 +61,6 @@ class Health:
 
     # ---- state -------------------------------------------------------------------------------
 
-    def is_in(self, worker: str) -> bool:
-        return worker not in self.ejected
-
     def status(self) -> dict[str, bool]:
         """Per worker: True when the router may choose it."""
         return {w: w not in self.ejected for w in self.workers}
