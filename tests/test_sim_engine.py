@@ -11,6 +11,7 @@ the same :class:`Scenario`: reservations, partitions, engine-side (salted) hashe
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -410,6 +411,8 @@ def test_fleet_view_for_policies():
         def route(self, request, chain, now):
             f: Fleet = self.fleet
             snapshots.append((list(f.waiting), list(f.running), [len(p) for p in f.pinned]))
+            # What an LRU emulation or an approx Router sizes itself by: blocks per worker.
+            assert (f.capacity, f.block_size, f.names) == (10, 4, ["w00", "w01"])
             return super().route(request, chain, now)
 
     # Request 0 prefills 0..0.8 then decodes to 0.8 + 9 × 1.0; requests 1 and 2 arrive while
@@ -434,13 +437,32 @@ def test_bad_policy_choice_raises():
         run(w, Fixed([5]), FleetModel(workers=2))
 
 
-def test_model_validation():
-    with pytest.raises(ValueError):
-        FleetModel(workers=0)
-    with pytest.raises(ValueError):
-        FleetModel(prefill_rate=0)
-    with pytest.raises(ValueError):
-        FleetModel(decode_time_per_token=-1)
+@pytest.mark.parametrize(
+    ("field", "smallest", "bad", "error"),
+    [
+        ("workers", 1, 0, ValueError),
+        ("workers", 1, True, TypeError),
+        ("workers", 1, 2.0, TypeError),
+        ("capacity_blocks", 1, 0, ValueError),
+        ("kv_tokens", 1, 0, ValueError),
+        ("prefill_rate", 1e-9, 0.0, ValueError),
+        ("prefill_rate", 1e-9, math.inf, ValueError),
+        ("prefill_rate", 1e-9, math.nan, ValueError),
+        ("prefill_overhead", 0.0, -1e-9, ValueError),
+        ("prefill_overhead", 0.0, math.inf, ValueError),
+        ("decode_time_per_token", 0.0, -1e-9, ValueError),
+        ("decode_time_per_token", 0.0, math.nan, ValueError),
+    ],
+)
+def test_model_validation(field, smallest, bad, error):
+    """The smallest valid value of each field is accepted; the first invalid one is refused with
+    an error naming the field and the value."""
+    assert getattr(FleetModel(**{field: smallest}), field) == smallest
+    with pytest.raises(error, match=rf"^{field} must be .*, got {re.escape(repr(bad))}$"):
+        FleetModel(**{field: bad})
+
+
+def test_model_capacity():
     assert FleetModel().capacity(512) == 864
     assert FleetModel().capacity(16) == 27648
     assert FleetModel(capacity_blocks=7).capacity(512) == 7

@@ -3,8 +3,9 @@
 Rust — cargo-mutants on ``rust/src/{hashing,blocks,index,cache,router,events}``, each mutant
 tested by ``cargo test --no-default-features`` (the core's own tests: a Rust mutant only Python
 tests catch is a missing Rust test). Python — mutmut on ``events.py``, the gateway's auth,
-forwarding and failover (``gateway/auth.py``, ``gateway/upstream.py``, ``gateway/app.py``) and
-``sim/engine.py``, each group with the test files that exercise it.
+forwarding and failover (``gateway/auth.py``, ``gateway/upstream.py``, the forwarding functions
+of ``gateway/app.py``, ``server/health.py``) and ``sim/engine.py``, each group with the test
+files that exercise it.
 
 A full run takes hours on a 2-core machine, so the default is what a change needs: only the
 mutants in lines changed since ``--diff`` (default ``main``; Python: the changed files). Name
@@ -37,11 +38,13 @@ EQUIVALENTS = ROOT / "docs" / "mutants.md"
 
 RUST = ["hashing", "blocks", "index", "cache", "router", "events"]
 
-# name -> (files mutated, test files run)
-PYTHON = {
+# name -> (files mutated, test files run, mutants run: mutmut name globs, empty = all). mutmut
+# runs, for each mutant, only the listed tests that call the mutated function.
+PYTHON: dict[str, tuple[list[str], list[str], list[str]]] = {
     "py-events": (
         ["python/kvroute/events.py"],
         ["tests/test_events_replay.py", "tests/test_events_subscriber.py"],
+        [],
     ),
     "py-gateway-auth": (
         ["python/kvroute/gateway/auth.py"],
@@ -52,23 +55,41 @@ PYTHON = {
             "tests/test_gateway_auth.py",
             "tests/test_gateway_config.py",
         ],
+        [],
     ),
+    # Failover: which workers are in (ejection, readmission, suspicion probes), against the
+    # reference model of tests/test_server_health.py.
+    "py-server-health": (
+        ["python/kvroute/server/health.py"],
+        ["tests/test_server_health.py"],
+        [],
+    ),
+    # Forwarding: one attempt's load accounting (begin / prefilled / observe / finish exactly
+    # once, the in-flight bound).
     "py-gateway-upstream": (
         ["python/kvroute/gateway/upstream.py"],
-        ["tests/test_gateway.py", "tests/test_gateway_faults.py", "tests/test_gateway_usage.py"],
+        [
+            "tests/test_gateway_faults.py",
+            "tests/test_gateway_usage.py",
+            "tests/test_gateway_limits.py",
+        ],
+        [],
     ),
+    # Forwarding and failover in the gateway: the choice among untried workers, retries, the
+    # give-up answer, and charging failures to workers. Only these functions: the rest of app.py
+    # (request parsing, admin routes) runs in every request of ~40 server tests per mutant.
     "py-gateway-failover": (
         ["python/kvroute/gateway/app.py"],
+        ["tests/test_gateway_faults.py", "tests/test_gateway_limits.py", "tests/test_gateway.py"],
         [
-            "tests/test_gateway.py",
-            "tests/test_gateway_faults.py",
-            "tests/test_gateway_hostile.py",
-            "tests/test_gateway_limits.py",
+            f"kvroute.gateway.app.xǁGatewayǁ{f}__mutmut_*"
+            for f in ("_choose", "_failed", "_settle", "_forward", "_give_up", "_attempt")
         ],
     ),
     "py-sim-engine": (
         ["python/kvroute/sim/engine.py"],
         ["tests/test_sim_engine.py", "tests/test_sim_policies.py", "tests/test_sim_oracles.py"],
+        [],
     ),
 }
 
@@ -185,7 +206,7 @@ def rust_score(module: str, results: Path, equivalents: set[str]) -> Score:
 
 
 def run_python(group: str, args: argparse.Namespace, equivalents: set[str]) -> Score:
-    files, tests = PYTHON[group]
+    files, tests, names = PYTHON[group]
     work = OUT / group
     if work.exists() and args.fresh:
         shutil.rmtree(work)
@@ -207,7 +228,7 @@ def run_python(group: str, args: argparse.Namespace, equivalents: set[str]) -> S
     pyproject = (ROOT / "pyproject.toml").read_text()  # the project's pytest settings
     (work / "pyproject.toml").write_text(pyproject + "\n" + "\n".join(lines) + "\n")
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-    cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.jobs)]
+    cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.jobs), *names]
     print(f"+ (cd {work.relative_to(ROOT)}) " + " ".join(cmd[1:]), flush=True)
     subprocess.run(niced(cmd), cwd=work, env=env, check=False)
     results = subprocess.run(

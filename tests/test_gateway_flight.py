@@ -1,0 +1,141 @@
+"""One upstream attempt's accounting (``kvroute.gateway.upstream``) against a reference model.
+
+A Hypothesis state machine begins, prefills and closes flights (in any order, closing twice,
+prefilling after close) on the real ``kvroute.Router``; a reference model says how many attempts
+each worker has in flight and how many of them wait for their first output, which workers are at
+their in-flight bound, and what the gateway's cache-usage counters hold. The router's own
+``load()`` must agree after every step: a flight that forgot ``finish`` or ran it twice would
+leave a worker looking busy (or idle) for good.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import kvroute
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
+from kvroute.gateway.config import ServerConfig
+from kvroute.gateway.metrics import GatewayMetrics
+from kvroute.gateway.upstream import Upstreams, release
+from kvroute.server.config import WorkerConfig
+
+BS = 16
+NAMES = ["a", "b", "c"]
+
+
+def usage(cached: int | None, prompt: int | None) -> dict:
+    out: dict = {"prompt_tokens": prompt, "completion_tokens": 1}
+    if cached is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
+
+
+class FlightMachine(RuleBasedStateMachine):
+    flights = Bundle("flights")
+
+    @initialize(bound=st.sampled_from([None, 1, 2]), connections=st.integers(1, 3))
+    def start(self, bound, connections):
+        self.loop = asyncio.new_event_loop()
+        workers = tuple(
+            WorkerConfig(name=n, url=f"http://127.0.0.1:{9 + k}", max_connections=connections)
+            for k, n in enumerate(NAMES)
+        )
+        self.router = kvroute.Router(NAMES, block_size=BS)
+        metrics = GatewayMetrics(lambda: {}, lambda: {})
+        self.upstreams = Upstreams(
+            workers, ServerConfig(max_in_flight_per_worker=bound), self.router, metrics
+        )
+        self.loop.run_until_complete(self._start())
+        self.bound = bound or connections
+        self.open: dict[object, bool] = {}  # open flight -> prefilled
+        self.queued_at_begin: dict[object, int] = {}
+        self.reported = dict.fromkeys(NAMES, 0)
+        self.predicted = dict.fromkeys(NAMES, 0)
+        self.prefill_work: list[float] = []
+        self.expected_work: list[float] = []
+        self.upstreams.on_prefilled = lambda work, _seconds: self.prefill_work.append(work)
+
+    async def _start(self) -> None:
+        self.upstreams.start()
+
+    def teardown(self) -> None:
+        if hasattr(self, "loop"):
+            self.loop.run_until_complete(self.upstreams.stop())
+            self.loop.close()
+
+    def load(self, worker: str) -> dict:
+        return self.router.load(worker)
+
+    @rule(target=flights, data=st.data(), blocks=st.integers(1, 4))
+    def begin(self, data, blocks):
+        worker = data.draw(st.sampled_from(NAMES))
+        tokens = np.arange(blocks * BS, dtype=np.uint32) + data.draw(st.integers(0, 3)) * 1000
+        d = self.router.route(
+            tokens=tokens, endpoint=None, exclude=[w for w in NAMES if w != worker]
+        )
+        queued = self.load(worker)["prefill_blocks"] * BS
+        flight = self.upstreams.begin(d, len(tokens))
+        self.open[flight] = False
+        self.queued_at_begin[flight] = queued
+        return flight
+
+    @rule(flight=flights)
+    def prefilled(self, flight):
+        if flight in self.open and not self.open[flight]:
+            self.open[flight] = True
+            d = flight.decision
+            # Work ahead of it when it began (blocks being prefilled there) plus its own.
+            work = self.queued_at_begin[flight] + max(d.prompt_tokens - d.cached_tokens, 0)
+            self.expected_work.append(work)
+        flight.prefilled()
+        assert self.prefill_work == self.expected_work
+
+    @rule(
+        flight=flights,
+        cached=st.one_of(st.none(), st.integers(0, 80)),
+        prompt=st.sampled_from([None, "same", "double"]),
+    )
+    def close(self, flight, cached, prompt):
+        d = flight.decision
+        engine_prompt = {None: None, "same": d.prompt_tokens, "double": 2 * d.prompt_tokens}[prompt]
+        if flight in self.open:
+            del self.open[flight]
+            if cached is not None:
+                # Engine tokens in routing tokens: by the prompts' ratio, within the prompt.
+                ratio = 0.5 if prompt == "double" else 1.0
+                routed = min(round(cached * ratio), d.prompt_tokens)
+                self.reported[d.worker] += routed
+                self.predicted[d.worker] += d.cached_tokens
+        self.loop.run_until_complete(release(_Closed(), flight, usage(cached, engine_prompt)))
+
+    @invariant()
+    def accounting(self):
+        if not hasattr(self, "open"):
+            return
+        active = dict.fromkeys(NAMES, 0)
+        waiting = dict.fromkeys(NAMES, 0)
+        for flight, done in self.open.items():
+            active[flight.worker] += 1
+            waiting[flight.worker] += not done
+        assert self.upstreams.in_flight == active
+        assert self.upstreams.full == {w for w in NAMES if active[w] >= self.bound}
+        for w in NAMES:
+            load = self.load(w)
+            assert (load["active"], load["queued"]) == (active[w], waiting[w])
+        m = self.upstreams.metrics
+        assert {w: m.reported.get(w) for w in NAMES} == self.reported
+        assert {w: m.predicted.get(w) for w in NAMES} == self.predicted
+
+
+class _Closed:
+    """A response already read to its end."""
+
+    async def aclose(self) -> None:
+        return None
+
+
+FlightMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=25, deadline=None)
+TestFlight = FlightMachine.TestCase
