@@ -69,6 +69,7 @@ PYTHON: dict[str, tuple[list[str], list[str], list[str]]] = {
     "py-gateway-upstream": (
         ["python/kvroute/gateway/upstream.py"],
         [
+            "tests/test_gateway_flight.py",  # the reference model: seconds
             "tests/test_gateway_faults.py",
             "tests/test_gateway_usage.py",
             "tests/test_gateway_limits.py",
