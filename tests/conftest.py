@@ -6,11 +6,17 @@ import re
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 DATA = Path(__file__).parent / "data"
 
 # LiteLLM fetches its model cost map over the network at import unless told to use its bundled copy.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+# No Hypothesis deadline anywhere: an example's wall time is not behaviour, and on a shared,
+# loaded machine (CI: 2 cores) a 200 ms deadline fails correct code as "flaky".
+settings.register_profile("kvroute", deadline=None)
+settings.load_profile("kvroute")
 
 
 def load_vectors(name: str) -> dict:
