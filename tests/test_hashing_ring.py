@@ -118,6 +118,32 @@ def test_parity_with_uhashring_ketama(nodes, keys, vnodes):
         assert node == expected or divergence_is_documented(ours, str(key)), key
 
 
+def boundary_keys() -> list[str]:
+    """Keys whose UTF-8 length straddles one MD5 block's payload (55/56 bytes) and one block
+    (64), ASCII and with 2-, 3- and 4-byte characters, in one batch larger than the MD5 lanes."""
+    keys = []
+    for n in range(48, 72):
+        keys.append("k" * n)
+        keys.append("é" + "x" * (n - 2))  # 2-byte character first
+        keys.append("x" * (n - 3) + "€")  # 3-byte character last
+        keys.append("𝄞" + "y" * (n - 4))  # 4-byte character
+    return keys
+
+
+@settings(max_examples=30, deadline=None)
+@given(keys=st.lists(st.text(max_size=70), min_size=1, max_size=150))
+def test_get_many_matches_uhashring_on_any_text(keys):
+    # Batches longer than the MD5 lanes, with short and long (up to 280-byte) keys mixed.
+    nodes = {f"node-{i}": 1 + i % 3 for i in range(12)}
+    ours = kvroute.HashRing(nodes)
+    peer = uhashring.HashRing(dict(nodes), hash_fn="ketama")
+    keys = keys + boundary_keys()
+    got = ours.get_many(keys)
+    for key, node in zip(keys, got, strict=True):
+        assert node == ours.get(key)  # the scalar MD5 path
+        assert node == peer.get_node(key) or divergence_is_documented(ours, key), key
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     nodes=st.lists(names, min_size=1, max_size=16, unique=True),

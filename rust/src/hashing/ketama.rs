@@ -7,8 +7,8 @@
 //! - [`ketama_points`] of server `name` and digest index `j` are the four little-endian 32-bit
 //!   words of `MD5("{name}-{j}")`.
 //! - [`ketama_hash_many`] returns exactly [`ketama_hash`] for every key, in order. Keys of at most
-//!   55 bytes (one MD5 block) are hashed 16 at a time in SIMD lanes (AVX2 when the CPU has it);
-//!   longer keys take the scalar MD5 path.
+//!   55 bytes (one MD5 block) are hashed 32 at a time in SIMD lanes (AVX-512 or AVX2 when the
+//!   CPU has it, SSE2/NEON otherwise); longer keys take the scalar MD5 path.
 
 use md5::{Digest, Md5};
 
@@ -17,7 +17,7 @@ use super::Key;
 /// Longest message that fits in one padded MD5 block.
 const ONE_BLOCK: usize = 55;
 /// Keys hashed together by the multi-lane MD5.
-const LANES: usize = 16;
+pub(super) const LANES: usize = 32;
 
 const INIT: [u32; 4] = [0x6745_2301, 0xefcd_ab89, 0x98ba_dcfe, 0x1032_5476];
 
@@ -92,6 +92,9 @@ const K: [u32; 64] = [
 /// Message words of up to `L` single-block messages, transposed (`m[word][lane]`).
 type Block<const L: usize> = [[u32; L]; 16];
 
+/// Up to `L` padded single-block messages, one 64-byte MD5 block per lane.
+pub(super) type Blocks<const L: usize> = [[u8; 64]; L];
+
 /// Word 0 of the MD5 digest (the first four digest bytes, little-endian) of each lane's block.
 ///
 /// Only the 61 steps that feed word 0 run: the last three steps update the other words.
@@ -148,64 +151,74 @@ fn md5_word0<const L: usize>(m: &Block<L>) -> [u32; L] {
     a
 }
 
-fn md5_word0_lanes(m: &Block<LANES>) -> [u32; LANES] {
+/// Transposes `L` padded blocks into message words and runs [`md5_word0`] on them, `G` lanes at
+/// a time (`G` divides `L`): enough independent lanes to hide one MD5 step's latency, few
+/// enough that the state stays in registers.
+#[inline(always)]
+pub(super) fn md5_word0_by<const L: usize, const G: usize>(blocks: &Blocks<L>) -> [u32; L] {
+    let mut out = [0; L];
+    for (dest, group) in out.chunks_exact_mut(G).zip(blocks.chunks_exact(G)) {
+        let mut m: Block<G> = [[0; G]; 16];
+        for (g, row) in m.iter_mut().enumerate() {
+            for (w, block) in row.iter_mut().zip(group) {
+                let at = 4 * g;
+                if let Some(&[b0, b1, b2, b3]) = block.get(at..at + 4) {
+                    *w = u32::from_le_bytes([b0, b1, b2, b3]);
+                }
+            }
+        }
+        dest.copy_from_slice(&md5_word0(&m));
+    }
+    out
+}
+
+fn md5_word0_lanes(blocks: &Blocks<LANES>) -> [u32; LANES] {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512vl")
         {
             // SAFETY: the running CPU supports AVX-512F and VL (checked just above).
-            return unsafe { md5_word0_lanes_avx512(m) };
+            return unsafe { md5_word0_lanes_avx512(blocks) };
         }
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the running CPU supports AVX2 (checked just above).
-            return unsafe { md5_word0_lanes_avx2(m) };
+            return unsafe { md5_word0_lanes_avx2(blocks) };
         }
     }
-    md5_word0(m)
+    // SSE2 (x86-64's baseline) or NEON: 4 lanes per vector, two vectors interleaved.
+    md5_word0_by::<LANES, 8>(blocks)
 }
 
-/// The same computation compiled for AVX-512 (a rotate is one instruction, `vprold`, where
-/// AVX2 needs two shifts and an or; 16 lanes per 512-bit vector).
+/// The same computation compiled for AVX-512: a rotate is one instruction (`vprold`) where
+/// AVX2 needs two shifts and an or, and two 16-lane vectors are interleaved.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512vl")]
-fn md5_word0_lanes_avx512(m: &Block<LANES>) -> [u32; LANES] {
-    md5_word0(m)
+pub(super) fn md5_word0_lanes_avx512(blocks: &Blocks<LANES>) -> [u32; LANES] {
+    md5_word0_by::<LANES, 32>(blocks)
 }
 
-/// The same computation compiled for AVX2 (8 lanes per vector instead of SSE2's 4).
+/// The same computation compiled for AVX2: two 8-lane vectors interleaved.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn md5_word0_lanes_avx2(m: &Block<LANES>) -> [u32; LANES] {
-    md5_word0(m)
+pub(super) fn md5_word0_lanes_avx2(blocks: &Blocks<LANES>) -> [u32; LANES] {
+    md5_word0_by::<LANES, 16>(blocks)
 }
 
-/// Writes the padded single MD5 block of `msg` (at most [`ONE_BLOCK`] bytes) into lane `lane`.
+/// Writes the padded single MD5 block of `msg` (at most [`ONE_BLOCK`] bytes) into `block`:
+/// the message, the 0x80 terminator, zeros, and the message length in bits (little-endian).
 #[inline(always)]
-fn load_lane<const L: usize>(m: &mut Block<L>, lane: usize, msg: &[u8]) {
+pub(super) fn pad_into(block: &mut [u8; 64], msg: &[u8]) {
     let msg = msg.get(..ONE_BLOCK).unwrap_or(msg);
-    let mut words = [0u32; 16];
-    let mut chunks = msg.chunks_exact(4);
-    for (w, c) in words.iter_mut().zip(&mut chunks) {
-        *w = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+    *block = [0; 64];
+    if let Some(dest) = block.get_mut(..msg.len()) {
+        dest.copy_from_slice(msg);
     }
-    // The tail bytes, then the 0x80 terminator, in the next word.
-    let tail = chunks.remainder();
-    let mut last = 0x80u32 << (8 * tail.len());
-    for (i, &b) in tail.iter().enumerate() {
-        last |= u32::from(b) << (8 * i);
+    if let Some(end) = block.get_mut(msg.len()) {
+        *end = 0x80;
     }
-    if let Some(w) = words.get_mut(msg.len() / 4) {
-        *w = last;
-    }
-    let bits = msg.len() as u64 * 8;
-    words[14] = bits as u32;
-    words[15] = (bits >> 32) as u32;
-    for (row, w) in m.iter_mut().zip(words) {
-        if let Some(slot) = row.get_mut(lane) {
-            *slot = w;
-        }
-    }
+    let (_, bits) = block.split_at_mut(56);
+    bits.copy_from_slice(&(msg.len() as u64 * 8).to_le_bytes());
 }
 
 /// Decimal text of `value` in `buf`; returns the used tail.
@@ -227,9 +240,9 @@ fn decimal(value: u64, buf: &mut [u8; 20]) -> &[u8] {
 
 fn scalar_word0(msg: &[u8]) -> u32 {
     if msg.len() <= ONE_BLOCK {
-        let mut m: Block<1> = [[0; 1]; 16];
-        load_lane(&mut m, 0, msg);
-        return md5_word0(&m)[0];
+        let mut block = [[0; 64]; 1];
+        pad_into(&mut block[0], msg);
+        return md5_word0_by::<1, 1>(&block)[0];
     }
     let digest = Md5::digest(msg);
     u32::from_le_bytes([digest[0], digest[1], digest[2], digest[3]])
@@ -245,12 +258,12 @@ pub fn ketama_hash(key: Key<'_>) -> u32 {
 
 /// [`ketama_hash`] of every key, in order, passed to `sink`.
 pub fn ketama_hash_many<'k>(keys: impl IntoIterator<Item = Key<'k>>, mut sink: impl FnMut(u32)) {
-    let mut m: Block<LANES> = [[0; LANES]; 16];
+    let mut blocks: Blocks<LANES> = [[0; 64]; LANES];
     // Per position in the current group: a hash computed on the scalar path (long keys).
     let mut scalar: [Option<u32>; LANES] = [None; LANES];
     let mut filled = 0;
-    let mut flush = |m: &Block<LANES>, scalar: &[Option<u32>; LANES], filled: usize| {
-        let lanes = md5_word0_lanes(m);
+    let mut flush = |blocks: &Blocks<LANES>, scalar: &[Option<u32>; LANES], filled: usize| {
+        let lanes = md5_word0_lanes(blocks);
         for (done, lane) in scalar.iter().zip(lanes).take(filled) {
             sink(done.unwrap_or(lane));
         }
@@ -262,20 +275,20 @@ pub fn ketama_hash_many<'k>(keys: impl IntoIterator<Item = Key<'k>>, mut sink: i
             Key::Int(k) => decimal(k, &mut digits),
         };
         let long = (msg.len() > ONE_BLOCK).then(|| scalar_word0(msg));
-        if long.is_none() {
-            load_lane(&mut m, filled, msg);
+        if let (None, Some(block)) = (long, blocks.get_mut(filled)) {
+            pad_into(block, msg);
         }
         if let Some(slot) = scalar.get_mut(filled) {
             *slot = long;
         }
         filled += 1;
         if filled == LANES {
-            flush(&m, &scalar, filled);
+            flush(&blocks, &scalar, filled);
             filled = 0;
         }
     }
     if filled > 0 {
-        flush(&m, &scalar, filled);
+        flush(&blocks, &scalar, filled);
     }
 }
 

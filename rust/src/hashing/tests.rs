@@ -201,6 +201,74 @@ mod ketama {
         }
     }
 
+    /// Random byte strings of length 0..200 (SplitMix64), short and long keys mixed so that
+    /// every lane position sees both.
+    fn random_keys(n: usize, seed: u64) -> Vec<Vec<u8>> {
+        let mut state = seed;
+        let mut next = move || {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        };
+        (0..n)
+            .map(|_| {
+                let len = (next() % 200) as usize;
+                (0..len).map(|_| next() as u8).collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn lanes_match_md5_on_random_keys() {
+        for seed in 0..4 {
+            let keys = random_keys(3_001, seed);
+            let mut got = Vec::new();
+            ketama_hash_many(keys.iter().map(|k| Key::Bytes(k)), |h| got.push(h));
+            let want: Vec<u32> = keys.iter().map(|k| reference(k)).collect();
+            assert_eq!(got, want, "seed {seed}");
+            for k in keys.iter().take(300) {
+                assert_eq!(ketama_hash(Key::Bytes(k)), reference(k));
+            }
+        }
+    }
+
+    /// Every compiled variant (not only the one this CPU dispatches to) on one-block keys.
+    #[test]
+    fn every_lane_variant_matches_md5() {
+        let keys: Vec<Vec<u8>> = random_keys(4 * LANES, 9)
+            .into_iter()
+            .map(|mut k| {
+                k.truncate(55);
+                k
+            })
+            .collect();
+        for chunk in keys.chunks_exact(LANES) {
+            let mut blocks: Blocks<LANES> = [[0; 64]; LANES];
+            for (block, k) in blocks.iter_mut().zip(chunk) {
+                pad_into(block, k);
+            }
+            let want: Vec<u32> = chunk.iter().map(|k| reference(k)).collect();
+            assert_eq!(md5_word0_by::<LANES, 8>(&blocks).to_vec(), want);
+            assert_eq!(md5_word0_by::<LANES, 16>(&blocks).to_vec(), want);
+            assert_eq!(md5_word0_by::<LANES, LANES>(&blocks).to_vec(), want);
+            #[cfg(target_arch = "x86_64")]
+            {
+                if std::arch::is_x86_feature_detected!("avx2") {
+                    // SAFETY: the CPU supports AVX2 (checked just above).
+                    assert_eq!(unsafe { md5_word0_lanes_avx2(&blocks) }.to_vec(), want);
+                }
+                if std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512vl")
+                {
+                    // SAFETY: the CPU supports AVX-512F and VL (checked just above).
+                    assert_eq!(unsafe { md5_word0_lanes_avx512(&blocks) }.to_vec(), want);
+                }
+            }
+        }
+    }
+
     #[test]
     fn integer_keys_hash_as_decimal_text() {
         for k in [0u64, 7, 10, 99_999, u64::MAX] {
