@@ -9,9 +9,10 @@ files that exercise it.
 
 A full run takes hours on a 2-core machine, so the default is what a change needs: only the
 mutants in lines changed since ``--diff`` (default ``main``; Python: the changed files). Name
-modules to run them whole (``--only hashing,py-events``), split a Rust module with
-``--shard K/N``. Every run is niced, one job at a time by default (``--jobs``), and writes under
-``target/mutants/<module>/``; the score table goes to ``target/mutants/summary.md``.
+modules to run them whole (``--only hashing,py-events``); ``--shard K/N`` runs every N-th mutant
+of each Rust module from the K-th (round-robin): shard 1/N is an unbiased sample, and shards 1..N
+together are the whole set. Every run is niced, one job at a time by default (``--jobs``), and
+writes under ``target/mutants/<module>/``; the score table goes to ``target/mutants/summary.md``.
 
 Score per module: caught ÷ (caught + missed − accepted equivalents); timeouts count as caught,
 unviable mutants (that do not build) as nothing. Accepted equivalent mutants — ones no test can
@@ -133,6 +134,22 @@ def accepted() -> dict[str, set[str]]:
     return out
 
 
+# What one Rust mutant costs: an incremental rebuild of the crate in Cargo.toml's `mutants`
+# profile (opt-level 1: the tests run ~7x faster than at 0) and only the lib's unit tests (the
+# crate has no integration tests and no doctests; `--lib` skips building the cdylib/rlib and
+# running rustdoc for nothing). Tests that exceed a minute count as a timeout (caught): a loaded
+# machine can slow the ~5 s suite a lot, so the timeout is not scaled down from the baseline.
+RUST_COST = [
+    "--profile",
+    "mutants",
+    "--cargo-test-arg=--lib",
+    "--minimum-test-timeout",
+    "60",
+    "--timeout-multiplier",
+    "3",
+]
+
+
 def rust_id(line: str) -> str:
     """``file: description`` of a cargo-mutants line, without its line and column (they move)."""
     return re.sub(r"^([^:]+):\d+:\d+:\s*", r"\1: ", line.strip())
@@ -166,17 +183,18 @@ def run_rust(module: str, args: argparse.Namespace, equivalents: set[str]) -> Sc
         "--file",
         f"rust/src/{module}/**/*.rs",
         "--exclude",
-        "**/tests.rs",
+        "**/tests*.rs",
         "--jobs",
         str(args.jobs),
         "--output",
         str(out),
-        "--timeout-multiplier",
-        "3",
+        *RUST_COST,
         "--no-shuffle",
     ]
     if args.shard:
-        cmd += ["--shard", args.shard]
+        # round-robin: shard K/N is every N-th mutant from the K-th, an unbiased sample of the
+        # module (cargo-mutants' default, "slice", would be one consecutive run of files).
+        cmd += ["--shard", args.shard, "--sharding", "round-robin"]
     if args.diff:
         patch = out / "changes.diff"
         diff = git("diff", f"{args.diff}...HEAD", "--", f"rust/src/{module}")
@@ -186,7 +204,10 @@ def run_rust(module: str, args: argparse.Namespace, equivalents: set[str]) -> Sc
         patch.write_text(diff)
         cmd += ["--in-diff", str(patch)]
     print("+", " ".join(cmd), flush=True)
-    subprocess.run(niced(cmd), cwd=ROOT, check=False)
+    # One build directory for every module's run: the dependencies are built once, not once per
+    # cargo-mutants invocation (each builds in a fresh copy of the tree).
+    env = dict(os.environ, CARGO_TARGET_DIR=str(OUT / "build"))
+    subprocess.run(niced(cmd), cwd=ROOT, env=env, check=False)
     return rust_score(module, out / "mutants.out", equivalents)
 
 

@@ -634,3 +634,5 @@ fn reserved_partition<'a>(
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_mutants;
