@@ -35,3 +35,75 @@ fn index_modes_are_named_as_the_constructor_takes_them() {
     }
     assert!("exact".parse::<IndexMode>().is_err());
 }
+
+fn router(policy: Policy, names: &[&str]) -> Router {
+    let config = Config {
+        policy,
+        block_size: 4,
+        capacity_blocks: 64,
+        ..Config::default()
+    };
+    Router::new(names.iter().map(|&n| (n, 1.0)), config).unwrap()
+}
+
+fn tokens(seed: u32, n: u32) -> Vec<u32> {
+    (0..n).map(|i| seed * 100_000 + i).collect()
+}
+
+#[test]
+fn a_decision_shows_every_candidates_cost_and_the_chosen_is_cheapest() {
+    let mut r = router(Policy::KvAware, &["a", "b", "c"]);
+    let first = r.route_tokens(&tokens(1, 64), None, None, 0.0).unwrap();
+    let again = r.route_tokens(&tokens(1, 64), None, None, 1.0).unwrap();
+    assert_eq!(again.worker, first.worker);
+    let scores: Vec<(String, f64)> = again.scores().map(|(n, v)| (n.to_string(), v)).collect();
+    let mut names: Vec<&str> = scores.iter().map(|(n, _)| n.as_str()).collect();
+    names.sort_unstable();
+    assert_eq!(names, ["a", "b", "c"]);
+    let cost = |name: &str| scores.iter().find(|(n, _)| n == name).unwrap().1;
+    // The holder of the whole prompt costs less than either worker that would prefill it.
+    for (name, _) in &scores {
+        if **name != *again.worker {
+            assert!(cost(&again.worker) < cost(name), "{scores:?}");
+        }
+    }
+}
+
+#[test]
+fn the_model_check_reports_an_index_that_disagrees_with_the_caches() {
+    // Python's state-machine tests rely on `_check_model` to fail on a broken model.
+    let mut r = router(Policy::KvAware, &["a", "b"]);
+    r.route_tokens(&tokens(1, 16), None, None, 0.0).unwrap();
+    r.check_model().unwrap();
+    r.index().write().store("a", &[1, 2, 3], None).unwrap();
+    r.index().write().store("b", &[1, 2, 3], None).unwrap();
+    let err = r.check_model().unwrap_err();
+    assert!(err.contains("index holds"), "{err}");
+}
+
+#[test]
+fn power_of_two_sends_each_request_to_the_less_loaded_of_its_two_draws() {
+    // Two workers: both are drawn every time, so the pick must follow the load.
+    let mut r = router(Policy::PowerOfTwo, &["a", "b"]);
+    for t in 0..24 {
+        let d = r.route_tokens(&tokens(t, 40), None, None, 0.0).unwrap();
+        let scores: Vec<(String, f64)> = d.scores().map(|(n, v)| (n.to_string(), v)).collect();
+        assert_eq!(scores.len(), 2, "{scores:?}");
+        let least = scores.iter().map(|s| s.1).fold(f64::INFINITY, f64::min);
+        let chosen = scores.iter().find(|(n, _)| **n == *d.worker).unwrap().1;
+        assert_eq!(chosen, least, "request {t}: {scores:?} chose {}", d.worker);
+        if t % 3 != 0 {
+            r.begin(&d).unwrap(); // uneven loads: some requests never start
+        }
+    }
+}
+
+#[test]
+fn a_worker_marked_fresh_is_trusted_fully_again() {
+    let mut r = router(Policy::KvAware, &["a", "b"]);
+    r.mark_stale("a", 0.0).unwrap();
+    assert!(r.freshness("a", 10.0).unwrap() < 0.5);
+    r.mark_fresh("a").unwrap();
+    assert_eq!(r.freshness("a", 10.0).unwrap(), 1.0);
+    assert!(r.mark_fresh("nobody").is_err());
+}
