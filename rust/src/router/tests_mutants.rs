@@ -107,3 +107,42 @@ fn a_worker_marked_fresh_is_trusted_fully_again() {
     assert_eq!(r.freshness("a", 10.0).unwrap(), 1.0);
     assert!(r.mark_fresh("nobody").is_err());
 }
+
+#[test]
+fn an_engine_reported_prefill_backlog_counts_against_its_worker() {
+    let mut r = router(Policy::KvAware, &["a", "b"]);
+    let d = r.route_tokens(&tokens(1, 40), None, None, 0.0).unwrap();
+    r.begin(&d).unwrap(); // 10 blocks to prefill on the chosen worker
+    let (busy, other) = if &*d.worker == "a" {
+        ("a", "b")
+    } else {
+        ("b", "a")
+    };
+    // The other worker's engine reports 25 blocks waiting for prefill (other routers' requests).
+    r.set_load(other, None, None, Some(25), None).unwrap();
+    let next = r.route_tokens(&tokens(2, 40), None, None, 1.0).unwrap();
+    assert_eq!(&*next.worker, busy);
+}
+
+#[test]
+fn hash_routing_keeps_following_weights_after_a_removal() {
+    // a and b weigh 1, c 4; once a is gone, c should still take ~4/5 of the keys.
+    let config = Config {
+        policy: Policy::Hash,
+        block_size: 4,
+        ..Config::default()
+    };
+    let workers = [("a", 1.0), ("b", 1.0), ("c", 4.0)];
+    let mut r = Router::new(workers, config).unwrap();
+    r.remove_worker("a").unwrap();
+    let n = 1000;
+    let to_c = (0..n)
+        .filter(|&t| {
+            &*r.route_tokens(&tokens(t, 8), None, None, 0.0)
+                .unwrap()
+                .worker
+                == "c"
+        })
+        .count();
+    assert!((700..900).contains(&to_c), "c took {to_c} of {n}");
+}
