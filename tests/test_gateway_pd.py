@@ -142,6 +142,47 @@ def test_a_pair_hands_the_kv_over_as_the_engine_expects(pd, stream):
     idle(gw)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_connector_without_transfer_params_hands_over_out_of_band(stream):
+    """vLLM's shared-storage ExampleConnector (what `make e2e` runs) answers the prefill without
+    kv_transfer_params: the decode gets the original request without them, and its engine
+    loads the prompt's KV from the connector itself."""
+    fleet = PdFleet("vllm", 1, 1, shared_storage=True)
+    with GatewayServer(fleet.config()) as gw:
+        client = gw.client("sk-acme")
+        messages = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "R9?"}]
+        raw = client.chat.completions.with_raw_response.create(
+            model="ep-acme",
+            messages=messages,
+            max_tokens=12,
+            stream=stream,
+            **({"stream_options": {"include_usage": True}} if stream else {}),
+        )
+        assert (raw.headers["x-kvroute-prefill-worker"], raw.headers["x-kvroute-worker"]) == (
+            "up-0",
+            "up-1",
+        )
+        reply = list(raw.parse()) if stream else [raw.parse()]
+        text = "".join(
+            (c.choices[0].delta.content or "") if stream else c.choices[0].message.content
+            for c in reply
+            if c.choices
+        )
+        assert text.startswith("up-1 ")  # the decode worker's answer
+        (p_body,) = fleet["up-0"].bodies
+        (d_body,) = fleet["up-1"].bodies
+        assert p_body["kv_transfer_params"] == VLLM_PREFILL_PARAMS
+        assert "kv_transfer_params" not in d_body
+        assert d_body["max_tokens"] == 12 and d_body.get("stream", False) is stream
+        assert p_body["messages"] == d_body["messages"] == messages
+        # The decode engine loaded the prompt the prefill stored, and reports it cached.
+        assert [k for k, _ in fleet.exchange.pulled] == ["storage"]
+        assert reply[-1].usage.prompt_tokens_details.cached_tokens > 1800
+        idle(gw)
+    fleet.close()
+    assert fleet.exchange.errors == []
+
+
 def test_rooms_are_fresh_and_client_handover_fields_are_dropped():
     fleet = PdFleet("sglang", 1, 1)
     with GatewayServer(fleet.config()) as gw:

@@ -17,6 +17,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -25,6 +26,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def engine_options(args: Any) -> dict[str, Any]:
+    """The ``Engine`` fields every e2e engine takes from ``run.py``'s command line."""
+    return dict(
+        python=args.vllm_python,
+        model=args.model,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_model_len=args.max_model_len,
+    )
 
 
 @dataclass
@@ -42,6 +54,9 @@ class Engine:
     hash_algo: str = "sha256"
     int_hashes: bool = True
     events_mode: str = "ipc"  # "ipc" (engine binds) or "tcp" (engine connects)
+    #: ``--kv-transfer-config`` (a KV connector: the prefill/decode engines); with one the engine
+    #: also keeps its statistics on (``/metrics``: prompt tokens by source, connector hits).
+    kv_transfer: dict[str, Any] | None = None
     port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
     events_port: int = field(default_factory=free_port)
@@ -125,8 +140,12 @@ class Engine:
             "--enable-prompt-tokens-details",
             "--kv-events-config",
             json.dumps(events),
-            "--disable-log-stats",
             "--enforce-eager",
+            *(
+                ["--kv-transfer-config", json.dumps(self.kv_transfer)]
+                if self.kv_transfer
+                else ["--disable-log-stats"]
+            ),
         ]
 
     def start(self) -> None:
@@ -200,6 +219,20 @@ class Engine:
     def kill(self) -> None:
         """A crash: ``SIGKILL`` to the whole group at once."""
         self.stop(signal.SIGKILL)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the engine's Prometheus samples ``name`` (``/metrics``) whose labels
+        include ``labels`` (0 when none)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        r = httpx.get(self.url + "/metrics", timeout=10.0)
+        r.raise_for_status()
+        return sum(
+            s.value
+            for family in text_string_to_metric_families(r.text)
+            for s in family.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
 
     def reset_prefix_cache(self) -> None:
         r = httpx.post(self.url + "/reset_prefix_cache", timeout=30.0)

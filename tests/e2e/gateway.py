@@ -44,8 +44,11 @@ def config_text(
     mode: str = "direct",
     hash_algo: str = "sha256",
     endpoints: tuple[str, ...] = (),
+    roles: dict[str, str] | None = None,
+    pd: dict[str, Any] | None = None,
 ) -> str:
-    """The gateway's TOML for one scenario: events (direct/rehash) or approx index."""
+    """The gateway's TOML for one scenario: events (direct/rehash) or approx index; ``roles``
+    (worker name to role) and ``pd`` (the ``[pd]`` table) for a prefill/decode fleet."""
     block_size = engines[0].block_size
     direct = index == "events" and mode == "direct"
     router: dict[str, Any] = {
@@ -82,6 +85,8 @@ def config_text(
     ]
     if index == "events":
         lines += ["[events]", f"mode = {_toml(mode)}", ""]
+    if pd is not None:
+        lines += ["[pd]", *(f"{k} = {_toml(v)}" for k, v in pd.items()), ""]
     for e in engines:
         lines += [
             "[[workers]]",
@@ -89,6 +94,8 @@ def config_text(
             f"url = {_toml(e.url)}",
             'kind = "vllm"',
         ]
+        if roles and e.name in roles:
+            lines.append(f"role = {_toml(roles[e.name])}")
         if index == "events":
             lines += [
                 f"kv_events = {_toml(e.events)}",

