@@ -98,7 +98,7 @@ def _sticky(args: argparse.Namespace) -> int:
 
 def _simulate(args: argparse.Namespace) -> int:
     """Run every policy on one workload and print (and optionally write) the report."""
-    from .sim.engine import FleetModel
+    from .sim.engine import DEFAULT_DECODE_TIME_PER_TOKEN, FleetModel
     from .sim.policies import DEFAULT_POLICIES, parse_policies
     from .sim.report import print_report, write_json, write_plot
     from .sim.simulate import SCENARIO_WORKERS, EndpointOptions, load_workload, simulate
@@ -121,6 +121,8 @@ def _simulate(args: argparse.Namespace) -> int:
             workload = workload.time_scaled(args.time_scale)
         return workload
 
+    if args.pd is not None:
+        return _pd(args, prepare)
     try:
         policies = parse_policies(args.policies) if args.policies else list(DEFAULT_POLICIES)
         swept = parse_sweep(args.sweep) if args.sweep else None
@@ -140,7 +142,9 @@ def _simulate(args: argparse.Namespace) -> int:
             capacity_blocks=args.capacity_blocks,
             prefill_rate=args.prefill_rate,
             prefill_overhead=args.prefill_overhead,
-            decode_time_per_token=args.decode_time,
+            decode_time_per_token=(
+                DEFAULT_DECODE_TIME_PER_TOKEN if args.decode_time is None else args.decode_time
+            ),
         )
         endpoint = EndpointOptions(
             pool_size=args.pool_size, reserved_blocks=args.reserved_blocks, priority=args.priority
@@ -188,6 +192,62 @@ def _simulate(args: argparse.Namespace) -> int:
         from .sim.instruments import write_decisions
 
         write_decisions({p: results[f"decisions:{p}"] for p in policies}, args.decisions)
+    return 0
+
+
+def _pd(args: argparse.Namespace, prepare) -> int:
+    """``kvroute simulate --pd P:D``: aggregated / disaggregated / conditional (kvroute.sim.pd)."""
+    from .sim.pd import PdModel, parse_ratio
+    from .sim.pd_study import parse_thresholds, pd_study, render_study
+    from .sim.sweep import parse_sweep
+
+    try:
+        alone = {
+            "--policies": args.policies,
+            "--replicas": args.replicas,
+            "--explain": args.explain,
+            "--decisions": args.decisions,
+            "--seeds": args.seeds,
+            "--pressure": args.pressure,
+            "--plot": args.plot,
+            "--decode-time": args.decode_time,
+            "--workers": args.workers,
+        }
+        given = [flag for flag, v in alone.items() if v]
+        if given:
+            raise ValueError(f"{', '.join(given)} do not apply to --pd (the fleet is P:D)")
+        ratios = [parse_ratio(r) for r in args.pd.split(",") if r.strip()]
+        if not ratios:
+            raise ValueError("--pd lists no P:D ratio")
+        scales = [args.time_scale]
+        if args.sweep:
+            axis, scales = parse_sweep(args.sweep)
+            if axis != "time-scale" or args.time_scale != 1.0:
+                raise ValueError("with --pd, --sweep takes time-scale=... (and no --time-scale)")
+        thresholds = parse_thresholds(args.pd_thresholds) if args.pd_thresholds else None
+        args.time_scale = 1.0  # the study scales the workload (and labels its points)
+        workload = prepare(args.seed)
+        model = PdModel(
+            capacity_blocks=args.capacity_blocks,
+            prefill_rate=args.prefill_rate,
+            prefill_overhead=args.prefill_overhead,
+        )
+        report = None if args.quiet else (lambda what: print(f"  {what}", file=sys.stderr))
+        study = pd_study(
+            workload,
+            model,
+            ratios=ratios,
+            time_scales=scales,
+            thresholds=thresholds,
+            seed=args.seed,
+            progress=report,
+        )
+    except (ValueError, TypeError, OSError) as e:
+        print(f"kvroute simulate: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(render_study(study))
+    if args.json:
+        study.write_json(args.json)
     return 0
 
 
@@ -420,8 +480,22 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--decode-time",
         type=float,
-        default=DEFAULT_DECODE_TIME_PER_TOKEN,
-        help="seconds per output token (default %(default)s)",
+        help=f"seconds per output token (default {DEFAULT_DECODE_TIME_PER_TOKEN})",
+    )
+    sim.add_argument(
+        "--pd",
+        metavar="P:D[,P:D...]",
+        help=(
+            "prefill/decode fleets of P prefill + D decode workers: aggregated, disaggregated "
+            "and conditional serving side by side (TTFT, time per output token, hit rate, share "
+            "split); --sweep time-scale=... runs several loads"
+        ),
+    )
+    sim.add_argument(
+        "--pd-thresholds",
+        metavar="T1,T2,...",
+        help="with --pd: run the conditional mode at each pd_threshold (tokens) and rank them "
+        "(default: once, at the Router's default)",
     )
     sim.add_argument(
         "--policies",
