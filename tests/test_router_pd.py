@@ -363,7 +363,10 @@ def test_kv_aware_prefill_follows_the_prefix_and_decode_spreads_kv():
 
 def test_conditional_threshold_counts_what_the_decode_worker_lacks():
     r = kvroute.Router(
-        {"p0": 1.0, "d0": 1.0}, roles={"p0": "prefill", "d0": "decode"}, block_size=BS
+        {"p0": 1.0, "d0": 1.0},
+        roles={"p0": "prefill", "d0": "decode"},
+        block_size=BS,
+        pd_threshold=512,
     )
     assert r.config["pd_threshold"] == 512
     conversation = toks(3, 2000)

@@ -521,7 +521,7 @@ class Router:
         vllm_version: str | None = None,
         updates: bool = False,
         roles: Mapping[str, _Role] | None = None,
-        pd_threshold: int = 512,
+        pd_threshold: int = 2048,
         pd_saturation: float | None = None,
         pd_local_prefill: bool = True,
     ) -> Router: ...

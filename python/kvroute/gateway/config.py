@@ -90,7 +90,7 @@ Example (every key shown; only ``[[workers]]`` is required)::
 
     [pd]                             # route every request as a prefill/decode pair
     protocol = "vllm"                # KV hand-over: "vllm" (KV connector, e.g. NIXL) | "sglang"
-    threshold = 512                  # Router pd_threshold: prefill on the decode worker when it
+    threshold = 2048                 # Router pd_threshold: prefill on the decode worker when it
                                      # lacks at most this many prompt tokens (vllm only)
     saturation = 2.0                 # Router pd_saturation (default: the router's)
 

@@ -17,6 +17,8 @@
   :func:`mooncake_conversation` (the bundled FAST'25 conversation trace),
   :func:`claude_code_sessions` (four bundled kv-cache-tester agent sessions);
 - :mod:`.sweep` — :func:`~.sweep.sweep`: every policy at several offered loads (``--sweep``);
+- :mod:`.pd` / :mod:`.pd_study` — the prefill/decode fleet (:func:`~.pd.run_pd`: aggregated,
+  disaggregated, conditional through ``Router.route_pd``) and the threshold sweep (``--pd``);
 - :mod:`.instruments` — :class:`~.instruments.Recorder`: what each decision saw (``--explain``);
 - :mod:`.synthetic` — seeded ``endpoint`` / ``rag`` / ``agent`` scenarios;
 - :mod:`.oracles` — :func:`infinite_cache` and :func:`pooled_lru` hit-rate oracles;

@@ -161,7 +161,8 @@ impl FromStr for Phase {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PdConfig {
     /// A request whose part not held by its decode worker is at most this many tokens is
-    /// prefilled there (default 512; 0: only when nothing is left to compute).
+    /// prefilled there (default 2048, measured: `kvroute simulate --pd`, README "P/D"; 0: only
+    /// when nothing is left to compute).
     pub threshold: usize,
     /// The prefill side is saturated when the `kv_aware` cost on the chosen prefill worker
     /// exceeds this many times the cost on the decode worker (`None` or infinite: never, the
@@ -177,7 +178,7 @@ pub struct PdConfig {
 impl Default for PdConfig {
     fn default() -> Self {
         PdConfig {
-            threshold: 512,
+            threshold: 2048,
             saturation: None,
             local_prefill: true,
         }

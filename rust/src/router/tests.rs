@@ -840,14 +840,18 @@ mod pd {
 
     #[test]
     fn decode_goes_where_kv_is_free_and_short_prompts_stay_whole() {
-        let mut r = fleet(&[("p0", P), ("d0", D), ("d1", D)], PdConfig::default());
+        let pd = PdConfig {
+            threshold: 512,
+            ..PdConfig::default()
+        };
+        let mut r = fleet(&[("p0", P), ("d0", D), ("d1", D)], pd);
         let big = r.route_pd_tokens(&tokens(4, 4096), None, 0.0).unwrap();
         r.begin(&big.decode).unwrap();
         // d_big holds 1024 blocks of running requests: the next decode goes to the other one.
         let other = r.route_pd_tokens(&tokens(5, 4096), None, 1.0).unwrap();
         assert_ne!(other.decode.worker, big.decode.worker);
         assert_eq!(other.reason, PdReason::Remote);
-        // 512 tokens (the default threshold) or fewer: prefilled on the decode worker.
+        // 512 tokens (the threshold) or fewer: prefilled on the decode worker.
         let short = r.route_pd_tokens(&tokens(6, 512), None, 2.0).unwrap();
         assert_eq!(
             (short.reason, short.disaggregate()),
