@@ -313,11 +313,10 @@ def _sweep(args, workload, model, policies, axis: str, values: list[float]) -> i
 
 def _seeds(text: str) -> list[int]:
     """``"0-4"`` or ``"0,3,7"`` (or both, comma-separated) → distinct seeds in order."""
+    from .sim.sweep import comma_items
+
     out: list[int] = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
+    for item in comma_items(text, "--seeds"):
         lo, dash, hi = item.partition("-")
         try:
             span = range(int(lo), int(hi) + 1) if dash else [int(item)]
@@ -326,8 +325,6 @@ def _seeds(text: str) -> list[int]:
         if dash and int(hi) < int(lo):
             raise ValueError(f"--seeds: empty range {item!r}")
         out += [s for s in span if s not in out]
-    if not out:
-        raise ValueError("--seeds: no seed given")
     return out
 
 

@@ -62,10 +62,7 @@ def positive_numbers(text: str, what: str) -> list[float]:
     """``"1,2,4"`` → [1.0, 2.0, 4.0], in the order given; ``ValueError`` naming ``what`` and the
     bad item unless every value is a finite number > 0 and there is at least one."""
     values: list[float] = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
+    for item in comma_items(text, what):
         try:
             v = float(item)
         except ValueError:
@@ -73,9 +70,16 @@ def positive_numbers(text: str, what: str) -> list[float]:
         if not (v > 0 and math.isfinite(v)):
             raise ValueError(f"{what}: values must be finite and > 0, got {item}")
         values.append(v)
-    if not values:
-        raise ValueError(f"{what}: no values given")
     return values
+
+
+def comma_items(text: str, what: str) -> list[str]:
+    """The non-empty items of a comma-separated option value, stripped; ``ValueError`` naming
+    ``what`` when there is none."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise ValueError(f"{what}: no values given")
+    return items
 
 
 def parse_sweep(text: str) -> tuple[str, list[float]]:

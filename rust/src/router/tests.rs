@@ -3,7 +3,8 @@
 use super::route::tiered_credit;
 use super::*;
 
-fn router(policy: Policy, names: &[&str]) -> Router {
+/// A router of `names` (weight 1) with 4-token blocks and 64 blocks of cache each.
+pub(super) fn router(policy: Policy, names: &[&str]) -> Router {
     let config = Config {
         policy,
         block_size: 4,
@@ -13,7 +14,8 @@ fn router(policy: Policy, names: &[&str]) -> Router {
     Router::new(names.iter().map(|&n| (n, 1.0)), config).unwrap()
 }
 
-fn tokens(seed: u32, n: u32) -> Vec<u32> {
+/// `n` tokens, distinct per `seed`.
+pub(super) fn tokens(seed: u32, n: u32) -> Vec<u32> {
     (0..n).map(|i| seed * 100_000 + i).collect()
 }
 

@@ -1,6 +1,7 @@
 //! Router tests written for cargo-mutants survivors (`make mutants`): each asserts behaviour a user
 //! relies on that `tests.rs` (at its size limit) left unchecked from Rust.
 
+use super::tests::{router, tokens};
 use super::*;
 
 #[test]
@@ -34,20 +35,6 @@ fn index_modes_are_named_as_the_constructor_takes_them() {
         assert_eq!(name.parse::<IndexMode>().unwrap(), mode);
     }
     assert!("exact".parse::<IndexMode>().is_err());
-}
-
-fn router(policy: Policy, names: &[&str]) -> Router {
-    let config = Config {
-        policy,
-        block_size: 4,
-        capacity_blocks: 64,
-        ..Config::default()
-    };
-    Router::new(names.iter().map(|&n| (n, 1.0)), config).unwrap()
-}
-
-fn tokens(seed: u32, n: u32) -> Vec<u32> {
-    (0..n).map(|i| seed * 100_000 + i).collect()
 }
 
 #[test]
