@@ -467,3 +467,187 @@ fn map_keys_are_recognised_exactly() {
         assert_eq!(field_of(&at_end, span), plain(&key), "{key:?}");
     }
 }
+
+#[test]
+fn event_mode_names_round_trip() {
+    // Router.config()["event_mode"] and the applier's `mode` show these names, and a router
+    // built again from a saved config passes them back: each must parse to the same mode.
+    for (mode, name) in [(Mode::Rehash, "rehash"), (Mode::Direct, "direct")] {
+        assert_eq!(mode.name(), name);
+        assert_eq!(mode.to_string(), name);
+        assert_eq!(name.parse::<Mode>().ok(), Some(mode));
+    }
+    let err = "Rehash"
+        .parse::<Mode>()
+        .expect_err("names are case-sensitive");
+    assert!(err.to_string().contains("\"Rehash\""), "{err}");
+}
+
+#[test]
+fn removing_a_worker_forgets_its_blocks_tiers_and_counters() {
+    // The router calls this when a worker leaves the fleet: its GPU blocks and its blocks in
+    // every tier must stop matching, its counters go, and the other workers keep theirs.
+    let tokens: Vec<u64> = (0..32).collect();
+    let own = own_hashes(&tokens, 16);
+    let index = shared();
+    let mut a = Applier::new(index.clone(), Config::default()).expect("applier");
+    let p = batch(|w| {
+        for medium in [None, Some("CPU")] {
+            stored(
+                w,
+                &Ev {
+                    hashes: &[1, 2],
+                    parent: None,
+                    tokens: &tokens,
+                    block_size: 16,
+                    medium,
+                },
+            );
+        }
+        2
+    });
+    a.apply("gone", &p).expect("apply");
+    a.apply("kept", &p).expect("apply");
+    let cpu = a.tier_index("CPU").expect("CPU tier");
+    assert_eq!(matched(&cpu, &own, "gone"), 2);
+
+    assert!(a.remove_worker("gone"));
+    assert_eq!(matched(&index, &own, "gone"), 0);
+    assert_eq!(matched(&cpu, &own, "gone"), 0);
+    assert_eq!(cpu.read().worker_id("gone"), None, "still in the CPU tier");
+    assert!(a.counters("gone").is_none());
+    assert_eq!(a.workers(), ["kept"]);
+    assert_eq!(matched(&index, &own, "kept"), 2);
+    assert_eq!(matched(&cpu, &own, "kept"), 2);
+    // Only a known worker is removed.
+    assert!(!a.remove_worker("gone"));
+    assert!(!a.remove_worker("never-seen"));
+    assert_eq!(matched(&index, &own, "kept"), 2);
+}
+
+#[test]
+fn a_value_ending_the_payload_is_read_whole() {
+    // Batches without a data-parallel rank ([ts, events]) end with the last event's last value:
+    // an unknown field from a newer engine (skipped) or the token ids (map order is free).
+    let tokens: Vec<u64> = (0..16).collect();
+    let unknown_last = |w: &mut W| {
+        w.map(5).s("type").s("BlockStored");
+        w.s("block_hashes").ints(&[7]);
+        w.s("block_size").u(16);
+        w.s("token_ids").ints(&tokens);
+        w.s("future_field").s("some text");
+    };
+    let tokens_last = |w: &mut W| {
+        w.map(4).s("type").s("BlockStored");
+        w.s("block_hashes").ints(&[7]);
+        w.s("block_size").u(16);
+        w.s("token_ids").ints(&tokens);
+    };
+    for (i, event) in [&unknown_last as &dyn Fn(&mut W), &tokens_last]
+        .into_iter()
+        .enumerate()
+    {
+        let mut w = W::default();
+        w.arr(2).f(2.5).arr(1);
+        event(&mut w);
+        let mut b = Batch::default();
+        Decoder::new()
+            .decode(&w.0, &mut b)
+            .unwrap_or_else(|e| panic!("case {i}: {e}"));
+        let e = b.events(&w.0).next().expect("one event");
+        assert_eq!(e.block_hashes, &[7], "case {i}");
+        assert_eq!(e.token_ids, (0..16).collect::<Vec<u32>>(), "case {i}");
+        assert_eq!(b.dp_rank, None);
+    }
+}
+
+#[test]
+fn events_of_another_kv_cache_group_are_skipped() {
+    // Hybrid models (full + sliding-window attention) publish each block group's events with
+    // its group_idx; the applier follows one group and counts the others.
+    let tokens: Vec<u64> = (0..32).collect();
+    let own = own_hashes(&tokens, 16);
+    let in_group = |w: &mut W, group: u64, hashes: &[u64], tokens: &[u64]| {
+        w.map(5).s("type").s("BlockStored");
+        w.s("block_hashes").ints(hashes);
+        w.s("token_ids").ints(tokens);
+        w.s("block_size").u(16);
+        w.s("group_idx").u(group);
+    };
+    let p = batch(|w| {
+        in_group(w, 0, &[1], &tokens[..16]);
+        in_group(w, 1, &[11, 12], &tokens);
+        2
+    });
+    let mut b = Batch::default();
+    Decoder::new().decode(&p, &mut b).expect("decode");
+    let groups: Vec<i64> = b.events(&p).map(|e| e.group_idx).collect();
+    assert_eq!(groups, [0, 1]);
+
+    let index = shared();
+    let mut a = Applier::new(index.clone(), Config::default()).expect("applier");
+    a.apply("w", &p).expect("apply");
+    assert_eq!(matched(&index, &own, "w"), 1);
+    assert_eq!(a.counters("w").expect("c").skipped_other_group, 1);
+
+    let index = shared();
+    let config = Config {
+        group_idx: 1,
+        ..Config::default()
+    };
+    let mut a = Applier::new(index.clone(), config).expect("applier");
+    a.apply("w", &p).expect("apply");
+    assert_eq!(matched(&index, &own, "w"), 2);
+    assert_eq!(a.counters("w").expect("c").skipped_other_group, 1);
+}
+
+#[test]
+fn unknown_fields_of_any_shape_are_skipped_whole() {
+    // A newer engine may add fields of any msgpack type before the ones the router reads; each
+    // must be skipped exactly, or the fields after it are misread.
+    let tokens: Vec<u64> = (0..16).collect();
+    let mut big_map = W::default(); // map16: 17 entries of (str, [int, nil])
+    big_map.0.push(0xde);
+    big_map.0.extend_from_slice(&17u16.to_be_bytes());
+    for i in 0..17 {
+        big_map.s(&format!("k{i}")).arr(2).u(i).nil();
+    }
+    let mut big_array = W::default(); // array16: 20 small maps
+    big_array.0.push(0xdc);
+    big_array.0.extend_from_slice(&20u16.to_be_bytes());
+    for i in 0..20 {
+        big_array.map(1).u(i).s("v");
+    }
+    let mut small = W::default();
+    small
+        .map(2)
+        .s("a")
+        .ints(&[1, 2, 3])
+        .s("b")
+        .map(1)
+        .s("c")
+        .f(0.5);
+    for (i, value) in [big_map.0, big_array.0, small.0].into_iter().enumerate() {
+        let mut w = W::default();
+        w.arr(3).f(2.5).arr(1);
+        w.map(5).s("type").s("BlockStored");
+        w.s("future_field");
+        w.0.extend_from_slice(&value);
+        w.s("block_hashes").ints(&[7]);
+        w.s("block_size").u(16);
+        w.s("token_ids").ints(&tokens);
+        w.u(3); // data-parallel rank
+        let mut b = Batch::default();
+        Decoder::new()
+            .decode(&w.0, &mut b)
+            .unwrap_or_else(|e| panic!("case {i}: {e}"));
+        let e = b.events(&w.0).next().expect("one event");
+        assert_eq!(
+            (e.block_hashes, e.block_size),
+            (&[7u64][..], 16),
+            "case {i}"
+        );
+        assert_eq!(e.token_ids.len(), 16, "case {i}");
+        assert_eq!(b.dp_rank, Some(3), "case {i}");
+    }
+}
