@@ -133,6 +133,24 @@ fn unsorted_mm_items_are_refused() {
     assert!(out.is_empty());
 }
 
+#[test]
+fn profile_names_round_trip() {
+    // Router.config()["hash_profile"] and BlockHasher.profile show these names, and a router
+    // built from a saved config passes them back: each must parse to the same family.
+    let vllm = Profile::Vllm(super::vllm::Flavor::default());
+    for (profile, name) in [
+        (Profile::Native, "native"),
+        (vllm, "vllm"),
+        (Profile::Sglang, "sglang"),
+    ] {
+        assert_eq!(profile.name(), name);
+        assert_eq!(profile.to_string(), name);
+        assert_eq!(name.parse::<Profile>().ok(), Some(profile));
+    }
+    let err = "xxh3".parse::<Profile>().expect_err("unknown profile");
+    assert!(err.to_string().contains("\"xxh3\""), "{err}");
+}
+
 /// `native.rs`.
 mod native {
     use super::super::native::*;

@@ -431,7 +431,10 @@ fn expire_counts_the_leases_it_releases() {
     c.lease(&[3], 4.0, 0.0).unwrap();
     assert_eq!(c.expire(0.5).unwrap(), 0);
     assert_eq!(c.expire(2.0).unwrap(), 2);
-    assert_eq!((c.leases(), c.lease_end(1), c.lease_end(3)), (1, None, Some(4.0)));
+    assert_eq!(
+        (c.leases(), c.lease_end(1), c.lease_end(3)),
+        (1, None, Some(4.0))
+    );
     assert_eq!(c.expire(3.0).unwrap(), 0);
     assert_eq!(c.expire(4.0).unwrap(), 1);
     assert_eq!(c.expire(9.0).unwrap(), 0);
