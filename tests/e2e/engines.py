@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,6 +38,14 @@ def engine_options(args: Any) -> dict[str, Any]:
         num_blocks=args.num_blocks,
         max_model_len=args.max_model_len,
     )
+
+
+def tied_to_us(argv: list[str]) -> list[str]:
+    """``argv`` run so that it gets SIGTERM when this process dies, even by SIGKILL (Linux
+    ``setpriv --pdeathsig``, which then execs ``argv`` in place): an interrupted run leaves no
+    engine or gateway behind. Start it from the main thread (the signal follows the thread)."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", *argv] if setpriv else argv
 
 
 @dataclass
@@ -154,7 +163,7 @@ class Engine:
         self.root.mkdir(parents=True, exist_ok=True)
         log = open(self.root / f"engine-{self.starts}.log", "wb")
         self.proc = subprocess.Popen(
-            self.command(),
+            tied_to_us(self.command()),
             env=self.env(),
             stdout=log,
             stderr=subprocess.STDOUT,

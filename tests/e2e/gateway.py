@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from engines import Engine, free_port
+from engines import Engine, free_port, tied_to_us
 
 #: The admin key of the gateways the e2e run starts (``/health`` details, ``/metrics``).
 ADMIN_KEY = "sk-e2e-admin"
@@ -128,7 +128,7 @@ class Gateway:
         path.write_text(self.config)
         log = open(self.root / f"{self.name}.log", "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(path)],
+            tied_to_us([sys.executable, "-m", "kvroute.cli", "serve", "--config", str(path)]),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
