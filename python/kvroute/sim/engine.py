@@ -140,9 +140,15 @@ class FleetModel:
 
     def capacity(self, block_size: int) -> int:
         """Blocks of ``block_size`` tokens per worker."""
-        if self.capacity_blocks is not None:
-            return int(self.capacity_blocks)
-        return max(1, self.kv_tokens // int(block_size))
+        return worker_capacity(self.capacity_blocks, self.kv_tokens, block_size)
+
+
+def worker_capacity(capacity_blocks: int | None, kv_tokens: int, block_size: int) -> int:
+    """Blocks of ``block_size`` tokens one worker holds: ``capacity_blocks`` when given, else
+    its ``kv_tokens`` of KV memory in whole blocks (at least one)."""
+    if capacity_blocks is not None:
+        return int(capacity_blocks)
+    return max(1, kv_tokens // int(block_size))
 
 
 def worker_names(n: int) -> list[str]:

@@ -65,6 +65,7 @@ from .engine import (
     KV_BYTES_PER_TOKEN,
     Fleet,
     mirror_insert,
+    worker_capacity,
 )
 from .policies import fleet_router
 from .workloads import Workload
@@ -146,9 +147,8 @@ class PdModel:
             raise ValueError("a decode step must take some time")
 
     def capacity(self, block_size: int) -> int:
-        if self.capacity_blocks is not None:
-            return int(self.capacity_blocks)
-        return max(1, self.kv_tokens // int(block_size))
+        """Blocks of ``block_size`` tokens per worker (as the aggregated simulator counts them)."""
+        return worker_capacity(self.capacity_blocks, self.kv_tokens, block_size)
 
 
 def parse_ratio(text: str) -> tuple[int, int]:
