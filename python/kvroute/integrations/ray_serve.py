@@ -34,10 +34,14 @@ than waiting in Ray's queue. Ray's locality and model-multiplexing preferences a
 replica accepted it (``on_request_routed``) — on the replica Ray actually chose; if that is not the
 decision's, the decision is withdrawn (``Router.withdraw``: the prompt its route put in the router's
 model on the first-ranked replica leaves it) and the request is routed again restricted to the
-chosen replica (one the router cannot route to runs unaccounted) — and finished in
-``on_request_completed``, which Ray calls exactly once for every dispatched request, whatever its
-outcome. Ray reports acceptance only under its strict ``max_ongoing_requests`` protocol (the
-default; not through Ray Client, where requests are routed but not accounted). A replica that dies
+chosen replica (one the router cannot route to runs unaccounted) — and finished exactly once,
+when that accepted attempt's result is done, whatever its outcome (a done-callback on it, not
+Ray's ``on_request_completed``: Ray schedules that and ``on_request_routed`` independently, so the
+completion of a fast request can arrive before its acceptance). Ray reports acceptance only under
+its strict ``max_ongoing_requests`` protocol (the default); through Ray Client, to a Java replica or
+through ``choose_replica``/``dispatch``, requests are routed but not accounted, and a request Ray
+reported completed without accepting it (there, or a rejected attempt never retried) is forgotten
+``SETTLED_TTL``s later. A replica that dies
 is removed (``on_replica_actor_died``, ``update_replicas``). For a unary response, the returned
 body's ``usage.prompt_tokens_details.cached_tokens`` (a mapping or an object) is passed to
 ``Router.observe`` when the result is ready; streamed responses are not observed.
@@ -105,8 +109,12 @@ log = logging.getLogger("kvroute.integrations.ray_serve")
 _NO_TOKENS = np.empty(0, dtype=np.uint32)
 #: Seconds a routed request that Ray never dispatched is remembered.
 UNDISPATCHED_TTL = 300.0
-#: Routing calls between two sweeps for such requests.
-SWEEP_EVERY = 1024
+#: Seconds a request Ray reported completed on a replica without having reported it accepted is
+#: remembered: a rejected attempt whose retry may still be accepted (otherwise the request ended
+#: on a path without acceptance reports: Ray Client, a Java replica, choose_replica/dispatch).
+SETTLED_TTL = 30.0
+#: Seconds between two sweeps for such requests.
+SWEEP_PERIOD_S = 1.0
 
 
 def _as_body(value: Any) -> Mapping[str, Any] | None:
@@ -148,7 +156,9 @@ class _Routed:
     tokens: np.ndarray
     endpoint: str | None
     begun: bool = False
+    finished: bool = False
     routed_at: float = field(default_factory=time.monotonic)
+    settled_at: float | None = None  # an attempt completed before any was reported accepted
 
 
 class KvRequestRouter(RequestRouter):
@@ -173,7 +183,7 @@ class KvRequestRouter(RequestRouter):
         self.saturated_waiting = saturated_waiting
         self.saturated_kv_usage = saturated_kv_usage
         self._requests: dict[str, _Routed] = {}
-        self._calls = 0
+        self._swept_at = time.monotonic()
 
     # ---- replicas ----------------------------------------------------------------------------
 
@@ -246,9 +256,10 @@ class KvRequestRouter(RequestRouter):
         if routed is None or routed.decision.worker not in candidates:
             if routed is not None and not routed.begun:  # its replica left: routed anew below
                 self.router.withdraw(routed.decision)
-            self._calls += 1
-            if self._calls % SWEEP_EVERY == 0:
-                self._forget_stale()
+            now = time.monotonic()
+            if now - self._swept_at >= SWEEP_PERIOD_S:
+                self._swept_at = now
+                self._forget_stale(now)
             try:
                 routed = await self._route(pending_request, candidates)
             except NoWorkerError as e:  # every candidate reports itself unhealthy
@@ -290,6 +301,11 @@ class KvRequestRouter(RequestRouter):
                 return
         self.router.begin(routed.decision)
         routed.begun = True
+        # Finished when this accepted attempt's result is done. Ray's on_request_completed is not
+        # used for it: Ray schedules that callback and on_request_routed independently, so it can
+        # arrive first (and, for a replica other than the decision's, be taken for a rejection).
+        loop = self._event_loop
+        result.add_done_callback(lambda _: loop.call_soon_threadsafe(self._done, rid, routed))
         if not pending_request.metadata.is_streaming:
             self._event_loop.create_task(
                 self._observe_when_done(routed.decision, len(routed.tokens), result)
@@ -305,22 +321,33 @@ class KvRequestRouter(RequestRouter):
             log.debug("no usage observed for %s: %r", decision.worker, e)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        # Ray calls this for every attempt sent, rejected ones included, scheduled independently
+        # of on_request_routed. A begun request is finished by its own done-callback (_done); an
+        # unbegun one may be a rejected attempt whose retry is still to come, so it is only marked.
         routed = self._requests.get(internal_request_id)
-        if routed is None or routed.decision.worker != replica_id.unique_id:
-            return  # not ours, or a rejected attempt on another replica than the one now serving
-        del self._requests[internal_request_id]
-        if routed.begun:
-            self.router.finish(routed.decision)
+        if routed is not None and not routed.begun and routed.settled_at is None:
+            routed.settled_at = time.monotonic()
 
-    def _forget_stale(self) -> None:
-        """Drops (and withdraws) requests routed but never dispatched (cancelled while queued)."""
-        now = time.monotonic()
-        for rid in [
-            rid
-            for rid, r in self._requests.items()
-            if not r.begun and now - r.routed_at > UNDISPATCHED_TTL
-        ]:
-            self.router.withdraw(self._requests.pop(rid).decision)
+    def _done(self, rid: str, routed: _Routed) -> None:
+        if routed.finished:
+            return
+        routed.finished = True
+        if self._requests.get(rid) is routed:
+            del self._requests[rid]
+        self.router.finish(routed.decision)
+
+    def _forget_stale(self, now: float) -> None:
+        """Drops requests routed but never reported accepted: completed ones (kept their prompt on
+        the replica they were routed to: see SETTLED_TTL) after SETTLED_TTL, others (cancelled
+        while queued) withdrawn after UNDISPATCHED_TTL."""
+        for rid, r in list(self._requests.items()):
+            if r.begun:
+                continue
+            if r.settled_at is not None and now - r.settled_at > SETTLED_TTL:
+                del self._requests[rid]
+            elif r.settled_at is None and now - r.routed_at > UNDISPATCHED_TTL:
+                del self._requests[rid]
+                self.router.withdraw(r.decision)
 
 
 def _usage_of(value: Any) -> Any:
