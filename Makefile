@@ -27,7 +27,8 @@ bench: build
 
 # Mutation testing (not part of `make test`: hours for everything on 2 cores). By default only
 # the mutants in what changed since main; MUTANTS_ARGS="--only hashing,py-events" runs modules
-# whole, "--shard 1/4" every 4th mutant of each Rust module (a sample; 1/4..4/4 = all).
+# whole, "--shard 0/4" every 4th mutant of each Rust module ("--sample 0/4" of each Python group;
+# a sample; 0/4..3/4 = all).
 # Scores: target/mutants/summary.md; accepted equivalent mutants: docs/mutants.md. See
 # tests/mutants/run.py.
 MUTANTS_ARGS ?=

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 CONFTEST = Path(__file__).with_name("conftest.py")
 
 SCRATCH = {
@@ -75,14 +77,20 @@ def test_skips_can_be_allowed_explicitly(tmp_path):
     assert "1 passed, 4 skipped, 1 xfailed" in result.stdout
 
 
-def test_make_mutants_scores_and_equivalents():
-    """tests/mutants/run.py: the accepted equivalents are read from docs/mutants.md (a ``\\|``
-    in a cell is a ``|``), and a listed mutant is neither missed nor in the score."""
+def make_mutants():
+    """tests/mutants/run.py, imported."""
     sys.path.insert(0, str(Path(__file__).parent / "mutants"))
     try:
         import run as mutants
     finally:
         sys.path.pop(0)
+    return mutants
+
+
+def test_make_mutants_scores_and_equivalents():
+    """tests/mutants/run.py: the accepted equivalents are read from docs/mutants.md (a ``\\|``
+    in a cell is a ``|``), and a listed mutant is neither missed nor in the score."""
+    mutants = make_mutants()
     accepted = mutants.accepted()
     ketama = "rust/src/hashing/ketama.rs:155:13: replace && with || in md5_word0_lanes"
     assert mutants.rust_id(ketama) in accepted["rust/hashing"]
@@ -102,3 +110,35 @@ def test_make_mutants_scores_and_equivalents():
     assert score.missed == ["kvroute.events.x_a__mutmut_1 (survived)"]
     assert score.equivalent == [f"{first} (survived)"]
     assert score.row() == "| py-events | 4 | 1 | 1 | 1 | 1 | 0 | 66.7% |"
+
+
+def test_make_mutants_only_keeps_diff():
+    """``--only`` with ``--diff`` runs that module's changes (it used to run it whole); ``--only``
+    alone runs modules whole, no option the changes since main in every module."""
+    args = make_mutants().arguments
+    one = args(["--only", "hashing", "--diff", "a0e9e96^"])
+    assert (one.modules, one.diff) == (["hashing"], "a0e9e96^")
+    whole = args(["--only", "hashing,py-gateway-pd"])
+    assert (whole.modules, whole.diff) == (["hashing", "py-gateway-pd"], "")
+    default = args([])
+    assert default.diff == "main" and "py-gateway-pd" in default.modules
+    assert args(["--diff", ""]).diff == ""
+
+
+def test_make_mutants_sample_is_round_robin():
+    """``--sample K/N`` takes every N-th Python mutant from the K-th (0-based, as cargo-mutants'
+    round-robin shards): samples 0..N-1 are disjoint and together every mutant; a sample's score
+    counts its own mutants only."""
+    mutants = make_mutants()
+    names = [f"m.x_f__mutmut_{i}" for i in range(1, 11)]
+    assert mutants.sample(names, "0/3") == [names[0], names[3], names[6], names[9]]
+    parts = [mutants.sample(names, f"{k}/3") for k in range(3)]
+    assert sorted(n for part in parts for n in part) == sorted(names)
+    for bad in ("3/3", "1/0", "-1/3", "1", "a/b"):
+        with pytest.raises(ValueError, match="want K/N"):
+            mutants.parse_sample(bad)
+    results = "\n".join(
+        f"    {n}: {'survived' if i % 2 else 'killed'}" for i, n in enumerate(names)
+    )
+    score = mutants.python_score("g", results, set(), set(parts[1]))
+    assert (score.caught, score.missed) == (1, [f"{names[1]} (survived)", f"{names[7]} (survived)"])

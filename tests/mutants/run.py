@@ -4,15 +4,18 @@ Rust — cargo-mutants on ``rust/src/{hashing,blocks,index,cache,router,events}`
 tested by ``cargo test --no-default-features`` (the core's own tests: a Rust mutant only Python
 tests catch is a missing Rust test). Python — mutmut on ``events.py``, the gateway's auth,
 forwarding and failover (``gateway/auth.py``, ``gateway/upstream.py``, the forwarding functions
-of ``gateway/app.py``, ``server/health.py``) and ``sim/engine.py``, each group with the test
-files that exercise it.
+of ``gateway/app.py``, the prefill/decode handoff of ``gateway/pd.py``, ``server/health.py``)
+and ``sim/engine.py``, each group with the test files that exercise it.
 
 A full run takes hours on a 2-core machine, so the default is what a change needs: only the
 mutants in lines changed since ``--diff`` (default ``main``; Python: the changed files). Name
-modules to run them whole (``--only hashing,py-events``); ``--shard K/N`` runs every N-th mutant
-of each Rust module from the K-th (round-robin): shard 1/N is an unbiased sample, and shards 1..N
+modules to run them whole (``--only hashing,py-events``), or only their changes with ``--diff``
+too (``--only hashing --diff a0e9e96^``). ``--shard K/N`` runs every N-th mutant of each Rust
+module from the K-th, ``--sample K/N`` the same for each Python group (round-robin, 0 <= K < N,
+as cargo-mutants counts: mutant ``i`` is in ``i % N``): one is an unbiased sample, and 0..N-1
 together are the whole set. Every run is niced, one job at a time by default (``--jobs``), and
-writes under ``target/mutants/<module>/``; the score table goes to ``target/mutants/summary.md``.
+writes under ``target/mutants/<module>/``; the score table goes to ``target/mutants/summary.md``
+(a sample's score counts the sample's mutants only).
 
 Score per module: caught ÷ (caught + missed − accepted equivalents); timeouts count as caught,
 unviable mutants (that do not build) as nothing. Accepted equivalent mutants — ones no test can
@@ -23,6 +26,7 @@ is a missing test.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import re
@@ -86,6 +90,32 @@ PYTHON: dict[str, tuple[list[str], list[str], list[str]]] = {
         [
             f"kvroute.gateway.app.xǁGatewayǁ{f}__mutmut_*"
             for f in ("_choose", "_failed", "_settle", "_forward", "_give_up", "_attempt")
+        ],
+    ),
+    # Prefill/decode pairs: routing a pair among untried workers, sending each half (the vLLM
+    # prefill-then-decode handoff, SGLang's bootstrap fields) and charging a failed half.
+    "py-gateway-pd": (
+        ["python/kvroute/gateway/pd.py"],
+        ["tests/test_gateway_pd.py"],
+        [
+            *(
+                f"kvroute.gateway.pd.xǁPdForwarderǁ{f}__mutmut_*"
+                for f in (
+                    "_choose",
+                    "_send",
+                    "_mark",
+                    "_body",
+                    "_refused",
+                    "_read_prefill",
+                    "_vllm",
+                    "_sglang",
+                    "_drain_prefill",
+                )
+            ),
+            *(
+                f"kvroute.gateway.pd.x_{f}__mutmut_*"
+                for f in ("bootstrap_host", "_json_object", "_last_usage", "_cancel")
+            ),
         ],
     ),
     "py-sim-engine": (
@@ -227,6 +257,41 @@ def rust_score(module: str, results: Path, equivalents: set[str]) -> Score:
     return score
 
 
+# Writes the mutants (mutants/ in the work directory, as `mutmut run` does first) without running
+# any test, so that a sample can be drawn from their names. mutmut has no command for it: these
+# are the first steps of mutmut 3's `run` (pyproject.toml pins mutmut < 4).
+GENERATE = """
+import os
+from mutmut.__main__ import copy_also_copy_files, copy_src_dir, create_mutants, setup_source_paths
+from mutmut.mutation.trampoline import set_mutant_under_test
+
+set_mutant_under_test("mutant_generation")
+os.makedirs("mutants", exist_ok=True)
+copy_src_dir()
+copy_also_copy_files()
+setup_source_paths()
+create_mutants(1)
+"""
+
+
+def mutmut_results(work: Path, env: dict[str, str]) -> str:
+    """``mutmut results --all true``: one ``name: status`` line per mutant, in mutmut's order."""
+    cmd = [sys.executable, "-m", "mutmut", "results", "--all", "true"]
+    return subprocess.run(
+        cmd, cwd=work, env=env, capture_output=True, text=True, check=False
+    ).stdout
+
+
+def statuses(results: str) -> dict[str, str]:
+    """``{mutant: status}`` from ``mutmut results`` output (insertion order kept)."""
+    out = {}
+    for line in results.splitlines():
+        m = re.match(r"^\s*(\S+):\s*(\w[\w ]*)$", line)
+        if m:
+            out[m.group(1)] = m.group(2).strip()
+    return out
+
+
 def run_python(group: str, args: argparse.Namespace, equivalents: set[str]) -> Score:
     files, tests, names = PYTHON[group]
     work = OUT / group
@@ -250,28 +315,42 @@ def run_python(group: str, args: argparse.Namespace, equivalents: set[str]) -> S
     pyproject = (ROOT / "pyproject.toml").read_text()  # the project's pytest settings
     (work / "pyproject.toml").write_text(pyproject + "\n" + "\n".join(lines) + "\n")
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-    cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.jobs), *names]
-    print(f"+ (cd {work.relative_to(ROOT)}) " + " ".join(cmd[1:]), flush=True)
-    subprocess.run(niced(cmd), cwd=work, env=env, check=False)
-    results = subprocess.run(
-        [sys.executable, "-m", "mutmut", "results", "--all", "true"],
-        cwd=work,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    ).stdout
+    chosen = None
+    if args.sample:
+        subprocess.run(niced([sys.executable, "-c", GENERATE]), cwd=work, env=env, check=True)
+        known = statuses(mutmut_results(work, env))
+        group_names = [
+            n for n in known if not names or any(fnmatch.fnmatchcase(n, g) for g in names)
+        ]
+        chosen = set(sample(group_names, args.sample))
+        # mutmut re-runs every mutant named on its command line: name only those without a
+        # result yet (an interrupted sample resumes). "*" + name matches that name only (no name
+        # ends with another) and, being a pattern, spares mutmut's look-up of the tests calling
+        # it by exact name, which fails for a function no test calls.
+        todo = [n for n in group_names if n in chosen and known[n] == "not checked"]
+        names = ["*" + n for n in todo]
+        print(
+            f"{group}: sample {args.sample}: {len(chosen)} of {len(group_names)} mutants, "
+            f"{len(todo)} not run yet",
+            flush=True,
+        )
+    if chosen is None or names:
+        cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.jobs), *names]
+        print(f"+ (cd {work.relative_to(ROOT)}) " + " ".join(cmd[1:]), flush=True)
+        subprocess.run(niced(cmd), cwd=work, env=env, check=False)
+    results = mutmut_results(work, env)
     (work / "results.txt").write_text(results)
-    return python_score(group, results, equivalents)
+    return python_score(group, results, equivalents, chosen)
 
 
-def python_score(group: str, results: str, equivalents: set[str]) -> Score:
+def python_score(
+    group: str, results: str, equivalents: set[str], only: set[str] | None = None
+) -> Score:
+    """The score of the mutants in ``results`` (of ``only``, a sample, if given)."""
     score = Score(group)
-    for line in results.splitlines():
-        m = re.match(r"^\s*(\S+):\s*(\w[\w ]*)$", line)
-        if not m:
+    for name, status in statuses(results).items():
+        if only is not None and name not in only:
             continue
-        name, status = m.group(1), m.group(2).strip()
         if status == "killed":
             score.caught += 1
         elif status == "timeout":
@@ -285,32 +364,80 @@ def python_score(group: str, results: str, equivalents: set[str]) -> Score:
     return score
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_sample(spec: str) -> tuple[int, int]:
+    """``K/N`` as (K, N), 0 <= K < N: sample K of N holds every N-th mutant from the K-th
+    (mutant ``i`` is in sample ``i % N``), as cargo-mutants' ``--shard K/N --sharding
+    round-robin`` (also 0-based); samples 0..N-1 are the whole set."""
+    m = re.fullmatch(r"(\d+)/(\d+)", spec)
+    if not m or not int(m.group(1)) < int(m.group(2)):
+        raise ValueError(f"sample {spec!r}: want K/N with 0 <= K < N")
+    return int(m.group(1)), int(m.group(2))
+
+
+def sample(names: list[str], spec: str) -> list[str]:
+    """The mutants of ``names`` (in mutmut's order: by file, then as generated) in sample
+    ``spec`` (``K/N``, see ``parse_sample``)."""
+    k, n = parse_sample(spec)
+    return names[k::n]
+
+
+def plan(args: argparse.Namespace) -> tuple[list[str], str]:
+    """The modules to run and the git ref whose changes restrict them ('' = whole modules).
+
+    ``--only`` names the modules; without it every module. ``--diff`` as given (so ``--only
+    hashing --diff a0e9e96^`` runs one module's mutants in the lines that commit changed);
+    without ``--diff``, modules named by ``--only`` run whole and the default (all modules) only
+    what changed since ``main``."""
+    chosen = [m for m in args.only.split(",") if m] or RUST + list(PYTHON)
+    unknown = sorted(set(chosen) - set(RUST) - set(PYTHON))
+    if unknown:
+        raise ValueError(f"unknown modules {unknown}")
+    diff = args.diff if args.diff is not None else ("" if args.only else "main")
+    return chosen, diff
+
+
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with ``modules`` (the modules to run) and ``diff`` resolved by ``plan``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--only",
         default="",
-        help="comma-separated modules run whole: " + ",".join(RUST + list(PYTHON)),
+        help="comma-separated modules (run whole unless --diff is given): "
+        + ",".join(RUST + list(PYTHON)),
     )
     parser.add_argument(
         "--diff",
-        default="main",
-        help="only mutants in what changed since this git ref (default main; '' = whole)",
+        default=None,
+        help="only mutants in what changed since this git ref (default: main, or '' = whole "
+        "modules when --only is given)",
     )
-    parser.add_argument("--shard", default="", help="K/N: one shard of each Rust module")
+    parser.add_argument(
+        "--shard", default="", help="K/N (0 <= K < N): every N-th mutant of each Rust module"
+    )
+    parser.add_argument(
+        "--sample",
+        default="",
+        help="K/N (0 <= K < N): every N-th mutant of each Python group, from the K-th",
+    )
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--fresh", action="store_true", help="forget earlier mutmut results")
     args = parser.parse_args(argv)
-    chosen = [m for m in args.only.split(",") if m] or RUST + list(PYTHON)
-    unknown = sorted(set(chosen) - set(RUST) - set(PYTHON))
-    if unknown:
-        parser.error(f"unknown modules {unknown}")
-    if args.only:
-        args.diff = ""
+    try:
+        args.modules, args.diff = plan(args)
+        for spec in (args.shard, args.sample):
+            if spec:
+                parse_sample(spec)
+    except ValueError as e:
+        parser.error(str(e))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments(argv)
     changed = changed_files(args.diff) if args.diff else None
     equivalents = accepted()
     scores = []
-    for module in chosen:
+    for module in args.modules:
         if module in RUST:
             if changed is not None and not any(
                 f.startswith(f"rust/src/{module}/") for f in changed
