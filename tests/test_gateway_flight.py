@@ -11,13 +11,17 @@ leave a worker looking busy (or idle) for good.
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import kvroute
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
+from kvroute.gateway.client import ConnectFailed
 from kvroute.gateway.config import ServerConfig
+from kvroute.gateway.errors import CONNECT
 from kvroute.gateway.metrics import GatewayMetrics
 from kvroute.gateway.upstream import Upstreams, release
 from kvroute.server.config import WorkerConfig
@@ -139,3 +143,43 @@ class _Closed:
 
 FlightMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=25, deadline=None)
 TestFlight = FlightMachine.TestCase
+
+
+@pytest.mark.parametrize("sends", [1, 2])
+def test_attempt_refused_before_sending_is_withdrawn_not_finished(sends):
+    """A connection refused (a real port bound but not listening): no byte of the request left,
+    so the decision is withdrawn — its load and the prompt its route recorded leave the router's
+    model — where ``finish`` would have kept the prompt as cached on a worker that never saw it
+    (the same prompt routed there again would be predicted a full hit)."""
+
+    async def run() -> None:
+        with socket.socket() as dead:
+            dead.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+            port = dead.getsockname()[1]
+            workers = (
+                WorkerConfig(name="a", url=f"http://127.0.0.1:{port}"),
+                WorkerConfig(name="b", url=f"http://127.0.0.1:{port}"),
+            )
+            router = kvroute.Router(["a", "b"], block_size=BS)
+            metrics = GatewayMetrics(lambda: {}, lambda: {})
+            upstreams = Upstreams(workers, ServerConfig(), router, metrics)
+            upstreams.start()
+            tokens = np.arange(4 * BS, dtype=np.uint32)
+            for _ in range(sends):  # a retry of the same prompt there is no different
+                d = router.route(tokens=tokens, exclude=["b"])
+                assert (d.worker, d.cached_tokens) == ("a", 0)
+                flight = upstreams.begin(d, len(tokens))
+                assert router.load("a")["active"] == 1
+                failure, error, answer = await flight.send("/v1/completions", "", b"{}")
+                assert failure is CONNECT and isinstance(error, ConnectFailed) and answer is None
+                assert upstreams.in_flight == {"a": 0, "b": 0} and not upstreams.full
+                load = router.load("a")
+                assert (load["active"], load["queued"], load["prefill_blocks"]) == (0, 0, 0)
+                assert router.withdraw(d) is False  # withdrawn already, not finished
+                flight.close()  # the callers' later close changes nothing
+                assert router.load("a")["active"] == 0
+            again = router.route(tokens=tokens, exclude=["b"])
+            assert again.cached_tokens == 0  # a finished decision would leave 64 here
+            await upstreams.stop()
+
+    asyncio.run(run())

@@ -13,9 +13,10 @@ Guarantees:
   not taken by the upstream's socket within ``write_timeout``), ``ReadTimeout`` (no byte for
   ``read_timeout`` seconds while a response is awaited or read), ``ConnectionLost`` (closed or
   reset before the response was complete) or ``ProtocolError`` (not HTTP/1.1); all are
-  ``UpstreamError``. A connection is reused only after a response was read to its end and the
-  server did not ask to close it; an idle connection older than ``keepalive`` seconds, or one the
-  server closed, is never used.
+  ``UpstreamError``; the first three (``NOT_SENT``) only before a connection was had, so no
+  byte of the request left. A connection is reused only after a response was read to its end
+  and the server did not ask to close it; an idle connection older than ``keepalive`` seconds,
+  or one the server closed, is never used.
 - Backpressure: a response whose body is not being consumed stops reading from its socket past
   ``HIGH_WATER`` buffered bytes.
 - ``Response.aclose()`` returns the connection to its pool when the body was read to the end and
@@ -35,6 +36,7 @@ from urllib.parse import urlsplit
 import httptools
 
 __all__ = [
+    "NOT_SENT",
     "BodyTooLarge",
     "ConnectFailed",
     "ConnectTimeout",
@@ -81,6 +83,10 @@ class ConnectionLost(UpstreamError):
 
 class ProtocolError(UpstreamError):
     """The upstream's answer is not valid HTTP/1.1."""
+
+
+#: Raised only before a connection was had: not one byte of the request was sent.
+NOT_SENT = (ConnectFailed, ConnectTimeout, PoolTimeout)
 
 
 class _Connection(asyncio.Protocol):

@@ -7,8 +7,11 @@ first output arrives; ``close(usage)`` exactly once whatever happens — the res
 stream ended or broken, the client gone, the attempt failed or cancelled — reporting the
 upstream's ``cached_tokens`` to ``router.observe`` first (in routing tokens; not for the decode
 half of a prefill/decode pair, whose engine counts the KV it received) and then calling
-``router.finish``. A worker with ``max_in_flight_per_worker`` attempts in flight is in
-``Upstreams.full`` (the router's choice skips it) until one of them ends.
+``router.finish`` — or, for an attempt that got no connection (refused, connect or pool
+timeout: not one byte of it left), ``router.withdraw``, so a prompt that never reached the worker
+leaves the router's model of that worker's cache. A worker with ``max_in_flight_per_worker``
+attempts in flight is in ``Upstreams.full`` (the router's choice skips it) until one of them
+ends.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 
 from kvroute import Decision, Router
 
-from .client import Pool, Response, UpstreamError
+from .client import NOT_SENT, Pool, Response, UpstreamError
 from .config import ServerConfig, WorkerConfig
 from .errors import SEND_FAILURES, Failed, classify
 from .metrics import GatewayMetrics
@@ -175,14 +178,30 @@ class Flight:
             u._count(self.worker, -1)
             u.router.finish(self.decision)
 
+    def withdraw(self) -> None:
+        """Ends a flight whose request never reached its worker: ``router.withdraw`` (its load
+        and the prompt its route recorded leave the router's model) instead of ``finish``."""
+        if self.closed:
+            return
+        self.closed = True
+        u = self.upstreams
+        try:
+            u.router.withdraw(self.decision)
+        finally:
+            u._count(self.worker, -1)
+
     async def send(self, path: str, headers: str, body: bytes) -> Response | Failed:
         """POSTs the request: the response with its body still to read, or how sending failed
-        (the flight then closed). An exception that is no upstream failure propagates (the
+        (the flight then closed: withdrawn when no connection was had, so no byte of the
+        request left, else finished). An exception that is no upstream failure propagates (the
         flight closed too)."""
         try:
             return await self.pool.request("POST", path, headers, body)
         except BaseException as e:
-            self.close()
+            if isinstance(e, NOT_SENT):
+                self.withdraw()
+            else:
+                self.close()
             failure = classify(e, SEND_FAILURES) if isinstance(e, UpstreamError) else None
             if failure is None:
                 raise
