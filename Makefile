@@ -21,8 +21,17 @@ test-rust:
 test-python: build
 	$(RUN) python -m pytest -q tests
 
+# LiteLLM's proxy, a peer of benches/bench_gateway.py, in a venv of its own: litellm[proxy] of the
+# `litellm` extra's version needs packages that are not published (litellm-proxy==1.110.2).
+LITELLM_VENV  := .venv-litellm
+LITELLM_PROXY := litellm[proxy]==1.108.7
+
+$(LITELLM_VENV)/bin/litellm:
+	$(PYTHON) -m venv $(LITELLM_VENV)
+	$(LITELLM_VENV)/bin/python -m pip install -q "$(LITELLM_PROXY)"
+
 bench: EXTRAS = test,dev,sim,events,gateway,epp,kubernetes,litellm,ray,cluster,bench
-bench: build
+bench: build $(LITELLM_VENV)/bin/litellm
 	$(RUN) python -m pytest -q benches --benchmark-columns=min,median,mean,ops,rounds --benchmark-sort=name
 
 # Mutation testing (not part of `make test`: hours for everything on 2 cores). By default only

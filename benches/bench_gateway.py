@@ -4,8 +4,9 @@ Side by side in one run, on 127.0.0.1, in front of the same two upstreams
 (``benches/gateway_load.py``: canned OpenAI-compatible answers, so the upstreams cost next to
 nothing): ``kvroute serve`` (``kv_aware`` routing, an endpoint with its key, its salted pool and
 its usage fields), LiteLLM's proxy (``litellm --config``, simple shuffle) and SMG, SGLang's Rust
-gateway (``smg launch --policy cache_aware``). The peers come with the ``bench`` extra; a peer
-that is not installed is reported as missing, and the comparison needs both.
+gateway (``smg launch --policy cache_aware``). ``make bench`` installs both (SMG with the ``bench``
+extra, LiteLLM's proxy into ``.venv-litellm``); a peer that is not installed is reported as
+missing, and the comparison needs both.
 
 For each gateway: ``REQUESTS`` non-streamed chat requests (a ~2,000-character system prompt and a
 different question each) at concurrency ``CONCURRENCY`` from a lean asyncio client, after a
@@ -157,9 +158,11 @@ def _kvroute(urls: list[str], port: int, tmp: Path) -> tuple[list[str], str, dic
 
 
 def _litellm(urls: list[str], port: int, tmp: Path) -> tuple[list[str], str, dict, str]:
-    exe = shutil.which("litellm") or str(Path(sys.executable).with_name("litellm"))
-    if not Path(exe).exists():
-        pytest.skip("LiteLLM's proxy is a bench peer: pip install 'kvroute[bench]'")
+    # `make bench` installs the proxy into its own venv (see the Makefile: LITELLM_VENV).
+    own = HERE.parent / ".venv-litellm" / "bin" / "litellm"
+    exe = str(own) if own.exists() else shutil.which("litellm")
+    if exe is None:
+        pytest.skip("LiteLLM's proxy is a bench peer: `make bench` installs it (.venv-litellm)")
     deployments = "\n".join(
         f"  - model_name: m\n    litellm_params:\n      model: openai/m\n"
         f"      api_base: {url}/v1\n      api_key: x\n"
