@@ -8,7 +8,8 @@
 //!   words of `MD5("{name}-{j}")`.
 //! - [`ketama_hash_many`] returns exactly [`ketama_hash`] for every key, in order. Keys of at most
 //!   55 bytes (one MD5 block) are hashed 32 at a time in SIMD lanes (AVX-512 or AVX2 when the
-//!   CPU has it, SSE2/NEON otherwise); longer keys take the scalar MD5 path.
+//!   CPU has it, SSE2/NEON otherwise), written straight into the lanes' transposed message words
+//!   (no per-key block to transpose); longer keys take the scalar MD5 path.
 
 use md5::{Digest, Md5};
 
@@ -90,35 +91,43 @@ const K: [u32; 64] = [
 ];
 
 /// Message words of up to `L` single-block messages, transposed (`m[word][lane]`).
-type Block<const L: usize> = [[u32; L]; 16];
+pub(super) type Block<const L: usize> = [[u32; L]; 16];
 
-/// Up to `L` padded single-block messages, one 64-byte MD5 block per lane.
-pub(super) type Blocks<const L: usize> = [[u8; 64]; L];
+/// The message-word variants compiled for the AVX-512 lanes: `W` such that every word at index
+/// `W..14` (and word 15) is zero in every lane, so its additions are left out. A key of `n` bytes
+/// uses words `0..=n / 4` (the last holds the 0x80 terminator) and word 14 (its bit length).
+/// The last is 14: every one-block key.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(super) const WORD_VARIANTS: [usize; 4] = [4, 6, 8, 14];
 
 /// Word 0 of the MD5 digest (the first four digest bytes, little-endian) of each lane's block.
 ///
-/// Only the 61 steps that feed word 0 run: the last three steps update the other words.
+/// `rows[w]` holds message word `w` of every lane; words `W..14` and 15 must be zero in every lane
+/// (their additions are skipped). Only the 61 steps that feed word 0 run: the last three steps
+/// update the other words.
 #[inline(always)]
-fn md5_word0<const L: usize>(m: &Block<L>) -> [u32; L] {
+fn md5_word0<const L: usize, const W: usize>(rows: [&[u32; L]; 16]) -> [u32; L] {
     let [a0, b0, c0, d0] = INIT;
     let (mut a, mut b, mut c, mut d) = ([a0; L], [b0; L], [c0; L], [d0; L]);
     macro_rules! step {
         ($f:expr, $a:ident, $b:ident, $c:ident, $d:ident, $i:expr, $g:expr, $s:expr) => {
+            let m = rows[$g];
             for l in 0..L {
                 let (x, y, z) = ($b[l], $c[l], $d[l]);
                 let f: u32 = $f(x, y, z);
                 // `a + K + M` does not depend on `b`; adding `f` last keeps one add on the
-                // step-to-step dependency chain.
-                let t = $a[l]
-                    .wrapping_add(K[$i])
-                    .wrapping_add(m[$g][l])
-                    .wrapping_add(f);
+                // step-to-step dependency chain. A word known to be zero is not added.
+                let mut t = $a[l].wrapping_add(K[$i]);
+                if $g < W || $g == 14 {
+                    t = t.wrapping_add(m[l]);
+                }
+                let t = t.wrapping_add(f);
                 $a[l] = x.wrapping_add(t.rotate_left($s));
             }
         };
     }
     let f = |x: u32, y: u32, z: u32| z ^ (x & (y ^ z));
-    let g = |x: u32, y: u32, z: u32| (x & z).wrapping_add(y & !z);
+    let g = |x: u32, y: u32, z: u32| (x & z) | (y & !z);
     let h = |x: u32, y: u32, z: u32| x ^ y ^ z;
     let i = |x: u32, y: u32, z: u32| y ^ (x | !z);
     macro_rules! four {
@@ -151,74 +160,99 @@ fn md5_word0<const L: usize>(m: &Block<L>) -> [u32; L] {
     a
 }
 
-/// Transposes `L` padded blocks into message words and runs [`md5_word0`] on them, `G` lanes at
-/// a time (`G` divides `L`): enough independent lanes to hide one MD5 step's latency, few
-/// enough that the state stays in registers.
+/// Runs [`md5_word0`] on the `L` lanes of `m`, `G` lanes at a time (`G` divides `L`): enough
+/// independent lanes to hide one MD5 step's latency, few enough that the state stays in
+/// registers. Words `W..14` and 15 must be zero in every lane.
 #[inline(always)]
-pub(super) fn md5_word0_by<const L: usize, const G: usize>(blocks: &Blocks<L>) -> [u32; L] {
+pub(super) fn md5_word0_by<const L: usize, const G: usize, const W: usize>(
+    m: &Block<L>,
+) -> [u32; L] {
+    let zero = [0; G];
     let mut out = [0; L];
-    for (dest, group) in out.chunks_exact_mut(G).zip(blocks.chunks_exact(G)) {
-        let mut m: Block<G> = [[0; G]; 16];
-        for (g, row) in m.iter_mut().enumerate() {
-            for (w, block) in row.iter_mut().zip(group) {
-                let at = 4 * g;
-                if let Some(&[b0, b1, b2, b3]) = block.get(at..at + 4) {
-                    *w = u32::from_le_bytes([b0, b1, b2, b3]);
-                }
-            }
-        }
-        dest.copy_from_slice(&md5_word0(&m));
+    for (o, dest) in out.chunks_exact_mut(G).enumerate() {
+        let at = o * G..o * G + G;
+        // Every row has `L` lanes and `G` divides `L`, so `zero` is never used.
+        let rows: [&[u32; G]; 16] = std::array::from_fn(|w| {
+            m.get(w)
+                .and_then(|r| r.get(at.clone()))
+                .and_then(|r| r.try_into().ok())
+                .unwrap_or(&zero)
+        });
+        dest.copy_from_slice(&md5_word0::<G, W>(rows));
     }
     out
 }
-
-fn md5_word0_lanes(blocks: &Blocks<LANES>) -> [u32; LANES] {
+/// [`md5_word0`] of the [`LANES`] lanes of `m`, whose words `used..14` and 15 are zero in every
+/// lane, on the widest vectors the CPU has.
+fn md5_word0_lanes(m: &Block<LANES>, used: usize) -> [u32; LANES] {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512vl")
         {
             // SAFETY: the running CPU supports AVX-512F and VL (checked just above).
-            return unsafe { md5_word0_lanes_avx512(blocks) };
+            return unsafe { md5_word0_lanes_avx512(m, used) };
         }
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the running CPU supports AVX2 (checked just above).
-            return unsafe { md5_word0_lanes_avx2(blocks) };
+            return unsafe { md5_word0_lanes_avx2(m) };
         }
     }
     // SSE2 (x86-64's baseline) or NEON: 4 lanes per vector, two vectors interleaved.
-    md5_word0_by::<LANES, 8>(blocks)
+    md5_word0_by::<LANES, 8, 14>(m)
 }
 
-/// The same computation compiled for AVX-512: a rotate is one instruction (`vprold`) where
-/// AVX2 needs two shifts and an or, and two 16-lane vectors are interleaved.
+/// The same computation compiled for AVX-512: a rotate is one instruction (`vprold`), the round
+/// functions one `vpternlogd`, and two 16-lane vectors are interleaved. Compiled once per
+/// [`WORD_VARIANTS`] entry, so the additions of words that are zero in every lane are left out.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512vl")]
-pub(super) fn md5_word0_lanes_avx512(blocks: &Blocks<LANES>) -> [u32; LANES] {
-    md5_word0_by::<LANES, 32>(blocks)
+pub(super) fn md5_word0_lanes_avx512(m: &Block<LANES>, used: usize) -> [u32; LANES] {
+    const V: [usize; 4] = WORD_VARIANTS;
+    match used {
+        u if u <= V[0] => md5_word0_by::<LANES, LANES, { V[0] }>(m),
+        u if u <= V[1] => md5_word0_by::<LANES, LANES, { V[1] }>(m),
+        u if u <= V[2] => md5_word0_by::<LANES, LANES, { V[2] }>(m),
+        _ => md5_word0_by::<LANES, LANES, { V[3] }>(m),
+    }
 }
 
 /// The same computation compiled for AVX2: two 8-lane vectors interleaved.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-pub(super) fn md5_word0_lanes_avx2(blocks: &Blocks<LANES>) -> [u32; LANES] {
-    md5_word0_by::<LANES, 16>(blocks)
+pub(super) fn md5_word0_lanes_avx2(m: &Block<LANES>) -> [u32; LANES] {
+    md5_word0_by::<LANES, 16, 14>(m)
 }
 
-/// Writes the padded single MD5 block of `msg` (at most [`ONE_BLOCK`] bytes) into `block`:
-/// the message, the 0x80 terminator, zeros, and the message length in bits (little-endian).
+/// Writes the padded single MD5 block of `msg` (at most [`ONE_BLOCK`] bytes) into lane `lane` of
+/// `m`, whose words `msg.len() / 4 + 1..14` and 15 must be zero in that lane: the message's
+/// words, the 0x80 terminator, and the length in bits (word 14; word 15 stays zero). Returns the
+/// number of leading words written, `msg.len() / 4 + 1`.
 #[inline(always)]
-pub(super) fn pad_into(block: &mut [u8; 64], msg: &[u8]) {
+pub(super) fn pad_lane<const L: usize>(m: &mut Block<L>, lane: usize, msg: &[u8]) -> usize {
     let msg = msg.get(..ONE_BLOCK).unwrap_or(msg);
-    *block = [0; 64];
-    if let Some(dest) = block.get_mut(..msg.len()) {
-        dest.copy_from_slice(msg);
+    let mut words = msg.chunks_exact(4);
+    let mut rows = m.iter_mut();
+    // `words` first: `zip` stops on it without taking the terminator's row.
+    for (word, row) in (&mut words).zip(&mut rows) {
+        if let (Some(slot), Ok(bytes)) = (row.get_mut(lane), <[u8; 4]>::try_from(word)) {
+            *slot = u32::from_le_bytes(bytes);
+        }
     }
-    if let Some(end) = block.get_mut(msg.len()) {
-        *end = 0x80;
+    // The last word is assembled in a register: built in memory byte by byte and read back as
+    // a word, it would stall on store forwarding once per key.
+    let tail = words.remainder();
+    let last = tail
+        .iter()
+        .rev()
+        .fold(0x80u32, |word, &byte| (word << 8) | u32::from(byte));
+    if let Some(slot) = rows.next().and_then(|row| row.get_mut(lane)) {
+        *slot = last;
     }
-    let (_, bits) = block.split_at_mut(56);
-    bits.copy_from_slice(&(msg.len() as u64 * 8).to_le_bytes());
+    if let Some(slot) = m.get_mut(14).and_then(|row| row.get_mut(lane)) {
+        *slot = (msg.len() * 8) as u32;
+    }
+    msg.len() / 4 + 1
 }
 
 /// Decimal text of `value` in `buf`; returns the used tail.
@@ -240,9 +274,9 @@ fn decimal(value: u64, buf: &mut [u8; 20]) -> &[u8] {
 
 fn scalar_word0(msg: &[u8]) -> u32 {
     if msg.len() <= ONE_BLOCK {
-        let mut block = [[0; 64]; 1];
-        pad_into(&mut block[0], msg);
-        return md5_word0_by::<1, 1>(&block)[0];
+        let mut m: Block<1> = [[0]; 16];
+        pad_lane(&mut m, 0, msg);
+        return md5_word0_by::<1, 1, 14>(&m)[0];
     }
     let digest = Md5::digest(msg);
     u32::from_le_bytes([digest[0], digest[1], digest[2], digest[3]])
@@ -258,14 +292,20 @@ pub fn ketama_hash(key: Key<'_>) -> u32 {
 
 /// [`ketama_hash`] of every key, in order, passed to `sink`.
 pub fn ketama_hash_many<'k>(keys: impl IntoIterator<Item = Key<'k>>, mut sink: impl FnMut(u32)) {
-    let mut blocks: Blocks<LANES> = [[0; 64]; LANES];
+    let mut m: Block<LANES> = [[0; LANES]; 16];
+    // Leading words written in some lane of the current group (see `pad_lane`).
+    let mut used = 0;
     // Per position in the current group: a hash computed on the scalar path (long keys).
     let mut scalar: [Option<u32>; LANES] = [None; LANES];
     let mut filled = 0;
-    let mut flush = |blocks: &Blocks<LANES>, scalar: &[Option<u32>; LANES], filled: usize| {
-        let lanes = md5_word0_lanes(blocks);
+    let mut flush = |m: &mut Block<LANES>, used: usize, scalar: &[Option<u32>; LANES], filled| {
+        let lanes = md5_word0_lanes(m, used);
         for (done, lane) in scalar.iter().zip(lanes).take(filled) {
             sink(done.unwrap_or(lane));
+        }
+        // Back to all-zero words for the next group (word 14 is rewritten in every lane).
+        for row in m.iter_mut().take(used) {
+            *row = [0; LANES];
         }
     };
     let mut digits = [0u8; 20];
@@ -275,20 +315,20 @@ pub fn ketama_hash_many<'k>(keys: impl IntoIterator<Item = Key<'k>>, mut sink: i
             Key::Int(k) => decimal(k, &mut digits),
         };
         let long = (msg.len() > ONE_BLOCK).then(|| scalar_word0(msg));
-        if let (None, Some(block)) = (long, blocks.get_mut(filled)) {
-            pad_into(block, msg);
+        if long.is_none() {
+            used = used.max(pad_lane(&mut m, filled, msg));
         }
         if let Some(slot) = scalar.get_mut(filled) {
             *slot = long;
         }
         filled += 1;
         if filled == LANES {
-            flush(&blocks, &scalar, filled);
-            filled = 0;
+            flush(&mut m, used, &scalar, filled);
+            (filled, used) = (0, 0);
         }
     }
     if filled > 0 {
-        flush(&blocks, &scalar, filled);
+        flush(&mut m, used, &scalar, filled);
     }
 }
 

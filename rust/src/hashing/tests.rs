@@ -234,39 +234,61 @@ mod ketama {
         }
     }
 
-    /// Every compiled variant (not only the one this CPU dispatches to) on one-block keys.
+    /// Every compiled variant (not only the one this CPU dispatches to) on one-block keys, for
+    /// each message-word variant: keys of up to `4 * w - 1` bytes use words `0..w` and 14.
     #[test]
     fn every_lane_variant_matches_md5() {
-        let keys: Vec<Vec<u8>> = random_keys(4 * LANES, 9)
-            .into_iter()
-            .map(|mut k| {
-                k.truncate(55);
-                k
-            })
-            .collect();
-        for chunk in keys.chunks_exact(LANES) {
-            let mut blocks: Blocks<LANES> = [[0; 64]; LANES];
-            for (block, k) in blocks.iter_mut().zip(chunk) {
-                pad_into(block, k);
-            }
-            let want: Vec<u32> = chunk.iter().map(|k| reference(k)).collect();
-            assert_eq!(md5_word0_by::<LANES, 8>(&blocks).to_vec(), want);
-            assert_eq!(md5_word0_by::<LANES, 16>(&blocks).to_vec(), want);
-            assert_eq!(md5_word0_by::<LANES, LANES>(&blocks).to_vec(), want);
-            #[cfg(target_arch = "x86_64")]
-            {
-                if std::arch::is_x86_feature_detected!("avx2") {
-                    // SAFETY: the CPU supports AVX2 (checked just above).
-                    assert_eq!(unsafe { md5_word0_lanes_avx2(&blocks) }.to_vec(), want);
-                }
-                if std::arch::is_x86_feature_detected!("avx512f")
-                    && std::arch::is_x86_feature_detected!("avx512vl")
+        for (seed, w) in WORD_VARIANTS.into_iter().enumerate() {
+            let keys: Vec<Vec<u8>> = random_keys(4 * LANES, 9 + seed as u64)
+                .into_iter()
+                .map(|mut k| {
+                    k.truncate(k.len() % (4 * w));
+                    k
+                })
+                .collect();
+            assert!(keys.iter().any(|k| k.len() / 4 + 1 == w), "w = {w}");
+            for chunk in keys.chunks_exact(LANES) {
+                let mut m: Block<LANES> = [[0; LANES]; 16];
+                let used = chunk
+                    .iter()
+                    .enumerate()
+                    .map(|(lane, k)| pad_lane(&mut m, lane, k))
+                    .max()
+                    .unwrap();
+                assert!(used <= w);
+                let want: Vec<u32> = chunk.iter().map(|k| reference(k)).collect();
+                assert_eq!(md5_word0_by::<LANES, 8, 14>(&m).to_vec(), want);
+                assert_eq!(md5_word0_by::<LANES, 16, 14>(&m).to_vec(), want);
+                assert_eq!(md5_word0_by::<LANES, LANES, 14>(&m).to_vec(), want);
+                #[cfg(target_arch = "x86_64")]
                 {
-                    // SAFETY: the CPU supports AVX-512F and VL (checked just above).
-                    assert_eq!(unsafe { md5_word0_lanes_avx512(&blocks) }.to_vec(), want);
+                    if std::arch::is_x86_feature_detected!("avx2") {
+                        // SAFETY: the CPU supports AVX2 (checked just above).
+                        assert_eq!(unsafe { md5_word0_lanes_avx2(&m) }.to_vec(), want);
+                    }
+                    if std::arch::is_x86_feature_detected!("avx512f")
+                        && std::arch::is_x86_feature_detected!("avx512vl")
+                    {
+                        // SAFETY: the CPU supports AVX-512F and VL (checked just above).
+                        let got = unsafe { md5_word0_lanes_avx512(&m, used) };
+                        assert_eq!(got.to_vec(), want, "w = {w}");
+                    }
                 }
             }
         }
+    }
+
+    /// A group of short keys after a group of long ones: the words the long keys wrote must be
+    /// cleared, or the short keys' skipped additions would be wrong.
+    #[test]
+    fn short_keys_after_long_keys_in_the_same_lanes() {
+        let long: Vec<Vec<u8>> = (0..LANES).map(|i| vec![b'x' + (i % 3) as u8; 55]).collect();
+        let short: Vec<Vec<u8>> = (0..LANES + 3).map(|i| i.to_string().into_bytes()).collect();
+        let keys: Vec<&Vec<u8>> = long.iter().chain(&short).chain(&long).collect();
+        let mut got = Vec::new();
+        ketama_hash_many(keys.iter().map(|k| Key::Bytes(k)), |h| got.push(h));
+        let want: Vec<u32> = keys.iter().map(|k| reference(k)).collect();
+        assert_eq!(got, want);
     }
 
     #[test]
