@@ -130,6 +130,15 @@ def boundary_keys() -> list[str]:
     return keys
 
 
+def test_get_many_equals_get_for_every_key_length():
+    # Each length class of the batch's short-key copy (1-3, 4-7, 8-15, 16-31, 32-64 bytes, and
+    # longer), twice over so that later keys land after earlier ones in the buffer.
+    ring = kvroute.HashRing([f"node-{i}" for i in range(16)])
+    keys = ["".join(chr(48 + (i * 7 + j) % 75) for j in range(n)) for i, n in enumerate(range(141))]
+    keys = keys + keys[::-1]
+    assert ring.get_many(keys) == [ring.get(k) for k in keys]
+
+
 @settings(max_examples=30, deadline=None)
 @given(keys=st.lists(st.text(max_size=70), min_size=1, max_size=150))
 def test_get_many_matches_uhashring_on_any_text(keys):
