@@ -225,8 +225,17 @@ fn node_pairs(
     Ok(pairs)
 }
 
-/// The distinct ids of `ids` with their names; fails if an id has no node (an internal error).
+/// The distinct ids of `ids` with their names (every node's when `ids` is longer than the node
+/// list: cheaper than finding the distinct ones, and [`Shared::list`] fails on an id left
+/// without a name); fails if an id has no node (an internal error).
 fn names_of<H: ConsistentHash>(h: &H, ids: &[NodeId]) -> crate::Result<Vec<(NodeId, Arc<str>)>> {
+    if ids.len() > h.len() {
+        let set = h.node_set();
+        return Ok(set
+            .in_order()
+            .filter_map(|id| set.name(id).map(|n| (id, Arc::clone(n))))
+            .collect());
+    }
     let mut seen = SeenNodes::new(h.len());
     ids.iter()
         .filter(|&&id| seen.insert(id) || id as usize >= h.len())
@@ -283,7 +292,7 @@ impl<H: ConsistentHash + Send + Sync> Shared<H> {
     }
 
     /// A list of the `str` of every id in `ids`; `names` holds the name of each distinct id
-    /// (see [`names_of`]).
+    /// (see [`names_of`]). Fails (an internal error) on an id with no name there.
     fn list<'py>(
         &self,
         py: Python<'py>,
@@ -295,21 +304,24 @@ impl<H: ConsistentHash + Send + Sync> Shared<H> {
             .map(|(id, _)| *id as usize + 1)
             .max()
             .unwrap_or(0);
-        let missing = PyString::intern(py, "");
-        let mut strs: Vec<Bound<'py, PyString>> = vec![missing.clone(); len];
+        let mut strs: Vec<Option<Bound<'py, PyString>>> = vec![None; len];
         let mut cache = self.names.view();
         for (id, name) in names {
             if let Some(dest) = strs.get_mut(*id as usize) {
-                *dest = cache.get(py, *id, name);
+                *dest = Some(cache.get(py, *id, name));
             }
         }
         drop(cache);
-        // Every id of `ids` is in `names` (checked by `names_of`), so `missing` is never used.
-        PyList::new(
-            py,
-            ids.iter()
-                .map(|&id| strs.get(id as usize).unwrap_or(&missing).clone()),
-        )
+        // `append` takes its own reference: one C-API call per item, where building from an
+        // iterator (`PyList::new`) makes two (a reference, then `PyList_SetItem`).
+        let list = PyList::empty(py);
+        for &id in ids {
+            let s = strs.get(id as usize).and_then(Option::as_ref);
+            list.append(s.ok_or_else(|| {
+                PyRuntimeError::new_err(format!("internal error: no node {id}"))
+            })?)?;
+        }
+        Ok(list)
     }
 
     fn get<'py>(&self, py: Python<'py>, key: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
