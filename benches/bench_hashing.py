@@ -1,8 +1,10 @@
 """HashRing against uhashring (same process): ketama vs ketama, xxh3 vs uhashring's default ring.
 
 Bars (issue #2): ``get`` per call >= 10x ``uhashring.get_node``; ``get_many`` on 100k str keys
->= 100x a loop of it, at 64 and 1024 nodes. Answers are cross-checked against uhashring for the
-ketama ring (the xxh3 ring places keys differently by design, so only its speed is compared).
+>= 100x a loop of it, at 64 and 1024 nodes (and, apart, ``get_many(keys, as_index=True)``, which
+returns positions in the node list instead of a list of str). Answers are cross-checked against
+uhashring for the ketama ring (the xxh3 ring places keys differently by design, so only its speed
+is compared).
 """
 
 from __future__ import annotations
@@ -59,6 +61,24 @@ def test_get_many_kvroute(benchmark, keys, nodes, label, ours, theirs):
     if ours == "ketama":
         peer = uhashring.HashRing(fleet(nodes), hash_fn="ketama")
         assert got[:2000] == [peer.get_node(k) for k in keys[:2000]]
+
+
+@pytest.mark.parametrize("nodes", [64, 1024])
+def test_get_many_as_index_kvroute(benchmark, keys, nodes):
+    # The zero-object path (positions into the node list), beside the same peer loop.
+    benchmark.group = f"HashRing.get_many(as_index=True) 100k str keys, ketama, {nodes} nodes"
+    benchmark.extra_info.update(impl="kvroute", ops=N_KEYS)
+    ring = kvroute.HashRing(fleet(nodes))
+    at, order = benchmark(ring.get_many, keys, as_index=True)
+    assert [order[i] for i in at[:2000]] == ring.get_many(keys[:2000])
+
+
+@pytest.mark.parametrize("nodes", [64, 1024])
+def test_get_many_as_index_uhashring_loop(benchmark, keys, nodes):
+    benchmark.group = f"HashRing.get_many(as_index=True) 100k str keys, ketama, {nodes} nodes"
+    benchmark.extra_info.update(impl="uhashring get_node loop", ops=N_KEYS)
+    get_node = uhashring.HashRing(fleet(nodes), hash_fn="ketama").get_node
+    benchmark.pedantic(lambda: [get_node(k) for k in keys], rounds=5, iterations=1)
 
 
 @pytest.mark.parametrize("nodes", [64, 1024])

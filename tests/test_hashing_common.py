@@ -51,6 +51,27 @@ def test_get_many_equals_get_and_preference_rules(kind, nodes):
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
+@settings(max_examples=25, deadline=None)
+@given(
+    nodes=st.lists(st.text(min_size=1, max_size=8), min_size=2, max_size=40, unique=True),
+    removed=st.integers(0, 39),
+    keys=keys_strategy,
+)
+def test_get_many_as_index_gives_positions_in_the_node_list(kind, nodes, removed, keys):
+    h = KINDS[kind](nodes)
+    h.remove(nodes[removed % len(nodes)])  # ids with a hole (JumpHash reuses freed buckets)
+    keys = [*keys, *(f"session-{i}" for i in range(100))]  # more keys than nodes
+    at, order = h.get_many(keys, as_index=True)
+    assert order == h.nodes
+    assert at.dtype == np.uint32
+    assert at.shape == (len(keys),)
+    assert [order[i] for i in at] == [h.get(k) for k in keys]
+    ints = np.array([k for k in keys if isinstance(k, int)], dtype=np.uint64)
+    at, order = h.get_many(ints, as_index=True)
+    assert [order[i] for i in at] == [h.get(int(k)) for k in ints]
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
 @settings(max_examples=20, deadline=None)
 @given(keys=keys_strategy)
 def test_get_many_accepts_lists_tuples_iterables_and_arrays(kind, keys):

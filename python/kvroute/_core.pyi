@@ -197,7 +197,14 @@ class _ConsistentHasher:
 
     def get(self, key: _Key) -> str:
         """The node ``key`` maps to (ValueError when there is no node)."""
-    def get_many(self, keys: _Keys) -> list[str]:
+    @overload
+    def get_many(
+        self, keys: _Keys, *, as_index: Literal[True]
+    ) -> tuple[npt.NDArray[np.uint32], list[str]]:
+        """``(positions, nodes)``: each key's node as a position in ``nodes`` (the node list as of
+        the lookup), no per-key Python object."""
+    @overload
+    def get_many(self, keys: _Keys, *, as_index: Literal[False] = False) -> list[str]:
         """``[get(k) for k in keys]``, computed in Rust with the GIL released."""
     def preference(self, key: _Key, n: int) -> list[str]:
         """``n`` distinct nodes in the hasher's fallback order for ``key``, ``get(key)`` first."""

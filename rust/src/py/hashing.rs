@@ -247,6 +247,37 @@ fn names_of<H: ConsistentHash>(h: &H, ids: &[NodeId]) -> crate::Result<Vec<(Node
         .collect()
 }
 
+/// Node ids with their names.
+type Names = Vec<(NodeId, Arc<str>)>;
+
+/// The nodes in insertion order (the order of `nodes`), and the position there of each id of
+/// `ids`; fails if an id has no node (an internal error).
+fn positions_of<H: ConsistentHash>(h: &H, ids: &[NodeId]) -> crate::Result<(Names, Vec<u32>)> {
+    let set = h.node_set();
+    let order: Names = set
+        .in_order()
+        .filter_map(|id| set.name(id).map(|n| (id, Arc::clone(n))))
+        .collect();
+    let slots = order.iter().map(|(id, _)| *id as usize + 1).max();
+    let mut position = vec![u32::MAX; slots.unwrap_or(0)];
+    for (at, (id, _)) in (0u32..).zip(&order) {
+        if let Some(slot) = position.get_mut(*id as usize) {
+            *slot = at;
+        }
+    }
+    let at = ids
+        .iter()
+        .map(|&id| {
+            position
+                .get(id as usize)
+                .copied()
+                .filter(|&at| at != u32::MAX)
+                .ok_or_else(|| crate::Error::Value(format!("internal error: no node {id}")))
+        })
+        .collect::<crate::Result<Vec<u32>>>()?;
+    Ok((order, at))
+}
+
 /// Buffers reused across batch calls on one object (avoids re-faulting fresh pages per call).
 #[derive(Default)]
 struct Scratch {
@@ -354,29 +385,45 @@ impl<H: ConsistentHash + Send + Sync> Shared<H> {
         &self,
         py: Python<'py>,
         keys: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyList>> {
+        as_index: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let mut guard = self.scratch.try_lock();
         let mut own = Scratch::default();
         let scratch: &mut Scratch = guard.as_deref_mut().unwrap_or(&mut own);
         let Scratch { keys: batch, ids } = scratch;
-        let names = if keys.cast::<PyUntypedArray>().is_ok() {
+        // The names of the ids (a list), or each id's position among the nodes and the nodes in
+        // that order (`as_index`), read under the lock the lookups ran under.
+        let finish = |h: &H, ids: &[NodeId]| match as_index {
+            false => names_of(h, ids).map(|names| (names, None)),
+            true => positions_of(h, ids).map(|(order, at)| (order, Some(at))),
+        };
+        let (names, positions) = if keys.cast::<PyUntypedArray>().is_ok() {
             let values = u64_slice(keys, "keys", Negative::Reject)?;
             let values = values.as_slice();
             self.read(py, values.len(), |h| {
                 h.get_many_into(values.iter().map(|&k| Key::Int(k)), ids)?;
-                names_of(h, ids)
+                finish(h, ids)
             })
         } else {
             batch.refill(keys)?;
             let batch = &*batch;
             self.read(py, batch.len(), |h| {
                 h.get_many_into(batch.iter(), ids)?;
-                names_of(h, ids)
+                finish(h, ids)
             })
         }?;
-        let list = self.list(py, ids, &names);
+        let out = match positions {
+            None => self.list(py, ids, &names).map(Bound::into_any),
+            Some(at) => {
+                let order: Vec<NodeId> = names.iter().map(|(id, _)| *id).collect();
+                let nodes = self.list(py, &order, &names)?;
+                (PyArray1::from_vec(py, at), nodes)
+                    .into_pyobject(py)
+                    .map(Bound::into_any)
+            }
+        };
         scratch.trim();
-        list
+        out
     }
 
     fn preference<'py>(
@@ -457,8 +504,13 @@ macro_rules! hasher_class {
 
             /// ``[get(k) for k in keys]``, computed in Rust with the GIL released. ``keys`` is a
             /// list (or any iterable) of str/bytes/int, or a NumPy integer array.
-            fn get_many<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
-                self.inner.get_many(py, keys)
+            ///
+            /// ``as_index=True`` returns ``(positions, nodes)`` instead: a uint32 array giving each
+            /// key's node as a position in ``nodes``, the node list as of the lookup (``nodes[p]``
+            /// for ``p`` in ``positions`` is ``get_many(keys)``), with no per-key Python object.
+            #[pyo3(signature = (keys, *, as_index = false))]
+            fn get_many<'py>(&self, py: Python<'py>, keys: &Bound<'py, PyAny>, as_index: bool) -> PyResult<Bound<'py, PyAny>> {
+                self.inner.get_many(py, keys, as_index)
             }
 
             /// ``n`` distinct nodes in this hasher's fallback order for ``key``, starting with
