@@ -81,8 +81,8 @@ pub struct HashRing {
     /// Owner of each point, followed by the owner of the first point (the wrap-around).
     owners: Vec<NodeId>,
     /// Per bucket of the top hash bits: the first point `>=` the bucket's lowest hash.
-    table: Vec<u32>,
-    shift: u32,
+    pub(super) table: Vec<u32>,
+    pub(super) shift: u32,
     pointless: Vec<NodeId>,
 }
 

@@ -639,6 +639,31 @@ mod rendezvous {
         assert!((b / n as f64 - 0.75).abs() < 0.01, "{}", b / n as f64);
     }
 
+    /// cargo-mutants survivor (shard 1/40): the owner of a key is the node with the highest draw
+    /// `fmix64(k ^ XXH3-64(name)) >> 11` (the module docs), `k` the key's XXH3-64, and the weighted
+    /// score is `w / -ln(u)` of that draw.
+    #[test]
+    fn draws_follow_the_documented_formula() {
+        let names = ["a", "b", "c", "10.0.0.1:8000"];
+        let r = Rendezvous::new(names.iter().map(|&n| (n, 1.0))).unwrap();
+        let seeds: Vec<u64> = names
+            .iter()
+            .map(|n| xxhash_rust::xxh3::xxh3_64(n.as_bytes()))
+            .collect();
+        for k in 0..2000u64 {
+            let kh = hash_key(&k.to_le_bytes());
+            let draws: Vec<u64> = seeds.iter().map(|&s| fmix64(kh ^ s) >> 11).collect();
+            let best = (0..names.len()).max_by_key(|&i| draws[i]).unwrap();
+            assert_eq!(r.get(Key::Int(k)).unwrap() as usize, best, "{k}");
+            let score = Rendezvous::node_score(kh, Rendezvous::node_seed(names[best]), 1.0, true);
+            assert_eq!(score, Score::Draw(draws[best]));
+        }
+        let (kh, seed) = (hash_key(b"key"), seeds[0]);
+        let u = ((fmix64(kh ^ seed) >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+        let weighted = Rendezvous::node_score(kh, seed, 3.0, false);
+        assert_eq!(weighted, Score::Weighted(3.0 / -u.ln()));
+    }
+
     #[test]
     fn uniform_and_weighted_scores_rank_alike() {
         let names = ["a", "b", "c", "d", "e"];
@@ -704,6 +729,29 @@ mod ring {
                     continue;
                 }
                 assert_eq!(r.owner_of(h), reference_owner(&r, h), "{hash:?} {h}");
+            }
+        }
+    }
+
+    /// cargo-mutants survivors (shard 1/40): `vnodes` is what the ring was built with, and the
+    /// bucket table is what its definition says: about two buckets per point over the whole hash
+    /// space, each the index of the first point `>=` its lowest hash. (An empty table still gives
+    /// the right owners, by a scan from the first point: only this check sees it.)
+    #[test]
+    fn vnodes_and_the_bucket_table() {
+        let names: Vec<String> = (0..37).map(|i| format!("n{i}")).collect();
+        for (vnodes, hash, bits) in [(8, RingHash::Ketama, 32), (5, RingHash::Xxh3, 64)] {
+            let r = HashRing::new(names.iter().map(|n| (n.as_str(), 1.0)), vnodes, hash).unwrap();
+            assert_eq!(r.vnodes(), vnodes);
+            let buckets = r.table.len();
+            assert!(
+                buckets >= r.num_points() && buckets <= 4 * r.num_points(),
+                "{buckets}"
+            );
+            assert_eq!((buckets as u128) << r.shift, 1u128 << bits);
+            for (t, &first) in r.table.iter().enumerate() {
+                let lo = (t as u64) << r.shift;
+                assert_eq!(first as usize, r.points.partition_point(|&p| p < lo), "{t}");
             }
         }
     }

@@ -540,6 +540,110 @@ fn worker_names_by_id() {
     assert_eq!(ix.worker_name(gone), None);
 }
 
+/// cargo-mutants survivor (shard 1/40): a worker is admitted exactly when the table with it fits,
+/// the budget being the bytes an unbudgeted index with that one worker reports.
+#[test]
+fn add_worker_admits_a_table_that_exactly_fits() {
+    for name in ["w", "a-longer-worker-name"] {
+        let mut free = PrefixIndex::new(None).unwrap();
+        free.add_worker(name).unwrap();
+        let fits = free.memory_bytes();
+        let mut ix = PrefixIndex::new(Some(fits)).unwrap();
+        assert_eq!(ix.add_worker(name).unwrap(), 0);
+        assert_eq!(ix.memory_bytes(), fits);
+        let mut ix = PrefixIndex::new(Some(fits - 1)).unwrap();
+        assert!(matches!(ix.add_worker(name), Err(Error::Value(_))));
+        assert_eq!(ix.num_workers(), 0);
+    }
+}
+
+/// cargo-mutants survivor (shard 1/40): a run held by workers 0, 64 and 65 (a spilled set) is not
+/// one only worker 65 holds, so 65's next block is not appended to it in place, nor is 65's
+/// removal a truncation of it.
+#[test]
+fn a_run_shared_in_a_spilled_set_is_not_changed_in_place() {
+    let mut ix = PrefixIndex::new(None).unwrap();
+    for w in 0..66 {
+        ix.add_worker(&format!("w{w}")).unwrap();
+    }
+    for w in ["w0", "w64", "w65"] {
+        ix.store(w, &[1, 2], None).unwrap();
+    }
+    ix.store("w65", &[3], Some(2)).unwrap();
+    let held = |n| pairs(&[("w0", 2), ("w64", 2), ("w65", n)]);
+    assert_eq!(m(&ix, &[1, 2, 3]), held(3));
+    assert_eq!(ix.remove("w65", &[2]).unwrap(), 2);
+    assert_eq!(m(&ix, &[1, 2, 3]), held(1));
+    ix.check_invariants().unwrap();
+}
+
+/// cargo-mutants survivor (shard 1/40): the buffers a removal grows stay in the index and are
+/// counted, so an index that removed 1,000 blocks reports at least their bytes more than one in
+/// the same state that never removed anything.
+#[test]
+fn memory_counts_the_buffers_a_removal_keeps() {
+    let chain: Vec<u64> = (1..=1000).collect();
+    let mut removed = PrefixIndex::new(None).unwrap();
+    removed.store("a", &chain, None).unwrap();
+    removed.store("b", &chain, None).unwrap();
+    // Each listed block the worker holds is one entry of the removal's buffer of cuts.
+    let tail_first: Vec<u64> = chain.iter().rev().copied().collect();
+    assert_eq!(removed.remove("a", &tail_first).unwrap(), 1000);
+    let mut fresh = PrefixIndex::new(None).unwrap();
+    fresh.add_worker("a").unwrap();
+    fresh.store("b", &chain, None).unwrap();
+    assert_eq!(m(&removed, &chain), pairs(&[("b", 1000)]));
+    assert_eq!((removed.num_nodes(), removed.num_workers()), (1, 2));
+    let cuts = 1000 * std::mem::size_of::<(u32, usize, u64)>();
+    assert!(
+        removed.memory_bytes() >= fresh.memory_bytes() + cuts,
+        "{} vs {} + {cuts}",
+        removed.memory_bytes(),
+        fresh.memory_bytes()
+    );
+}
+
+/// cargo-mutants survivor (shard 1/40): eviction takes a child before its parent when a match
+/// stamped both with the same tick, so a newer leaf is never evicted while an older run is kept.
+#[test]
+fn eviction_takes_an_equally_old_parent_before_a_newer_leaf() {
+    let long: Vec<u64> = (1..=40).collect();
+    let newer: Vec<u64> = (1001..=1040).collect();
+    let newest: Vec<u64> = (2001..=2040).collect();
+    let mut checked = 0;
+    // `a` holds 1..=40 and `b` its first `cut` blocks: two nodes, the parent and the child. A
+    // split moves the shorter half to a new node, so the parent's id is the larger for a short
+    // prefix and the smaller for a long one.
+    for (budget, cut) in (PrefixIndex::min_budget()..12_000)
+        .step_by(7)
+        .flat_map(|b| [(b, 10), (b, 30)])
+    {
+        let Ok(mut ix) = PrefixIndex::new(Some(budget)) else {
+            continue;
+        };
+        if ix.store("a", &long, None).is_err() || ix.store("b", &long[..cut], None).is_err() {
+            continue;
+        }
+        if ix.num_nodes() != 2 {
+            continue;
+        }
+        let _ = ix.match_names(&long); // parent and child: the same tick
+        if ix.store("c", &newer, None).is_err() || ix.len() != 80 {
+            continue;
+        }
+        if ix.store("d", &newest, None).is_err() {
+            continue;
+        }
+        ix.check_invariants().unwrap();
+        let kept = |q: &[u64]| !ix.match_names(q).is_empty();
+        if !kept(&newer) {
+            checked += 1;
+            assert!(!kept(&long[..1]), "budget {budget}: {:?}", ix.dump());
+        }
+    }
+    assert!(checked > 0);
+}
+
 /// `worker_set.rs`.
 mod worker_set {
     use super::super::worker_set::*;
@@ -556,6 +660,22 @@ mod worker_set {
         assert_eq!(s, WorkerSet::single(3));
         s.remove(3);
         assert!(s.is_empty());
+    }
+
+    /// cargo-mutants survivor (shard 1/40): a spilled set is `{id}` only if it holds nothing else.
+    #[test]
+    fn is_only_on_spilled_sets() {
+        let mut s = WorkerSet::default();
+        s.insert(65);
+        assert!(matches!(s, WorkerSet::Spilled(_)));
+        assert!(s.is_only(65) && !s.is_only(64) && !s.is_only(1) && !s.is_only(129));
+        for id in [0, 64] {
+            s.insert(id);
+        }
+        for id in [0, 1, 64, 65, 66] {
+            assert!(!s.is_only(id), "{id}");
+        }
+        assert!(WorkerSet::single(3).is_only(3) && !WorkerSet::single(3).is_only(67));
     }
 
     #[test]
