@@ -7,11 +7,19 @@ test upstreams. Callers are the official OpenAI client and raw httpx.
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import time
 
 import httpx
+import kvroute
+import numpy as np
 import openai
 import pytest
+from kvroute.gateway.config import ServerConfig
+from kvroute.gateway.metrics import GatewayMetrics
+from kvroute.gateway.upstream import Upstreams
+from kvroute.server.config import WorkerConfig
 from support.gateway_faults import (
     SSE_HEAD,
     FaultServer,
@@ -247,3 +255,77 @@ def test_poison_requests_eject_no_worker():
             assert all(gw.get("/health").json()["workers"].values())
     finally:
         fleet.close()
+
+
+# ---- health probes: what readmits an ejected worker -----------------------------------------
+
+
+def test_health_probe_is_200_within_the_connect_timeout(faults):
+    """``Upstreams.probe`` (the health check that readmits a worker) against real listeners: 200
+    is healthy; another status, a refused connection, a worker that never answers (given up
+    after ``connect_timeout``, not the 30 s read timeout) and a worker without a pool are not."""
+    sick = faults(lambda body: [reply(503, b"{}")])  # GET /health: 200, anything else: 503
+    never = faults(lambda body: [60.0])  # accepts, reads the request, never answers
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        refused = f"http://127.0.0.1:{s.getsockname()[1]}"
+    urls = {"sick": sick.url, "never": never.url, "refused": refused}
+    workers = tuple(WorkerConfig(name=n, url=u) for n, u in urls.items())
+    server = ServerConfig(connect_timeout=0.2, read_timeout=30.0)
+    upstreams = Upstreams(workers, server, kvroute.Router(list(urls)), GatewayMetrics(dict, dict))
+
+    async def probes() -> list[bool]:
+        upstreams.start()
+        try:
+            return [
+                await upstreams.probe("sick", "/health"),
+                await upstreams.probe("sick", "/ready"),
+                await upstreams.probe("never", "/ready"),
+                await upstreams.probe("refused", "/health"),
+                await upstreams.probe("no-such-worker", "/health"),
+            ]
+        finally:
+            await upstreams.stop()
+
+    async def bounded() -> list[bool]:
+        # A probe that waited for the read timeout would hang here, not fail an assertion.
+        return await asyncio.wait_for(probes(), 10.0)
+
+    assert asyncio.run(bounded()) == [True, False, False, False, False]
+    assert (len(sick.requests), len(never.requests)) == (1, 1)  # the /ready probes got there
+
+
+def test_failed_send_is_classified_and_closes_its_flight(faults):
+    """``Flight.send`` against real listeners: a refused connection is the ``connect`` failure, a
+    response head that never comes the ``timeout`` one (``kvroute.gateway.errors``), each
+    returned with the client's exception; either way the attempt is finished in the router."""
+    never = faults(lambda body: [60.0])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        refused = f"http://127.0.0.1:{s.getsockname()[1]}"
+    urls = {"refused": refused, "never": never.url}
+    workers = tuple(WorkerConfig(name=n, url=u) for n, u in urls.items())
+    router = kvroute.Router(list(urls), block_size=16)
+    server = ServerConfig(connect_timeout=1.0, read_timeout=0.2)
+    upstreams = Upstreams(workers, server, router, GatewayMetrics(dict, dict))
+
+    async def send(worker: str):
+        tokens = np.arange(32, dtype=np.uint32)
+        d = router.route(tokens=tokens, exclude=[w for w in urls if w != worker])
+        flight = upstreams.begin(d, len(tokens))
+        assert router.load(worker)["active"] == 1
+        got = await flight.send("/v1/completions", "", b"{}")
+        assert flight.closed and router.load(worker)["active"] == 0
+        assert upstreams.in_flight[worker] == 0
+        return got
+
+    async def both():
+        upstreams.start()
+        try:
+            return await send("refused"), await send("never")
+        finally:
+            await upstreams.stop()
+
+    (connect, e1, body1), (timeout, e2, body2) = asyncio.run(both())
+    assert (connect.kind, type(e1).__name__, body1) == ("connect", "ConnectFailed", None)
+    assert (timeout.kind, type(e2).__name__, body2) == ("timeout", "ReadTimeout", None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import kvroute
 import numpy as np
@@ -60,7 +61,12 @@ class FlightMachine(RuleBasedStateMachine):
         self.predicted = dict.fromkeys(NAMES, 0)
         self.prefill_work: list[float] = []
         self.expected_work: list[float] = []
-        self.upstreams.on_prefilled = lambda work, _seconds: self.prefill_work.append(work)
+        self.began: dict[object, tuple[float, float]] = {}  # the clock around begin()
+        self.seconds: list[float] = []
+        self.upstreams.on_prefilled = lambda work, seconds: (
+            self.prefill_work.append(work),
+            self.seconds.append(seconds),
+        )
 
     async def _start(self) -> None:
         self.upstreams.start()
@@ -81,21 +87,32 @@ class FlightMachine(RuleBasedStateMachine):
             tokens=tokens, endpoint=None, exclude=[w for w in NAMES if w != worker]
         )
         queued = self.load(worker)["prefill_blocks"] * BS
+        before = time.perf_counter()
         flight = self.upstreams.begin(d, len(tokens))
+        self.began[flight] = (before, time.perf_counter())
         self.open[flight] = False
         self.queued_at_begin[flight] = queued
         return flight
 
     @rule(flight=flights)
     def prefilled(self, flight):
-        if flight in self.open and not self.open[flight]:
+        first = flight in self.open and not self.open[flight]
+        if first:
             self.open[flight] = True
             d = flight.decision
             # Work ahead of it when it began (blocks being prefilled there) plus its own.
             work = self.queued_at_begin[flight] + max(d.prompt_tokens - d.cached_tokens, 0)
             self.expected_work.append(work)
+        before = time.perf_counter()
         flight.prefilled()
+        after = time.perf_counter()
         assert self.prefill_work == self.expected_work
+        assert len(self.seconds) == len(self.expected_work)
+        if first:
+            # The time from its begin to its first output, by the same clock: within what the
+            # test saw around the two calls.
+            began_before, began_after = self.began[flight]
+            assert before - began_after <= self.seconds[-1] <= after - began_before
 
     @rule(
         flight=flights,

@@ -299,7 +299,8 @@ def run_python(group: str, args: argparse.Namespace, equivalents: set[str]) -> S
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
     # mutmut names mutants after modules under ./, src/ or source/: the package dir is src/.
-    for name, target in (("src", "python"), ("tests", "tests")):
+    # examples/: tests run the README's examples (mutmut copies tests/, and examples/ as asked).
+    for name, target in (("src", "python"), ("tests", "tests"), ("examples", "examples")):
         link = work / name
         if not link.exists():
             link.symlink_to(ROOT / target)
@@ -307,6 +308,7 @@ def run_python(group: str, args: argparse.Namespace, equivalents: set[str]) -> S
     lines = [
         "[tool.mutmut]",
         'source_paths = ["src"]',
+        'also_copy = ["examples"]',
         f"only_mutate = {json.dumps(mutated)}",
         f"pytest_add_cli_args_test_selection = {json.dumps(tests)}",
         'pytest_add_cli_args = ["-p", "no:cacheprovider", "-x", "-q"]',
