@@ -45,6 +45,15 @@ def test_fields_in_non_streamed_replies(fleet):
         assert second.usage.prompt_cache_hit_tokens > 1500
 
 
+def test_upstream_bodies_are_asked_unencoded(fleet):
+    """The gateway reads the engines' replies (usage, stream events): every request asks for
+    them without a content coding (``accept-encoding: identity``; without the header any coding
+    is acceptable, RFC 9110 §12.5.3), as the upstream's HTTP library parses the request."""
+    with GatewayServer(config_dict(fleet)) as gw:
+        chat(gw.client("sk-acme"), "ep-acme", "identity")
+        assert fleet.records()[-1]["accept_encoding"] == "identity"
+
+
 def test_fields_in_the_final_usage_chunk_of_streams(fleet):
     with GatewayServer(config_dict(fleet)) as gw:
         client = gw.client("sk-globex")

@@ -210,6 +210,7 @@ class Upstream:
             "stream": stream,
             "stream_options": body.get("stream_options"),
             "authorization": request.headers.get("authorization"),
+            "accept_encoding": request.headers.get("accept-encoding"),
         }
         with self.lock:
             self.records.append(record)
