@@ -45,13 +45,19 @@ def test_fields_in_non_streamed_replies(fleet):
         assert second.usage.prompt_cache_hit_tokens > 1500
 
 
-def test_upstream_bodies_are_asked_unencoded(fleet):
+def test_upstream_requests_ask_for_unencoded_bodies_with_the_workers_key(fleet):
     """The gateway reads the engines' replies (usage, stream events): every request asks for
     them without a content coding (``accept-encoding: identity``; without the header any coding
-    is acceptable, RFC 9110 §12.5.3), as the upstream's HTTP library parses the request."""
-    with GatewayServer(config_dict(fleet)) as gw:
-        chat(gw.client("sk-acme"), "ep-acme", "identity")
-        assert fleet.records()[-1]["accept_encoding"] == "identity"
+    is acceptable, RFC 9110 §12.5.3; codings are case-insensitive, §8.4.1), and carries its
+    worker's ``api_key`` — as the upstream's HTTP library parses the request."""
+    cfg = config_dict(fleet)
+    for w in cfg["workers"]:
+        w["api_key"] = f"key-of-{w['name']}"
+    with GatewayServer(cfg) as gw:
+        _, h = chat(gw.client("sk-acme"), "ep-acme", "identity")
+    record = fleet[h["x-kvroute-worker"]].records[-1]
+    assert record["accept_encoding"].lower() == "identity"
+    assert record["authorization"] == f"Bearer key-of-{h['x-kvroute-worker']}"
 
 
 def test_fields_in_the_final_usage_chunk_of_streams(fleet):
