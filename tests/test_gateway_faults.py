@@ -8,6 +8,7 @@ test upstreams. Callers are the official OpenAI client and raw httpx.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 
@@ -296,36 +297,61 @@ def test_health_probe_is_200_within_the_connect_timeout(faults):
 
 
 def test_failed_send_is_classified_and_closes_its_flight(faults):
-    """``Flight.send`` against real listeners: a refused connection is the ``connect`` failure, a
-    response head that never comes the ``timeout`` one (``kvroute.gateway.errors``), each
-    returned with the client's exception; either way the attempt is finished in the router."""
+    """``Flight.send`` against real listeners, each failure within its ``[gateway]`` timeout: a
+    refused connection is the ``connect`` failure, and so is a connection the listener's full
+    backlog never completes (``connect_timeout``); a listener that never reads a large body
+    (``write_timeout``) and a response head that never comes (``read_timeout``) are ``timeout``;
+    a second request to a worker whose only connection is busy is ``pool_timeout``. Each comes
+    with the client's exception, and the attempt is finished in the router either way."""
     never = faults(lambda body: [60.0])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        refused = f"http://127.0.0.1:{s.getsockname()[1]}"
-    urls = {"refused": refused, "never": never.url}
-    workers = tuple(WorkerConfig(name=n, url=u) for n, u in urls.items())
-    router = kvroute.Router(list(urls), block_size=16)
-    server = ServerConfig(connect_timeout=1.0, read_timeout=0.2)
-    upstreams = Upstreams(workers, server, router, GatewayMetrics(dict, dict))
+    with contextlib.ExitStack() as stack:
+        free, full, deaf = (stack.enter_context(socket.socket()) for _ in range(3))
+        for s in (free, full, deaf):
+            s.bind(("127.0.0.1", 0))
+        full.listen(0)  # one connection queued, never accepted: the next SYN is dropped
+        stack.enter_context(socket.create_connection(full.getsockname()))
+        deaf.listen(8)  # connections complete in the kernel; nothing ever reads them
+        urls = {
+            "refused": f"http://127.0.0.1:{free.getsockname()[1]}",
+            "full": f"http://127.0.0.1:{full.getsockname()[1]}",
+            "deaf": f"http://127.0.0.1:{deaf.getsockname()[1]}",
+            "never": never.url,
+        }
+        workers = tuple(WorkerConfig(name=n, url=u, max_connections=1) for n, u in urls.items())
+        router = kvroute.Router(list(urls), block_size=16)
+        server = ServerConfig(
+            connect_timeout=0.5, read_timeout=2.0, write_timeout=0.5, pool_timeout=0.3
+        )
+        upstreams = Upstreams(workers, server, router, GatewayMetrics(dict, dict))
 
-    async def send(worker: str):
-        tokens = np.arange(32, dtype=np.uint32)
-        d = router.route(tokens=tokens, exclude=[w for w in urls if w != worker])
-        flight = upstreams.begin(d, len(tokens))
-        assert router.load(worker)["active"] == 1
-        got = await flight.send("/v1/completions", "", b"{}")
-        assert flight.closed and router.load(worker)["active"] == 0
-        assert upstreams.in_flight[worker] == 0
-        return got
+        async def send(worker: str, body: bytes = b"{}"):
+            tokens = np.arange(32, dtype=np.uint32)
+            d = router.route(tokens=tokens, exclude=[w for w in urls if w != worker])
+            flight = upstreams.begin(d, len(tokens))
+            got = await flight.send("/v1/completions", "", body)
+            assert flight.closed
+            return got[0].kind, type(got[1]).__name__, got[2]
 
-    async def both():
-        upstreams.start()
-        try:
-            return await send("refused"), await send("never")
-        finally:
-            await upstreams.stop()
+        async def run():
+            upstreams.start()
+            try:
+                one = [
+                    await send("refused"),
+                    await send("full"),
+                    await send("deaf", b"x" * (32 << 20)),  # more than the socket buffers hold
+                ]
+                two = await asyncio.gather(send("never"), send("never"))
+                return one, sorted(two)
+            finally:
+                await upstreams.stop()
 
-    (connect, e1, body1), (timeout, e2, body2) = asyncio.run(both())
-    assert (connect.kind, type(e1).__name__, body1) == ("connect", "ConnectFailed", None)
-    assert (timeout.kind, type(e2).__name__, body2) == ("timeout", "ReadTimeout", None)
+        # A send that waited for no timeout would hang here, not fail an assertion.
+        one, two = asyncio.run(asyncio.wait_for(run(), 20.0))
+    assert one == [
+        ("connect", "ConnectFailed", None),
+        ("connect", "ConnectTimeout", None),
+        ("timeout", "WriteTimeout", None),
+    ]
+    assert two == [("pool_timeout", "PoolTimeout", None), ("timeout", "ReadTimeout", None)]
+    assert all(router.load(w)["active"] == 0 for w in urls)
+    assert all(n == 0 for n in upstreams.in_flight.values())
