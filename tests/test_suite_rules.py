@@ -142,3 +142,27 @@ def test_make_mutants_sample_is_round_robin():
     )
     score = mutants.python_score("g", results, set(), set(parts[1]))
     assert (score.caught, score.missed) == (1, [f"{names[1]} (survived)", f"{names[7]} (survived)"])
+
+
+def test_make_mutants_python_diff_is_the_changed_functions():
+    """With a diff, a Python group runs the mutants of the top-level functions and methods
+    holding a changed line (mutmut's name globs), not the whole file."""
+    mutants = make_mutants()
+    source = (
+        "import x\n"  # 1
+        "def f():\n"  # 2
+        "    def inner(): pass\n"  # 3
+        "    return 1\n"  # 4
+        "class C:\n"  # 5
+        "    @staticmethod\n"  # 6
+        "    def m():\n"  # 7
+        "        pass\n"  # 8
+        "    async def n(self):\n"  # 9
+        "        pass\n"  # 10
+    )
+    at = mutants.functions_at
+    assert at(source, "p.q", {1}) == []
+    assert at(source, "p.q", {3}) == ["p.q.x_f__mutmut_*"]
+    assert at(source, "p.q", {6, 10}) == ["p.q.xǁCǁm__mutmut_*", "p.q.xǁCǁn__mutmut_*"]
+    patch = "@@ -3 +3 @@\n-a\n+b\n@@ -8,2 +9,0 @@\n-c\n-d\n@@ -20,0 +21,2 @@\n+e\n+f\n"
+    assert mutants.changed_lines(patch) == {3, 9, 10, 21, 22}

@@ -8,8 +8,8 @@ of ``gateway/app.py``, the prefill/decode handoff of ``gateway/pd.py``, ``server
 and ``sim/engine.py``, each group with the test files that exercise it.
 
 A full run takes hours on a 2-core machine, so the default is what a change needs: only the
-mutants in lines changed since ``--diff`` (default ``main``; Python: the changed files). Name
-modules to run them whole (``--only hashing,py-events``), or only their changes with ``--diff``
+mutants in lines changed since ``--diff`` (default ``main``; Python: in the functions changed).
+Name modules to run them whole (``--only hashing,py-events``), or only their changes with ``--diff``
 too (``--only hashing --diff a0e9e96^``). ``--shard K/N`` runs every N-th mutant of each Rust
 module from the K-th, ``--sample K/N`` the same for each Python group (round-robin, 0 <= K < N,
 as cargo-mutants counts: mutant ``i`` is in ``i % N``): one is an unbiased sample, and 0..N-1
@@ -26,6 +26,7 @@ is a missing test.
 from __future__ import annotations
 
 import argparse
+import ast
 import fnmatch
 import json
 import os
@@ -203,6 +204,53 @@ def changed_files(diff: str) -> list[str]:
     return sorted(set(out) | set(dirty))
 
 
+def changed_lines(patch: str) -> set[int]:
+    """The new file's line numbers a unified diff (``-U0``) adds or changes; a deletion counts
+    the lines on both sides of it."""
+    lines: set[int] = set()
+    for m in re.finditer(r"^@@ -\S+ \+(\d+)(?:,(\d+))? @@", patch, re.M):
+        start, count = int(m.group(1)), int(m.group(2) or 1)
+        lines |= set(range(start, start + count)) if count else {start, start + 1}
+    return lines
+
+
+def functions_at(source: str, module: str, lines: set[int]) -> list[str]:
+    """mutmut's name globs (``module.x_f__mutmut_*``, ``module.xǁClassǁm__mutmut_*``) of the
+    top-level functions and methods (decorators included) that hold any of ``lines``: mutmut
+    mutates only those, a nested function as part of its enclosing one."""
+    out = []
+    for node in ast.parse(source).body:
+        found = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            found.append((node, f"x_{node.name}"))
+        elif isinstance(node, ast.ClassDef):
+            found += [
+                (f, f"xǁ{node.name}ǁ{f.name}")
+                for f in node.body
+                if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+            ]
+        for f, name in found:
+            first = min([f.lineno, *(d.lineno for d in f.decorator_list)])
+            if lines & set(range(first, (f.end_lineno or f.lineno) + 1)):
+                out.append(f"{module}.{name}__mutmut_*")
+    return out
+
+
+def changed_functions(files: list[str], diff: str) -> list[str]:
+    """mutmut name globs of the functions of ``files`` changed since ``diff`` (committed or
+    not)."""
+    base = git("merge-base", diff, "HEAD").strip()
+    out = []
+    for f in files:
+        path = ROOT / f
+        if not path.exists():
+            continue
+        lines = changed_lines(git("diff", "-U0", base, "--", f))
+        module = f.removeprefix("python/").removesuffix(".py").replace("/", ".")
+        out += functions_at(path.read_text(), module, lines)
+    return out
+
+
 def run_rust(module: str, args: argparse.Namespace, equivalents: set[str]) -> Score:
     out = OUT / f"rust-{module}"
     out.mkdir(parents=True, exist_ok=True)
@@ -292,7 +340,14 @@ def statuses(results: str) -> dict[str, str]:
     return out
 
 
-def run_python(group: str, args: argparse.Namespace, equivalents: set[str]) -> Score:
+def run_python(
+    group: str,
+    args: argparse.Namespace,
+    equivalents: set[str],
+    functions: list[str] | None = None,
+) -> Score:
+    """Runs one group's mutants: all of them, or of ``functions`` (name globs) only, or sample
+    ``args.sample`` of either."""
     files, tests, names = PYTHON[group]
     work = OUT / group
     if work.exists() and args.fresh:
@@ -318,21 +373,28 @@ def run_python(group: str, args: argparse.Namespace, equivalents: set[str]) -> S
     (work / "pyproject.toml").write_text(pyproject + "\n" + "\n".join(lines) + "\n")
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
     chosen = None
-    if args.sample:
+    if args.sample or functions is not None:
         subprocess.run(niced([sys.executable, "-c", GENERATE]), cwd=work, env=env, check=True)
         known = statuses(mutmut_results(work, env))
-        group_names = [
-            n for n in known if not names or any(fnmatch.fnmatchcase(n, g) for g in names)
+        pool = [
+            n
+            for n in known
+            if (not names or any(fnmatch.fnmatchcase(n, g) for g in names))
+            and (functions is None or any(fnmatch.fnmatchcase(n, g) for g in functions))
         ]
-        chosen = set(sample(group_names, args.sample))
+        picked = sample(pool, args.sample) if args.sample else pool
+        chosen = set(picked)
         # mutmut re-runs every mutant named on its command line: name only those without a
-        # result yet (an interrupted sample resumes). "*" + name matches that name only (no name
-        # ends with another) and, being a pattern, spares mutmut's look-up of the tests calling
-        # it by exact name, which fails for a function no test calls.
-        todo = [n for n in group_names if n in chosen and known[n] == "not checked"]
+        # result yet (mutmut forgets the results of a function whose code changed; an
+        # interrupted run resumes). "*" + name matches that name only (no name ends with
+        # another) and, being a pattern, spares mutmut's look-up of the tests calling it by
+        # exact name, which fails for a function no test calls.
+        todo = [n for n in picked if known[n] == "not checked"]
         names = ["*" + n for n in todo]
         print(
-            f"{group}: sample {args.sample}: {len(chosen)} of {len(group_names)} mutants, "
+            f"{group}: {len(chosen)} of {len(known)} mutants "
+            f"({'sample ' + args.sample if args.sample else 'all'} of "
+            f"{'the changed functions' if functions is not None else 'the group'}), "
             f"{len(todo)} not run yet",
             flush=True,
         )
@@ -447,9 +509,12 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             scores.append(run_rust(module, args, equivalents.get(f"rust/{module}", set())))
         else:
-            if changed is not None and not set(PYTHON[module][0]) & set(changed):
-                continue
-            scores.append(run_python(module, args, equivalents.get(module, set())))
+            functions = None
+            if changed is not None:
+                functions = changed_functions(PYTHON[module][0], args.diff)
+                if not functions:
+                    continue
+            scores.append(run_python(module, args, equivalents.get(module, set()), functions))
     header = (
         "| module | mutants | caught | timeout | missed | equivalent | unviable | score |\n"
         "|---|---|---|---|---|---|---|---|"
