@@ -59,6 +59,7 @@ class FlightMachine(RuleBasedStateMachine):
         self.bound = bound or connections
         self.open: dict[object, bool] = {}  # open flight -> prefilled
         self.queued_at_begin: dict[object, int] = {}
+        self.usages: dict[object, dict] = {}  # closed flight -> the usage it was closed with
         self.reported = dict.fromkeys(NAMES, 0)
         self.predicted = dict.fromkeys(NAMES, 0)
         self.prefill_work: list[float] = []
@@ -127,15 +128,18 @@ class FlightMachine(RuleBasedStateMachine):
     def close(self, flight, cached, prompt):
         d = flight.decision
         engine_prompt = {None: None, "same": d.prompt_tokens, "double": 2 * d.prompt_tokens}[prompt]
+        reported = usage(cached, engine_prompt)
         if flight in self.open:
             del self.open[flight]
+            self.usages[flight] = reported  # what the rate limits charge (Gateway._ended)
             if cached is not None:
                 # Engine tokens in routing tokens: by the prompts' ratio, within the prompt.
                 ratio = 0.5 if prompt == "double" else 1.0
                 routed = min(round(cached * ratio), d.prompt_tokens)
                 self.reported[d.worker] += routed
                 self.predicted[d.worker] += d.cached_tokens
-        self.loop.run_until_complete(release(_Closed(), flight, usage(cached, engine_prompt)))
+        self.loop.run_until_complete(release(_Closed(), flight, reported))
+        assert flight.usage == self.usages[flight]  # the first close's, kept
 
     @invariant()
     def accounting(self):
