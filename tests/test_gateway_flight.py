@@ -209,3 +209,37 @@ def test_attempt_refused_before_sending_is_withdrawn_not_finished(sends):
             await upstreams.stop()
 
     asyncio.run(run())
+
+
+def test_decode_half_reports_no_cached_tokens():
+    """A prefill/decode pair (the real router's ``route_pd``): the decode engine counts the KV
+    it received as cached, so only the prefill half's usage reaches ``observe`` and the cache
+    counters; the decode worker's report is dropped."""
+
+    async def run() -> dict:
+        workers = tuple(
+            WorkerConfig(name=n, url=f"http://127.0.0.1:{9 + k}") for k, n in enumerate("pd")
+        )
+        router = kvroute.Router(["p", "d"], roles={"p": "prefill", "d": "decode"}, block_size=BS)
+        metrics = GatewayMetrics(lambda: {}, lambda: {})
+        upstreams = Upstreams(workers, ServerConfig(), router, metrics)
+        upstreams.start()
+        tokens = np.arange(250 * BS, dtype=np.uint32)  # 4,000 uncached tokens: disaggregated
+        pair = router.route_pd(tokens=tokens)
+        assert pair.disaggregate and (pair.prefill.worker, pair.decode.worker) == ("p", "d")
+        n = len(tokens)
+        prefill, decode = upstreams.begin(pair.prefill, n), upstreams.begin(pair.decode, n)
+        await release(_Closed(), decode, usage(n, n))  # "all of it cached": the KV it received
+        await release(_Closed(), prefill, usage(BS, n))  # one block it held
+        await upstreams.stop()
+        return {
+            c: {w: getattr(metrics, c).get(w) for w in "pd"}
+            for c in ("reported", "predicted", "prompt_tokens")
+        }
+
+    counters = asyncio.run(run())
+    assert counters == {
+        "reported": {"p": BS, "d": 0},
+        "predicted": {"p": 0, "d": 0},
+        "prompt_tokens": {"p": 250 * BS, "d": 0},
+    }
