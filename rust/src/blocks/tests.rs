@@ -133,6 +133,52 @@ fn unsorted_mm_items_are_refused() {
     assert!(out.is_empty());
 }
 
+/// cargo-mutants survivor (shard 2/40): in-range multimodal items are hashed, not refused — the
+/// vLLM 0.33 vector `multimodal(identifier=img-3f2a,offset=4,length=20)/sha256_cbor`
+/// (tests/data/vectors/vllm_0.33.0_block_hash_and_kv_event_vectors.json) — and the ±2**62 bounds
+/// are exact.
+#[test]
+fn mm_items_hash_as_vllm_does_and_their_bounds_are_exact() {
+    let h = BlockHasher::new(
+        16,
+        Profile::Vllm(super::vllm::Flavor::default()),
+        Options::default(),
+    )
+    .expect("valid hasher");
+    let item = |offset: i64, length: u64| MmItem {
+        identifier: "img-3f2a".into(),
+        offset,
+        length,
+    };
+    let tokens: Vec<u32> = (1..=52).collect();
+    let mut out = Vec::new();
+    h.hash_into(&tokens, &ChainState::Root, &[item(4, 20)], &mut out)
+        .expect("an in-range item");
+    assert_eq!(
+        out,
+        [
+            16_870_408_186_645_370_927,
+            17_188_849_956_410_496_611,
+            13_421_432_624_470_001_916
+        ]
+    );
+    for (offset, length, ok) in [
+        (-MM_LIMIT, 0, true),
+        (MM_LIMIT - 1, MM_LIMIT as u64 - 1, true),
+        (MM_LIMIT, 1, false),
+        (-MM_LIMIT - 1, 1, false),
+        (0, MM_LIMIT as u64, false),
+    ] {
+        let got = h.hash_into(
+            &tokens,
+            &ChainState::Root,
+            &[item(offset, length)],
+            &mut out,
+        );
+        assert_eq!(got.is_ok(), ok, "offset {offset}, length {length}");
+    }
+}
+
 #[test]
 fn profile_names_round_trip() {
     // Router.config()["hash_profile"] and BlockHasher.profile show these names, and a router

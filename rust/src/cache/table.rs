@@ -18,7 +18,7 @@ type Slot = u64;
 /// The tag of a block hash: the high half of a folded 64×64→128 multiply, so structured inputs
 /// (small integers, multiples of a power of two) spread over the slots as well as random ones.
 #[inline]
-fn tag(h: u64) -> u32 {
+pub(super) fn tag(h: u64) -> u32 {
     let p = u128::from(h).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     (((p as u64) ^ ((p >> 64) as u64)) >> 32) as u32
 }

@@ -651,3 +651,40 @@ fn unknown_fields_of_any_shape_are_skipped_whole() {
         assert_eq!(b.dp_rank, Some(3), "case {i}");
     }
 }
+
+/// cargo-mutants survivors (shard 2/40): fields only the general decoder reads (a `lora_name`
+/// written as str8, `lookahead_token_ids`), an empty `block_hashes` array (the fast path must
+/// pass over it, not divide by its length), and `Batch::num_hashes` over every event.
+#[test]
+fn general_fields_and_an_empty_hash_array() {
+    let name = "tenant-a";
+    let payload = batch(|w| {
+        w.map(6).s("type").s("BlockStored").s("block_size").u(4);
+        w.s("block_hashes").ints(&[11, 12]);
+        w.s("token_ids").ints(&(0..8).collect::<Vec<u64>>());
+        w.s("lora_name").s(name); // str8 (0xd9), not a fixstr
+        w.s("lookahead_token_ids").arr(2).nil().ints(&[5, 6]);
+        removed(w, &[], None); // block_hashes: the empty fixarray 0x90
+        w.map(5).s("type").s("BlockStored").s("block_size").u(4);
+        w.s("block_hashes")
+            .ints(&[13])
+            .s("token_ids")
+            .ints(&[1, 2, 3, 4]);
+        w.s("lookahead_token_ids").arr(1).ints(&[]);
+        3
+    });
+    let mut b = Batch::default();
+    Decoder::new().decode(&payload, &mut b).expect("decode");
+    let events: Vec<Event<'_>> = b.events(&payload).collect();
+    assert_eq!(events.len(), 3);
+    assert_eq!(events[0].block_hashes, &[11, 12]);
+    assert_eq!(events[0].lora_name, Some(name));
+    assert!(events[0].has_lookahead);
+    assert_eq!(events[1].kind, EventKind::Removed);
+    assert!(events[1].block_hashes.is_empty());
+    assert_eq!(
+        (events[2].lora_name, events[2].has_lookahead),
+        (None, false)
+    );
+    assert_eq!(b.num_hashes(), 3);
+}
