@@ -871,7 +871,7 @@ mod pd {
         };
         let mut r = fleet(&[("p0", P), ("d0", D)], pd);
         let d = r.route_pd_tokens(&tokens(8, 8), None, 0.0).unwrap();
-        assert_eq!(d.reason, PdReason::Remote);
+        assert_eq!((d.reason, d.disaggregate()), (PdReason::Remote, true));
         r.set_healthy("p0", false).unwrap();
         assert!(matches!(
             r.route_pd_tokens(&tokens(8, 8), None, 1.0),

@@ -133,3 +133,117 @@ fn hash_routing_keeps_following_weights_after_a_removal() {
         .count();
     assert!((700..900).contains(&to_c), "c took {to_c} of {n}");
 }
+
+/// cargo-mutants survivor (shard 2/40): a worker's cost is its work divided by its weight, so a
+/// worker of weight 4 costs a quarter of an equally idle worker of weight 1 and is chosen.
+#[test]
+fn kv_cost_is_the_work_divided_by_the_workers_weight() {
+    let config = Config {
+        policy: Policy::KvAware,
+        block_size: 4,
+        capacity_blocks: 64,
+        ..Config::default()
+    };
+    let mut r = Router::new([("a", 1.0), ("b", 4.0)], config).unwrap();
+    let d = r.route_tokens(&tokens(1, 40), None, None, 0.0).unwrap();
+    let cost = |name: &str| d.scores().find(|(n, _)| &***n == name).unwrap().1;
+    assert_eq!(&*d.worker, "b");
+    assert!(
+        (cost("a") / cost("b") - 4.0).abs() < 1e-9,
+        "{} {}",
+        cost("a"),
+        cost("b")
+    );
+}
+
+/// cargo-mutants survivor (shard 2/40): both cost weights must be finite and >= 0.
+#[test]
+fn cost_weights_must_be_finite_and_non_negative() {
+    assert!(CostWeights::default().check().is_ok());
+    let bad = [
+        (-1.0, 0.05),
+        (1.0, -0.5),
+        (f64::INFINITY, 0.05),
+        (1.0, f64::NAN),
+    ];
+    for (queue, decode) in bad {
+        let config = Config {
+            weights: CostWeights { queue, decode },
+            ..Config::default()
+        };
+        let refused = Router::new([("a", 1.0)], config).err();
+        assert!(
+            matches!(refused, Some(crate::Error::Value(_))),
+            "queue {queue}, decode {decode}"
+        );
+    }
+}
+
+/// cargo-mutants survivor (shard 2/40): a freshness set by hand is what the worker reports at
+/// any time, and a value outside [0, 1] or an unknown worker is refused.
+#[test]
+fn a_freshness_set_by_hand_is_reported() {
+    let mut r = router(Policy::KvAware, &["a", "b"]);
+    r.set_freshness("a", 0.25).unwrap();
+    assert_eq!(r.freshness("a", 100.0).unwrap(), 0.25);
+    assert!(r.set_freshness("a", 1.5).is_err());
+    assert!(r.set_freshness("nobody", 0.5).is_err());
+    assert_eq!(r.freshness("a", 100.0).unwrap(), 0.25);
+    assert_eq!(r.freshness("b", 100.0).unwrap(), 1.0);
+}
+
+/// cargo-mutants survivor (shard 2/40): blocks a worker's engine reports stored only in CPU
+/// memory (vLLM's offloading) earn it the CPU tier's weight (0.5) of credit: its cost is that of
+/// prefilling half the prompt, and it is chosen.
+#[test]
+fn blocks_held_only_in_a_slower_tier_earn_credit() {
+    use rmp::encode::{
+        write_array_len, write_f64, write_map_len, write_nil, write_str, write_uint,
+    };
+    let config = Config {
+        block_size: 4,
+        mode: IndexMode::Events,
+        ..Config::default()
+    };
+    let mut r = Router::new(["a", "b", "c", "d"].map(|n| (n, 1.0)), config).unwrap();
+    let mut applier = r.new_event_applier().unwrap();
+    let prompt = tokens(3, 40);
+    // [ts, [BlockStored{10 blocks of the prompt, medium "CPU"}], dp_rank]: the msgpack of vLLM's
+    // KVEventBatch.
+    let mut p = Vec::new();
+    write_array_len(&mut p, 3).unwrap();
+    write_f64(&mut p, 1.0).unwrap();
+    write_array_len(&mut p, 1).unwrap();
+    write_map_len(&mut p, 6).unwrap();
+    write_str(&mut p, "type").unwrap();
+    write_str(&mut p, "BlockStored").unwrap();
+    write_str(&mut p, "block_hashes").unwrap();
+    write_array_len(&mut p, 10).unwrap();
+    for h in 1..=10 {
+        write_uint(&mut p, h).unwrap();
+    }
+    write_str(&mut p, "parent_block_hash").unwrap();
+    write_nil(&mut p).unwrap();
+    write_str(&mut p, "token_ids").unwrap();
+    write_array_len(&mut p, 40).unwrap();
+    for &t in &prompt {
+        write_uint(&mut p, t.into()).unwrap();
+    }
+    write_str(&mut p, "block_size").unwrap();
+    write_uint(&mut p, 4).unwrap();
+    write_str(&mut p, "medium").unwrap();
+    write_str(&mut p, "CPU").unwrap();
+    write_nil(&mut p).unwrap();
+    applier.apply("c", &p).unwrap();
+    let d = r.route_tokens(&prompt, None, None, 0.0).unwrap();
+    let cost = |name: &str| d.scores().find(|(n, _)| &***n == name).unwrap().1;
+    assert_eq!(&*d.worker, "c");
+    assert_eq!(d.cached_blocks, 0); // nothing on the GPU
+    for other in ["a", "b", "d"] {
+        assert!(
+            (cost(other) / cost("c") - 2.0).abs() < 1e-9,
+            "{other}: {:?}",
+            cost(other)
+        );
+    }
+}
