@@ -11,7 +11,7 @@ import kvroute
 import numpy as np
 import pytest
 import xxhash
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from support.router_reference import (
@@ -205,6 +205,68 @@ def test_uniform_weights_flip_keeps_pools_exact():
         r.remove_worker(name)  # and become equal again
         del weights[name]
         check_pools(r, weights, set(weights), pools)
+
+
+def test_a_pool_whose_head_is_all_unhealthy_takes_the_next_healthy_worker():
+    """Pool size 1 over 20 workers: every worker but the last of the endpoint's order unhealthy
+    (more than the head the router keeps) — the pool is that last worker, not empty."""
+    weights = {f"w{i}": 1.0 for i in range(20)}
+    r = kvroute.Router(weights, block_size=BS)
+    r.add_endpoint("ep", pool_size=1)
+    order = kvroute.Rendezvous(weights).preference("ep", len(weights))
+    for w in order[:-1]:
+        r.set_healthy(w, False)
+    check_pools(r, weights, {order[-1]}, {"ep": 1})
+    assert r.route(toks(1, 16), endpoint="ep", now=0.0).worker == order[-1]
+    r.set_healthy(order[-1], False)  # none healthy: routing fails
+    with pytest.raises(kvroute.NoWorkerError):
+        r.route(toks(1, 16), endpoint="ep", now=0.0)
+    for w in reversed(order):  # back one by one, from the end of the order
+        r.set_healthy(w, True)
+        healthy = set(order[order.index(w) :])
+        check_pools(r, weights, healthy, {"ep": 1})
+
+
+@settings(max_examples=150)
+@given(
+    n=st.integers(2, 30),
+    pools=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    ops=st.lists(
+        st.tuples(st.sampled_from("ppphuar"), st.integers(0, 10**6)), min_size=10, max_size=80
+    ),
+)
+def test_pools_under_any_health_and_membership(n, pools, ops):
+    """Pools against the reference through health flaps that take out most of the fleet (the
+    router keeps only a head of each endpoint's order), joins and departures."""
+    weights = {f"w{i}": 1.0 for i in range(n)}
+    healthy = set(weights)
+    r = kvroute.Router(weights, block_size=BS)
+    sizes = {f"ep{i}": k for i, k in enumerate(pools) if k <= n}
+    for ep, k in sizes.items():
+        r.add_endpoint(ep, pool_size=k)
+    fresh = n
+    for op, x in ops:
+        names = list(weights)
+        w = names[x % len(names)]
+        members = [m for ep in sorted(sizes) for m in r.endpoint_pool(ep)]
+        if op == "p" and members:  # a pool member goes down: the next one takes its place
+            w = members[x % len(members)]
+            r.set_healthy(w, False)
+            healthy.discard(w)
+        elif op in "hu":  # mostly down: unhealthy workers pile up
+            ok = op == "h" and x % 3 == 0
+            r.set_healthy(w, ok)
+            (healthy.add if ok else healthy.discard)(w)
+        elif op == "a":
+            r.add_worker(f"w{fresh}", 1.0 + x % 2)
+            weights[f"w{fresh}"] = 1.0 + x % 2
+            healthy.add(f"w{fresh}")
+            fresh += 1
+        elif len(weights) > max(sizes.values(), default=1):
+            r.remove_worker(w)
+            del weights[w]
+            healthy.discard(w)
+        check_pools(r, weights, healthy, sizes)
 
 
 def test_a_100k_worker_fleet_builds_and_stays_correct():

@@ -13,12 +13,13 @@
 //!   it was. When fewer than `pool_size` workers of a phase are healthy, that part is all of them
 //!   (routing fails only when none is). [`add`](super::Router::add_endpoint) refuses a pool
 //!   larger than the healthy workers of every phase.
-//! - **Cost.** Per phase the endpoint keeps the head of that order (`ranked`: about twice
-//!   `pool_size` workers, or all of them), so a worker joining, leaving or changing health or
-//!   role costs O(pool) per endpoint; only when a head runs out of healthy workers (members
-//!   removed one by one) is its order drawn again from every worker, O(n), which a random
-//!   removal triggers with probability about 1/n per member it takes: O(1) amortised. Creating
-//!   the pool draws it once per phase.
+//! - **Cost.** Per phase the endpoint keeps the head of that order (`ranked`: the order up to its
+//!   `max(2·pool_size, pool_size + 8)`-th healthy worker, with the unhealthy ones before it; or
+//!   all of them), so a worker joining, leaving or changing health or role costs O(head) per
+//!   endpoint; only when a head runs out of healthy workers (members removed or marked unhealthy
+//!   one by one) is its order drawn again from every worker, O(n), which a random removal
+//!   triggers with probability about 1/n per member it takes: O(1) amortised. Creating the pool
+//!   draws it once per phase.
 //! - **Isolation.** An isolated endpoint (the default) hashes its requests' tokens with its own
 //!   salt: the router's [`BlockHasher`] with `salt` = the endpoint's salt (the endpoint id unless
 //!   given), so its blocks never equal another tenant's and no other request can match them.
@@ -217,12 +218,24 @@ impl Endpoint {
             .filter(|(_, w)| w.role.does(phase))
             .map(|(s, w)| (workers.rendezvous(w, self.key_hash), s))
             .collect();
-        let keep = self.head_len();
+        // The head runs to its `head_len`-th healthy worker: unhealthy ones ranked before it stay
+        // (they take their place again when back), and the pool is always inside the head.
+        let healthy = |s: u32| workers.get(s).is_some_and(|w| w.healthy);
+        let head_len = self.head_len();
+        let unhealthy = scored.iter().filter(|&&(_, s)| !healthy(s)).count();
+        let keep = head_len.saturating_add(unhealthy);
         if keep < scored.len() {
             scored.select_nth_unstable_by(keep, |&a, &b| Self::order(workers, a, b));
             scored.truncate(keep);
         }
         scored.sort_unstable_by(|&a, &b| Self::order(workers, a, b));
+        let mut seen = 0;
+        if let Some(end) = scored.iter().position(|&(_, s)| {
+            seen += usize::from(healthy(s));
+            seen == head_len
+        }) {
+            scored.truncate(end + 1);
+        }
         let part = self.part_mut(phase);
         part.ranked.clear();
         part.ranked.extend(scored.iter().map(|&(_, s)| s));
