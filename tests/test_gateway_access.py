@@ -10,6 +10,9 @@ The end-to-end version (real requests through ``kvroute serve``) is tests/test_g
 
 from __future__ import annotations
 
+from unittest import mock
+
+import kvroute.gateway.auth as auth_module
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -143,3 +146,27 @@ def test_a_model_that_is_not_a_string_or_too_long_is_not_echoed():
         )
     with pytest.raises(HTTPError, match="'" + "x" * 256 + "'"):
         access.target("x" * 256)
+
+
+def answer(auth: Auth, header: str | None) -> tuple:
+    try:
+        access = auth.access(header)
+    except HTTPError as e:
+        return refusal(e)
+    return access.digest, sorted(access.targets)
+
+
+@settings(max_examples=200, deadline=None)
+@given(configs(), st.lists(headers, max_size=30), st.integers(2, 6))
+def test_remembered_headers_answer_as_a_fresh_check(data, sequence, bound):
+    """One ``Auth`` over many requests (valid headers remembered, the memory bounded) answers
+    each header exactly as a fresh ``Auth`` that remembers nothing; only valid headers are
+    remembered, never more than ``SEEN_HEADERS``."""
+    config = parse_config(data)
+    with mock.patch.object(auth_module, "SEEN_HEADERS", bound):
+        auth = Auth(config)
+        for header in sequence:
+            assert answer(auth, header) == answer(Auth(config), header)
+            assert len(auth._seen) <= bound
+            for remembered, access in auth._seen.items():
+                assert access.digest is not None and reference_key(remembered) is not None

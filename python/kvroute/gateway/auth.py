@@ -11,7 +11,11 @@ Answers never reveal which endpoints exist beyond the caller's own: a model the 
 use is answered exactly like a model that does not exist — 404 for a caller with a valid key, 401
 for one without. Keys are looked up by their SHA-256 digest (a dict of digests: the time taken
 depends on the digest of the caller's key, never on a stored key's bytes, and digests cannot be
-steered toward a stored one). The caller's key is never sent upstream.
+steered toward a stored one). An ``Authorization`` header already found valid is remembered (at
+most ``SEEN_HEADERS`` of them; the oldest half forgotten past that) so that a caller's next
+request skips the digest: a dict keyed by the header, whose hash is Python's keyed SipHash, so
+the lookup's time cannot be steered toward a stored header either; an invalid header is never
+remembered. The caller's key is never sent upstream.
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ from dataclasses import dataclass
 from .config import GatewayConfig, key_digest
 from .errors import HTTPError
 
-__all__ = ["Access", "Auth", "Target", "bearer"]
+__all__ = ["SEEN_HEADERS", "Access", "Auth", "Target", "bearer"]
+
+#: Valid ``Authorization`` headers remembered (see the module docs).
+SEEN_HEADERS = 4096
 
 
 @dataclass(frozen=True)
@@ -89,13 +96,23 @@ class Auth:
             for digest in t.key_digests:
                 by_digest.setdefault(digest, dict(self.open))[name] = t
         self._by_digest = {d: Access(d, targets) for d, targets in by_digest.items()}
+        self._seen: dict[str, Access] = {}  # valid Authorization headers (see the module docs)
         self.admin = frozenset(config.server.admin_key_digests)
 
     def access(self, authorization: str | None) -> Access:
         """What the caller with this ``Authorization`` header may use; 401 when nothing."""
+        if authorization:
+            seen = self._seen.get(authorization)
+            if seen is not None:
+                return seen
         key = bearer(authorization)
         access = self._by_digest.get(key_digest(key)) if key is not None else None
         if access is not None:
+            seen_headers = self._seen
+            if len(seen_headers) >= SEEN_HEADERS:
+                for old in list(seen_headers)[: SEEN_HEADERS // 2]:
+                    del seen_headers[old]
+            seen_headers[authorization] = access  # type: ignore[index]
             return access
         if not self.open:
             raise HTTPError(
