@@ -53,10 +53,12 @@ with an admin key; the public ``/health`` says only whether any worker is up.
 
 Modules: ``auth`` (targets and keys), ``upstream`` (connection pools, in-flight accounting),
 ``stream`` (the SSE pass-through), ``errors`` (the failure table), ``limits`` and ``admission``,
-``usage`` (cache fields), ``listener`` (connection deadlines and cap), ``metrics`` (the series),
-``prompt`` (routing tokens); ``kvroute.server`` holds what every kvroute server shares. The app
-keeps all mutable state on its event loop (one uvicorn process); the Router is thread-safe and the
-KV-event subscriber feeds it from its own thread.
+``usage`` (cache fields), ``listener`` (HTTP/1.1 under connection deadlines and a cap; its
+``kvroute`` ASGI extension sends whole responses and reports disconnections without a task per
+request), ``rawjson`` (the upstream body keeps the client's JSON text for the fields the gateway
+leaves alone), ``metrics`` (the series), ``prompt`` (routing tokens); ``kvroute.server`` holds
+what every kvroute server shares. The app keeps all mutable state on its event loop (one uvicorn
+process); the Router is thread-safe and the KV-event subscriber feeds it from its own thread.
 """
 
 from __future__ import annotations
@@ -72,7 +74,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
-from starlette.datastructures import MutableHeaders
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
@@ -97,10 +98,11 @@ from .errors import (
     body_failed,
 )
 from .limits import RateLimits
-from .listener import ConnectionGuard
+from .listener import ConnectionGuard, Cycle
 from .metrics import GatewayMetrics
 from .pd import HANDOVER_FIELDS, PdForwarder
 from .prompt import OFFLOAD_CHARS, RequestError, Tokenizer, load_tokenizer
+from .rawjson import RawObject, dumps, parse_object
 from .stream import EventTooLarge, ProxyStream, SseScanner, first_events, wait_disconnect
 from .upstream import Flight, Upstreams, release
 from .usage import with_cache_fields_body
@@ -115,6 +117,8 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _FORWARDED_RESPONSE_HEADERS = ("content-type", "content-encoding", "cache-control")
 
 Handler = Callable[["Incoming"], Awaitable[Response]]
+#: Responses whose whole body is known: sent by the listener in one call when it can.
+_WHOLE = (Response, JSONResponse)
 
 
 class ClientGone(Exception):
@@ -122,31 +126,42 @@ class ClientGone(Exception):
 
 
 class Incoming:
-    """One HTTP request as the gateway sees it: the ASGI scope and its headers."""
+    """One HTTP request as the gateway sees it: the ASGI scope and its headers, and the
+    listener's ``kvroute`` ASGI extension when it is served by ``kvroute.gateway.listener``."""
 
-    __slots__ = ("after", "headers", "receive", "scope")
+    __slots__ = ("after", "headers", "listener", "receive", "scope")
 
     def __init__(self, scope: Scope, receive: Receive) -> None:
         self.scope = scope
         self.receive = receive
         self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         self.after: list[Callable[[], None]] = []  # run once the response has been sent
+        extensions = scope.get("extensions")
+        self.listener: Cycle | None = extensions.get("kvroute") if extensions else None
 
 
 class UpstreamBody:
     """The body sent upstream, encoded once for each set of engine fields a worker kind gets
     (``cache_salt``, ``priority``: ``kvroute.server.config.engine_fields``), each only when a
-    worker of that kind is tried; and whether the usage chunk is the gateway's."""
+    worker of that kind is tried; and whether the usage chunk is the gateway's. With ``raw`` (the
+    client's body as ``kvroute.gateway.rawjson`` parsed it) the fields the gateway left alone
+    keep the client's JSON text."""
 
-    __slots__ = ("body", "encoded", "priority", "salt", "strip_usage")
+    __slots__ = ("body", "encoded", "priority", "raw", "salt", "strip_usage")
 
     def __init__(
-        self, body: dict[str, Any], salt: str | None, priority: int, strip_usage: bool
+        self,
+        body: dict[str, Any],
+        salt: str | None,
+        priority: int,
+        strip_usage: bool,
+        raw: RawObject | None = None,
     ) -> None:
         self.body = body
         self.salt = salt
         self.priority = priority
         self.strip_usage = strip_usage
+        self.raw = raw
         self.encoded: dict[tuple[tuple[str, Any], ...], bytes] = {}
 
     def get(self, kind: str) -> bytes:
@@ -155,7 +170,7 @@ class UpstreamBody:
         data = self.encoded.get(key)
         if data is None:
             body = {**self.body, **extra} if extra else self.body
-            data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+            data = self.raw.encode(body) if self.raw is not None else dumps(body).encode()
             self.encoded[key] = data
         return data
 
@@ -308,12 +323,7 @@ class Gateway:
     async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The public ASGI app (runs the gateway's lifespan)."""
         if scope["type"] == "http":
-            client = scope.get("client")
-            self.guard.request_started(client)
-            try:
-                await self._dispatch(self.routes, scope, receive, send)
-            finally:
-                self.guard.request_ended(client)
+            await self._dispatch(self.routes, scope, receive, send)
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
 
@@ -343,7 +353,11 @@ class Gateway:
         else:
             response = await handler(req)
         try:
-            await response(scope, receive, send)
+            cycle = req.listener
+            if cycle is not None and type(response) in _WHOLE and response.background is None:
+                cycle.respond(response.status_code, response.raw_headers, response.body)
+            else:
+                await response(scope, receive, send)
         finally:
             for done in req.after:
                 done()
@@ -485,8 +499,8 @@ class Gateway:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _payload(self, req: Incoming) -> tuple[dict[str, Any], int]:
-        """The request's JSON object and the size of its body."""
+    async def _read_body_in_time(self, req: Incoming) -> bytes:
+        """The body, read within ``body_timeout`` (408 past it)."""
         timeout = self.server.body_timeout
         task = asyncio.current_task()
         expired = False
@@ -499,7 +513,7 @@ class Gateway:
 
         timer = asyncio.get_running_loop().call_later(timeout, expire)
         try:
-            body = await self._read_body(req)
+            return await self._read_body(req)
         except asyncio.CancelledError:
             if not expired or task is None:
                 raise
@@ -509,8 +523,17 @@ class Gateway:
             ) from None
         finally:
             timer.cancel()
+
+    async def _payload(self, req: Incoming) -> tuple[dict[str, Any], int, RawObject | None]:
+        """The request's JSON object, the size of its body and (``rawjson``) its text."""
+        cycle = req.listener
+        if cycle is not None and not cycle.more_body:  # the whole body is here: no deadline
+            body = await self._read_body(req)
+        else:
+            body = await self._read_body_in_time(req)
+        raw = parse_object(body)
         try:
-            payload = json.loads(body)
+            payload = raw.value if raw is not None else json.loads(body)
         except RecursionError:
             raise HTTPError(
                 400, "request body is nested too deeply", code="nested_too_deeply"
@@ -529,7 +552,7 @@ class Gateway:
         options = payload.get("stream_options")
         if options is not None and not isinstance(options, dict):
             raise HTTPError(400, "'stream_options' must be an object", code="invalid_stream")
-        return payload, len(body)
+        return payload, len(body), raw
 
     async def _routing_tokens(self, route: str, payload: dict[str, Any], size: int) -> np.ndarray:
         """The request's routing tokens; a large body (``size`` bytes) is tokenized off the
@@ -573,7 +596,7 @@ class Gateway:
         try:
             access: Access = self.auth.access(req.headers.get("authorization"))
             call.slo = self._slo(req)
-            payload, size = await self._payload(req)
+            payload, size, raw = await self._payload(req)
             target = call.target = access.target(payload.get("model"))
             call.digest = access.digest
             model = target.name
@@ -582,7 +605,7 @@ class Gateway:
                 tokens = await self._routing_tokens(route, payload, size)
             except RequestError as e:
                 raise HTTPError(400, str(e), code="invalid_prompt") from None
-            upstream = self._upstream_body(target, payload)
+            upstream = self._upstream_body(target, payload, raw)
             shed = self.admission.admit(call.tenant)
             if shed is not None:
                 raise self._shed(shed)
@@ -650,8 +673,18 @@ class Gateway:
                 state["gone"] = True
                 task.cancel()
 
-        watch = asyncio.ensure_future(wait_disconnect(req.receive))
-        watch.add_done_callback(client_gone)
+        def disconnected() -> None:
+            if state["active"] and task is not None:
+                state["gone"] = True
+                task.cancel()
+
+        cycle = req.listener
+        watch: asyncio.Future[None] | None = None
+        if cycle is not None:  # the listener says so: no task per request to find out
+            cycle.watch(disconnected)
+        else:
+            watch = asyncio.ensure_future(wait_disconnect(req.receive))
+            watch.add_done_callback(client_gone)
         try:
             return await self._forward(call, payload, tokens, upstream)
         except asyncio.CancelledError:
@@ -663,9 +696,14 @@ class Gateway:
             return Response(status_code=499)
         finally:
             state["active"] = False
-            watch.cancel()
+            if cycle is not None:
+                cycle.watch(None)
+            if watch is not None:
+                watch.cancel()
 
-    def _upstream_body(self, target: Target, payload: dict[str, Any]) -> UpstreamBody:
+    def _upstream_body(
+        self, target: Target, payload: dict[str, Any], raw: RawObject | None = None
+    ) -> UpstreamBody:
         body = dict(payload)
         body["model"] = target.upstream_model
         body.pop("cache_salt", None)
@@ -680,7 +718,7 @@ class Gateway:
                 strip_usage = True
         salt = self.salts.get(target.endpoint) if target.salted and target.endpoint else None
         priority = self.priorities.get(target.endpoint, 0) if target.endpoint else 0
-        upstream = UpstreamBody(body, salt, priority, strip_usage)
+        upstream = UpstreamBody(body, salt, priority, strip_usage, raw)
         upstream.get("vllm")  # encoded now: a text that cannot be encoded is the caller's 400
         return upstream
 
@@ -771,8 +809,11 @@ class Gateway:
             if isinstance(outcome, Response):
                 self._settle(call, worker, suspects)
                 if self.server.routing_headers:
-                    via._mark(outcome.headers, choice)
-                    outcome.headers["x-kvroute-attempts"] = str(attempt)
+                    # Names the reply does not carry (it has only the forwarded ones and
+                    # x-request-id): appended, without MutableHeaders' search for each.
+                    marks = via._mark(choice)
+                    marks.append(("x-kvroute-attempts", str(attempt)))
+                    outcome.raw_headers += [(k.encode(), v.encode()) for k, v in marks]
                 return outcome
             failure, detail, answered = outcome
             self._failed(failure, worker, detail)
@@ -811,10 +852,9 @@ class Gateway:
         return outcome
 
     @staticmethod
-    def _mark(headers: MutableHeaders, d: Decision) -> None:
+    def _mark(d: Decision) -> list[tuple[str, str]]:
         """The routing headers of a single request's answer."""
-        headers["x-kvroute-worker"] = d.worker
-        headers["x-kvroute-cached-tokens"] = str(d.cached_tokens)
+        return [("x-kvroute-worker", d.worker), ("x-kvroute-cached-tokens", str(d.cached_tokens))]
 
     def _give_up(
         self,

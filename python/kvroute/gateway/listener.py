@@ -1,41 +1,56 @@
-"""The gateway's front door: client connections under deadlines and a cap, and the admin listener.
+"""The gateway's front door: client connections under deadlines and a cap, HTTP/1.1 parsed and
+answered by one lean asyncio protocol per connection, and the admin listener.
 
-uvicorn parses HTTP (httptools when installed, else h11) and has no deadline for a request's
-headers: a client that opens a connection and sends a header line every few seconds holds a
-socket for ever, and enough of them exhaust the process's file descriptors. ``ConnectionGuard``
-wraps uvicorn's protocol (through uvicorn's documented ``http=`` protocol-class setting, without
-changing it) and guarantees, per client connection:
+``GuardedHTTP`` is the public listener's protocol: httptools parses requests, the gateway's ASGI
+app is called with a minimal ``receive``/``send`` pair, and ``ConnectionGuard`` holds every open
+connection. uvicorn's server runs it (through uvicorn's documented ``http=`` protocol-class
+setting): binding, lifespan, signals and graceful shutdown stay uvicorn's, the per-request work is
+this module's. The guard guarantees, per client connection:
 
 - the request line and headers arrive within ``header_timeout`` seconds of the connection's
-  first byte (of a new connection, or of the next request on a kept-alive one), else the
-  connection is answered 408 and closed;
+  opening or of the first byte of the next request on a kept-alive one, and are at most
+  ``MAX_HEADER_BYTES``: else the connection is answered 408 (431) and closed;
 - a connection idle between requests is closed after ``keep_alive_timeout``;
 - at most ``max_connections`` client connections are open: a new one past the cap evicts the
   connection that has waited longest without a request in progress (idle, or still sending
   headers), and is refused (closed) only when every open connection has a request in progress.
 
 The request body has its own deadline (``body_timeout``, enforced by the app while it reads the
-body: 408). The app marks a connection's request as started when it is called (its headers are
-complete) and as ended when it returns; it finds its connection by the client address uvicorn
-puts in the ASGI scope.
+body: 408). HTTP as uvicorn's httptools protocol serves it: pipelined requests are answered in
+order (reading pauses while one is in progress), a body is buffered up to ``HIGH_WATER`` bytes
+before reading pauses until the app reads it, ``Expect: 100-continue`` is answered when the app
+first reads, ``receive()`` gives ``http.disconnect`` once the client has gone or the response is
+complete, invalid HTTP is answered 400 and closed, HTTP/1.0 and ``connection: close`` close after
+the response, a response without ``content-length`` is chunked, one whose body disagrees with its
+``content-length`` (or whose app failed after the head) closes the connection, and an app that
+fails before answering gets a 500. A response's head leaves with its first body bytes: one write.
+Response headers with bytes HTTP forbids (CR, LF, controls) raise instead of being sent.
 
 ``serve`` runs the gateway's app and, with ``admin_port``, the admin app (``/metrics``,
-``/health``) on its own listener, in one process and one event loop; before starting it raises the
-process's open-file limit to its hard limit, and lowers ``max_connections`` if that limit cannot
-hold them beside the upstream connections.
+``/health``, under uvicorn's own protocol) on its own listener, in one process and one event
+loop; before starting it raises the process's open-file limit to its hard limit, and lowers
+``max_connections`` if that limit cannot hold them beside the upstream connections.
 """
 
 from __future__ import annotations
 
 import asyncio
+import http
 import logging
+import re
 import resource
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import unquote
+
+import httptools
 
 __all__ = [
     "ConnectionGuard",
+    "Cycle",
+    "GuardedHTTP",
     "guarded_protocol",
     "raise_open_file_limit",
     "run_servers",
@@ -45,9 +60,10 @@ __all__ = [
 log = logging.getLogger("kvroute.gateway")
 
 _IDLE, _HEADERS, _ACTIVE = 0, 1, 2
-#: A request's line and headers larger than this are answered 431 (h11 has its own limit;
-#: httptools has none).
+#: A request's line and headers larger than this are answered 431 (httptools has no limit).
 MAX_HEADER_BYTES = 64 * 1024
+#: Request body bytes buffered before reading from the client pauses until the app reads them.
+HIGH_WATER = 64 * 1024
 _TOO_LARGE_431 = (
     b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain\r\n"
     b"content-length: 26\r\nconnection: close\r\n\r\nrequest headers too large\n"
@@ -56,32 +72,83 @@ _TIMEOUT_408 = (
     b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\ncontent-length: 40\r\n"
     b"connection: close\r\n\r\nrequest headers not received in time\r\n\r\n"
 )
+_INVALID_400 = (
+    b"HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain; charset=utf-8\r\n"
+    b"content-length: 29\r\nconnection: close\r\n\r\nInvalid HTTP request received."
+)
+_ERROR_500 = [
+    (b"content-type", b"text/plain; charset=utf-8"),
+    (b"content-length", b"21"),
+    (b"connection", b"close"),
+]
+_HEADER_NAME = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
+_HEADER_VALUE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
+_DISCONNECT = {"type": "http.disconnect"}
+
+
+def _status_line(status: int) -> bytes:
+    try:
+        phrase = http.HTTPStatus(status).phrase.encode()
+    except ValueError:
+        phrase = b""
+    return b"HTTP/1.1 %d %s\r\n" % (status, phrase)
+
+
+_STATUS_LINE = {status: _status_line(status) for status in range(100, 600)}
+
+
+class _Deadline:
+    """A lazy timer: ``set`` moves the deadline and makes a timer only when none is pending; a
+    timer that fires before the deadline waits out the rest. Arming one for every request then
+    costs no timer made and cancelled."""
+
+    __slots__ = ("at", "fired", "handle", "loop", "owner")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fired: Any, owner: int) -> None:
+        self.loop = loop
+        self.fired = fired
+        self.owner = owner
+        self.at: float | None = None
+        self.handle: asyncio.TimerHandle | None = None
+
+    def set(self, seconds: float) -> None:
+        self.at = self.loop.time() + seconds
+        if self.handle is None:
+            self.handle = self.loop.call_later(seconds, self._check)
+
+    def clear(self) -> None:
+        self.at = None
+
+    def cancel(self) -> None:
+        self.at = None
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+
+    def _check(self) -> None:
+        self.handle = None
+        if self.at is None:
+            return
+        left = self.at - self.loop.time()
+        if left > 0:
+            self.handle = self.loop.call_later(left, self._check)
+            return
+        self.at = None
+        self.fired(self.owner)
 
 
 class _Connection:
     """The guard's view of one client connection."""
 
-    __slots__ = ("header_bytes", "key", "owner", "since", "state", "tail", "timer", "transport")
+    __slots__ = ("headers", "idle", "since", "state", "transport")
 
-    def __init__(self, owner: int, transport: Any) -> None:
-        self.owner = owner
+    def __init__(self, transport: Any, owner: int, expired: Any) -> None:
+        loop = asyncio.get_running_loop()
         self.transport = transport
-        peer = transport.get_extra_info("peername")
-        self.key = tuple(peer[:2]) if isinstance(peer, tuple) else None
         self.state = _IDLE
         self.since = time.monotonic()
-        self.timer: asyncio.TimerHandle | None = None
-        self.header_bytes = 0  # of the request being received, until its blank line
-        self.tail = b""  # the last bytes seen, for a blank line split across reads
-
-    def arm(self, seconds: float, fired: Callable[[], None]) -> None:
-        self.disarm()
-        self.timer = asyncio.get_running_loop().call_later(seconds, fired)
-
-    def disarm(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        self.headers = _Deadline(loop, expired, owner)  # of the request's line and headers
+        self.idle = _Deadline(loop, expired, owner)  # of a kept-alive connection's next request
 
 
 class ConnectionGuard:
@@ -94,84 +161,56 @@ class ConnectionGuard:
         self.keep_alive_timeout = keep_alive_timeout
         self.max_connections = max_connections
         self.open: dict[int, _Connection] = {}  # id(protocol) -> connection, in opening order
-        self.by_peer: dict[tuple[Any, ...], _Connection] = {}
         self.timed_out = 0
         self.evicted = 0
         self.refused = 0
 
-    # ---- called by the protocol wrapper ------------------------------------------------------
+    # ---- called by the protocol --------------------------------------------------------------
 
-    def opened(self, owner: int, transport: Any) -> bool:
-        """A new connection; False when it is refused (closed at once)."""
+    def opened(self, owner: int, transport: Any) -> _Connection | None:
+        """A new connection (its headers' deadline starts now); None when it is refused (closed
+        at once)."""
         if len(self.open) >= self.max_connections and not self._evict_one():
             self.refused += 1
             transport.abort()
-            return False
-        conn = _Connection(owner, transport)
-        self.open[owner] = conn
-        if conn.key is not None:
-            self.by_peer[conn.key] = conn
-        conn.arm(self.header_timeout, lambda: self._expired(owner))
+            return None
+        conn = self.open[owner] = _Connection(transport, owner, self._expired)
         conn.state = _HEADERS
-        return True
+        conn.headers.set(self.header_timeout)
+        return conn
 
-    def received(self, owner: int, data: bytes) -> bool:
-        """Bytes arrived; False when the connection was closed for oversized headers."""
-        conn = self.open.get(owner)
-        if conn is None:
-            return True
-        if conn.state == _IDLE:
-            conn.state = _HEADERS
-            conn.since = time.monotonic()
-            conn.header_bytes = 0
-            conn.tail = b""
-            conn.arm(self.header_timeout, lambda: self._expired(owner))
-        if conn.state != _HEADERS or conn.header_bytes < 0:
-            return True
-        if data.find(b"\r\n\r\n") >= 0 or (
-            conn.tail and (conn.tail + data[:3]).find(b"\r\n\r\n") >= 0
-        ):
-            conn.header_bytes = -1  # complete: the app is called next
-            return True
-        conn.header_bytes += len(data)
-        conn.tail = data[-3:]
-        if conn.header_bytes <= MAX_HEADER_BYTES:
-            return True
+    def headers_begun(self, conn: _Connection) -> None:
+        """The first byte of a request on an idle connection: its headers' deadline starts."""
+        conn.state = _HEADERS
+        conn.since = time.monotonic()
+        conn.idle.clear()
+        conn.headers.set(self.header_timeout)
+
+    @staticmethod
+    def request_started(conn: _Connection) -> None:
+        """The request's headers are complete: no deadline while it is served."""
+        conn.state = _ACTIVE
+        conn.headers.clear()
+
+    def request_ended(self, conn: _Connection) -> None:
+        """The response was sent: the connection is idle until ``keep_alive_timeout``."""
+        conn.state = _IDLE
+        conn.since = time.monotonic()
+        conn.idle.set(self.keep_alive_timeout)
+
+    def too_large(self, owner: int, conn: _Connection) -> None:
         log.info("closing a client connection: request headers over %d bytes", MAX_HEADER_BYTES)
         conn.transport.write(_TOO_LARGE_431)
         conn.transport.close()
         self.closed(owner)
-        return False
 
     def closed(self, owner: int) -> None:
         conn = self.open.pop(owner, None)
         if conn is not None:
-            conn.disarm()
-            if conn.key is not None and self.by_peer.get(conn.key) is conn:
-                del self.by_peer[conn.key]
-
-    # ---- called by the app -------------------------------------------------------------------
-
-    def request_started(self, client: Any) -> None:
-        conn = self._by_client(client)
-        if conn is not None:
-            conn.state = _ACTIVE
-            conn.disarm()
-
-    def request_ended(self, client: Any) -> None:
-        """The response was sent: the connection is idle (uvicorn's own keep-alive timer, set to
-        ``keep_alive_timeout``, closes it if no request follows)."""
-        conn = self._by_client(client)
-        if conn is not None and conn.state == _ACTIVE:
-            conn.state = _IDLE
-            conn.since = time.monotonic()
+            conn.headers.cancel()
+            conn.idle.cancel()
 
     # ---- internals ---------------------------------------------------------------------------
-
-    def _by_client(self, client: Any) -> _Connection | None:
-        if not client:
-            return None
-        return self.by_peer.get(tuple(client[:2]))
 
     def _expired(self, owner: int) -> None:
         conn = self.open.get(owner)
@@ -198,88 +237,445 @@ class ConnectionGuard:
         return True
 
 
-class _Coalescing:
-    """The transport as uvicorn's protocol sees it: the writes of one turn of the event loop (a
-    response's head and body, an SSE batch) leave in one ``write`` — one system call and one
-    TCP segment instead of two."""
+class Cycle:
+    """One request and its response on a connection: the ASGI ``receive`` and ``send``, and the
+    listener's ASGI extension (``scope["extensions"]["kvroute"]`` is the cycle): ``respond``
+    sends a whole response in one call, ``watch`` registers a callback for the client's
+    disconnection — so an app needs no task waiting on ``receive`` to learn of it."""
 
-    __slots__ = ("_loop", "_pending", "_transport")
+    __slots__ = (
+        "body",
+        "chunked",
+        "complete",
+        "continue_100",
+        "delivered",
+        "gone",
+        "head",
+        "keep_alive",
+        "more_body",
+        "on_gone",
+        "proto",
+        "remaining",
+        "scope",
+        "started",
+        "waiter",
+    )
 
-    def __init__(self, transport: Any) -> None:
-        self._transport = transport
-        self._pending: list[bytes] | None = None
-        self._loop = asyncio.get_running_loop()
+    def __init__(self, proto: GuardedHTTP, scope: dict[str, Any], keep_alive: bool) -> None:
+        self.proto = proto
+        self.scope = scope
+        self.keep_alive = keep_alive
+        self.continue_100 = False
+        self.body = bytearray()
+        self.more_body = True
+        self.delivered = False  # the last http.request message was received by the app
+        self.gone = False  # the client disconnected before the response was complete
+        self.waiter: asyncio.Future[None] | None = None
+        self.started = False
+        self.complete = False
+        self.head = b""  # the response's head, written with its first body bytes
+        self.chunked = False
+        self.remaining = -1  # body bytes the content-length still promises (-1: none given)
+        self.on_gone: Callable[[], None] | None = None
 
-    def write(self, data: bytes) -> None:
-        if not data:
+    # ---- the kvroute extension ---------------------------------------------------------------
+
+    def watch(self, callback: Callable[[], None] | None) -> None:
+        """``callback`` is called (once, from the event loop) if the client disconnects before
+        the response is complete — at once if it has already; None unregisters it."""
+        self.on_gone = callback
+        if callback is not None and self.gone:
+            self.proto.loop.call_soon(self.disconnected)
+
+    def disconnected(self) -> None:
+        self.gone = True
+        self.wake()
+        callback, self.on_gone = self.on_gone, None
+        if callback is not None:
+            callback()
+
+    def respond(self, status: int, headers: Any, body: bytes) -> None:
+        """The whole response (status, ASGI headers, body) at once: as ``send`` of its start
+        and of its one body message (written even if the client reads slowly: it is whole)."""
+        if self.gone:
             return
-        if self._pending is None:
-            self._pending = [data]
-            self._loop.call_soon(self._flush)
+        if self.started:
+            raise RuntimeError("respond() after the response started")
+        self.head = self._head(status, headers)
+        self.started = True
+        self.continue_100 = False
+        self._body(body, False)
+
+    def wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def run(self, app: Any) -> None:
+        proto = self.proto
+        try:
+            await app(self.scope, self.receive, self.send)
+        except BaseException as e:
+            log.error("exception in the gateway's ASGI app", exc_info=e)
+            if not self.started and not self.gone:
+                await self._error_500()
+            elif not self.complete:
+                proto.transport.close()
+            if not isinstance(e, Exception):
+                raise
         else:
-            self._pending.append(data)
+            if not self.started and not self.gone:
+                log.error("the ASGI app returned without starting a response")
+                await self._error_500()
+            elif not self.complete and not self.gone:
+                log.error("the ASGI app returned without completing its response")
+                proto.transport.close()
 
-    def writelines(self, lines: Any) -> None:
-        for data in lines:
-            self.write(data)
+    async def _error_500(self) -> None:
+        await self.send({"type": "http.response.start", "status": 500, "headers": _ERROR_500})
+        await self.send({"type": "http.response.body", "body": b"Internal Server Error"})
 
-    def _flush(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending and not self._transport.is_closing():
-            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+    async def receive(self) -> dict[str, Any]:
+        proto = self.proto
+        if self.continue_100:
+            self.continue_100 = False
+            if not proto.transport.is_closing():
+                proto.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        while True:
+            if self.gone or self.complete:
+                return _DISCONNECT
+            if self.body or (not self.more_body and not self.delivered):
+                body = bytes(self.body)
+                self.body.clear()
+                if not self.more_body:
+                    self.delivered = True
+                proto.resume_reading()
+                return {"type": "http.request", "body": body, "more_body": self.more_body}
+            proto.resume_reading()
+            waiter = self.waiter = proto.loop.create_future()
+            try:
+                await waiter
+            finally:
+                self.waiter = None
 
-    def close(self) -> None:
-        self._flush()
-        self._transport.close()
+    async def send(self, message: dict[str, Any]) -> None:
+        proto = self.proto
+        if proto.write_paused and not self.gone:
+            await proto.drain()
+        if self.gone:
+            return
+        kind = message["type"]
+        if not self.started:
+            if kind != "http.response.start":
+                raise RuntimeError(f"expected http.response.start, got {kind!r}")
+            self.head = self._head(message["status"], message.get("headers", ()))
+            self.started = True  # only now: a head refused above still gets the 500
+            self.continue_100 = False
+            return
+        if self.complete:
+            raise RuntimeError(f"{kind!r} sent after the response was complete")
+        if kind != "http.response.body":
+            raise RuntimeError(f"expected http.response.body, got {kind!r}")
+        self._body(message.get("body", b""), message.get("more_body", False))
 
-    def abort(self) -> None:
-        self._pending = None
-        self._transport.abort()
+    def _body(self, body: bytes, more: bool) -> None:
+        proto = self.proto
+        if self.scope["method"] == "HEAD":
+            body = b""
+            self.remaining = 0
+        elif self.chunked:
+            body = (b"%x\r\n%s\r\n" % (len(body), body) if body else b"") + (
+                b"" if more else b"0\r\n\r\n"
+            )
+        elif self.remaining >= 0:
+            self.remaining -= len(body)
+            if self.remaining < 0:
+                raise RuntimeError("response body longer than its content-length")
+        if self.head:
+            body = self.head + body
+            self.head = b""
+        if body:
+            proto.transport.write(body)
+        if not more:
+            if self.remaining > 0:
+                raise RuntimeError("response body shorter than its content-length")
+            self.complete = True
+            self.wake()
+            if not self.keep_alive:
+                proto.transport.close()
+            proto.response_complete()
 
-    def get_write_buffer_size(self) -> int:
-        pending = sum(map(len, self._pending)) if self._pending else 0
-        return self._transport.get_write_buffer_size() + pending
+    def _head(self, status: int, headers: Any) -> bytes:
+        """The response's head; sets its framing (nothing when it raises)."""
+        line = _STATUS_LINE.get(status) or _status_line(status)
+        parts = [line]
+        for name, value in self.proto.server_state.default_headers:  # uvicorn's date header
+            parts += (name, b": ", value, b"\r\n")
+        keep_alive, closing, chunked, remaining = self.keep_alive, False, False, -1
+        for name, value in headers:
+            if _HEADER_NAME.search(name) or _HEADER_VALUE.search(value):
+                raise RuntimeError(f"invalid response header {name!r}")
+            name = name.lower()
+            if name == b"content-length":
+                if remaining < 0 and not chunked:
+                    remaining = int(value)
+            elif name == b"transfer-encoding" and value.lower() == b"chunked":
+                chunked = True
+                remaining = -1
+            elif name == b"connection" and b"close" in value.lower():
+                keep_alive = False
+                closing = True
+            parts += (name, b": ", value, b"\r\n")
+        if not keep_alive and not closing:
+            parts.append(b"connection: close\r\n")
+        if (
+            remaining < 0
+            and not chunked
+            and self.scope["method"] != "HEAD"
+            and status not in (204, 304)
+        ):
+            chunked = True
+            parts.append(b"transfer-encoding: chunked\r\n")
+        parts.append(b"\r\n")
+        self.keep_alive, self.chunked, self.remaining = keep_alive, chunked, remaining
+        return b"".join(parts)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
+
+class GuardedHTTP(asyncio.Protocol):
+    """One client connection of the public listener (see the module docs); ``guard`` is set on
+    the subclass ``guarded_protocol`` makes."""
+
+    guard: ConnectionGuard
+
+    def __init__(
+        self,
+        config: Any,
+        server_state: Any,
+        app_state: dict[str, Any] | None = None,
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        if not config.loaded:
+            config.load()
+        self.app = config.loaded_app
+        self.root_path = config.root_path
+        self.loop = _loop or asyncio.get_running_loop()
+        self.server_state = server_state
+        self.app_state = app_state if app_state is not None else {}
+        self.parser = httptools.HttpRequestParser(self)
+        try:  # answer the first of pipelined requests sent with connection: close
+            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        except AttributeError:  # pragma: no cover - httptools < 0.6.3
+            pass
+        self.transport: Any = None
+        self.conn: _Connection | None = None  # None: refused, or closed
+        self.owner = id(self)
+        self.server: Any = None
+        self.client: Any = None
+        self.scheme = "http"
+        self.cycle: Cycle | None = None  # the request being received
+        self.serving: Cycle | None = None  # the request being answered
+        self.pipeline: deque[Cycle] = deque()
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.header_bytes = 0
+        self.continue_100 = False
+        self.upgraded = False
+        self.read_paused = False
+        self.write_paused = False
+        self.drained: asyncio.Future[None] | None = None
+
+    # ---- asyncio.Protocol --------------------------------------------------------------------
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        self.transport = transport
+        self.conn = self.guard.opened(self.owner, transport)
+        if self.conn is None:
+            return
+        self.server_state.connections.add(self)
+        peer = transport.get_extra_info("peername")
+        self.client = (str(peer[0]), int(peer[1])) if isinstance(peer, tuple) else None
+        local = transport.get_extra_info("sockname")
+        self.server = (str(local[0]), int(local[1])) if isinstance(local, tuple) else None
+        if transport.get_extra_info("sslcontext") is not None:
+            self.scheme = "https"
+
+    def data_received(self, data: bytes) -> None:
+        conn = self.conn
+        if conn is None or self.upgraded:
+            return
+        if conn.state != _ACTIVE:
+            if conn.state == _IDLE:
+                self.guard.headers_begun(conn)
+            self.header_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # No protocol switch here: the request is served as HTTP, then the connection
+            # closes (whatever follows its head is not HTTP/1.1).
+            self.upgraded = True
+            if self.cycle is not None:
+                self.cycle.keep_alive = False
+            return
+        except httptools.HttpParserError:
+            log.info("closing a client connection: invalid HTTP request")
+            self.transport.write(_INVALID_400)
+            self.transport.close()
+            self._closed()
+            return
+        conn = self.conn
+        if conn is not None and conn.state == _HEADERS and self.header_bytes > MAX_HEADER_BYTES:
+            self.guard.too_large(self.owner, conn)
+            self._closed()
+
+    def eof_received(self) -> None:
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed()
+        for cycle in (self.serving, *self.pipeline, self.cycle):
+            if cycle is not None and not cycle.complete and not cycle.gone:
+                cycle.disconnected()
+        self.pipeline.clear()
+        self.write_paused = False
+        if self.drained is not None and not self.drained.done():
+            self.drained.set_result(None)
+        if exc is None:
+            self.transport.close()
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self.drained is not None and not self.drained.done():
+            self.drained.set_result(None)
+
+    # ---- httptools callbacks -----------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self.url = b""
+        self.headers = []
+        self.continue_100 = False
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        value = value.rstrip(b" \t")
+        if name == b"expect" and value.lower() == b"100-continue":
+            self.continue_100 = True
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        conn = self.conn
+        if conn is not None:
+            self.guard.request_started(conn)
+        self.header_bytes = 0
+        parser = self.parser
+        version = parser.get_http_version()
+        url = httptools.parse_url(self.url)
+        raw_path = url.path
+        path = raw_path.decode("ascii")
+        if "%" in path:
+            path = unquote(path)
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": version,
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,
+            "method": parser.get_method().decode("ascii"),
+            "root_path": self.root_path,
+            "path": self.root_path + path,
+            "raw_path": self.root_path.encode("ascii") + raw_path,
+            "query_string": url.query or b"",
+            "headers": self.headers,
+            "state": self.app_state.copy(),
+        }
+        keep_alive = version != "1.0" and parser.should_keep_alive()
+        cycle = self.cycle = Cycle(self, scope, keep_alive)
+        scope["extensions"] = {"kvroute": cycle}
+        cycle.continue_100 = self.continue_100
+        if self.serving is None:
+            self._serve(cycle)
+        else:  # pipelined: answered after the one in progress
+            self.pause_reading()
+            self.pipeline.append(cycle)
+
+    def on_body(self, body: bytes) -> None:
+        cycle = self.cycle
+        if cycle is None or cycle.complete or cycle.gone:
+            return
+        cycle.body += body
+        if len(cycle.body) > HIGH_WATER:
+            self.pause_reading()
+        cycle.wake()
+
+    def on_message_complete(self) -> None:
+        cycle = self.cycle
+        if cycle is None or cycle.complete:
+            return
+        cycle.more_body = False
+        cycle.wake()
+
+    # ---- serving -----------------------------------------------------------------------------
+
+    def _serve(self, cycle: Cycle) -> None:
+        self.serving = cycle
+        tasks = self.server_state.tasks
+        task = self.loop.create_task(cycle.run(self.app))
+        task.add_done_callback(tasks.discard)
+        tasks.add(task)
+
+    def response_complete(self) -> None:
+        """The response in progress was sent in full: the next pipelined request, or idle."""
+        self.server_state.total_requests += 1
+        self.serving = None
+        if self.transport.is_closing():
+            return
+        self.resume_reading()
+        if self.pipeline:
+            self._serve(self.pipeline.popleft())
+        elif self.conn is not None:
+            self.guard.request_ended(self.conn)
+
+    def _closed(self) -> None:
+        if self.conn is not None:
+            self.conn = None
+            self.guard.closed(self.owner)
+            self.server_state.connections.discard(self)
+
+    def shutdown(self) -> None:
+        """uvicorn's graceful shutdown: close now if idle, else after the response."""
+        serving = self.serving
+        if serving is None or serving.complete:
+            self.transport.close()
+        else:
+            serving.keep_alive = False
+
+    # ---- flow control ------------------------------------------------------------------------
+
+    def pause_reading(self) -> None:
+        if not self.read_paused:
+            self.read_paused = True
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.read_paused:
+            self.read_paused = False
+            self.transport.resume_reading()
+
+    async def drain(self) -> None:
+        if self.drained is None or self.drained.done():
+            self.drained = self.loop.create_future()
+        await self.drained
 
 
-def guarded_protocol(base: type, guard: ConnectionGuard) -> type:
-    """A uvicorn HTTP protocol class: ``base`` (uvicorn's own) under ``guard``."""
-
-    class Guarded(asyncio.Protocol):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            self.inner = base(*args, **kwargs)
-            self.live = False
-
-        def connection_made(self, transport: Any) -> None:
-            self.live = guard.opened(id(self), transport)
-            if self.live:
-                self.inner.connection_made(_Coalescing(transport))
-
-        def data_received(self, data: bytes) -> None:
-            if self.live and guard.received(id(self), data):
-                self.inner.data_received(data)
-
-        def eof_received(self) -> bool | None:
-            return self.inner.eof_received() if self.live else None
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            guard.closed(id(self))
-            if self.live:
-                self.live = False
-                self.inner.connection_lost(exc)
-
-        def pause_writing(self) -> None:
-            if self.live:
-                self.inner.pause_writing()
-
-        def resume_writing(self) -> None:
-            if self.live:
-                self.inner.resume_writing()
-
-    Guarded.__name__ = Guarded.__qualname__ = f"Guarded{base.__name__}"
-    return Guarded
+def guarded_protocol(guard: ConnectionGuard) -> type[GuardedHTTP]:
+    """The public listener's protocol class, its connections under ``guard``."""
+    return type("GuardedHTTP", (GuardedHTTP,), {"guard": guard})
 
 
 def raise_open_file_limit() -> int:
@@ -299,14 +695,13 @@ def uvicorn_config(app: Any, guard: ConnectionGuard | None, **options: Any) -> A
     """A ``uvicorn.Config`` for one of the gateway's ASGI apps (``guard``: its connections'
     deadlines and cap); ``options`` are more ``uvicorn.Config`` arguments."""
     import uvicorn
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol  # httptools if installed, else h11
 
     if guard is not None:
-        options["http"] = guarded_protocol(AutoHTTPProtocol, guard)
+        options["http"] = guarded_protocol(guard)
         options.setdefault("timeout_keep_alive", guard.keep_alive_timeout)
     options.setdefault("interface", "asgi3")
-    # The scope's client address must stay the connection's own: the guard finds connections by
-    # it (and a caller's X-Forwarded-For would otherwise rewrite it).
+    # The scope's client address stays the connection's own: a caller's X-Forwarded-For must
+    # not rewrite it.
     options["proxy_headers"] = False
     options.setdefault("server_header", False)
     return uvicorn.Config(app, **options)

@@ -56,7 +56,6 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import numpy as np
-from starlette.datastructures import MutableHeaders
 from starlette.responses import Response
 
 from kvroute import Decision, PdDecision
@@ -176,11 +175,13 @@ class PdForwarder:
         return await self._sglang(call, p, d, prompt, upstream, stream)
 
     @staticmethod
-    def _mark(headers: MutableHeaders, pair: PdDecision) -> None:
+    def _mark(pair: PdDecision) -> list[tuple[str, str]]:
         """The routing headers of a pair's answer."""
-        headers["x-kvroute-worker"] = pair.decode.worker
-        headers["x-kvroute-prefill-worker"] = pair.prefill.worker
-        headers["x-kvroute-cached-tokens"] = str(pair.prefill.cached_tokens)
+        return [
+            ("x-kvroute-worker", pair.decode.worker),
+            ("x-kvroute-prefill-worker", pair.prefill.worker),
+            ("x-kvroute-cached-tokens", str(pair.prefill.cached_tokens)),
+        ]
 
     # ---- bodies and flights ----------------------------------------------------------------
 

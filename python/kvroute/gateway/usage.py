@@ -18,6 +18,7 @@ import json
 from typing import Any
 
 from .prompt import to_routing_tokens
+from .rawjson import dumps
 
 __all__ = [
     "UsageEvent",
@@ -124,4 +125,4 @@ def with_cache_fields_body(reply: Any, data: bytes) -> bytes:
     if fields is usage:
         return data
     reply["usage"] = fields
-    return json.dumps(reply, ensure_ascii=False, separators=(",", ":")).encode()
+    return dumps(reply).encode()

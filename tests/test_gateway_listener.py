@@ -1,0 +1,262 @@
+"""The public listener's HTTP/1.1 (``gateway.listener.GuardedHTTP``) on the wire, with h11 — an
+independent HTTP/1.1 implementation — as the client that reads every answer: framing
+(content-length, chunked, HEAD, 204), keep-alive and ``connection: close``, HTTP/1.0, pipelined
+requests answered in order, ``Expect: 100-continue``, request bodies in many pieces, an app that
+fails (500, or the connection closed once its head is out), header bytes HTTP forbids, invalid
+HTTP (400), and the ``kvroute`` extension (``respond``, ``watch``). The gateway's own behaviour
+through this listener is tests/test_gateway*.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import h11
+import pytest
+from kvroute.gateway.listener import ConnectionGuard, uvicorn_config
+from support.gateway_fleet import wait_for
+from support.gateway_upstream import ServerThread
+
+GONE: list[str] = []
+
+
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    path = scope["path"]
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    if path == "/echo":  # content-length
+        head = [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": head})
+        await send({"type": "http.response.body", "body": body})
+    elif path == "/chunks":  # no content-length: chunked
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for part in (b"a", b"", b"bc"):
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b"d"})
+    elif path == "/empty":
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+    elif path == "/close":
+        head = [(b"connection", b"close"), (b"content-length", b"2")]
+        await send({"type": "http.response.start", "status": 200, "headers": head})
+        await send({"type": "http.response.body", "body": b"ok"})
+    elif path == "/fail":
+        raise RuntimeError("the app failed")
+    elif path == "/fail-late":
+        head = [(b"content-length", b"10")]
+        await send({"type": "http.response.start", "status": 200, "headers": head})
+        await send({"type": "http.response.body", "body": b"12345", "more_body": True})
+        raise RuntimeError("the app failed mid-body")
+    elif path == "/silent":
+        return
+    elif path == "/inject":
+        head = [(b"x-a", b"1\r\nx-injected: yes")]
+        await send({"type": "http.response.start", "status": 200, "headers": head})
+        await send({"type": "http.response.body", "body": b""})
+    elif path == "/respond":
+        cycle = scope["extensions"]["kvroute"]
+        cycle.respond(201, [(b"content-length", b"5")], b"whole")
+    elif path == "/watch":
+        cycle = scope["extensions"]["kvroute"]
+        gone = asyncio.Event()
+        cycle.watch(gone.set)
+        try:
+            await asyncio.wait_for(gone.wait(), 10)
+            GONE.append("gone")
+        finally:
+            cycle.watch(None)
+    else:
+        head = [(b"content-length", b"0")]
+        await send({"type": "http.response.start", "status": 404, "headers": head})
+        await send({"type": "http.response.body", "body": b""})
+
+
+@pytest.fixture(scope="module")
+def server():
+    guard = ConnectionGuard(header_timeout=5.0, keep_alive_timeout=5.0, max_connections=64)
+    s = ServerThread(app, config=uvicorn_config(app, guard, log_level="critical", lifespan="off"))
+    s.guard = guard
+    yield s
+    s.stop()
+
+
+def connect(server) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.port), timeout=5)
+
+
+def request(method: str, path: str, body: bytes = b"", **headers: str) -> h11.Request:
+    fields = [("host", "x"), *((k.replace("_", "-"), v) for k, v in headers.items())]
+    if body and "content_length" not in headers and "transfer_encoding" not in headers:
+        fields.append(("content-length", str(len(body))))
+    return h11.Request(method=method, target=path, headers=fields)
+
+
+def read_responses(s: socket.socket, client: h11.Connection, n: int, method: str = "GET"):
+    """The next ``n`` answers as (status, headers, body), read by h11."""
+    out = []
+    for _ in range(n):
+        status, headers, body = None, None, b""
+        while True:
+            event = client.next_event()
+            if event is h11.NEED_DATA:
+                client.receive_data(s.recv(65536))
+                continue
+            if isinstance(event, h11.InformationalResponse):
+                continue
+            if isinstance(event, h11.Response):
+                status, headers = event.status_code, dict(event.headers)
+            elif isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                break
+            elif isinstance(event, h11.ConnectionClosed):
+                raise AssertionError("closed before the answer was complete")
+        out.append((status, headers, body))
+        if client.our_state is h11.DONE and client.their_state is h11.DONE:
+            client.start_next_cycle()
+    return out
+
+
+def exchange(server, *calls: tuple[str, str, bytes]) -> list:
+    """Each call on one kept-alive connection, one after the other."""
+    client = h11.Connection(h11.CLIENT)
+    with connect(server) as s:
+        out = []
+        for method, path, body in calls:
+            s.sendall(client.send(request(method, path, body)))
+            if body:
+                s.sendall(client.send(h11.Data(data=body)))
+            s.sendall(client.send(h11.EndOfMessage()))
+            out += read_responses(s, client, 1)
+        return out
+
+
+def read_until_closed(s: socket.socket, timeout: float = 5.0) -> bytes:
+    s.settimeout(timeout)
+    out = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            data = s.recv(65536)
+        except ConnectionResetError:
+            break
+        if not data:
+            break
+        out += data
+    return out
+
+
+def test_framing_on_one_kept_alive_connection(server):
+    answers = exchange(
+        server,
+        ("POST", "/echo", b"hello"),
+        ("GET", "/chunks", b""),
+        ("GET", "/empty", b""),
+        ("HEAD", "/echo", b""),
+        ("POST", "/respond", b""),
+        ("GET", "/nowhere", b""),
+    )
+    assert [(status, body) for status, _, body in answers] == [
+        (200, b"hello"),
+        (200, b"abcd"),
+        (204, b""),
+        (200, b""),
+        (201, b"whole"),
+        (404, b""),
+    ]
+    assert answers[1][1][b"transfer-encoding"] == b"chunked"
+    assert b"date" in answers[0][1]
+
+
+def test_pipelined_requests_are_answered_in_order(server):
+    bodies = [b"one", b"two" * 30000, b"three"]  # the second past the high-water mark
+    wire = b"".join(
+        b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s" % (len(b), b)
+        for b in bodies
+    )
+    with connect(server) as s:
+        s.sendall(wire)
+        reader = h11.Connection(h11.CLIENT)
+        got = []
+        for body in bodies:
+            reader.send(request("POST", "/echo", body))
+            reader.send(h11.Data(data=body))
+            reader.send(h11.EndOfMessage())
+            got += read_responses(s, reader, 1)
+    assert [b for _, _, b in got] == bodies
+
+
+def test_a_body_in_many_pieces_and_expect_100_continue(server):
+    with connect(server) as s:
+        body = b"x" * 200_000  # past the listener's high-water mark: reading pauses, resumes
+        s.sendall(
+            b"POST /echo HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\n"
+            b"content-length: %d\r\n\r\n" % len(body)
+        )
+        s.settimeout(5)
+        assert s.recv(64).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        for i in range(0, len(body), 7000):
+            s.sendall(body[i : i + 7000])
+        client = h11.Connection(h11.CLIENT)
+        client.send(request("POST", "/echo", body))
+        client.send(h11.Data(data=body))
+        client.send(h11.EndOfMessage())
+        [(status, _, echoed)] = read_responses(s, client, 1)
+    assert status == 200 and echoed == body
+
+
+def test_connection_close_and_http_1_0_close_after_the_answer(server):
+    for wire in (
+        b"GET /echo HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+        b"GET /echo HTTP/1.0\r\n\r\n",
+        b"GET /close HTTP/1.1\r\nhost: x\r\n\r\n",
+    ):
+        with connect(server) as s:
+            s.sendall(wire)
+            answer = read_until_closed(s)
+        assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and b"connection: close\r\n" in answer
+
+
+@pytest.mark.parametrize(
+    "path,expected",
+    [
+        ("/fail", b"HTTP/1.1 500 Internal Server Error\r\n"),
+        ("/silent", b"HTTP/1.1 500 Internal Server Error\r\n"),
+        ("/inject", b"HTTP/1.1 500 Internal Server Error\r\n"),
+        ("/fail-late", b"HTTP/1.1 200 OK\r\n"),
+    ],
+)
+def test_an_app_that_fails_gets_500_or_its_connection_closed(server, path, expected):
+    with connect(server) as s:
+        s.sendall(f"GET {path} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+        answer = read_until_closed(s)  # closed by the server either way
+    assert answer.startswith(expected), answer
+    assert b"x-injected" not in answer
+    if path == "/fail-late":
+        assert answer.endswith(b"12345")  # 5 of the 10 promised bytes, then the close
+
+
+def test_invalid_http_is_answered_400_and_closed(server):
+    with connect(server) as s:
+        s.sendall(b"GET / HTTP/1.1\r\nhost: x\r\ncontent-length: -1\r\n\r\n")
+        answer = read_until_closed(s)
+    assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+
+
+def test_watch_is_called_when_the_client_goes(server):
+    GONE.clear()
+    s = connect(server)
+    s.sendall(b"GET /watch HTTP/1.1\r\nhost: x\r\n\r\n")
+    wait_for(lambda: len(server.guard.open) >= 1, "the connection open")
+    time.sleep(0.2)
+    s.close()
+    wait_for(lambda: GONE == ["gone"], "watch's callback")
+    wait_for(lambda: not server.guard.open, "the connection forgotten by the guard")
