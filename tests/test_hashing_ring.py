@@ -130,6 +130,15 @@ def boundary_keys() -> list[str]:
     return keys
 
 
+@pytest.mark.parametrize("hash", ["ketama", "xxh3"])
+@pytest.mark.parametrize("nodes", [3, 64, 1100])
+def test_get_many_equals_get_on_small_and_large_rings(hash, nodes):
+    # Rings whose tables fit in cache are looked up plainly, larger ones with prefetching.
+    ring = kvroute.HashRing([f"10.0.{i // 256}.{i % 256}:8000" for i in range(nodes)], hash=hash)
+    keys = [f"session-{i * 7919}" for i in range(3000)]
+    assert ring.get_many(keys) == [ring.get(k) for k in keys]
+
+
 def test_get_many_equals_get_for_every_key_length():
     # Each length class of the batch's short-key copy (1-3, 4-7, 8-15, 16-31, 32-64 bytes, and
     # longer), twice over so that later keys land after earlier ones in the buffer.

@@ -263,10 +263,21 @@ impl HashRing {
     /// Looks up `n` hashes (`hash(i)`), passing each owner to `emit(i, owner)`. Large rings do
     /// not fit in cache, and each lookup is three dependent loads (bucket, point, owner); so the
     /// bucket entry of hash `i + 2D` and the point and owner of hash `i + D` are prefetched while
-    /// hash `i` is resolved.
+    /// hash `i` is resolved. A ring whose tables fit in L2 is looked up without: there the
+    /// prefetches cost more than they hide (64 nodes, 248 KiB: 2.3 ns per key without, 3.2 with;
+    /// 1,024 nodes, 2.6 MiB: 5.6 with, 8.4 without; Sapphire Rapids, 2 MiB L2).
     #[inline]
     fn resolve(&self, n: usize, hash: impl Fn(usize) -> u64, mut emit: impl FnMut(usize, NodeId)) {
         const D: usize = 8;
+        /// Table bytes above which lookups prefetch (a common L2 size is 0.5 to 2 MiB).
+        const PREFETCH_ABOVE: usize = 512 << 10;
+        let bytes = 8 * self.points.len() + 4 * (self.owners.len() + self.table.len());
+        if bytes <= PREFETCH_ABOVE {
+            for i in 0..n {
+                emit(i, self.owner_of(hash(i)));
+            }
+            return;
+        }
         for i in 0..n {
             if i + 2 * D < n {
                 prefetch(self.table.get((hash(i + 2 * D) >> self.shift) as usize));
