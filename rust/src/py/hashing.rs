@@ -343,16 +343,26 @@ impl<H: ConsistentHash + Send + Sync> Shared<H> {
             }
         }
         drop(cache);
-        // `append` takes its own reference: one C-API call per item, where building from an
-        // iterator (`PyList::new`) makes two (a reference, then `PyList_SetItem`).
-        let list = PyList::empty(py);
-        for &id in ids {
-            let s = strs.get(id as usize).and_then(Option::as_ref);
-            list.append(s.ok_or_else(|| {
-                PyRuntimeError::new_err(format!("internal error: no node {id}"))
-            })?)?;
+        // Sized once. Appending (one C-API call per item where this makes two) grows the list by
+        // reallocation, which copies the array whenever it cannot grow in place; alone it was
+        // ~0.5 ns per key faster, inside pytest-benchmark no difference rose above the noise.
+        let n = pyo3::ffi::Py_ssize_t::try_from(ids.len())
+            .map_err(|_| PyValueError::new_err("too many keys"))?;
+        // SAFETY: the GIL is held and no Python code runs below. The new list is ours alone
+        // until returned (or dropped on error, its unset slots NULL, which dealloc skips); each
+        // slot is set once, to a live `str` given the new reference `PyList_SetItem` steals (it
+        // cannot fail: an exact list and an index in range).
+        let list = unsafe { Bound::from_owned_ptr_or_err(py, pyo3::ffi::PyList_New(n))? };
+        for (i, &id) in (0..n).zip(ids) {
+            let s = strs
+                .get(id as usize)
+                .and_then(Option::as_ref)
+                .ok_or_else(|| PyRuntimeError::new_err(format!("internal error: no node {id}")))?;
+            // SAFETY: as above.
+            unsafe { pyo3::ffi::PyList_SetItem(list.as_ptr(), i, s.clone().into_ptr()) };
         }
-        Ok(list)
+        // SAFETY: made by `PyList_New`.
+        Ok(unsafe { list.cast_into_unchecked::<PyList>() })
     }
 
     fn get<'py>(&self, py: Python<'py>, key: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
