@@ -300,7 +300,7 @@ impl HashRing {
 /// The bucket table over the top `bits` of the hash space: for each bucket, the index of the
 /// first point `>=` its lowest hash (see [`HashRing::owner_of`]). Returns it with the shift that
 /// maps a hash to its bucket.
-fn bucket_table(points: &[u64], hash_bits: u32) -> (Vec<u32>, u32) {
+pub(super) fn bucket_table(points: &[u64], hash_bits: u32) -> (Vec<u32>, u32) {
     if points.is_empty() {
         return (Vec::new(), hash_bits - 1);
     }

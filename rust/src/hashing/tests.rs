@@ -549,6 +549,10 @@ mod nodes {
         assert_eq!(set.id("c"), Some(1));
         assert_eq!(set.weights(), &[2.0, 1.0]);
         assert_eq!(set.unowned_by_name(&[1, 1]), vec![0]);
+        // cargo-mutants survivor (shard 2/40): every node owned, none left; none owned, all of
+        // them in name order ("a" is id 0, "c" id 1).
+        assert_eq!(set.unowned_by_name(&[0, 1]), Vec::<NodeId>::new());
+        assert_eq!(set.unowned_by_name(&[]), vec![0, 1]);
         assert_eq!(order(&set), ["a", "c"]);
         assert_eq!(swapped.swap_remove("b").unwrap(), 0);
         assert_eq!(swapped.id("c"), Some(0)); // the last id moved into the freed one
@@ -664,6 +668,22 @@ mod rendezvous {
         assert_eq!(weighted, Score::Weighted(3.0 / -u.ln()));
     }
 
+    /// cargo-mutants survivor (shard 2/40): `preference(key, n)` is the first `n` of the full
+    /// descending order, exactly `n` long.
+    #[test]
+    fn a_short_preference_is_the_head_of_the_full_one() {
+        let r =
+            Rendezvous::new([("a", 1.0), ("b", 2.0), ("c", 1.0), ("d", 3.0), ("e", 1.0)]).unwrap();
+        let (mut full, mut short) = (Vec::new(), Vec::new());
+        for k in 0..200u64 {
+            r.preference_into(Key::Int(k), 5, &mut full).unwrap();
+            for n in 1..=5 {
+                r.preference_into(Key::Int(k), n, &mut short).unwrap();
+                assert_eq!(short, full[..n], "key {k}, n {n}");
+            }
+        }
+    }
+
     #[test]
     fn uniform_and_weighted_scores_rank_alike() {
         let names = ["a", "b", "c", "d", "e"];
@@ -754,6 +774,25 @@ mod ring {
                 assert_eq!(first as usize, r.points.partition_point(|&p| p < lo), "{t}");
             }
         }
+    }
+
+    /// cargo-mutants survivor (shard 2/40): a point exactly at a bucket's lowest hash is that
+    /// bucket's first point (`>=`, not `>`: else `owner_of`, which only walks forward, would skip
+    /// it). Ring points are hashes of names, so the table is built here from chosen points.
+    #[test]
+    fn a_point_on_a_bucket_boundary_starts_its_bucket() {
+        let points = [0, 1 << 30, (1 << 30) + 1, 3 << 30, u64::MAX];
+        let (table, shift) = bucket_table(&points[..4], 32);
+        assert_eq!(shift, 29);
+        for (t, &first) in table.iter().enumerate() {
+            let lo = (t as u64) << shift;
+            assert_eq!(
+                first as usize,
+                points.partition_point(|&p| p < lo),
+                "bucket {t}"
+            );
+        }
+        assert_eq!(table[..3], [0, 1, 1]);
     }
 
     #[test]
