@@ -652,14 +652,15 @@ fn unknown_fields_of_any_shape_are_skipped_whole() {
     }
 }
 
-/// cargo-mutants survivors (shard 2/40): fields only the general decoder reads (a `lora_name`
-/// written as str8, `lookahead_token_ids`), an empty `block_hashes` array (the fast path must
+/// cargo-mutants survivors (shards 2/40, 3/40): fields only the general decoder reads (a
+/// `lora_name` or `cache_salt` written as str8, `lookahead_token_ids`), an empty `block_hashes` array (the fast path must
 /// pass over it, not divide by its length), and `Batch::num_hashes` over every event.
 #[test]
 fn general_fields_and_an_empty_hash_array() {
     let name = "tenant-a";
     let payload = batch(|w| {
-        w.map(6).s("type").s("BlockStored").s("block_size").u(4);
+        w.map(7).s("type").s("BlockStored").s("block_size").u(4);
+        w.s("cache_salt").s("salt-1"); // str8: the general decoder
         w.s("block_hashes").ints(&[11, 12]);
         w.s("token_ids").ints(&(0..8).collect::<Vec<u64>>());
         w.s("lora_name").s(name); // str8 (0xd9), not a fixstr
@@ -679,6 +680,7 @@ fn general_fields_and_an_empty_hash_array() {
     assert_eq!(events.len(), 3);
     assert_eq!(events[0].block_hashes, &[11, 12]);
     assert_eq!(events[0].lora_name, Some(name));
+    assert_eq!(events[0].cache_salt, Some("salt-1"));
     assert!(events[0].has_lookahead);
     assert_eq!(events[1].kind, EventKind::Removed);
     assert!(events[1].block_hashes.is_empty());

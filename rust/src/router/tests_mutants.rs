@@ -247,3 +247,50 @@ fn blocks_held_only_in_a_slower_tier_earn_credit() {
         );
     }
 }
+
+/// cargo-mutants survivors (shard 3/40): `config()` is the configuration the router was built
+/// with, and every policy name parses back to its policy.
+#[test]
+fn the_config_and_the_policy_names_are_the_routers() {
+    let r = router(Policy::LeastLoaded, &["a"]);
+    let c = r.config();
+    assert_eq!(
+        (c.policy, c.block_size, c.capacity_blocks),
+        (Policy::LeastLoaded, 4, 64)
+    );
+    for p in Policy::ALL {
+        assert_eq!(p.name().parse::<Policy>().unwrap(), p);
+    }
+    assert!("fastest".parse::<Policy>().is_err());
+}
+
+/// cargo-mutants survivor (shard 3/40): removing a healthy worker lowers the healthy count that
+/// "no worker to route to" reports.
+#[test]
+fn removing_a_healthy_worker_lowers_the_healthy_count() {
+    let mut r = router(Policy::KvAware, &["a", "b", "c"]);
+    r.set_healthy("c", false).unwrap();
+    r.remove_worker("a").unwrap();
+    assert_eq!(r.workers().healthy(), 1);
+    r.set_healthy("b", false).unwrap();
+    let err = r.route_tokens(&tokens(1, 8), None, None, 0.0).unwrap_err();
+    assert!(err.to_string().contains("2 workers, 0 healthy"), "{err}");
+}
+
+/// cargo-mutants survivor (shard 3/40): power-of-two draws its two candidates uniformly among
+/// all pairs: with six idle workers, 300 requests draw every one of the 15 pairs (a second draw
+/// clamped below the last candidates would never pair the two last).
+#[test]
+fn power_of_two_draws_every_pair() {
+    let names = ["a", "b", "c", "d", "e", "f"];
+    let mut r = router(Policy::PowerOfTwo, &names);
+    let mut pairs = std::collections::BTreeSet::new();
+    for t in 0..300 {
+        let d = r.route_tokens(&tokens(t, 8), None, None, 0.0).unwrap();
+        let mut drawn: Vec<String> = d.scores().map(|(n, _)| n.to_string()).collect();
+        drawn.sort();
+        assert_eq!(drawn.len(), 2, "{drawn:?}");
+        pairs.insert(drawn);
+    }
+    assert_eq!(pairs.len(), 15, "{pairs:?}");
+}
