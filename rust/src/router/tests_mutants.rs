@@ -294,3 +294,147 @@ fn power_of_two_draws_every_pair() {
     }
     assert_eq!(pairs.len(), 15, "{pairs:?}");
 }
+
+/// cargo-mutants survivor (shard 3/40): block hashes given directly are salted per block as
+/// `XXH3-64(h as 8 LE bytes, seed = XXH3-64(salt))`, the salt being the endpoint id unless given
+/// (module docs of `endpoints`); a shared (not isolated) endpoint leaves them as they are.
+#[test]
+fn direct_block_hashes_are_salted_as_documented() {
+    use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+    let mut r = router(Policy::KvAware, &["a", "b"]);
+    r.add_endpoint("tenant", EndpointSpec::default()).unwrap();
+    let shared = EndpointSpec {
+        isolate: false,
+        ..EndpointSpec::default()
+    };
+    r.add_endpoint("open", shared).unwrap();
+    let given = [1u64, 2, 0xdead_beef];
+    let mut hashes = given;
+    r.salt_block_hashes(Some("tenant"), &mut hashes).unwrap();
+    let seed = xxh3_64(b"tenant");
+    let want: Vec<u64> = given
+        .iter()
+        .map(|h| xxh3_64_with_seed(&h.to_le_bytes(), seed))
+        .collect();
+    assert_eq!(hashes.to_vec(), want);
+    let mut open = given;
+    r.salt_block_hashes(Some("open"), &mut open).unwrap();
+    assert_eq!(open, given);
+}
+
+/// cargo-mutants survivor (shard 3/40): an endpoint's reserved blocks are its own partition of
+/// the modelled cache, so public traffic that fills the worker's cache many times over does not
+/// evict them: the endpoint's prompt is still a full hit afterwards.
+#[test]
+fn a_reservation_keeps_its_blocks_through_public_traffic() {
+    let mut r = router(Policy::KvAware, &["a"]); // 64 blocks of 4 tokens
+    let spec = EndpointSpec {
+        pool_size: 1,
+        reserved_blocks: Some(8),
+        ..EndpointSpec::default()
+    };
+    r.add_endpoint("ep", spec).unwrap();
+    let mine = tokens(1, 32); // 8 blocks
+    let d = r.route_tokens(&mine, None, Some("ep"), 0.0).unwrap();
+    r.begin(&d).unwrap();
+    r.finish(&d, 1.0).unwrap();
+    for t in 0..40 {
+        let p = r
+            .route_tokens(&tokens(100 + t, 32), None, None, 2.0 + f64::from(t))
+            .unwrap();
+        r.begin(&p).unwrap();
+        r.finish(&p, 2.5 + f64::from(t)).unwrap();
+    }
+    let again = r.route_tokens(&mine, None, Some("ep"), 50.0).unwrap();
+    assert_eq!(again.cached_blocks, 8);
+    r.check_model().unwrap();
+}
+
+/// cargo-mutants survivor (shard 3/40): a worker that stops decoding leaves every endpoint's
+/// decode pool, even when its new role ranks it outside the endpoint's prefill head (it left a
+/// head and joined none: the pools must still be refreshed).
+#[test]
+fn a_worker_that_stops_decoding_leaves_every_decode_pool() {
+    // Many prefill workers, two decode ones: an endpoint's decode member often ranks below its
+    // prefill head (9 of the 40).
+    let prefill: Vec<String> = (0..40).map(|i| format!("p{i}")).collect();
+    let decode: Vec<String> = (0..2).map(|i| format!("d{i}")).collect();
+    let names: Vec<&str> = prefill.iter().chain(&decode).map(String::as_str).collect();
+    let mut r = router(Policy::KvAware, &names);
+    for p in &prefill {
+        r.set_role(p, Role::Prefill).unwrap();
+    }
+    for d in &decode {
+        r.set_role(d, Role::Decode).unwrap();
+    }
+    let endpoints: Vec<String> = (0..20).map(|i| format!("e{i}")).collect();
+    for e in &endpoints {
+        let spec = EndpointSpec {
+            pool_size: 1,
+            ..EndpointSpec::default()
+        };
+        r.add_endpoint(e, spec).unwrap();
+    }
+    let in_decode_pool = |r: &Router, slot: u32| {
+        endpoints
+            .iter()
+            .filter(|e| r.endpoint(e).unwrap().pool(Phase::Decode).contains(&slot))
+            .count()
+    };
+    let mut pooled = 0;
+    for d in &decode {
+        let slot = r.workers().slot(d).unwrap();
+        pooled += in_decode_pool(&r, slot);
+        r.set_role(d, Role::Prefill).unwrap();
+        assert_eq!(in_decode_pool(&r, slot), 0, "{d}");
+        r.set_role(d, Role::Decode).unwrap();
+    }
+    assert_eq!(pooled, endpoints.len()); // each endpoint's one decode member was checked
+}
+
+/// cargo-mutants survivor (shard 3/40): the index-worker -> slot cache is checked against the
+/// index's own name string, not its length: after workers leave and others with names of the
+/// same length take their index ids and slots, a prefix is credited to the worker holding it.
+#[test]
+fn a_reused_index_id_is_credited_to_its_new_worker() {
+    for (first, second) in [("x", "y"), ("y", "x")] {
+        for (store1, store2) in [("x", "y"), ("y", "x")] {
+            let mut r = router(Policy::KvAware, &["a", "b", "c"]);
+            let hasher = r.hasher_for(None).unwrap();
+            let hashes = |t: &[u32]| {
+                let mut out = Vec::new();
+                hasher
+                    .hash_into(t, &crate::blocks::ChainState::Root, &[], &mut out)
+                    .unwrap();
+                out
+            };
+            let shared = tokens(1, 16);
+            for w in ["a", "b", "c"] {
+                r.index().write().store(w, &hashes(&shared), None).unwrap();
+            }
+            let _ = r.route_tokens(&shared, None, None, 0.0).unwrap(); // caches ids 0, 1, 2
+            r.remove_worker("a").unwrap();
+            r.remove_worker("b").unwrap();
+            r.add_worker(first, 1.0).unwrap();
+            r.add_worker(second, 1.0).unwrap();
+            let (px, py) = (tokens(2, 16), tokens(3, 16));
+            let prompt = |w: &str| if w == "x" { &px } else { &py };
+            r.index()
+                .write()
+                .store(store1, &hashes(prompt(store1)), None)
+                .unwrap();
+            r.index()
+                .write()
+                .store(store2, &hashes(prompt(store2)), None)
+                .unwrap();
+            for w in ["x", "y"] {
+                let d = r.route_tokens(prompt(w), None, None, 1.0).unwrap();
+                assert_eq!(
+                    (&*d.worker, d.cached_blocks),
+                    (w, 4),
+                    "{first}{second} {store1}{store2}"
+                );
+            }
+        }
+    }
+}
