@@ -433,6 +433,31 @@ def test_late_answers_to_an_abandoned_replay_are_dropped(engines):
     assert router.index.match(own(tokens)) == {}
 
 
+def test_a_replay_past_the_live_head_drops_the_rest_of_its_answer(engines):
+    """A replay that gives a batch past the live stream's head has given what it can: it ends
+    there and its DEALER is replaced, so the rest of that answer (here its end marker, sent
+    during the next replay) is never taken for the next replay's."""
+    engine, router, tokens, payloads = chain(engines, 6)
+    with subscriber(router, engine) as sub:
+        open_gap(sub, engine, payloads, sent=1)  # 1 lost, 2 shows the gap: live head 2
+        first, start = engine.take_replay_request()
+        engine.publish(payloads[3], send=False)  # published, not yet delivered live
+        engine.answer(first, engine.buffered_from(start), end=False)  # 1, 2, 3: past the head
+        wait_for(lambda: not sub.is_stale("w"), "the replay to end at seq 3")
+        engine.send_buffered(3)  # the live stream catches up: already applied
+        engine.publish(payloads[4], send=False)
+        engine.publish(payloads[5])  # a second gap
+        second, start = engine.take_replay_request()
+        assert second != first and start == 4  # a new DEALER asks
+        engine.answer(first, [])  # the first answer's end: would end the second replay early
+        engine.answer(second, engine.buffered_from(start))
+        wait_for(lambda: sub.stats()["w"]["last_seq"] == 5 and not sub.is_stale("w"), "seq 5")
+        s = sub.stats()["w"]
+    assert counters(s) == (2, 2, 0, 0, 0)
+    assert (s["batches"], s["errors"], s["skipped_unknown_parent"]) == (6, 0, 0)
+    assert router.index.match(own(tokens)) == {"w": 6}
+
+
 def test_buffered_messages_after_a_replay(engines):
     """When a replay ends, the buffered live messages it already delivered are skipped and the
     others applied in order; a new gap among them starts the next replay, which keeps the rest

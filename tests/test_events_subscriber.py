@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -179,6 +180,30 @@ def test_stop_is_clean_and_restartable(engines):
         engine.publish(stored([1], None, range(16)))
         wait_for(lambda: sub.stats()["w"]["last_seq"] == 0, "seq 0")
     assert not sub.running
+
+
+def thread_cpu_seconds(name: str) -> float:
+    """User + system CPU time of this process's thread ``name`` (Linux: /proc)."""
+    (thread,) = (t for t in threading.enumerate() if t.name == name)
+    stat = Path(f"/proc/self/task/{thread.native_id}/stat").read_text()
+    fields = stat.rsplit(")", 1)[1].split()  # fields 3.. of proc(5): utime is 14, stime 15
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_idle_subscriber_waits_in_poll(engines):
+    """With nothing to read the poll thread sleeps in zmq's poll (its one-second timeout): every
+    socket is polled for input only. One polled for output too — a connected replay DEALER is
+    always writable — would return every poll at once, a loop burning a core while idle."""
+    engine = engines()
+    with KvEventSubscriber(
+        PrefixIndex(), {"w": engine.endpoint}, replay={"w": engine.replay_endpoint}
+    ):
+        engine.wait_subscriber()
+        time.sleep(0.2)  # the DEALER's connection is up
+        before = thread_cpu_seconds("kvroute-kv-events")
+        time.sleep(2.0)
+        used = thread_cpu_seconds("kvroute-kv-events") - before
+    assert used < 0.1, f"the idle poll thread used {used:.2f} s of CPU in 2 s"
 
 
 def test_async_with(engines):
