@@ -182,6 +182,41 @@ def test_stop_is_clean_and_restartable(engines):
     assert not sub.running
 
 
+class FailingOnce:
+    """The subscriber's applier, raising once: a bug in a handler, not a malformed payload (a
+    ValueError, which the applier counts itself)."""
+
+    def __init__(self, real: KvEventApplier) -> None:
+        self.real = real
+        self.calls = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.real, name)
+
+    def apply(self, worker: str, payload: bytes) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("a bug")
+        self.real.apply(worker, payload)
+
+
+def test_an_exception_in_a_handler_is_counted_and_the_thread_goes_on(engines):
+    engine = engines(replay=False)
+    index = PrefixIndex()
+    tokens = list(range(32))
+    payloads = chain_payloads(tokens, 2)
+    with KvEventSubscriber(index, {"w": engine.endpoint}) as sub:
+        assert sub.stats()["w"]["endpoint"] == engine.endpoint
+        sub.applier = FailingOnce(sub.applier)
+        engine.wait_subscriber()
+        engine.publish(payloads[0])  # its handler raises: counted, the message lost
+        engine.publish(stored([9], None, tokens[16:]))  # the next is applied
+        wait_for(lambda: sub.stats()["w"]["last_seq"] == 1, "seq 1")
+        s = sub.stats()["w"]
+    assert (s["errors"], s["batches"]) == (1, 1)
+    assert index.match(own(tokens[16:])) == {"w": 1}
+
+
 def thread_cpu_seconds(name: str) -> float:
     """User + system CPU time of this process's thread ``name`` (Linux: /proc)."""
     (thread,) = (t for t in threading.enumerate() if t.name == name)
