@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -258,12 +259,63 @@ def test_async_with(engines):
     assert index.match(own(list(range(16)))) == {"w": 1}
 
 
+def test_a_target_lends_its_hash_profile_and_the_subscriber_its_hash_options():
+    """A target with an ``index`` but no ``block_size`` gets 16-token blocks and its
+    ``hash_profile``; the subscriber's own ``seed`` and ``hash_algo`` reach the applier. Blocks
+    are indexed under the hashes ``BlockHasher`` (vLLM's, bit-exact) gives those options."""
+
+    class Target:  # no block_size
+        index = PrefixIndex()
+        hash_profile = "vllm"
+
+    tokens = list(range(32))
+    payload = P.batch([P.map16(P.stored_fields([1, 2], None, tokens, 16))])
+    target = Target()
+    KvEventSubscriber(target, {"w": "tcp://127.0.0.1:1"}).applier.apply("w", payload)
+    assert target.index.match(own(tokens, profile="vllm")) == {"w": 2}
+    index = PrefixIndex()
+    opts = {"profile": "vllm", "seed": "s", "hash_algo": "sha256"}
+    sub = KvEventSubscriber(
+        index, {"w": "tcp://127.0.0.1:1"}, hash_profile="vllm", seed="s", hash_algo="sha256"
+    )
+    sub.applier.apply("w", payload)
+    assert index.match(own(tokens, **opts)) == {"w": 2}
+    assert index.match(own(tokens, profile="vllm")) == {}  # another seed and algorithm
+
+
+def test_an_event_sink_is_fed_as_it_is():
+    """Any object with ``apply(worker, payload)``, ``clear(worker)`` and ``stats()`` (``kvroute
+    relay``'s outbox) is the applier itself."""
+
+    class Sink:
+        def apply(self, worker, payload):
+            pass
+
+        def clear(self, worker):
+            pass
+
+        def stats(self):
+            return {}
+
+    sink = Sink()
+    assert KvEventSubscriber(sink, {"w": "tcp://127.0.0.1:1"}).applier is sink
+
+
+def test_without_pyzmq_the_error_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "zmq", None)  # import zmq raises ImportError
+    with pytest.raises(ImportError, match=r"needs pyzmq: pip install 'kvroute\[events\]'"):
+        KvEventSubscriber(PrefixIndex(), {"w": "tcp://127.0.0.1:1"})
+
+
 def test_bad_arguments_and_a_bad_endpoint():
     index = PrefixIndex()
     with pytest.raises(KeyError, match="unknown workers"):
         KvEventSubscriber(index, {"w": "tcp://127.0.0.1:1"}, replay={"x": "tcp://127.0.0.1:2"})
-    with pytest.raises(TypeError, match="target"):
+    with pytest.raises(TypeError, match=r"a router with an \.index or an event sink, got object"):
         KvEventSubscriber(object(), {"w": "tcp://127.0.0.1:1"})
+    for bad in ("max_pending", "max_pending_bytes"):
+        with pytest.raises(ValueError, match=f"^{bad} must be >= 1, got 0$"):
+            KvEventSubscriber(index, {"w": "tcp://127.0.0.1:1"}, **{bad: 0})
     with pytest.raises(ValueError, match="replay_timeout"):
         KvEventSubscriber(index, {"w": "tcp://127.0.0.1:1"}, replay_timeout=0)
     applier = KvEventApplier(index, mode="direct")
