@@ -11,6 +11,7 @@ leave a worker looking busy (or idle) for good.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import time
 
@@ -243,3 +244,40 @@ def test_decode_half_reports_no_cached_tokens():
         "predicted": {"p": 0, "d": 0},
         "prompt_tokens": {"p": 250 * BS, "d": 0},
     }
+
+
+class _ObserveFails:
+    """The real router, except that ``observe`` raises (a report it cannot take)."""
+
+    def __init__(self, real: kvroute.Router) -> None:
+        self.real = real
+
+    def __getattr__(self, name: str):
+        return getattr(self.real, name)
+
+    def observe(self, *args, **kwargs) -> None:
+        raise RuntimeError("observe broke")
+
+
+def test_a_failing_observe_is_logged_and_the_flight_still_finishes(caplog):
+    """A report the router cannot take never skips ``finish``: the error is logged, naming the
+    worker, with its traceback."""
+    router = kvroute.Router(["a"], block_size=BS)
+    workers = (WorkerConfig(name="a", url="http://127.0.0.1:9"),)
+    metrics = GatewayMetrics(lambda: {}, lambda: {})
+    upstreams = Upstreams(workers, ServerConfig(), _ObserveFails(router), metrics)
+
+    async def run() -> None:
+        upstreams.start()
+        tokens = np.arange(4 * BS, dtype=np.uint32)
+        flight = upstreams.begin(router.route(tokens=tokens), len(tokens))
+        assert router.load("a")["active"] == 1
+        with caplog.at_level(logging.ERROR, logger="kvroute.gateway"):
+            await release(_Closed(), flight, usage(BS, len(tokens)))
+        await upstreams.stop()
+
+    asyncio.run(run())
+    assert router.load("a")["active"] == 0 and upstreams.in_flight == {"a": 0}
+    (record,) = [r for r in caplog.records if r.name == "kvroute.gateway"]
+    assert record.getMessage() == "observe failed for worker a"
+    assert record.exc_info[0] is RuntimeError
