@@ -146,7 +146,7 @@ def read_until_closed(s: socket.socket, timeout: float = 5.0) -> bytes:
     while time.monotonic() < deadline:
         try:
             data = s.recv(65536)
-        except ConnectionResetError:
+        except (ConnectionResetError, TimeoutError):
             break
         if not data:
             break
@@ -260,3 +260,62 @@ def test_watch_is_called_when_the_client_goes(server):
     s.close()
     wait_for(lambda: GONE == ["gone"], "watch's callback")
     wait_for(lambda: not server.guard.open, "the connection forgotten by the guard")
+
+
+async def slow_app(scope, receive, send):
+    """Answers ``/slow`` after 1 s (a request in progress while the next one's head arrives)."""
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    if scope["path"] == "/slow":
+        await asyncio.sleep(1.0)
+    head = [(b"content-length", b"2")]
+    await send({"type": "http.response.start", "status": 200, "headers": head})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+@pytest.fixture(scope="module")
+def strict_server():
+    """Header deadline 0.3 s, idle deadline 30 s: a head held past 0.3 s must be refused."""
+    guard = ConnectionGuard(header_timeout=0.3, keep_alive_timeout=30.0, max_connections=64)
+    config = uvicorn_config(slow_app, guard, log_level="critical", lifespan="off")
+    s = ServerThread(slow_app, config=config)
+    s.guard = guard
+    yield s
+    s.stop()
+
+
+def test_a_pipelined_head_has_the_header_deadline_of_a_first_request(strict_server):
+    """While ``/slow`` is served, the next request's head starts and never ends: its deadline
+    runs from its first byte, as a first request's does — ``/slow`` is answered, then 408 and
+    the close (not the 30 s idle deadline, nor no deadline at all)."""
+    with connect(strict_server) as s:
+        s.sendall(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
+        time.sleep(0.1)
+        s.sendall(b"GET /echo HTTP/1.1\r\nhost: x\r\nx-slow: ")  # never finished
+        answer = read_until_closed(s, timeout=5.0)
+    first, _, rest = answer.partition(b"\r\n\r\nok")
+    assert first.startswith(b"HTTP/1.1 200 OK\r\n"), answer
+    assert rest.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), answer
+    assert strict_server.guard.timed_out >= 1
+
+
+def test_a_pipelined_head_has_the_header_size_cap_of_a_first_request(strict_server):
+    """A head over ``MAX_HEADER_BYTES`` sent while ``/slow`` is served is refused 431 after
+    ``/slow``'s answer, and the connection closed: its bytes are not gathered without bound."""
+    with connect(strict_server) as s:
+        s.sendall(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
+        time.sleep(0.1)
+        try:
+            s.sendall(b"GET /echo HTTP/1.1\r\nhost: x\r\n")
+            for i in range(12):  # 12 x 8 KiB header lines, each its own read
+                s.sendall(b"x-pad-%d: %s\r\n" % (i, b"p" * 8192))
+                time.sleep(0.01)
+            s.sendall(b"\r\n")
+        except OSError:  # closed by the server already
+            pass
+        answer = read_until_closed(s, timeout=5.0)
+    first, _, rest = answer.partition(b"\r\n\r\nok")
+    assert first.startswith(b"HTTP/1.1 200 OK\r\n"), answer
+    assert rest.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"), answer

@@ -8,8 +8,11 @@ setting): binding, lifespan, signals and graceful shutdown stay uvicorn's, the p
 this module's. The guard guarantees, per client connection:
 
 - the request line and headers arrive within ``header_timeout`` seconds of the connection's
-  opening or of the first byte of the next request on a kept-alive one, and are at most
-  ``MAX_HEADER_BYTES``: else the connection is answered 408 (431) and closed;
+  opening or of the first byte of the next request on a kept-alive one — also one pipelined
+  while a request is in progress —, and are at most ``MAX_HEADER_BYTES`` (counted by the reads
+  that carry them; a head that begins inside a read after a body is counted from the next read):
+  else the request is answered 408 (431) and the connection closed — after the answers to the
+  requests before it, with nothing more read;
 - a connection idle between requests is closed after ``keep_alive_timeout``;
 - at most ``max_connections`` client connections are open: a new one past the cap evicts the
   connection that has waited longest without a request in progress (idle, or still sending
@@ -59,7 +62,8 @@ __all__ = [
 
 log = logging.getLogger("kvroute.gateway")
 
-_IDLE, _HEADERS, _ACTIVE = 0, 1, 2
+_IDLE, _HEADERS, _ACTIVE = 0, 1, 2  # ConnectionGuard's connection states
+_BETWEEN, _HEAD, _BODY = 0, 1, 2  # where the parser is in the client's byte stream
 #: A request's line and headers larger than this are answered 431 (httptools has no limit).
 MAX_HEADER_BYTES = 64 * 1024
 #: Request body bytes buffered before reading from the client pauses until the app reads them.
@@ -140,12 +144,15 @@ class _Deadline:
 class _Connection:
     """The guard's view of one client connection."""
 
-    __slots__ = ("headers", "idle", "since", "state", "transport")
+    __slots__ = ("head", "headers", "idle", "late", "since", "state", "transport")
 
     def __init__(self, transport: Any, owner: int, expired: Any) -> None:
         loop = asyncio.get_running_loop()
         self.transport = transport
         self.state = _IDLE
+        self.head = False  # a request's head is being read (its deadline runs)
+        # Called with the 408 when the head's deadline passes while a request is in progress.
+        self.late: Callable[[bytes], None] | None = None
         self.since = time.monotonic()
         self.headers = _Deadline(loop, expired, owner)  # of the request's line and headers
         self.idle = _Deadline(loop, expired, owner)  # of a kept-alive connection's next request
@@ -176,33 +183,43 @@ class ConnectionGuard:
             return None
         conn = self.open[owner] = _Connection(transport, owner, self._expired)
         conn.state = _HEADERS
+        conn.head = True
         conn.headers.set(self.header_timeout)
         return conn
 
     def headers_begun(self, conn: _Connection) -> None:
-        """The first byte of a request on an idle connection: its headers' deadline starts."""
-        conn.state = _HEADERS
-        conn.since = time.monotonic()
-        conn.idle.clear()
+        """The first byte of a request's head (on an idle connection, or pipelined behind a
+        request in progress): its deadline starts."""
+        conn.head = True
+        if conn.state == _IDLE:
+            conn.state = _HEADERS
+            conn.since = time.monotonic()
+            conn.idle.clear()
         conn.headers.set(self.header_timeout)
 
     @staticmethod
     def request_started(conn: _Connection) -> None:
         """The request's headers are complete: no deadline while it is served."""
         conn.state = _ACTIVE
+        conn.head = False
+        conn.headers.clear()
+
+    @staticmethod
+    def refusing(conn: _Connection) -> None:
+        """The head being read is refused (answered once the requests before it are): no
+        deadline for it any more."""
+        conn.head = False
         conn.headers.clear()
 
     def request_ended(self, conn: _Connection) -> None:
-        """The response was sent: the connection is idle until ``keep_alive_timeout``."""
-        conn.state = _IDLE
+        """The response was sent: the connection is idle until ``keep_alive_timeout``, or
+        reading a head whose deadline already runs."""
         conn.since = time.monotonic()
+        if conn.head:
+            conn.state = _HEADERS
+            return
+        conn.state = _IDLE
         conn.idle.set(self.keep_alive_timeout)
-
-    def too_large(self, owner: int, conn: _Connection) -> None:
-        log.info("closing a client connection: request headers over %d bytes", MAX_HEADER_BYTES)
-        conn.transport.write(_TOO_LARGE_431)
-        conn.transport.close()
-        self.closed(owner)
 
     def closed(self, owner: int) -> None:
         conn = self.open.pop(owner, None)
@@ -214,7 +231,13 @@ class ConnectionGuard:
 
     def _expired(self, owner: int) -> None:
         conn = self.open.get(owner)
-        if conn is None or conn.state == _ACTIVE:
+        if conn is None:
+            return
+        if conn.state == _ACTIVE:  # a pipelined head late: refused after the answers before it
+            if conn.head and conn.late is not None:
+                self.timed_out += 1
+                log.info("closing a client connection: no complete request headers in time")
+                conn.late(_TIMEOUT_408)
             return
         if conn.state == _HEADERS:
             self.timed_out += 1
@@ -477,7 +500,9 @@ class GuardedHTTP(asyncio.Protocol):
         self.pipeline: deque[Cycle] = deque()
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
-        self.header_bytes = 0
+        self.header_bytes = 0  # of the head being read (see the module docs)
+        self.parsing = _BETWEEN
+        self.refusal: bytes | None = None  # the answer to a refused pipelined head
         self.continue_100 = False
         self.upgraded = False
         self.read_paused = False
@@ -491,6 +516,7 @@ class GuardedHTTP(asyncio.Protocol):
         self.conn = self.guard.opened(self.owner, transport)
         if self.conn is None:
             return
+        self.conn.late = self._refuse
         self.server_state.connections.add(self)
         peer = transport.get_extra_info("peername")
         self.client = (str(peer[0]), int(peer[1])) if isinstance(peer, tuple) else None
@@ -501,11 +527,9 @@ class GuardedHTTP(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         conn = self.conn
-        if conn is None or self.upgraded:
+        if conn is None or self.upgraded or self.refusal is not None:
             return
-        if conn.state != _ACTIVE:
-            if conn.state == _IDLE:
-                self.guard.headers_begun(conn)
+        if self.parsing != _BODY:  # these bytes begin or continue a request's head
             self.header_bytes += len(data)
         try:
             self.parser.feed_data(data)
@@ -523,9 +547,11 @@ class GuardedHTTP(asyncio.Protocol):
             self._closed()
             return
         conn = self.conn
-        if conn is not None and conn.state == _HEADERS and self.header_bytes > MAX_HEADER_BYTES:
-            self.guard.too_large(self.owner, conn)
-            self._closed()
+        if conn is None or self.refusal is not None or self.parsing == _BODY:
+            return
+        if self.header_bytes > MAX_HEADER_BYTES:
+            log.info("closing a client connection: request headers over %d bytes", MAX_HEADER_BYTES)
+            self._refuse(_TOO_LARGE_431)
 
     def eof_received(self) -> None:
         return None
@@ -553,6 +579,10 @@ class GuardedHTTP(asyncio.Protocol):
     # ---- httptools callbacks -----------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self.parsing = _HEAD
+        conn = self.conn
+        if conn is not None and not conn.head:  # the first byte of a request: its deadline
+            self.guard.headers_begun(conn)
         self.url = b""
         self.headers = []
         self.continue_100 = False
@@ -568,6 +598,7 @@ class GuardedHTTP(asyncio.Protocol):
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        self.parsing = _BODY
         conn = self.conn
         if conn is not None:
             self.guard.request_started(conn)
@@ -614,6 +645,7 @@ class GuardedHTTP(asyncio.Protocol):
         cycle.wake()
 
     def on_message_complete(self) -> None:
+        self.parsing = _BETWEEN
         cycle = self.cycle
         if cycle is None or cycle.complete:
             return
@@ -635,11 +667,32 @@ class GuardedHTTP(asyncio.Protocol):
         self.serving = None
         if self.transport.is_closing():
             return
-        self.resume_reading()
         if self.pipeline:
+            self.resume_reading()
             self._serve(self.pipeline.popleft())
-        elif self.conn is not None:
-            self.guard.request_ended(self.conn)
+        elif self.refusal is not None:
+            self.transport.write(self.refusal)
+            self.transport.close()
+            self._closed()
+        else:
+            self.resume_reading()
+            if self.conn is not None:
+                self.guard.request_ended(self.conn)
+
+    def _refuse(self, answer: bytes) -> None:
+        """The head being read broke the header deadline or size cap: ``answer`` (408, 431) and
+        the close — now, or after the answers to the requests before it (nothing more read)."""
+        conn = self.conn
+        if conn is None or self.refusal is not None:
+            return
+        if self.serving is None:
+            if not self.transport.is_closing():
+                self.transport.write(answer)
+            self.transport.close()
+            self._closed()
+            return
+        self.refusal = answer
+        self.guard.refusing(conn)
 
     def _closed(self) -> None:
         if self.conn is not None:
