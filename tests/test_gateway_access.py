@@ -170,3 +170,22 @@ def test_remembered_headers_answer_as_a_fresh_check(data, sequence, bound):
             assert len(auth._seen) <= bound
             for remembered, access in auth._seen.items():
                 assert access.digest is not None and reference_key(remembered) is not None
+
+
+def test_remembered_headers_hold_bounded_memory():
+    """A caller with one valid key can send it under endless distinct headers (padding the
+    token with blanks, which ``bearer`` strips): only headers of at most 1,024 characters are
+    remembered, so the memory stays under ``SEEN_HEADERS`` x 1,024 whatever the headers' sizes
+    (the listener lets a header reach 64 KiB: 4,096 of those would be 256 MiB)."""
+    data = {
+        "workers": [{"name": "w0", "url": "http://127.0.0.1:9000"}],
+        "gateway": {"models": ["direct-a"], "api_keys": ["k0"]},
+    }
+    with mock.patch.object(auth_module, "SEEN_HEADERS", 8):
+        auth = Auth(parse_config(data))
+        for n in range(1, 50):
+            header = "Bearer k0" + " " * (n * 1000)  # up to ~49 KB
+            assert sorted(auth.access(header).targets) == ["direct-a"]  # valid, each time
+            assert sum(map(len, auth._seen)) <= 8 * 1024
+        auth.access("Bearer k0")
+        assert "Bearer k0" in auth._seen  # a header of ordinary size is still remembered

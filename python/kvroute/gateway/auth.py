@@ -12,7 +12,9 @@ use is answered exactly like a model that does not exist — 404 for a caller wi
 for one without. Keys are looked up by their SHA-256 digest (a dict of digests: the time taken
 depends on the digest of the caller's key, never on a stored key's bytes, and digests cannot be
 steered toward a stored one). An ``Authorization`` header already found valid is remembered (at
-most ``SEEN_HEADERS`` of them; the oldest half forgotten past that) so that a caller's next
+most ``SEEN_HEADERS`` of them, each of at most ``SEEN_HEADER_CHARS`` characters — a key holder
+padding its token differs in every request, and the listener allows 64 KiB headers —; the oldest
+half forgotten past that; the keys are fixed for the process's life) so that a caller's next
 request skips the digest: a dict keyed by the header, whose hash is Python's keyed SipHash, so
 the lookup's time cannot be steered toward a stored header either; an invalid header is never
 remembered. The caller's key is never sent upstream.
@@ -26,10 +28,12 @@ from dataclasses import dataclass
 from .config import GatewayConfig, key_digest
 from .errors import HTTPError
 
-__all__ = ["SEEN_HEADERS", "Access", "Auth", "Target", "bearer"]
+__all__ = ["SEEN_HEADERS", "SEEN_HEADER_CHARS", "Access", "Auth", "Target", "bearer"]
 
 #: Valid ``Authorization`` headers remembered (see the module docs).
 SEEN_HEADERS = 4096
+#: The longest ``Authorization`` header remembered (longer ones are checked every time).
+SEEN_HEADER_CHARS = 1024
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,8 @@ class Auth:
         key = bearer(authorization)
         access = self._by_digest.get(key_digest(key)) if key is not None else None
         if access is not None:
+            if len(authorization) > SEEN_HEADER_CHARS:  # type: ignore[arg-type]
+                return access
             seen_headers = self._seen
             if len(seen_headers) >= SEEN_HEADERS:
                 for old in list(seen_headers)[: SEEN_HEADERS // 2]:
