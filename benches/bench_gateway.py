@@ -122,6 +122,29 @@ def _wait_up(url: str, proc: subprocess.Popen, what: str, headers=None, timeout:
     raise RuntimeError(f"{what} did not come up at {url}")
 
 
+def _answers_chat(port: int, path: str, model: str, auth: dict, timeout: float = 60.0) -> bool:
+    """Whether the gateway on ``port`` answers a chat request 200 within ``timeout`` seconds
+    (ready means that: SMG registers its workers after it listens)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            body = _bodies(1, model, "ready")
+            _, ready = asyncio.run(load("127.0.0.1", port, path, body, 1, auth))
+        except OSError:  # refused or reset: not listening yet (or for a moment again)
+            ready = {}
+        if set(ready) == {200}:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+
+
+def test_waiting_for_a_gateway_outlasts_a_refused_port():
+    """A port nobody listens on (as SMG's, for a moment while it starts) is not ready yet: the
+    wait goes on to its deadline instead of failing the benchmark with ConnectionRefusedError."""
+    assert not _answers_chat(_free_port(), "/v1/chat/completions", "m", {}, timeout=1.0)
+
+
 @pytest.fixture(scope="module")
 def upstreams():
     if UPSTREAM == "test":  # the tests' upstreams: a prefix-cache model per request (slower)
@@ -205,15 +228,7 @@ def test_gateway_cost_per_request(benchmark, upstreams, tmp_path, impl):
         _wait_up(f"http://127.0.0.1:{port}{health}", proc, impl, headers)
         auth = {k: v for k, v in headers.items() if k == "authorization"}
         path = "/v1/chat/completions"
-        # Ready means answering a chat request (SMG registers its workers after it listens).
-        deadline = time.monotonic() + 60
-        while True:
-            _, ready = asyncio.run(
-                load("127.0.0.1", port, path, _bodies(1, model, "ready"), 1, auth)
-            )
-            if set(ready) == {200} or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
+        assert _answers_chat(port, path, model, auth), f"{impl} answered no chat request"
         warm = _bodies(WARMUP, model, "warm")
         _, statuses = asyncio.run(load("127.0.0.1", port, path, warm, CONCURRENCY, auth))
         assert set(statuses) == {200}, statuses
