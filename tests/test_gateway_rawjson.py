@@ -149,3 +149,24 @@ def test_a_raw_lone_surrogate_fails_to_encode_as_json_dumps_does():
 @given(values)
 def test_dumps_is_json_dumps(value):
     assert dumps(value) == json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def test_nothing_json_loads_finds_too_deep_is_accepted():
+    """json.loads refuses a body nested past the interpreter's recursion budget (the gateway's
+    400 nested_too_deeply); parse_object parses the top level itself, so its scanner had one
+    level more to spare: a body one level past json.loads's limit was parsed and forwarded.
+    Around the limit, parse_object accepts nothing json.loads refuses."""
+
+    def refused(data: bytes) -> bool:
+        try:
+            json.loads(data)
+        except RecursionError:
+            return True
+        return False
+
+    for depth in range(800, 1200):
+        data = b'{"a":' + b"[" * depth + b"]" * depth + b"}"
+        if refused(data):
+            assert parse_object(data) is None, depth
+    ordinary = b'{"a":' + b"[" * 100 + b"]" * 100 + b"}"
+    assert parse_object(ordinary) is not None  # a nesting json.loads takes is not declined

@@ -6,7 +6,11 @@ every value) and also returns, for each top-level key, the span of its value's t
 given twice, the last one's, as ``json.loads`` keeps the last value. It returns None, and the
 caller uses ``json.loads`` (whose answer and errors are then the reference), for anything but a
 well-formed UTF-8 object without a BOM; and for a text that escapes a UTF-16 surrogate
-(``\\ud800``-``\\udfff``), so that a lone one is refused exactly as the re-encoding path refuses it.
+(``\\ud800``-``\\udfff``), so that a lone one is refused exactly as the re-encoding path refuses it;
+and for a text with ``DEEP`` or more opening brackets (``[``, ``{``, in strings too): it parses
+the top level itself, so its scanner has more of the recursion budget than ``json.loads``'s and
+would take a nesting that ``json.loads`` refuses (the gateway's 400 ``nested_too_deeply``);
+below ``DEEP`` brackets the nesting is well inside the default recursion budget.
 
 ``RawObject.encode(fields)`` writes the object back: its keys in the order of ``fields`` (a dict
 of the parsed object's keys, changed or not, and new ones), a value that is the parsed one (the
@@ -25,7 +29,10 @@ from json.decoder import scanstring
 from json.encoder import encode_basestring
 from typing import Any
 
-__all__ = ["RawObject", "dumps", "parse_object"]
+__all__ = ["DEEP", "RawObject", "dumps", "parse_object"]
+
+#: Texts with this many opening brackets or more are left to ``json.loads`` (see the module docs).
+DEEP = 256
 
 _DECODER = json.JSONDecoder()
 _SCAN = json.scanner.make_scanner(_DECODER)  # the C scanner json.loads uses
@@ -70,6 +77,8 @@ def parse_object(body: bytes) -> RawObject | None:
     try:
         text = body.decode("utf-8", "surrogatepass")
         if _SURROGATE_ESCAPE.search(text) is not None:
+            return None
+        if len(text) >= DEEP and text.count("[") + text.count("{") >= DEEP:
             return None
         return _parse(text)
     except (ValueError, StopIteration, IndexError, RecursionError):  # incl. UnicodeDecodeError
