@@ -319,3 +319,18 @@ def test_a_pipelined_head_has_the_header_size_cap_of_a_first_request(strict_serv
     first, _, rest = answer.partition(b"\r\n\r\nok")
     assert first.startswith(b"HTTP/1.1 200 OK\r\n"), answer
     assert rest.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"), answer
+
+
+def test_watch_is_called_when_the_client_goes_with_a_request_pipelined(server):
+    """A request pipelined behind one in progress does not stop the listener from seeing the
+    client go: the one in progress learns of it (the gateway cancels its upstream then)."""
+    GONE.clear()
+    s = connect(server)
+    s.sendall(b"GET /watch HTTP/1.1\r\nhost: x\r\n\r\n")
+    wait_for(lambda: len(server.guard.open) >= 1, "the connection open")
+    time.sleep(0.2)  # /watch has read its body and waits
+    s.sendall(b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n")
+    time.sleep(0.2)
+    s.close()
+    wait_for(lambda: GONE == ["gone"], "watch's callback", timeout=5.0)
+    wait_for(lambda: not server.guard.open, "the connection forgotten by the guard")

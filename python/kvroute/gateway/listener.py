@@ -20,7 +20,9 @@ this module's. The guard guarantees, per client connection:
 
 The request body has its own deadline (``body_timeout``, enforced by the app while it reads the
 body: 408). HTTP as uvicorn's httptools protocol serves it: pipelined requests are answered in
-order (reading pauses while one is in progress), a body is buffered up to ``HIGH_WATER`` bytes
+order (the bytes after one that waits for its turn are held unparsed, reading going on so that
+the client's going is seen — and cancels the request in progress — up to ``HIGH_WATER`` bytes
+held), a body is buffered up to ``HIGH_WATER`` bytes
 before reading pauses until the app reads it, ``Expect: 100-continue`` is answered when the app
 first reads, ``receive()`` gives ``http.disconnect`` once the client has gone or the response is
 complete, invalid HTTP is answered 400 and closed, HTTP/1.0 and ``connection: close`` close after
@@ -498,6 +500,10 @@ class GuardedHTTP(asyncio.Protocol):
         self.cycle: Cycle | None = None  # the request being received
         self.serving: Cycle | None = None  # the request being answered
         self.pipeline: deque[Cycle] = deque()
+        # Bytes after a pipelined request, held unparsed until it is served (reading goes on, so
+        # that the client's going is seen, up to HIGH_WATER bytes held).
+        self.held: list[bytes] = []
+        self.held_bytes = 0
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
         self.header_bytes = 0  # of the head being read (see the module docs)
@@ -528,6 +534,12 @@ class GuardedHTTP(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         conn = self.conn
         if conn is None or self.upgraded or self.refusal is not None:
+            return
+        if self.pipeline:  # a request waits for its turn: what follows it waits too, unparsed
+            self.held.append(data)
+            self.held_bytes += len(data)
+            if self.held_bytes > HIGH_WATER:
+                self.pause_reading()
             return
         if self.parsing != _BODY:  # these bytes begin or continue a request's head
             self.header_bytes += len(data)
@@ -562,6 +574,7 @@ class GuardedHTTP(asyncio.Protocol):
             if cycle is not None and not cycle.complete and not cycle.gone:
                 cycle.disconnected()
         self.pipeline.clear()
+        self.held.clear()
         self.write_paused = False
         if self.drained is not None and not self.drained.done():
             self.drained.set_result(None)
@@ -631,8 +644,7 @@ class GuardedHTTP(asyncio.Protocol):
         cycle.continue_100 = self.continue_100
         if self.serving is None:
             self._serve(cycle)
-        else:  # pipelined: answered after the one in progress
-            self.pause_reading()
+        else:  # pipelined: answered after the one in progress (what follows waits unparsed)
             self.pipeline.append(cycle)
 
     def on_body(self, body: bytes) -> None:
@@ -668,8 +680,11 @@ class GuardedHTTP(asyncio.Protocol):
         if self.transport.is_closing():
             return
         if self.pipeline:
-            self.resume_reading()
             self._serve(self.pipeline.popleft())
+            held, self.held, self.held_bytes = self.held, [], 0
+            self.resume_reading()
+            if held:
+                self.data_received(b"".join(held))
         elif self.refusal is not None:
             self.transport.write(self.refusal)
             self.transport.close()
