@@ -334,3 +334,22 @@ def test_watch_is_called_when_the_client_goes_with_a_request_pipelined(server):
     s.close()
     wait_for(lambda: GONE == ["gone"], "watch's callback", timeout=5.0)
     wait_for(lambda: not server.guard.open, "the connection forgotten by the guard")
+
+
+def test_invalid_http_after_a_request_in_progress_is_answered_after_it(strict_server):
+    """Bytes that are not HTTP after a request in progress are answered 400 after that
+    request's answer (the client reads answers in order: an early 400 would be read as the
+    answer to ``/slow``)."""
+    with connect(strict_server) as s:
+        s.sendall(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\nNOT HTTP AT ALL\r\n\r\n")
+        answer = read_until_closed(s, timeout=5.0)
+    first, _, rest = answer.partition(b"\r\n\r\nok")
+    assert first.startswith(b"HTTP/1.1 200 OK\r\n"), answer
+    assert rest.startswith(b"HTTP/1.1 400 Bad Request\r\n"), answer
+
+
+def test_a_broken_body_of_the_request_in_progress_is_its_400(server):
+    with connect(server) as s:
+        s.sendall(b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n")
+        answer = read_until_closed(s)
+    assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n"), answer

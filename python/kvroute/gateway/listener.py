@@ -22,14 +22,15 @@ The request body has its own deadline (``body_timeout``, enforced by the app whi
 body: 408). HTTP as uvicorn's httptools protocol serves it: pipelined requests are answered in
 order (the bytes after one that waits for its turn are held unparsed, reading going on so that
 the client's going is seen — and cancels the request in progress — up to ``HIGH_WATER`` bytes
-held), a body is buffered up to ``HIGH_WATER`` bytes
-before reading pauses until the app reads it, ``Expect: 100-continue`` is answered when the app
-first reads, ``receive()`` gives ``http.disconnect`` once the client has gone or the response is
-complete, invalid HTTP is answered 400 and closed, HTTP/1.0 and ``connection: close`` close after
-the response, a response without ``content-length`` is chunked, one whose body disagrees with its
-``content-length`` (or whose app failed after the head) closes the connection, and an app that
-fails before answering gets a 500. A response's head leaves with its first body bytes: one write.
-Response headers with bytes HTTP forbids (CR, LF, controls) raise instead of being sent.
+held), a body is buffered up to ``HIGH_WATER`` bytes before reading pauses until the app reads
+it, ``Expect: 100-continue`` is answered when the app first reads, ``receive()`` gives
+``http.disconnect`` once the client has gone or the response is complete, invalid HTTP is
+answered 400 (after the answers to the requests before it) and closed, HTTP/1.0 and
+``connection: close`` close after the response, a response without ``content-length`` is
+chunked, one whose body disagrees with its ``content-length`` (or whose app failed after the
+head) closes the connection, and an app that fails before answering gets a 500. A response's
+head leaves with its first body bytes: one write. Response headers with bytes HTTP forbids (CR,
+LF, controls) raise instead of being sent.
 
 ``serve`` runs the gateway's app and, with ``admin_port``, the admin app (``/metrics``,
 ``/health``, under uvicorn's own protocol) on its own listener, in one process and one event
@@ -554,9 +555,16 @@ class GuardedHTTP(asyncio.Protocol):
             return
         except httptools.HttpParserError:
             log.info("closing a client connection: invalid HTTP request")
-            self.transport.write(_INVALID_400)
-            self.transport.close()
-            self._closed()
+            broken = self.cycle if self.parsing == _BODY else None  # a request's body broke
+            if broken is not None and broken is self.serving:  # the 400 is its answer
+                if not broken.started:
+                    self.transport.write(_INVALID_400)
+                self.transport.close()
+                self._closed()
+                return
+            if broken is not None and broken in self.pipeline:  # never to be served
+                self.pipeline.remove(broken)
+            self._refuse(_INVALID_400)  # after the answers to the requests before it
             return
         conn = self.conn
         if conn is None or self.refusal is not None or self.parsing == _BODY:
