@@ -353,3 +353,19 @@ def test_a_broken_body_of_the_request_in_progress_is_its_400(server):
         s.sendall(b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n")
         answer = read_until_closed(s)
     assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n"), answer
+
+
+def test_a_head_held_behind_a_waiting_request_is_not_timed_out(strict_server):
+    """The third of three pipelined requests arrives in two reads, its second half while the
+    second request waits for its turn (its bytes held unparsed): it was sent within the header
+    deadline, and is answered, not refused 408 for the time the two before it took."""
+    with connect(strict_server) as s:
+        s.sendall(
+            b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\nGET /slow HTTP/1.1\r\nhost: x\r\n\r\n"
+            b"GET /echo HTTP/1.1\r\n"
+        )
+        time.sleep(0.1)
+        s.sendall(b"host: x\r\nconnection: close\r\n\r\n")
+        answer = read_until_closed(s, timeout=5.0)
+    assert answer.count(b"HTTP/1.1 200 OK\r\n") == 3, answer
+    assert b" 408 " not in answer

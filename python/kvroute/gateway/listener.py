@@ -22,15 +22,15 @@ The request body has its own deadline (``body_timeout``, enforced by the app whi
 body: 408). HTTP as uvicorn's httptools protocol serves it: pipelined requests are answered in
 order (the bytes after one that waits for its turn are held unparsed, reading going on so that
 the client's going is seen — and cancels the request in progress — up to ``HIGH_WATER`` bytes
-held), a body is buffered up to ``HIGH_WATER`` bytes before reading pauses until the app reads
-it, ``Expect: 100-continue`` is answered when the app first reads, ``receive()`` gives
-``http.disconnect`` once the client has gone or the response is complete, invalid HTTP is
-answered 400 (after the answers to the requests before it) and closed, HTTP/1.0 and
-``connection: close`` close after the response, a response without ``content-length`` is
-chunked, one whose body disagrees with its ``content-length`` (or whose app failed after the
-head) closes the connection, and an app that fails before answering gets a 500. A response's
-head leaves with its first body bytes: one write. Response headers with bytes HTTP forbids (CR,
-LF, controls) raise instead of being sent.
+held; a head they continue has its deadline anew when they are parsed), a body is buffered up to
+``HIGH_WATER`` bytes before reading pauses until the app reads it, ``Expect: 100-continue`` is
+answered when the app first reads, ``receive()`` gives ``http.disconnect`` once the client has
+gone or the response is complete, invalid HTTP is answered 400 (after the answers to the
+requests before it) and closed, HTTP/1.0 and ``connection: close`` close after the response, a
+response without ``content-length`` is chunked, one whose body disagrees with its
+``content-length`` (or whose app failed after the head) closes the connection, and an app that
+fails before answering gets a 500. A response's head leaves with its first body bytes: one
+write. Response headers with bytes HTTP forbids (CR, LF, controls) raise instead of being sent.
 
 ``serve`` runs the gateway's app and, with ``admin_port``, the admin app (``/metrics``,
 ``/health``, under uvicorn's own protocol) on its own listener, in one process and one event
@@ -208,9 +208,9 @@ class ConnectionGuard:
         conn.headers.clear()
 
     @staticmethod
-    def refusing(conn: _Connection) -> None:
-        """The head being read is refused (answered once the requests before it are): no
-        deadline for it any more."""
+    def head_set_aside(conn: _Connection) -> None:
+        """The head being read is refused (answered once the requests before it are), or waits
+        unparsed for its turn (``headers_begun`` again when it is parsed): no deadline now."""
         conn.head = False
         conn.headers.clear()
 
@@ -537,6 +537,8 @@ class GuardedHTTP(asyncio.Protocol):
         if conn is None or self.upgraded or self.refusal is not None:
             return
         if self.pipeline:  # a request waits for its turn: what follows it waits too, unparsed
+            if conn.head:  # a head begun before: its deadline restarts when it is parsed
+                self.guard.head_set_aside(conn)
             self.held.append(data)
             self.held_bytes += len(data)
             if self.held_bytes > HIGH_WATER:
@@ -692,6 +694,8 @@ class GuardedHTTP(asyncio.Protocol):
             held, self.held, self.held_bytes = self.held, [], 0
             self.resume_reading()
             if held:
+                if self.parsing == _HEAD and self.conn is not None:
+                    self.guard.headers_begun(self.conn)  # the head set aside: read on, in time
                 self.data_received(b"".join(held))
         elif self.refusal is not None:
             self.transport.write(self.refusal)
@@ -715,7 +719,7 @@ class GuardedHTTP(asyncio.Protocol):
             self._closed()
             return
         self.refusal = answer
-        self.guard.refusing(conn)
+        self.guard.head_set_aside(conn)
 
     def _closed(self) -> None:
         if self.conn is not None:
