@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 
 import httpx
@@ -484,6 +485,37 @@ def test_client_disconnect_cancels_waiting_upstream(fleet, gw):
     m = metric_samples(gw.metrics())
     assert all(v == 0 for (n, _), v in m.items() if n == "kvroute_gateway_in_flight")
     assert set(gw.active().values()) == {0}
+
+
+def test_client_disconnect_cancels_waiting_upstream_with_a_request_pipelined(fleet, gw):
+    """As above, the client having pipelined a second request behind the waiting one before it
+    left: the listener still sees it go (a pipelined request does not stop reading)."""
+    for u in fleet.upstreams:
+        u.stall = 30.0
+    body = json.dumps({"model": "ep-acme", "messages": messages("slow pipelined")}).encode()
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-acme\r\n"
+        "content-type: application/json\r\nx-request-id: rid-pipe\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    ).encode()
+
+    def gone_answers() -> float:  # requests ended because the client went (status 499)
+        m = metric_samples(gw.metrics())
+        return sum(v for (n, labels), v in m.items() if ("status", "499") in labels)
+
+    before = gone_answers()
+    host, port = gw.url.rsplit("/", 1)[-1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(head + body)
+        wait_for(lambda: set(gw.active().values()) != {0}, "the request routed")
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-acme\r\n\r\n")
+        time.sleep(0.3)
+    # Ended as the client's going (499), not by the upstream read deadline (10 s) long after.
+    wait_for(lambda: gone_answers() > before, "499 counted")
+    assert any("rid-pipe" in u.abandoned for u in fleet.upstreams)
+    wait_for(lambda: set(gw.active().values()) == {0}, "load released")
+    m = metric_samples(gw.metrics())
+    assert all(v == 0 for (n, _), v in m.items() if n == "kvroute_gateway_in_flight")
 
 
 # ---- metrics -----------------------------------------------------------------------------------
