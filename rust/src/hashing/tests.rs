@@ -795,6 +795,37 @@ mod ring {
         assert_eq!(table[..3], [0, 1, 1]);
     }
 
+    /// cargo-mutants survivors (shard 3/40): a batch lookup gives every key the node `get` gives
+    /// it, on a ring whose tables fit in cache (no prefetching) and on one past 512 KiB
+    /// (prefetching), for both hashes; and a ketama ring past `MAX_POINTS` is refused.
+    #[test]
+    fn get_many_agrees_with_get_on_small_and_large_rings() {
+        for hash in [RingHash::Ketama, RingHash::Xxh3] {
+            for n in [3, 200] {
+                let names: Vec<String> = (0..n)
+                    .map(|i| format!("10.0.{}.{}:80", i / 250, i % 250))
+                    .collect();
+                let r = HashRing::new(names.iter().map(|s| (s.as_str(), 1.0)), 160, hash).unwrap();
+                let mut out = Vec::new();
+                r.get_many_into((0..3000u64).map(Key::Int), &mut out)
+                    .unwrap();
+                assert_eq!(out.len(), 3000);
+                for (k, &node) in (0..3000u64).zip(&out) {
+                    assert_eq!(
+                        node,
+                        r.get(Key::Int(k)).unwrap(),
+                        "{hash:?} {n} nodes, key {k}"
+                    );
+                }
+            }
+        }
+        let over = (MAX_POINTS as u32) / 2 + 4; // two nodes: MAX_POINTS + 8 points
+        assert!(matches!(
+            HashRing::new([("a", 1.0), ("b", 1.0)], over, RingHash::Ketama),
+            Err(Error::Value(_))
+        ));
+    }
+
     #[test]
     fn colliding_points_go_to_the_first_name() {
         // 2000 ketama nodes put 320k points in 2^32: a dozen collisions are expected.
