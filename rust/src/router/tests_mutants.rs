@@ -438,3 +438,37 @@ fn a_reused_index_id_is_credited_to_its_new_worker() {
         }
     }
 }
+
+/// cargo-mutants survivors (shard 4/40): the reasons' names that metrics and logs show (those of
+/// the unconditional policies are the policies' own names), and `pd_saturation` accepts exactly
+/// the numbers >= 0, infinity included.
+#[test]
+fn reason_names_and_the_saturation_bound() {
+    let named = [
+        (Reason::Prefix, "prefix"),
+        (Reason::Load, "load"),
+        (Reason::Random, Policy::Random.name()),
+        (Reason::RoundRobin, Policy::RoundRobin.name()),
+        (Reason::LeastLoaded, Policy::LeastLoaded.name()),
+        (Reason::PowerOfTwo, Policy::PowerOfTwo.name()),
+        (Reason::Hash, Policy::Hash.name()),
+        (Reason::HashBounded, "hash_bounded"),
+    ];
+    for (reason, name) in named {
+        assert_eq!(reason.name(), name);
+    }
+    for (saturation, ok) in [
+        (None, true),
+        (Some(0.0), true),
+        (Some(2.5), true),
+        (Some(f64::INFINITY), true),
+        (Some(-0.5), false),
+        (Some(f64::NAN), false),
+    ] {
+        let pd = PdConfig {
+            saturation,
+            ..PdConfig::default()
+        };
+        assert_eq!(pd.check().is_ok(), ok, "{saturation:?}");
+    }
+}
