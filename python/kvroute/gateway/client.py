@@ -35,6 +35,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from .deadline import LazyDeadline
+
 __all__ = [
     "NOT_SENT",
     "BodyTooLarge",
@@ -101,8 +103,9 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self.response: Response | None = None
         self._name = b""
-        self._timer: asyncio.TimerHandle | None = None
-        self._deadline: float | None = None  # of the next byte, when one is awaited
+        # Of the next byte, when one is awaited: one lazy timer per connection, so arming it
+        # for every chunk and request makes and cancels no timer.
+        self._read = LazyDeadline(self.loop, _Connection._read_expired, self)
         self._paused = False
 
     # ---- asyncio.Protocol --------------------------------------------------------------------
@@ -124,7 +127,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self._cancel_timer()
+        self._read.cancel()
         if self.response is not None and not self.response.complete:
             reason = f": {exc}" if exc else ""
             self.response._failed(ConnectionLost(f"the upstream closed the connection{reason}"))
@@ -164,17 +167,11 @@ class _Connection(asyncio.Protocol):
 
     # ---- timers and flow ---------------------------------------------------------------------
 
-    # One lazy timer per connection: arming moves the deadline, and the timer, when it fires
-    # early, waits out the rest — no timer made and cancelled for every chunk and request.
-
     def _arm(self) -> None:
-        timeout = self.pool.read_timeout
-        self._deadline = self.loop.time() + timeout
-        if self._timer is None:
-            self._timer = self.loop.call_later(timeout, self._read_timeout)
+        self._read.set(self.pool.read_timeout)
 
     def _disarm(self) -> None:
-        self._deadline = None
+        self._read.clear()
 
     def _write_check(self, response: Response) -> None:
         if (
@@ -186,21 +183,7 @@ class _Connection(asyncio.Protocol):
                 WriteTimeout(f"the upstream took no request for {self.pool.write_timeout:g} s")
             )
 
-    def _cancel_timer(self) -> None:
-        self._deadline = None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _read_timeout(self) -> None:
-        self._timer = None
-        if self._deadline is None:
-            return
-        left = self._deadline - self.loop.time()
-        if left > 0:
-            self._timer = self.loop.call_later(left, self._read_timeout)
-            return
-        self._deadline = None
+    def _read_expired(self) -> None:
         if self.response is not None and not self.response.complete:
             self._fail(ReadTimeout(f"no byte from the upstream for {self.pool.read_timeout:g} s"))
 
@@ -223,7 +206,7 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def close(self) -> None:
-        self._cancel_timer()
+        self._read.cancel()
         if not self.closed:
             self.closed = True
             if self.transport is not None:

@@ -53,6 +53,8 @@ from urllib.parse import unquote
 
 import httptools
 
+from .deadline import LazyDeadline
+
 __all__ = [
     "ConnectionGuard",
     "Cycle",
@@ -104,46 +106,6 @@ def _status_line(status: int) -> bytes:
 _STATUS_LINE = {status: _status_line(status) for status in range(100, 600)}
 
 
-class _Deadline:
-    """A lazy timer: ``set`` moves the deadline and makes a timer only when none is pending; a
-    timer that fires before the deadline waits out the rest. Arming one for every request then
-    costs no timer made and cancelled."""
-
-    __slots__ = ("at", "fired", "handle", "loop", "owner")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, fired: Any, owner: int) -> None:
-        self.loop = loop
-        self.fired = fired
-        self.owner = owner
-        self.at: float | None = None
-        self.handle: asyncio.TimerHandle | None = None
-
-    def set(self, seconds: float) -> None:
-        self.at = self.loop.time() + seconds
-        if self.handle is None:
-            self.handle = self.loop.call_later(seconds, self._check)
-
-    def clear(self) -> None:
-        self.at = None
-
-    def cancel(self) -> None:
-        self.at = None
-        if self.handle is not None:
-            self.handle.cancel()
-            self.handle = None
-
-    def _check(self) -> None:
-        self.handle = None
-        if self.at is None:
-            return
-        left = self.at - self.loop.time()
-        if left > 0:
-            self.handle = self.loop.call_later(left, self._check)
-            return
-        self.at = None
-        self.fired(self.owner)
-
-
 class _Connection:
     """The guard's view of one client connection."""
 
@@ -157,8 +119,8 @@ class _Connection:
         # Called with the 408 when the head's deadline passes while a request is in progress.
         self.late: Callable[[bytes], None] | None = None
         self.since = time.monotonic()
-        self.headers = _Deadline(loop, expired, owner)  # of the request's line and headers
-        self.idle = _Deadline(loop, expired, owner)  # of a kept-alive connection's next request
+        self.headers = LazyDeadline(loop, expired, owner)  # of the request's line and headers
+        self.idle = LazyDeadline(loop, expired, owner)  # of a kept-alive connection's next request
 
 
 class ConnectionGuard:
