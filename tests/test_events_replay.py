@@ -458,6 +458,24 @@ def test_a_replay_past_the_live_head_drops_the_rest_of_its_answer(engines):
     assert router.index.match(own(tokens)) == {"w": 6}
 
 
+def test_a_malformed_replay_reply_is_counted_and_skipped(engines):
+    """A reply of neither vLLM form (``[b"", topic, seq, payload]`` or ``[b"", seq, payload]``)
+    is counted as malformed, not as an error, and the replay goes on."""
+    engine, router, tokens, payloads = chain(engines, 4)
+    with subscriber(router, engine) as sub:
+        open_gap(sub, engine, payloads)
+        identity, start = engine.take_replay_request()
+        engine.router.send_multipart([identity, b"", b"neither form"])
+        wait_for(lambda: sub.stats()["w"]["malformed"] == 1, "the malformed reply")
+        engine.answer(identity, engine.buffered_from(start))
+        wait_for(lambda: not sub.is_stale("w"), "the replay to end")
+        s = sub.stats()["w"]
+        assert s["replay_endpoint"] == engine.replay_endpoint
+    assert (s["malformed"], s["errors"], s["batches"]) == (1, 0, 4)
+    assert counters(s) == (1, 1, 0, 0, 0)
+    assert router.index.match(own(tokens)) == {"w": 4}
+
+
 def test_buffered_messages_after_a_replay(engines):
     """When a replay ends, the buffered live messages it already delivered are skipped and the
     others applied in order; a new gap among them starts the next replay, which keeps the rest
