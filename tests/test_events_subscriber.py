@@ -281,6 +281,9 @@ def test_a_target_lends_its_hash_profile_and_the_subscriber_its_hash_options():
     sub.applier.apply("w", payload)
     assert index.match(own(tokens, **opts)) == {"w": 2}
     assert index.match(own(tokens, profile="vllm")) == {}  # another seed and algorithm
+    direct = PrefixIndex()  # mode="direct": the engine's own hashes, as they come
+    KvEventSubscriber(direct, {"w": "tcp://127.0.0.1:1"}, mode="direct").applier.apply("w", payload)
+    assert direct.match([1, 2]) == {"w": 2}
 
 
 def test_an_event_sink_is_fed_as_it_is():
