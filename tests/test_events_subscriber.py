@@ -208,6 +208,7 @@ def test_an_exception_in_a_handler_is_counted_and_the_thread_goes_on(engines):
     payloads = chain_payloads(tokens, 2)
     with KvEventSubscriber(index, {"w": engine.endpoint}) as sub:
         assert sub.stats()["w"]["endpoint"] == engine.endpoint
+        assert sub.stats()["w"]["last_seq"] is None  # nothing received yet
         sub.applier = FailingOnce(sub.applier)
         engine.wait_subscriber()
         engine.publish(payloads[0])  # its handler raises: counted, the message lost
@@ -306,7 +307,9 @@ def test_an_event_sink_is_fed_as_it_is():
 
 def test_without_pyzmq_the_error_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "zmq", None)  # import zmq raises ImportError
-    with pytest.raises(ImportError, match=r"needs pyzmq: pip install 'kvroute\[events\]'"):
+    with pytest.raises(
+        ImportError, match=r"^kvroute.events needs pyzmq: pip install 'kvroute\[events\]'$"
+    ):
         KvEventSubscriber(PrefixIndex(), {"w": "tcp://127.0.0.1:1"})
 
 
@@ -316,6 +319,9 @@ def test_bad_arguments_and_a_bad_endpoint():
         KvEventSubscriber(index, {"w": "tcp://127.0.0.1:1"}, replay={"x": "tcp://127.0.0.1:2"})
     with pytest.raises(TypeError, match=r"a router with an \.index or an event sink, got object"):
         KvEventSubscriber(object(), {"w": "tcp://127.0.0.1:1"})
+    with pytest.raises(TypeError, match="endpoints must map str to str, got 'w': 5"):
+        KvEventSubscriber(index, {"w": 5})
+    KvEventSubscriber(index, {"w": "tcp://127.0.0.1:1"}, max_pending=1, max_pending_bytes=1)
     for bad in ("max_pending", "max_pending_bytes"):
         with pytest.raises(ValueError, match=f"^{bad} must be >= 1, got 0$"):
             KvEventSubscriber(index, {"w": "tcp://127.0.0.1:1"}, **{bad: 0})
