@@ -287,6 +287,17 @@ def test_a_target_lends_its_hash_profile_and_the_subscriber_its_hash_options():
     assert direct.match([1, 2]) == {"w": 2}
 
 
+def test_the_subscribers_vllm_version_reaches_the_applier():
+    """``vllm_version`` selects the release's hashing: vLLM <= 0.28 draws NONE_HASH at random
+    unless PYTHONHASHSEED is set, so without ``seed`` the applier for it is refused (naming
+    why), and with the engines' seed it is built; 0.29 needs none."""
+    endpoints = {"w": "tcp://127.0.0.1:1"}
+    with pytest.raises(ValueError, match=r"vLLM 0\.28 draws its NONE_HASH at random"):
+        KvEventSubscriber(PrefixIndex(), endpoints, hash_profile="vllm", vllm_version="0.28")
+    KvEventSubscriber(PrefixIndex(), endpoints, hash_profile="vllm", vllm_version="0.28", seed="0")
+    KvEventSubscriber(PrefixIndex(), endpoints, hash_profile="vllm", vllm_version="0.29")
+
+
 def test_an_event_sink_is_fed_as_it_is():
     """Any object with ``apply(worker, payload)``, ``clear(worker)`` and ``stats()`` (``kvroute
     relay``'s outbox) is the applier itself."""
