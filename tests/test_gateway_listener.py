@@ -79,11 +79,19 @@ async def app(scope, receive, send):
         await send({"type": "http.response.body", "body": b""})
 
 
+def serve(asgi, header_timeout: float, keep_alive_timeout: float) -> ServerThread:
+    """``asgi`` behind the listener on 127.0.0.1 (``.guard`` its connection guard)."""
+    guard = ConnectionGuard(
+        header_timeout=header_timeout, keep_alive_timeout=keep_alive_timeout, max_connections=64
+    )
+    s = ServerThread(asgi, config=uvicorn_config(asgi, guard, log_level="critical", lifespan="off"))
+    s.guard = guard
+    return s
+
+
 @pytest.fixture(scope="module")
 def server():
-    guard = ConnectionGuard(header_timeout=5.0, keep_alive_timeout=5.0, max_connections=64)
-    s = ServerThread(app, config=uvicorn_config(app, guard, log_level="critical", lifespan="off"))
-    s.guard = guard
+    s = serve(app, header_timeout=5.0, keep_alive_timeout=5.0)
     yield s
     s.stop()
 
@@ -278,10 +286,7 @@ async def slow_app(scope, receive, send):
 @pytest.fixture(scope="module")
 def strict_server():
     """Header deadline 0.3 s, idle deadline 30 s: a head held past 0.3 s must be refused."""
-    guard = ConnectionGuard(header_timeout=0.3, keep_alive_timeout=30.0, max_connections=64)
-    config = uvicorn_config(slow_app, guard, log_level="critical", lifespan="off")
-    s = ServerThread(slow_app, config=config)
-    s.guard = guard
+    s = serve(slow_app, header_timeout=0.3, keep_alive_timeout=30.0)
     yield s
     s.stop()
 
