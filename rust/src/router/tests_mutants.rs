@@ -472,3 +472,93 @@ fn reason_names_and_the_saturation_bound() {
         assert_eq!(pd.check().is_ok(), ok, "{saturation:?}");
     }
 }
+
+/// cargo-mutants survivor (shard 5/40): the PD reasons' names are the ones the Python stub
+/// (`PdDecision.reason`'s `Literal`) promises and metrics label by.
+#[test]
+fn pd_reason_names_are_the_stubs() {
+    let named = [
+        (PdReason::Remote, "remote"),
+        (PdReason::Short, "short"),
+        (PdReason::Saturated, "saturated"),
+        (PdReason::SameWorker, "same_worker"),
+        (PdReason::NoPrefill, "no_prefill"),
+    ];
+    for (reason, name) in named {
+        assert_eq!(reason.name(), name);
+    }
+}
+
+/// cargo-mutants survivor (shard 5/40): `uniform()` (every worker the same weight) follows
+/// removals, counting the workers of each weight: a weight stays while a worker has it.
+#[test]
+fn the_table_is_uniform_again_once_the_last_heavier_worker_leaves() {
+    let workers = [("a", 1.0), ("b", 1.0), ("c", 4.0), ("d", 4.0)];
+    let mut r = Router::new(workers, Config::default()).unwrap();
+    assert!(!r.workers().uniform());
+    r.remove_worker("c").unwrap();
+    assert!(!r.workers().uniform()); // d still weighs 4
+    r.remove_worker("d").unwrap();
+    assert!(r.workers().uniform());
+    r.add_worker("c", 4.0).unwrap();
+    assert!(!r.workers().uniform());
+    r.remove_worker("c").unwrap();
+    assert!(r.workers().uniform());
+    // The same as a table that never held a heavier worker.
+    let fresh = Router::new([("a", 1.0), ("b", 1.0)], Config::default()).unwrap();
+    assert_eq!(r.workers().uniform(), fresh.workers().uniform());
+}
+
+/// cargo-mutants survivor (shard 5/40): `take_updates(Some(max))` returns the longest run of
+/// whole updates that fits in `max` bytes, not just the first one; the rest follows.
+#[test]
+fn a_batch_takes_every_whole_update_that_fits() {
+    let replica = || {
+        let config = Config {
+            block_size: 4,
+            capacity_blocks: 4096,
+            updates: true,
+            ..Config::default()
+        };
+        Router::new([("a", 1.0), ("b", 1.0), ("c", 1.0)], config).unwrap()
+    };
+    let traffic = |r: &mut Router| {
+        for k in 0..4 {
+            let d = r.route_tokens(&tokens(k, 24), None, None, 0.0).unwrap();
+            r.begin(&d).unwrap();
+        }
+    };
+    // The reference: the updates one by one (a batch holds at least one), and the whole batch,
+    // from two routers given the same traffic.
+    let (mut probe, mut whole) = (replica(), replica());
+    traffic(&mut probe);
+    traffic(&mut whole);
+    let all = whole.take_updates(None);
+    let mut ones = Vec::new();
+    loop {
+        let one = probe.take_updates(Some(1));
+        if one.is_empty() {
+            break;
+        }
+        ones.push(one);
+    }
+    let n = ones.len();
+    assert!(n >= 3, "{n} updates");
+    // Each batch repeats one header: n batches are (n - 1) headers longer than the whole one.
+    let header = (ones.iter().map(Vec::len).sum::<usize>() - all.len()) / (n - 1);
+    let two = ones[0].len() + ones[1].len() - header;
+    for (limit, want) in [(two, 2), (two - 1, 1), (two + ones[2].len() - header, 3)] {
+        let mut a = replica();
+        traffic(&mut a);
+        let first = a.take_updates(Some(limit));
+        let rest = a.take_updates(None);
+        let mut got = replica();
+        let stats = got.apply_updates(&first, 0.0, true).unwrap();
+        assert_eq!(stats.records + stats.loads, want, "limit {limit}");
+        assert!(first.len() <= limit, "{} > {limit}", first.len());
+        got.apply_updates(&rest, 0.0, true).unwrap();
+        let mut reference = replica();
+        reference.apply_updates(&all, 0.0, true).unwrap();
+        assert_eq!(got.dump_model().unwrap(), reference.dump_model().unwrap());
+    }
+}
