@@ -668,11 +668,6 @@ class Gateway:
         task = asyncio.current_task()
         state = {"active": True, "gone": False}
 
-        def client_gone(watch: asyncio.Future[None]) -> None:
-            if state["active"] and not watch.cancelled() and task is not None:
-                state["gone"] = True
-                task.cancel()
-
         def disconnected() -> None:
             if state["active"] and task is not None:
                 state["gone"] = True
@@ -684,7 +679,7 @@ class Gateway:
             cycle.watch(disconnected)
         else:
             watch = asyncio.ensure_future(wait_disconnect(req.receive))
-            watch.add_done_callback(client_gone)
+            watch.add_done_callback(lambda w: None if w.cancelled() else disconnected())
         try:
             return await self._forward(call, payload, tokens, upstream)
         except asyncio.CancelledError:

@@ -65,6 +65,7 @@ from kvroute.server.routing import NoWorkerError
 
 from .client import BodyTooLarge, UpstreamError
 from .errors import STATUS_5XX, TOO_LARGE, Failed, HTTPError, Outcome, body_failed
+from .rawjson import dumps
 from .upstream import Flight, release
 
 if TYPE_CHECKING:
@@ -195,7 +196,7 @@ class PdForwarder:
                 body.pop(k, None)
             else:
                 body[k] = v
-        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        return dumps(body).encode()
 
     def _refused(self, call: Call, answer: Response) -> Response:
         """A prefill worker's 4xx answer, passed on: the request itself was refused."""

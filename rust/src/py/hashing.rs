@@ -228,13 +228,9 @@ fn node_pairs(
 /// The distinct ids of `ids` with their names (every node's when `ids` is longer than the node
 /// list: cheaper than finding the distinct ones, and [`Shared::list`] fails on an id left
 /// without a name); fails if an id has no node (an internal error).
-fn names_of<H: ConsistentHash>(h: &H, ids: &[NodeId]) -> crate::Result<Vec<(NodeId, Arc<str>)>> {
+fn names_of<H: ConsistentHash>(h: &H, ids: &[NodeId]) -> crate::Result<Names> {
     if ids.len() > h.len() {
-        let set = h.node_set();
-        return Ok(set
-            .in_order()
-            .filter_map(|id| set.name(id).map(|n| (id, Arc::clone(n))))
-            .collect());
+        return Ok(all_names(h));
     }
     let mut seen = SeenNodes::new(h.len());
     ids.iter()
@@ -250,14 +246,18 @@ fn names_of<H: ConsistentHash>(h: &H, ids: &[NodeId]) -> crate::Result<Vec<(Node
 /// Node ids with their names.
 type Names = Vec<(NodeId, Arc<str>)>;
 
+/// Every node with its name, in insertion order (the order of `nodes`).
+fn all_names<H: ConsistentHash>(h: &H) -> Names {
+    let set = h.node_set();
+    set.in_order()
+        .filter_map(|id| set.name(id).map(|n| (id, Arc::clone(n))))
+        .collect()
+}
+
 /// The nodes in insertion order (the order of `nodes`), and the position there of each id of
 /// `ids`; fails if an id has no node (an internal error).
 fn positions_of<H: ConsistentHash>(h: &H, ids: &[NodeId]) -> crate::Result<(Names, Vec<u32>)> {
-    let set = h.node_set();
-    let order: Names = set
-        .in_order()
-        .filter_map(|id| set.name(id).map(|n| (id, Arc::clone(n))))
-        .collect();
+    let order = all_names(h);
     let slots = order.iter().map(|(id, _)| *id as usize + 1).max();
     let mut position = vec![u32::MAX; slots.unwrap_or(0)];
     for (at, (id, _)) in (0u32..).zip(&order) {
