@@ -173,3 +173,32 @@ async def forgotten() -> None:
 
 def test_requests_never_accepted_are_forgotten():
     asyncio.run(forgotten())
+
+
+async def accepted_by_a_removed_replica() -> None:
+    router = KvRequestRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(capacity_blocks=256, block_size=4)
+    replicas = {n: Replica(ReplicaID(unique_id=n, deployment_id=DEPLOYMENT)) for n in NAMES}
+    for name in NAMES:
+        router.router.add_worker(name)
+    prompt = {"messages": [{"role": "user", "content": "a prompt of some blocks " * 4}]}
+    for i, accepted_elsewhere in enumerate((False, True)):
+        meta = RequestMetadata(request_id=f"q{i}", internal_request_id=f"i{i}")
+        pr = PendingRequest([prompt], {}, meta)
+        await router.choose_replicas(list(replicas.values()), pr)
+        chosen = router._requests[f"i{i}"].decision.worker
+        if accepted_elsewhere:
+            chosen = next(n for n in router.router.workers if n != chosen)
+        # The replica's actor died between the route and Ray's report of its acceptance.
+        router.router.remove_worker(chosen)
+        router.on_request_routed(pr, replicas[chosen].replica_id, Result())
+        assert f"i{i}" not in router._requests  # runs unaccounted; Ray's caller sees no error
+    assert all(router.router.load(n)["active"] == 0 for n in router.router.workers)
+
+
+def test_a_replica_removed_before_its_acceptance_is_reported_fails_nothing():
+    """Seen in the replica-kill test of test_integrations_ray.py: Ray reported a request
+    accepted by the replica whose death the router had just applied; ``Router.begin`` raised
+    KeyError into Ray, which failed the request in its caller instead of letting it be
+    resubmitted."""
+    asyncio.run(accepted_by_a_removed_replica())

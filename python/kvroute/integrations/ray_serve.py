@@ -156,7 +156,6 @@ class _Routed:
     tokens: np.ndarray
     endpoint: str | None
     begun: bool = False
-    finished: bool = False
     routed_at: float = field(default_factory=time.monotonic)
     settled_at: float | None = None  # an attempt completed before any was reported accepted
 
@@ -285,21 +284,22 @@ class KvRequestRouter(RequestRouter):
         if routed is None or routed.begun:
             return
         name = replica_id.unique_id
-        if routed.decision.worker != name:
-            # Ray chose another replica: the request is routed again, restricted to that one. A
-            # replica the router cannot route to (unhealthy: Ray's own order was used; or gone)
-            # runs the request unaccounted.
-            others = [w for w in self.router.workers if w != name]
-            self.router.withdraw(routed.decision)
-            try:
+        # A replica the router cannot route to (unhealthy: Ray's own order was used; or removed,
+        # even between the route and this report: its actor died) runs the request unaccounted.
+        # Nothing raised here may reach Ray: it would fail the request in its caller.
+        try:
+            if routed.decision.worker != name:
+                # Ray chose another replica: the request is routed again, restricted to it.
+                others = [w for w in self.router.workers if w != name]
+                self.router.withdraw(routed.decision)
                 routed.decision = self.router.route(
                     tokens=routed.tokens, endpoint=routed.endpoint, exclude=others
                 )
-            except (NoWorkerError, KeyError) as e:
-                log.debug("%s runs on %s unaccounted: %s", rid, name, e)
-                del self._requests[rid]
-                return
-        self.router.begin(routed.decision)
+            self.router.begin(routed.decision)
+        except (NoWorkerError, KeyError) as e:
+            log.debug("%s runs on %s unaccounted: %s", rid, name, e)
+            del self._requests[rid]
+            return
         routed.begun = True
         # Finished when this accepted attempt's result is done. Ray's on_request_completed is not
         # used for it: Ray schedules that callback and on_request_routed independently, so it can
@@ -329,9 +329,7 @@ class KvRequestRouter(RequestRouter):
             routed.settled_at = time.monotonic()
 
     def _done(self, rid: str, routed: _Routed) -> None:
-        if routed.finished:
-            return
-        routed.finished = True
+        # Registered once per request, when it is begun (on_request_routed returns for a begun one).
         if self._requests.get(rid) is routed:
             del self._requests[rid]
         self.router.finish(routed.decision)
