@@ -26,6 +26,11 @@ async def app(scope, receive, send):
     if scope["type"] != "http":
         return
     path = scope["path"]
+    if path == "/early":  # answered before the body is read (as a 401 or a 413 is)
+        head = [(b"content-length", b"0")]
+        await send({"type": "http.response.start", "status": 401, "headers": head})
+        await send({"type": "http.response.body", "body": b""})
+        return
     body = b""
     while True:
         message = await receive()
@@ -219,6 +224,25 @@ def test_a_body_in_many_pieces_and_expect_100_continue(server):
         client.send(h11.EndOfMessage())
         [(status, _, echoed)] = read_responses(s, client, 1)
     assert status == 200 and echoed == body
+
+
+def test_an_answer_before_an_expected_body_is_read_closes_the_connection(server):
+    # The client waits for 100 Continue before sending its body; the app answers first. Kept
+    # alive, the body the client may or may not send next would be read as the next request's
+    # bytes (or the next request as this one's body): the answer says close, and closes.
+    with connect(server) as s:
+        s.sendall(
+            b"POST /early HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: 10\r\n\r\n"
+        )
+        answer = read_until_closed(s)
+    assert answer.startswith(b"HTTP/1.1 401 Unauthorized\r\n")
+    assert b"100 Continue" not in answer and b"connection: close\r\n" in answer
+    # Without the expectation the body follows the head: read and dropped, the connection stays.
+    [(early, early_headers, _), echoed] = exchange(
+        server, ("POST", "/early", b"0123456789"), ("POST", "/echo", b"0123456789")
+    )
+    assert early == 401 and b"connection" not in early_headers
+    assert echoed[::2] == (200, b"0123456789")
 
 
 def test_connection_close_and_http_1_0_close_after_the_answer(server):

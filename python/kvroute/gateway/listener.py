@@ -19,18 +19,19 @@ this module's. The guard guarantees, per client connection:
   headers), and is refused (closed) only when every open connection has a request in progress.
 
 The request body has its own deadline (``body_timeout``, enforced by the app while it reads the
-body: 408). HTTP as uvicorn's httptools protocol serves it: pipelined requests are answered in
-order (the bytes after one that waits for its turn are held unparsed, reading going on so that
-the client's going is seen — and cancels the request in progress — up to ``HIGH_WATER`` bytes
-held; a head they continue has its deadline anew when they are parsed), a body is buffered up to
+body: 408). HTTP as uvicorn's httptools protocol serves it: pipelined requests are answered in order
+(the bytes after one that waits for its turn are held unparsed, reading going on so that the
+client's going is seen — and cancels the request in progress — up to ``HIGH_WATER`` bytes held; a
+head they continue has its deadline anew when they are parsed), a body is buffered up to
 ``HIGH_WATER`` bytes before reading pauses until the app reads it, ``Expect: 100-continue`` is
-answered when the app first reads, ``receive()`` gives ``http.disconnect`` once the client has
-gone or the response is complete, invalid HTTP is answered 400 (after the answers to the
-requests before it) and closed, HTTP/1.0 and ``connection: close`` close after the response, a
-response without ``content-length`` is chunked, one whose body disagrees with its
-``content-length`` (or whose app failed after the head) closes the connection, and an app that
-fails before answering gets a 500. A response's head leaves with its first body bytes: one
-write. Response headers with bytes HTTP forbids (CR, LF, controls) raise instead of being sent.
+answered when the app first reads (an answer given before that closes the connection), ``receive()``
+gives ``http.disconnect`` once the client has gone or the response is complete, invalid HTTP is
+answered 400 (after the answers to the requests before it) and closed, HTTP/1.0 and ``connection:
+close`` close after the response, a response without ``content-length`` is chunked, one whose body
+disagrees with its ``content-length`` (or whose app failed after the head) closes the connection,
+and an app that fails before answering gets a 500. A response's head leaves with its first body
+bytes: one write. Response headers with bytes HTTP forbids (CR, LF, controls) raise instead of being
+sent.
 
 ``serve`` runs the gateway's app and, with ``admin_port``, the admin app (``/metrics``,
 ``/health``, under uvicorn's own protocol) on its own listener, in one process and one event
@@ -400,6 +401,10 @@ class Cycle:
         for name, value in self.proto.server_state.default_headers:  # uvicorn's date header
             parts += (name, b": ", value, b"\r\n")
         keep_alive, closing, chunked, remaining = self.keep_alive, False, False, -1
+        if self.continue_100 and self.more_body:
+            # Answered before the body a client waits to send was asked for: whether it sends the
+            # body next is its choice, so no later byte can be read as the next request's.
+            keep_alive = False
         for name, value in headers:
             if _HEADER_NAME.search(name) or _HEADER_VALUE.search(value):
                 raise RuntimeError(f"invalid response header {name!r}")
