@@ -25,13 +25,14 @@ client's going is seen — and cancels the request in progress — up to ``HIGH_
 head they continue has its deadline anew when they are parsed), a body is buffered up to
 ``HIGH_WATER`` bytes before reading pauses until the app reads it, ``Expect: 100-continue`` is
 answered when the app first reads (an answer given before that closes the connection), ``receive()``
-gives ``http.disconnect`` once the client has gone or the response is complete, invalid HTTP is
-answered 400 (after the answers to the requests before it) and closed, HTTP/1.0 and ``connection:
-close`` close after the response, a response without ``content-length`` is chunked, one whose body
-disagrees with its ``content-length`` (or whose app failed after the head) closes the connection,
-and an app that fails before answering gets a 500. A response's head leaves with its first body
-bytes: one write. Response headers with bytes HTTP forbids (CR, LF, controls) raise instead of being
-sent.
+gives ``http.disconnect`` once the client has gone (its EOF counts: a client that only shuts down
+its sending side is taken to have given up, as nginx's proxy takes it by default, so its upstream
+request is cancelled at once) or the response is complete, invalid HTTP is answered 400 (after the
+answers to the requests before it) and closed, HTTP/1.0 and ``connection: close`` close after the
+response, a response without ``content-length`` is chunked, one whose body disagrees with its
+``content-length`` (or whose app failed after the head) closes the connection, and an app that fails
+before answering gets a 500. A response's head leaves with its first body bytes: one write. Response
+headers with bytes HTTP forbids (CR, LF, controls) raise instead of being sent.
 
 ``serve`` runs the gateway's app and, with ``admin_port``, the admin app (``/metrics``,
 ``/health``, under uvicorn's own protocol) on its own listener, in one process and one event
