@@ -8,6 +8,7 @@ re-implements the documented byte-level rendering independently of the gateway's
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -232,6 +233,25 @@ def test_failover_on_5xx_before_first_byte(fleet, gw):
     assert not text.startswith(home)
 
 
+def test_a_request_spilling_out_of_its_pool_is_routed_by_its_prompt(fleet, gw):
+    """ep-acme's pool is one worker: when it fails, the retry spills over to the router's choice
+    in the rest of the fleet, made by the request's prompt like any other (the second such request
+    goes where the first left its prefix, and the router predicts the hit)."""
+    client = gw.client("sk-acme")
+    _, h = chat(client, "ep-acme", "warm up")
+    home = h["x-kvroute-worker"]
+    fleet[home].fail(500)
+    _, h1 = chat(client, "ep-acme", "Which fuel for R3?")
+    second, h2 = chat(client, "ep-acme", "And for model R17, please?")
+    assert h1["x-kvroute-worker"] == h2["x-kvroute-worker"] != home
+    assert h1["x-kvroute-attempts"] == h2["x-kvroute-attempts"] == "2"
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    expected = shared_prefix_cached(
+        messages("Which fuel for R3?"), messages("And for model R17, please?")
+    )
+    assert int(h2["x-kvroute-cached-tokens"]) == cached == expected > 1500
+
+
 def test_all_upstreams_failing_gives_the_last_error(fleet):
     with GatewayServer(config_dict(fleet, gateway={"max_attempts": 3})) as gw:
         for u in fleet.upstreams:
@@ -265,11 +285,11 @@ def test_all_upstreams_failing_gives_the_last_error(fleet):
             gw.wait_healthy(u.name)
 
 
-def test_a_worker_failing_alone_is_ejected_after_eject_after(fleet):
+def test_a_worker_failing_alone_is_ejected_after_eject_after(fleet, caplog):
     """Failures that other workers then serve are the failing worker's: after ``eject_after``
     of them in a row it is taken out, and no caller saw an error."""
     cfg = config_dict(fleet, gateway={"eject_seconds": 30.0}, router={"policy": "round_robin"})
-    with GatewayServer(cfg) as gw:
+    with GatewayServer(cfg) as gw, caplog.at_level(logging.WARNING, "kvroute.server.health"):
         fleet["up-0"].fail(500)
         i = 0
         while gw.get("/health").json()["workers"]["up-0"]:
@@ -278,6 +298,15 @@ def test_a_worker_failing_alone_is_ejected_after_eject_after(fleet):
             i += 1
             assert i < 50
         assert len(fleet["up-0"].records) == 3  # eject_after
+    # Each failure is charged to up-0, saying why, and the third ejects it.
+    logged = [r.getMessage() for r in caplog.records if r.name == "kvroute.server.health"]
+    assert logged == [
+        *(
+            f"upstream up-0 failed (failed a request another worker then served, {n} in a row)"
+            for n in (1, 2, 3)
+        ),
+        "ejecting upstream up-0: 3 failures in a row",
+    ]
 
 
 def test_client_errors_are_not_retried(fleet, gw):

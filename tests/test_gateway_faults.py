@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import time
 
@@ -187,10 +188,11 @@ def test_non_streamed_reply_cut_mid_body_is_retried(faults, good):
 # ---- item 5: an upstream status of 600 or more ------------------------------------------------
 
 
-def test_upstream_status_600_is_answered_502(faults):
+def test_upstream_status_600_is_answered_502(faults, caplog):
     bad = faults(lambda body: [reply(600, b"{}")])
     with GatewayServer(fleet_config([bad.url], max_attempts=1)) as gw:
-        r = post_chat(gw)
+        with caplog.at_level(logging.WARNING, logger="kvroute.server.health"):
+            r = post_chat(gw)
         assert r.status_code == 502
         assert r.json()["error"]["code"] == "upstream_bad_status"
         assert counted(gw, "upstream_errors_total", worker="w-0", kind="bad_status") == 1
@@ -200,6 +202,47 @@ def test_upstream_status_600_is_answered_502(faults):
             if name == "kvroute_gateway_requests_total"
         }
         assert statuses == {"502"}
+        # The one worker tried is charged with the failure, saying why.
+        assert "upstream w-0 failed (failed a request only it was tried for, 1 in a row)" in [
+            r.getMessage() for r in caplog.records if r.name == "kvroute.server.health"
+        ]
+
+
+def test_an_upstream_5xx_answer_is_passed_on_bounded(faults):
+    """When no attempt succeeds, the caller gets the last upstream's own 5xx answer: its status
+    and body, JSON unless the upstream said otherwise, and no body past ``max_response_bytes``."""
+    head = "HTTP/1.1 {} X\r\n{}content-length: {}\r\nconnection: close\r\n\r\n"
+
+    def answer(body: bytes) -> list[bytes]:
+        if b"big" in body:
+            return [reply(500, b"x" * 5000)]
+        if b"text" in body:
+            data = b"engine down"
+            return [head.format(503, "content-type: text/plain\r\n", len(data)).encode() + data]
+        return [head.format(503, "", 4).encode() + b"oops"]
+
+    bad = faults(answer)
+    cfg = fleet_config([bad.url], max_attempts=1, max_response_bytes=4096)
+    with GatewayServer(cfg) as gw:
+
+        def ask(question: str) -> httpx.Response:
+            body = {"model": "m", "messages": messages(question)}
+            return httpx.post(gw.url + "/v1/chat/completions", json=body, trust_env=False)
+
+        r = ask("plain")
+        assert (r.status_code, r.content, r.headers["content-type"]) == (
+            503,
+            b"oops",
+            "application/json",
+        )
+        r = ask("text")
+        assert (r.status_code, r.content, r.headers["content-type"]) == (
+            503,
+            b"engine down",
+            "text/plain; charset=utf-8",
+        )
+        r = ask("big")
+        assert (r.status_code, r.content) == (500, b"")
 
 
 # ---- item 6: upstream output is bounded ------------------------------------------------------
