@@ -56,6 +56,28 @@ fn dtypes_agree_and_bad_tokens_leave_output_unchanged() {
     assert!(sg.hash_into(&big, &ChainState::Root, &[], &mut y).is_ok());
 }
 
+/// The error names the first token that does not fit: `u32::MAX` itself fits a u32 (profile
+/// 'native'), so an offender after it is the one named.
+#[test]
+fn the_largest_u32_token_fits_and_the_offender_after_it_is_named() {
+    let h = hasher(Profile::Native, Options::default());
+    let mut out = Vec::new();
+    let top = i64::from(u32::MAX);
+    assert!(h
+        .hash_into(&[top], &ChainState::Root, &[], &mut out)
+        .is_ok());
+    let err = h.hash_into(&[top, -1], &ChainState::Root, &[], &mut out);
+    assert_eq!(err, value_err!("tokens[1] = -1 is negative"));
+    let err = h.hash_into(&[top, top + 1], &ChainState::Root, &[], &mut out);
+    assert_eq!(
+        err,
+        value_err!(
+            "tokens[1] = 4294967296 does not fit in 32 bits (profile 'native' hashes token ids \
+             as u32)"
+        )
+    );
+}
+
 #[test]
 fn parents_of_the_wrong_kind_are_type_errors() {
     let v = hasher(
@@ -431,6 +453,43 @@ mod vllm {
                 got,
                 "8005953100000000000000284b004bff4d00014dffff4a000001004affffffff8a0500000080008a05\
                  ffffff7fff8a0900000000000000800074942e"
+            );
+        }
+
+        /// Tuples of 0 to 3 items have their own opcodes (`EMPTY_TUPLE`, `TUPLE1`..`TUPLE3`, no
+        /// `MARK`); vLLM pickles 2-tuples for an untagged multimodal item and a tagged
+        /// `cache_salt`.
+        #[test]
+        fn short_tuples_use_their_own_opcodes() {
+            let pair = pickle(|p| {
+                p.begin_tuple(2);
+                p.int(1);
+                p.int(2);
+                p.end_tuple(2);
+            });
+            assert_eq!(pair, "80059507000000000000004b014b0286942e");
+            // ((), (7,), ("ab", 3), (1, 2, 3))
+            let got = pickle(|p| {
+                p.begin_tuple(4);
+                p.begin_tuple(0);
+                p.end_tuple(0);
+                p.begin_tuple(1);
+                p.int(7);
+                p.end_tuple(1);
+                p.begin_tuple(2);
+                p.str("ab", StrId::Value);
+                p.int(3);
+                p.end_tuple(2);
+                p.begin_tuple(3);
+                for v in 1..=3 {
+                    p.int(v);
+                }
+                p.end_tuple(3);
+                p.end_tuple(4);
+            });
+            assert_eq!(
+                got,
+                "8005951a0000000000000028294b0785948c026162944b0386944b014b024b03879474942e"
             );
         }
 

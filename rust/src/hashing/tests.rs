@@ -94,6 +94,14 @@ mod bounded {
         assert!(b.pick(&[1, 0], &loads, Some(&[2.0, f64::NAN])).is_err());
     }
 
+    /// `c()` reads back the factor given (by default the paper's 1.25).
+    #[test]
+    fn c_is_the_factor_given() {
+        assert_eq!(BoundedLoad::default().c(), 1.25);
+        assert_eq!(BoundedLoad::new(1.0).unwrap().c(), 1.0);
+        assert_eq!(BoundedLoad::new(3.5).unwrap().c(), 3.5);
+    }
+
     #[test]
     fn bad_input_is_refused() {
         let b = BoundedLoad::default();
