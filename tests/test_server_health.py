@@ -213,7 +213,8 @@ TestHealth = HealthMachine.TestCase
 
 def test_loop_readmits_once_a_probe_answers(caplog):
     """The background loop probes every ``interval``; a prober that raises (a bug, not an
-    answer) is logged and does not end readmission."""
+    answer) is logged and does not end readmission. Ejection and readmission are logged with
+    the worker's name."""
     calls: list[tuple[str, bool]] = []
     rounds = 0
 
@@ -244,8 +245,12 @@ def test_loop_readmits_once_a_probe_answers(caplog):
         await health.stop()
         assert health._task is None and task.cancelled()
 
-    with caplog.at_level("ERROR", logger="kvroute.server.health"):
+    with caplog.at_level("INFO", logger="kvroute.server.health"):
         asyncio.run(main())
     assert calls == [("a", False), ("a", True)]
     assert rounds >= 2
-    assert [r.getMessage() for r in caplog.records] == ["health probe round failed"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "ejecting upstream a: refused",
+        "health probe round failed",
+        "upstream a is healthy again",
+    ]
