@@ -427,6 +427,29 @@ def test_body_limit(fleet):
         assert done.choices
 
 
+def test_body_limit_on_a_body_here_whole(fleet):
+    """A chunked body (no Content-Length) over ``max_body_bytes`` that has arrived whole before
+    the gateway reads it (one write) is refused like one read in pieces."""
+    with GatewayServer(config_dict(fleet, gateway={"max_body_bytes": 4096})) as gw:
+        for size, status in ((5000, b"413"), (1000, b"200")):
+            body = json.dumps({"model": "base-model", "prompt": "y" * size}).encode()
+            wire = (
+                b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+                b"\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+                b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+            )
+            port = int(gw.url.rsplit(":", 1)[1])
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(wire)
+                answer = b""
+                while chunk := s.recv(65536):
+                    answer += chunk
+            assert answer.split(b" ", 2)[1] == status, answer[:200]
+            if status == b"413":
+                assert b"request_too_large" in answer
+                assert not fleet.records()
+
+
 def test_bad_requests(fleet, gw):
     post = lambda body: httpx.post(  # noqa: E731
         gw.url + "/v1/chat/completions",

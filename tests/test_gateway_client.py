@@ -108,6 +108,37 @@ def test_chunked_body_is_decoded_and_bounded():
         server.stop()
 
 
+def test_a_body_here_whole_is_read_without_waiting_and_bounded():
+    """``read_complete``: None while the body is still on its way, then all of it (every chunk,
+    as ``read`` gives it), ``BodyTooLarge`` past the limit."""
+    head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+    pieces = [head, chunk(b'{"a": '), 0.05, chunk(b"1}"), 0.2, b"0\r\n\r\n"]
+    server = FaultServer(lambda _: pieces)
+    try:
+
+        async def whole(r) -> None:
+            while not r.complete:
+                await asyncio.sleep(0.01)
+
+        async def main():
+            p = pool(server.url)
+            r = await p.request("POST", "/x", JSON, b"{}")
+            assert r.read_complete() is None  # the chunks are still coming
+            await asyncio.wait_for(whole(r), 5)
+            assert r.read_complete() == b'{"a": 1}'
+            r.close()
+            r = await p.request("POST", "/x", JSON, b"{}")
+            await asyncio.wait_for(whole(r), 5)
+            with pytest.raises(BodyTooLarge):
+                r.read_complete(limit=7)
+            r.close()
+            await p.aclose()
+
+        asyncio.run(main())
+    finally:
+        server.stop()
+
+
 def test_pool_bound_and_read_timeout():
     server = FaultServer(lambda _: [1.0, reply(200, b"{}")])  # answers after 1 s
     try:

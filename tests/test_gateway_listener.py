@@ -15,7 +15,11 @@ import time
 
 import h11
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvroute.gateway.listener import ConnectionGuard, uvicorn_config
+from kvroute.gateway.stream import WholeResponse
+from starlette.responses import Response
 from support.gateway_fleet import wait_for
 from support.gateway_upstream import ServerThread
 
@@ -398,3 +402,24 @@ def test_a_head_held_behind_a_waiting_request_is_not_timed_out(strict_server):
         answer = read_until_closed(s, timeout=5.0)
     assert answer.count(b"HTTP/1.1 200 OK\r\n") == 3, answer
     assert b" 408 " not in answer
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    body=st.binary(max_size=64),
+    status=st.integers(100, 599),
+    headers=st.dictionaries(
+        st.text("abcdefghijklmnopqrstuvwxyz-", min_size=1, max_size=12).filter(
+            lambda n: n != "content-length"
+        ),
+        st.text(st.characters(min_codepoint=32, max_codepoint=255), max_size=20),
+        max_size=4,
+    ),
+)
+def test_whole_response_has_the_headers_starlette_gives(body, status, headers):
+    """The gateway's reply response (``WholeResponse``, which the listener sends whole) carries
+    exactly what starlette's ``Response`` would: the reference is starlette itself."""
+    ours = WholeResponse(body, status, headers)
+    reference = Response(body, status_code=status, headers=headers)
+    assert ours.raw_headers == reference.raw_headers
+    assert (ours.body, ours.status_code, ours.background) == (body, status, None)

@@ -185,6 +185,31 @@ def test_load_accounting_and_lifecycle_errors():
         r.begin(d3)
 
 
+def test_begin_returns_the_prefill_queued_ahead():
+    """``begin`` returns what ``load(worker)["prefill_blocks"]`` said just before it (the gateway
+    times a request's prefill with it), through begins, prefills and finishes on both workers
+    and one worker's requests prefilled out of order."""
+    r = kvroute.Router(["a", "b"], block_size=BS, policy="round_robin")
+    rng = np.random.default_rng(7)
+    live, prefilled = [], set()
+    for i in range(60):
+        if live and rng.random() < 0.4:
+            d = live.pop(int(rng.integers(len(live))))
+            if id(d) not in prefilled and rng.random() < 0.5:
+                r.prefilled(d)
+                prefilled.add(id(d))
+                live.append(d)
+            else:
+                r.finish(d)
+            continue
+        d = r.route(toks(100 + i, int(rng.integers(4, 60))), now=0.0)
+        before = r.load(d.worker)["prefill_blocks"]
+        assert r.begin(d) == before
+        assert r.load(d.worker)["prefill_blocks"] == before + d.prompt_blocks - d.cached_blocks
+        live.append(d)
+    assert any(r.load(w)["prefill_blocks"] for w in ("a", "b"))
+
+
 def test_unhealthy_workers_are_never_chosen():
     r = kvroute.Router(["a", "b", "c"], block_size=BS)
     t = toks(50, 40)

@@ -561,8 +561,10 @@ class Router:
         prefill side is ``pd_saturation`` times costlier), else on the policy's prefill
         worker."""
 
-    def begin(self, decision: Decision) -> None:
-        """The request starts: counted in its worker's load."""
+    def begin(self, decision: Decision) -> int:
+        """The request starts: counted in its worker's load. Returns the blocks this router's
+        requests had left to prefill on the worker just before it (``load(worker)
+        ["prefill_blocks"]`` before the call)."""
 
     def prefilled(self, decision: Decision) -> None:
         """The request's prefill is done: its blocks leave the worker's prefill queue."""

@@ -51,8 +51,9 @@ Replies carry ``x-request-id`` and, with ``routing_headers``, ``x-kvroute-worker
 and ``/health`` with worker names are served on the admin listener (``admin_port``) or to callers
 with an admin key; the public ``/health`` says only whether any worker is up.
 
-Modules: ``auth`` (targets and keys), ``upstream`` (connection pools, in-flight accounting),
-``stream`` (the SSE pass-through), ``errors`` (the failure table), ``limits`` and ``admission``,
+Modules: ``auth`` (targets and keys), ``upstream`` (connection pools, in-flight accounting,
+the body sent upstream), ``stream`` (the SSE pass-through and the whole reply's response),
+``errors`` (the failure table), ``limits`` and ``admission``,
 ``usage`` (cache fields), ``listener`` (HTTP/1.1 under connection deadlines and a cap; its
 ``kvroute`` ASGI extension sends whole responses and reports disconnections without a task per
 request), ``rawjson`` (the upstream body keeps the client's JSON text for the fields the gateway
@@ -67,10 +68,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import re
-import secrets
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -78,7 +80,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from kvroute import Decision, Router
-from kvroute.server.config import engine_fields
 from kvroute.server.events import event_subscriber
 from kvroute.server.health import Health
 from kvroute.server.routing import NoWorkerError, build_router
@@ -102,9 +103,16 @@ from .listener import ConnectionGuard, Cycle
 from .metrics import GatewayMetrics
 from .pd import HANDOVER_FIELDS, PdForwarder
 from .prompt import OFFLOAD_CHARS, RequestError, Tokenizer, load_tokenizer
-from .rawjson import RawObject, dumps, parse_object
-from .stream import EventTooLarge, ProxyStream, SseScanner, first_events, wait_disconnect
-from .upstream import Flight, Upstreams, release
+from .rawjson import RawObject, parse_object
+from .stream import (
+    EventTooLarge,
+    ProxyStream,
+    SseScanner,
+    WholeResponse,
+    first_events,
+    wait_disconnect,
+)
+from .upstream import Flight, UpstreamBody, Upstreams, release_now
 from .usage import with_cache_fields_body
 
 __all__ = ["Gateway"]
@@ -117,8 +125,10 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _FORWARDED_RESPONSE_HEADERS = ("content-type", "content-encoding", "cache-control")
 
 Handler = Callable[["Incoming"], Awaitable[Response]]
+
+
 #: Responses whose whole body is known: sent by the listener in one call when it can.
-_WHOLE = (Response, JSONResponse)
+_WHOLE = (Response, JSONResponse, WholeResponse)
 
 
 class ClientGone(Exception):
@@ -138,41 +148,6 @@ class Incoming:
         self.after: list[Callable[[], None]] = []  # run once the response has been sent
         extensions = scope.get("extensions")
         self.listener: Cycle | None = extensions.get("kvroute") if extensions else None
-
-
-class UpstreamBody:
-    """The body sent upstream, encoded once for each set of engine fields a worker kind gets
-    (``cache_salt``, ``priority``: ``kvroute.server.config.engine_fields``), each only when a
-    worker of that kind is tried; and whether the usage chunk is the gateway's. With ``raw`` (the
-    client's body as ``kvroute.gateway.rawjson`` parsed it) the fields the gateway left alone
-    keep the client's JSON text."""
-
-    __slots__ = ("body", "encoded", "priority", "raw", "salt", "strip_usage")
-
-    def __init__(
-        self,
-        body: dict[str, Any],
-        salt: str | None,
-        priority: int,
-        strip_usage: bool,
-        raw: RawObject | None = None,
-    ) -> None:
-        self.body = body
-        self.salt = salt
-        self.priority = priority
-        self.strip_usage = strip_usage
-        self.raw = raw
-        self.encoded: dict[tuple[tuple[str, Any], ...], bytes] = {}
-
-    def get(self, kind: str) -> bytes:
-        extra = engine_fields(kind, self.salt, self.priority)
-        key = tuple(extra.items())
-        data = self.encoded.get(key)
-        if data is None:
-            body = {**self.body, **extra} if extra else self.body
-            data = self.raw.encode(body) if self.raw is not None else dumps(body).encode()
-            self.encoded[key] = data
-        return data
 
 
 class Call:
@@ -307,8 +282,8 @@ class Gateway:
         # Who routes and sends each attempt of _forward's loop: single requests or pairs.
         self._via: Gateway | PdForwarder = self if self.pd is None else self.pd
         self.routes: dict[str, dict[str, Handler]] = {
-            CHAT: {"POST": self._chat},
-            COMPLETIONS: {"POST": self._completions},
+            CHAT: {"POST": partial(self._handle, route=CHAT)},
+            COMPLETIONS: {"POST": partial(self._handle, route=COMPLETIONS)},
             "/v1/models": {"GET": self._models},
             "/health": {"GET": self._public_health},
             "/metrics": {"GET": self._public_metrics},
@@ -475,19 +450,18 @@ class Gateway:
 
     # ---- request handling ------------------------------------------------------------------
 
-    async def _chat(self, req: Incoming) -> Response:
-        return await self._handle(req, CHAT)
-
-    async def _completions(self, req: Incoming) -> Response:
-        return await self._handle(req, COMPLETIONS)
-
-    async def _read_body(self, req: Incoming) -> bytes:
+    def _declared_size(self, req: Incoming) -> int:
+        """The body size limit; 413 when ``Content-Length`` already says it is exceeded."""
         limit = self.server.max_body_bytes
         declared = req.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise HTTPError(
                 413, f"request body of {declared} bytes exceeds {limit}", code="request_too_large"
             )
+        return limit
+
+    async def _read_body(self, req: Incoming) -> bytes:
+        limit = self._declared_size(req)
         chunks = []
         size = 0
         while True:
@@ -529,13 +503,28 @@ class Gateway:
         finally:
             timer.cancel()
 
-    async def _payload(self, req: Incoming) -> tuple[dict[str, Any], int, RawObject | None]:
-        """The request's JSON object, the size of its body and (``rawjson``) its text."""
+    def _whole_body(self, req: Incoming) -> bytes | None:
+        """The body when the listener has all of it (no deadline then), as ``_read_body`` reads
+        it, without awaiting; None when it must be read."""
+        cycle = req.listener
+        body = cycle.take_body() if cycle is not None else None
+        if body is not None:
+            limit = self._declared_size(req)
+            if len(body) > limit:
+                raise HTTPError(
+                    413, f"request body exceeds {limit} bytes", code="request_too_large"
+                )
+        return body
+
+    async def _body(self, req: Incoming) -> bytes:
+        """The body, read within ``body_timeout`` unless the whole of it is here already."""
         cycle = req.listener
         if cycle is not None and not cycle.more_body:  # the whole body is here: no deadline
-            body = await self._read_body(req)
-        else:
-            body = await self._read_body_in_time(req)
+            return await self._read_body(req)
+        return await self._read_body_in_time(req)
+
+    def _payload(self, body: bytes) -> tuple[dict[str, Any], RawObject | None]:
+        """The request's JSON object and (``rawjson``) its text."""
         raw = parse_object(body)
         try:
             payload = raw.value if raw is not None else json.loads(body)
@@ -557,16 +546,7 @@ class Gateway:
         options = payload.get("stream_options")
         if options is not None and not isinstance(options, dict):
             raise HTTPError(400, "'stream_options' must be an object", code="invalid_stream")
-        return payload, len(body), raw
-
-    async def _routing_tokens(self, route: str, payload: dict[str, Any], size: int) -> np.ndarray:
-        """The request's routing tokens; a large body (``size`` bytes) is tokenized off the
-        event loop by a slow tokenizer."""
-        tok = self.tokenizer
-        encode = tok.chat_tokens if route == CHAT else tok.completion_tokens
-        if tok.slow and size > OFFLOAD_CHARS:
-            return await asyncio.to_thread(encode, payload)
-        return encode(payload)
+        return payload, raw
 
     def _slo(self, req: Incoming) -> float | None:
         value = req.headers.get("x-slo-ttft-ms")
@@ -593,21 +573,30 @@ class Gateway:
         started = time.perf_counter()
         given = req.headers.get("x-request-id")
         if given and _REQUEST_ID.fullmatch(given):
-            call = Call(route, given, f"{secrets.token_hex(8)}-{given}", started)
+            # os.urandom, as secrets.token_hex draws it, without its two Python layers.
+            call = Call(route, given, f"{os.urandom(8).hex()}-{given}", started)
         else:
-            rid = secrets.token_hex(16)  # 32 hex digits, like uuid4().hex, without the UUID object
+            rid = os.urandom(16).hex()  # 32 hex digits, like uuid4().hex, without the UUID object
             call = Call(route, rid, rid, started)
         model = "-"
         try:
             access: Access = self.auth.access(req.headers.get("authorization"))
             call.slo = self._slo(req)
-            payload, size, raw = await self._payload(req)
+            body = self._whole_body(req)
+            if body is None:
+                body = await self._body(req)
+            payload, raw = self._payload(body)
             target = call.target = access.target(payload.get("model"))
             call.digest = access.digest
             model = target.name
             call.tenant = target.endpoint or "-"
+            tok = self.tokenizer
+            encode = tok.chat_tokens if route == CHAT else tok.completion_tokens
             try:
-                tokens = await self._routing_tokens(route, payload, size)
+                if tok.slow and len(body) > OFFLOAD_CHARS:  # a large body: off the event loop
+                    tokens = await asyncio.to_thread(encode, payload)
+                else:
+                    tokens = encode(payload)
             except RequestError as e:
                 raise HTTPError(400, str(e), code="invalid_prompt") from None
             upstream = self._upstream_body(target, payload, raw)
@@ -645,7 +634,38 @@ class Gateway:
                 call, model, HTTPError(400, f"the request {what}", code="invalid_text")
             )
         req.after.append(lambda: self._ended(call))
-        return await self._answer(req, call, payload, tokens, upstream)
+        # Forwarded in this coroutine (one layer fewer); the client going away cancels it (499).
+        cycle = req.listener
+        task = (cycle.task if cycle is not None else None) or asyncio.current_task()
+        active, gone = True, False
+
+        def disconnected() -> None:
+            nonlocal gone
+            if active and task is not None:
+                gone = True
+                task.cancel()
+
+        watch: asyncio.Future[None] | None = None
+        if cycle is not None:  # the listener says so: no task per request to find out
+            cycle.watch(disconnected)
+        else:
+            watch = asyncio.ensure_future(wait_disconnect(req.receive))
+            watch.add_done_callback(lambda w: None if w.cancelled() else disconnected())
+        try:
+            return await self._forward(call, payload, tokens, upstream)
+        except asyncio.CancelledError:
+            if not gone:
+                raise  # this handler itself is being cancelled
+            if task is not None:
+                _uncancel(task)
+            self.metrics.done(call.route, target.name, 499, call.started)
+            return Response(status_code=499)
+        finally:
+            active = False
+            if cycle is not None:
+                cycle.watch(None)
+            if watch is not None:
+                watch.cancel()
 
     def _ended(self, call: Call) -> None:
         """The response was sent (or the client went away): the fleet slot is free again and the
@@ -659,47 +679,6 @@ class Gateway:
     def _shed(self, shed: Shed) -> HTTPError:
         self.metrics.shed.inc(shed.reason)
         return HTTPError(429, shed.message, "rate_limit_error", shed.reason, {"retry-after": "1"})
-
-    async def _answer(
-        self,
-        req: Incoming,
-        call: Call,
-        payload: dict[str, Any],
-        tokens: np.ndarray,
-        upstream: UpstreamBody,
-    ) -> Response:
-        """Forwards the request; the client going away cancels it (answered 499)."""
-        assert call.target is not None
-        task = asyncio.current_task()
-        state = {"active": True, "gone": False}
-
-        def disconnected() -> None:
-            if state["active"] and task is not None:
-                state["gone"] = True
-                task.cancel()
-
-        cycle = req.listener
-        watch: asyncio.Future[None] | None = None
-        if cycle is not None:  # the listener says so: no task per request to find out
-            cycle.watch(disconnected)
-        else:
-            watch = asyncio.ensure_future(wait_disconnect(req.receive))
-            watch.add_done_callback(lambda w: None if w.cancelled() else disconnected())
-        try:
-            return await self._forward(call, payload, tokens, upstream)
-        except asyncio.CancelledError:
-            if not state["gone"]:
-                raise  # this handler itself is being cancelled
-            if task is not None:
-                _uncancel(task)
-            self.metrics.done(call.route, call.target.name, 499, call.started)
-            return Response(status_code=499)
-        finally:
-            state["active"] = False
-            if cycle is not None:
-                cycle.watch(None)
-            if watch is not None:
-                watch.cancel()
 
     def _upstream_body(
         self, target: Target, payload: dict[str, Any], raw: RawObject | None = None
@@ -930,7 +909,9 @@ class Gateway:
                     headers=reply_headers,
                     started=call.started,
                 )
-            data = await resp.read(limit)
+            data = resp.read_complete(limit)  # usually here whole with the head: no await
+            if data is None:
+                data = await resp.read(limit)
             if status == 200:
                 with contextlib.suppress(ValueError, RecursionError):
                     reply = json.loads(data)
@@ -939,11 +920,11 @@ class Gateway:
                         data = with_cache_fields_body(reply, data)
             self.metrics.first_byte.observe(time.perf_counter() - call.started, call.route)
             self.metrics.done(call.route, call.target.name, status, call.started)
-            return Response(data, status_code=status, headers=reply_headers)
+            return WholeResponse(data, status, reply_headers)
         except (BodyTooLarge, EventTooLarge) as e:
             return TOO_LARGE, e, None
         except UpstreamError as e:
             return body_failed(e)
         finally:
             if not handed_over:
-                await release(resp, flight, usage)
+                release_now(resp, flight, usage)

@@ -290,6 +290,20 @@ class Response:
             finally:
                 self.waiter = None
 
+    def read_complete(self, limit: int | None = None) -> bytes | None:
+        """The whole body when all of it has arrived (``read`` without awaiting), else None;
+        ``BodyTooLarge`` past ``limit`` bytes."""
+        if not self.complete:
+            return None
+        chunks = self.chunks
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self.buffered = 0
+        self.conn.resume()
+        if limit is not None and len(data) > limit:
+            raise BodyTooLarge(f"the reply exceeds {limit} bytes")
+        return data
+
     async def read(self, limit: int | None = None) -> bytes:
         """The whole body; ``BodyTooLarge`` past ``limit`` bytes."""
         out = []
@@ -303,6 +317,10 @@ class Response:
 
     async def aclose(self) -> None:
         """Returns the connection to its pool (body read to the end) or closes it."""
+        self.close()
+
+    def close(self) -> None:
+        """``aclose`` without awaiting (it never waits)."""
         if self.released:
             return
         self.released = True
@@ -401,15 +419,22 @@ class Pool:
             raise
         return conn
 
-    async def _acquire(self) -> tuple[_Connection, bool]:
-        """A connection and whether it was reused."""
+    def _idle(self) -> _Connection | None:
+        """An idle connection fit for reuse, if any (the unfit ones met are closed)."""
         now = time.monotonic()
         while self.idle:
             conn = self.idle.pop()  # the most recently used: the least likely to be closed
             if not conn.closed and now - conn.idle_since < self.keepalive:
-                return conn, True
+                return conn
             conn.close()
             self.total -= 1
+        return None
+
+    async def _acquire(self) -> tuple[_Connection, bool]:
+        """A connection and whether it was reused."""
+        conn = self._idle()
+        if conn is not None:
+            return conn, True
         if self.total < self.max_connections:
             self.total += 1
             return await self._open(), False
@@ -440,7 +465,9 @@ class Pool:
     ) -> Response:
         """Sends one request; returns once the response's status and headers arrived.
         ``headers`` is preformatted (``"name: value\\r\\n"`` lines)."""
-        conn, _ = await self._acquire()
+        conn = self._idle()  # an idle connection: no coroutine to await for it
+        if conn is None:
+            conn, _ = await self._acquire()
         response = conn.response = Response(conn)
         head = (
             f"{method} {self.prefix}{path} HTTP/1.1\r\nhost: {self.authority}\r\n{self.fixed}"

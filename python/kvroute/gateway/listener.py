@@ -231,7 +231,9 @@ class Cycle:
     """One request and its response on a connection: the ASGI ``receive`` and ``send``, and the
     listener's ASGI extension (``scope["extensions"]["kvroute"]`` is the cycle): ``respond``
     sends a whole response in one call, ``watch`` registers a callback for the client's
-    disconnection — so an app needs no task waiting on ``receive`` to learn of it."""
+    disconnection — so an app needs no task waiting on ``receive`` to learn of it —,
+    ``take_body`` gives a body that has arrived whole without awaiting, and ``task`` is the task
+    the app runs in."""
 
     __slots__ = (
         "body",
@@ -248,6 +250,7 @@ class Cycle:
         "remaining",
         "scope",
         "started",
+        "task",
         "waiter",
     )
 
@@ -267,8 +270,21 @@ class Cycle:
         self.chunked = False
         self.remaining = -1  # body bytes the content-length still promises (-1: none given)
         self.on_gone: Callable[[], None] | None = None
+        self.task: asyncio.Task[None] | None = None  # the task running the app for this request
 
     # ---- the kvroute extension ---------------------------------------------------------------
+
+    def take_body(self) -> bytes | None:
+        """The request's whole body, when all of it has arrived and ``receive`` would return it
+        in one message now (the client still there, no ``100 Continue`` owed): taken as
+        ``receive`` takes it, without awaiting; else None (read it with ``receive``)."""
+        if self.more_body or self.delivered or self.gone or self.complete or self.continue_100:
+            return None
+        body = bytes(self.body)
+        self.body.clear()
+        self.delivered = True
+        self.proto.resume_reading()
+        return body
 
     def watch(self, callback: Callable[[], None] | None) -> None:
         """``callback`` is called (once, from the event loop) if the client disconnects before
@@ -647,7 +663,7 @@ class GuardedHTTP(asyncio.Protocol):
     def _serve(self, cycle: Cycle) -> None:
         self.serving = cycle
         tasks = self.server_state.tasks
-        task = self.loop.create_task(cycle.run(self.app))
+        task = cycle.task = self.loop.create_task(cycle.run(self.app))
         task.add_done_callback(tasks.discard)
         tasks.add(task)
 

@@ -1,4 +1,5 @@
-"""An upstream SSE stream passed through to the caller event by event.
+"""An upstream's answer passed through to the caller: an SSE stream event by event
+(``ProxyStream``), a whole reply in one piece (``WholeResponse``).
 
 The gateway commits the caller's 200 only once the upstream's **first complete event** has
 arrived (``first_events``): a stream that fails before it is an upstream failure like any other
@@ -37,12 +38,28 @@ from .metrics import GatewayMetrics
 from .upstream import Flight, release
 from .usage import UsageEvent, usage_event, with_cache_fields
 
-__all__ = ["EventTooLarge", "ProxyStream", "SseScanner", "wait_disconnect"]
+__all__ = ["EventTooLarge", "ProxyStream", "SseScanner", "WholeResponse", "wait_disconnect"]
 
 log = logging.getLogger("kvroute.gateway")
 
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 _DONE = re.compile(rb"^data:\s*\[DONE\]", re.MULTILINE)
+
+
+class WholeResponse(Response):
+    """``Response(body, status_code=status, headers=headers)`` for ``headers`` with lower-case
+    names and no ``content-length``: the same ``raw_headers`` (``content-length`` appended
+    unless the status has no body), without ``Response``'s general header processing — an
+    upstream's reply on its way to the client."""
+
+    def __init__(self, body: bytes, status: int, headers: dict[str, str]) -> None:
+        self.body = body
+        self.status_code = status
+        self.background = None
+        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        if not (status < 200 or status in (204, 304)):
+            raw.append((b"content-length", str(len(body)).encode()))
+        self.raw_headers = raw
 
 
 class EventTooLarge(Exception):

@@ -11,7 +11,8 @@ half of a prefill/decode pair, whose engine counts the KV it received) and then 
 timeout: not one byte of it left), ``router.withdraw``, so a prompt that never reached the worker
 leaves the router's model of that worker's cache. A worker with ``max_in_flight_per_worker``
 attempts in flight is in ``Upstreams.full`` (the router's choice skips it) until one of them
-ends.
+ends. ``UpstreamBody`` is a request's body as sent upstream, encoded once per set of engine
+fields.
 """
 
 from __future__ import annotations
@@ -24,16 +25,58 @@ from collections.abc import Callable
 from typing import Any
 
 from kvroute import Decision, Router
+from kvroute.server.config import engine_fields
 
 from .client import NOT_SENT, Pool, Response, UpstreamError
 from .config import ServerConfig, WorkerConfig
 from .errors import SEND_FAILURES, Failed, classify
 from .metrics import GatewayMetrics
+from .rawjson import RawObject, dumps
 from .usage import routed_cached_tokens
 
-__all__ = ["Flight", "Upstreams", "release"]
+__all__ = ["Flight", "UpstreamBody", "Upstreams", "release", "release_now"]
 
 log = logging.getLogger("kvroute.gateway")
+
+
+class UpstreamBody:
+    """The body sent upstream, encoded once for each set of engine fields a worker kind gets
+    (``cache_salt``, ``priority``: ``kvroute.server.config.engine_fields``), each only when a
+    worker of that kind is tried; and whether the usage chunk is the gateway's. With ``raw`` (the
+    client's body as ``kvroute.gateway.rawjson`` parsed it) the fields the gateway left alone
+    keep the client's JSON text."""
+
+    __slots__ = ("body", "by_kind", "encoded", "priority", "raw", "salt", "strip_usage")
+
+    def __init__(
+        self,
+        body: dict[str, Any],
+        salt: str | None,
+        priority: int,
+        strip_usage: bool,
+        raw: RawObject | None = None,
+    ) -> None:
+        self.body = body
+        self.salt = salt
+        self.priority = priority
+        self.strip_usage = strip_usage
+        self.raw = raw
+        self.encoded: dict[tuple[tuple[str, Any], ...], bytes] = {}
+        self.by_kind: dict[str, bytes] = {}  # the same bytes by worker kind: one lookup
+
+    def get(self, kind: str) -> bytes:
+        data = self.by_kind.get(kind)
+        if data is not None:
+            return data
+        extra = engine_fields(kind, self.salt, self.priority)
+        key = tuple(extra.items())
+        data = self.encoded.get(key)
+        if data is None:
+            body = {**self.body, **extra} if extra else self.body
+            data = self.raw.encode(body) if self.raw is not None else dumps(body).encode()
+            self.encoded[key] = data
+        self.by_kind[kind] = data
+        return data
 
 
 class Upstreams:
@@ -49,6 +92,7 @@ class Upstreams:
         self.workers = {w.name: w for w in workers}
         self.server = server
         self.router = router
+        self.block_size = router.block_size
         self.metrics = metrics
         self.pools: dict[str, Pool] = {}
         self.in_flight: dict[str, int] = dict.fromkeys(self.workers, 0)
@@ -132,11 +176,8 @@ class Flight:
         self.prefill_done = False
         self.usage: Any = None
         self.pool = upstreams.pools[self.worker]
-        self.queued = 0.0
-        if upstreams.on_prefilled is not None:
-            load = upstreams.router.load(self.worker)
-            self.queued = load["prefill_blocks"] * upstreams.router.block_size
-        upstreams.router.begin(decision)
+        # The prefill queued ahead of this request (begin returns it): timed at its first output.
+        self.queued = upstreams.router.begin(decision) * upstreams.block_size
         upstreams._count(self.worker, 1)
         self.begun = time.perf_counter()
 
@@ -213,5 +254,14 @@ async def release(resp: Response, flight: Flight, usage: Any = None) -> None:
     body was not read to the end) and ends the flight — even if closing fails or is cancelled."""
     try:
         await resp.aclose()
+    finally:
+        flight.close(usage)
+
+
+def release_now(resp: Response, flight: Flight, usage: Any = None) -> None:
+    """``release`` without awaiting (closing never waits): the flight ends even if closing
+    fails."""
+    try:
+        resp.close()
     finally:
         flight.close(usage)

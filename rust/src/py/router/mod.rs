@@ -234,11 +234,17 @@ impl PyRouter {
         PyPdDecision::from_core(py, pair)
     }
 
-    /// The request of `decision` starts: counted in its worker's load. `ValueError` if it was
-    /// already begun or comes from another router; `KeyError` if its worker was removed.
-    fn begin(&self, py: Python<'_>, decision: &Bound<'_, PyDecision>) -> PyResult<()> {
+    /// The request of `decision` starts: counted in its worker's load. Returns the blocks this
+    /// router's requests had left to prefill on the worker just before it (`load(worker)
+    /// ["prefill_blocks"]` before the call: the queue ahead of the request), so a caller timing
+    /// the prefill needs no `load` call. `ValueError` if it was already begun or comes from
+    /// another router; `KeyError` if its worker was removed.
+    fn begin(&self, py: Python<'_>, decision: &Bound<'_, PyDecision>) -> PyResult<u64> {
         let d = &decision.get().inner;
-        Ok(self.run(py, true, |r| r.begin(d))?)
+        Ok(self.run(py, true, |r| {
+            let ahead = r.workers().named(&d.worker).map_or(0, |w| w.prefill_blocks);
+            r.begin(d).map(|()| ahead)
+        })?)
     }
 
     /// The request's prefill is done (first token): its blocks leave the worker's prefill queue.
@@ -286,7 +292,8 @@ impl PyRouter {
         let d = &decision.get().inner;
         let cached = usize_from_int(cached_tokens, "cached_tokens")?;
         let now = self.clock.now(now);
-        Ok(self.run(py, false, |r| r.observe(d, cached, now))?)
+        let light = d.prompt_blocks < DETACH_MIN_TOKENS / 16;
+        Ok(self.run(py, light, |r| r.observe(d, cached, now))?)
     }
 
     /// Adds worker `name` with relative capacity `weight` and `role` ("prefill", "decode" or
