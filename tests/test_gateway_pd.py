@@ -15,14 +15,17 @@ import json
 import time
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from kvroute.gateway import parse_config
+from support.gateway_faults import FaultServer
 from support.gateway_fleet import (
     LONG_SYSTEM,
     Fleet,
     GatewayServer,
     config_dict,
+    metric_samples,
     wait_for,
 )
 from support.pd_upstream import Exchange, SglangPd, VllmPd
@@ -232,6 +235,25 @@ def test_short_uncached_parts_stay_on_the_decode_worker():
     assert fleet.exchange.errors == []
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_sglang_prefill_reports_what_its_engine_found_cached(stream):
+    """The SGLang prefill's reply is read to its end and dropped, but its usage (a JSON body's,
+    or a stream's last usage chunk) still tells the router what the prefill worker had cached:
+    the second request's prompt prefix, on the one prefill worker."""
+    fleet = PdFleet("sglang", 1, 1)
+    with GatewayServer(fleet.config()) as gw:
+        ask(gw, "What fuels R7?", stream=stream)
+        ask(gw, "And what fuels R8?", stream=stream)
+        idle(gw)
+        samples = metric_samples(gw.metrics())
+        cached = [r["cached_tokens"] for r in fleet["up-0"].records]
+        assert cached[0] == 0 and cached[1] > 1500
+        key = ("kvroute_gateway_cached_tokens_reported_total", (("worker", "up-0"),))
+        assert samples.get(key) == cached[1]
+    fleet.close()
+    assert fleet.exchange.errors == []
+
+
 # ---- failover on each half -----------------------------------------------------------------------
 
 
@@ -286,10 +308,47 @@ def test_a_prefill_refusal_is_the_clients_answer(pd):
     fleet, gw = pd
     for name in fleet.names("prefill"):
         fleet[name].fail(400)
-    with pytest.raises(openai.BadRequestError):
-        ask(gw, "Bad?")
-    assert sum(len(fleet[n].bodies) for n in fleet.names("prefill")) == 1  # not retried
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(gw, "Bad?", rid="q-bad")
+    (refuser,) = [n for n in fleet.names("prefill") if fleet[n].bodies]  # not retried
+    assert len(fleet[refuser].bodies) == 1
+    # The prefill worker's own answer, whole, with the client's request id.
+    refusal = {"error": {"message": f"{refuser} failing", "type": "server_error"}}
+    assert e.value.response.json() == refusal
+    assert e.value.response.headers["x-request-id"] == "q-bad"
     idle(gw)
+
+
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+def test_a_prefill_refusal_without_a_content_type_is_passed_on_as_json(protocol):
+    """A prefill worker's 4xx answer that names no content type reaches the client as the
+    JSON it is (the default for an upstream's answer, as for single requests)."""
+    refusal = b'{"error": {"message": "no"}}'
+    head = b"HTTP/1.1 400 Bad Request\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+    prefill = FaultServer(lambda body: [head % len(refusal) + refusal])
+    fleet = PdFleet(protocol, 1, 1)  # up-0's place as the prefill worker goes to the fault server
+    config = fleet.config()
+    config["workers"][0]["url"] = prefill.url
+    try:
+        with GatewayServer(config) as gw:
+            r = httpx.post(
+                gw.url + "/v1/chat/completions",
+                json={"model": "ep-acme", "messages": [{"role": "user", "content": "R1?"}]},
+                headers={"authorization": "Bearer sk-acme"},
+                trust_env=False,
+                timeout=10,
+            )
+            assert (r.status_code, r.content, r.headers["content-type"]) == (
+                400,
+                refusal,
+                "application/json",
+            )
+            assert len(prefill.requests) == 1
+            idle(gw)
+    finally:
+        prefill.stop()
+        fleet.close()
+    assert fleet.exchange.errors == []
 
 
 def test_no_prefill_worker_left_falls_back_or_fails_by_protocol():
