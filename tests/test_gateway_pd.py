@@ -119,6 +119,13 @@ def test_a_pair_hands_the_kv_over_as_the_engine_expects(pd, stream):
     decode, prefill = headers["x-kvroute-worker"], headers["x-kvroute-prefill-worker"]
     assert decode in fleet.names("decode") and prefill in fleet.names("prefill")
     assert text.startswith(f"{decode} q-1")  # the decode worker's answer, the client's own id
+    # One routing decision counted per half, each under its worker.
+    decisions: dict[str, float] = {}
+    for (name, labels), value in metric_samples(gw.metrics()).items():
+        if name == "kvroute_gateway_routing_decisions_total":
+            worker = dict(labels)["worker"]
+            decisions[worker] = decisions.get(worker, 0) + value
+    assert decisions == {prefill: 1, decode: 1}
     (p_body,) = fleet[prefill].bodies
     (d_body,) = fleet[decode].bodies
     assert p_body["model"] == d_body["model"] == "acme-model"

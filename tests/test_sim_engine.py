@@ -431,10 +431,11 @@ def test_fleet_view_for_policies():
     assert snapshots[2] == ([1, 0], [1, 0], [0, 0])
 
 
-def test_bad_policy_choice_raises():
+@pytest.mark.parametrize("choice", [5, 2, -1])  # 2: one past the last of two workers
+def test_bad_policy_choice_raises(choice):
     w = make_workload([(0.0, [1], 4, 1)])
-    with pytest.raises(ValueError, match="chose worker 5"):
-        run(w, Fixed([5]), FleetModel(workers=2))
+    with pytest.raises(ValueError, match=f"chose worker {choice} of 2"):
+        run(w, Fixed([choice]), FleetModel(workers=2))
 
 
 @pytest.mark.parametrize(
