@@ -427,6 +427,58 @@ fn a_worker_removed_from_the_index_is_re_registered_empty() {
     assert_eq!(a.counters("w").expect("c").index_rejected, 1);
 }
 
+/// cargo-mutants survivor (shard 0/40): `AllBlocksCleared` forgets the engine blocks before it
+/// (rehash mode), so a store naming one of them as its parent is skipped as an unknown parent —
+/// even once the worker holds that block's tokens again under another engine hash (an engine
+/// restarted with a new hash seed).
+#[test]
+fn a_clear_forgets_the_engine_blocks_before_it() {
+    let tokens: Vec<u64> = (0..32).collect();
+    let own = own_hashes(&tokens, 16);
+    let index = shared();
+    let mut a = Applier::new(index.clone(), Config::default()).expect("applier");
+    let root = |hash: u64| {
+        batch(|w| {
+            stored(
+                w,
+                &Ev {
+                    hashes: &[hash],
+                    parent: None,
+                    tokens: &tokens[..16],
+                    block_size: 16,
+                    medium: None,
+                },
+            );
+            1
+        })
+    };
+    a.apply("w", &root(1)).expect("apply");
+    let clear = batch(|w| {
+        w.map(1).s("type").s("AllBlocksCleared");
+        1
+    });
+    a.apply("w", &clear).expect("apply");
+    a.apply("w", &root(7)).expect("apply");
+    assert_eq!(matched(&index, &own, "w"), 1);
+    let child = batch(|w| {
+        stored(
+            w,
+            &Ev {
+                hashes: &[2],
+                parent: Some(1),
+                tokens: &tokens[16..],
+                block_size: 16,
+                medium: None,
+            },
+        );
+        1
+    });
+    a.apply("w", &child).expect("apply");
+    assert_eq!(matched(&index, &own, "w"), 1);
+    let c = a.counters("w").expect("counters");
+    assert_eq!((c.skipped_unknown_parent, c.blocks_stored), (1, 2));
+}
+
 /// `field_of` against a plain comparison with [`KEYS`], for every key, its one-byte edits,
 /// truncations and extensions, read both far from the payload's end (the table) and at its
 /// end (the fallback).

@@ -168,7 +168,7 @@ impl Tree {
         self.table.len()
     }
 
-    /// Heap bytes of the tree: node slab, runs, worker sets, table, free list.
+    /// Heap bytes of the tree: node slab, runs, worker sets, block table, run starts, free list.
     pub fn memory_bytes(&self) -> usize {
         self.nodes.capacity() * std::mem::size_of::<Node>()
             + self.heap_bytes
