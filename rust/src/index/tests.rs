@@ -644,8 +644,6 @@ fn eviction_takes_an_equally_old_parent_before_a_newer_leaf() {
     assert!(checked > 0);
 }
 
-/// `worker_set.rs`.
-
 /// cargo-mutants survivor (shard 0/40): an image loads under a budget equal to the bytes the
 /// index it rebuilds takes (what an unbudgeted load of the same image reports), whole.
 #[test]
@@ -691,6 +689,7 @@ fn memory_counts_every_node_and_block() {
     );
 }
 
+/// `worker_set.rs`.
 mod worker_set {
     use super::super::worker_set::*;
 
