@@ -151,6 +151,21 @@ def test_dumps_is_json_dumps(value):
     assert dumps(value) == json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
+@given(
+    st.recursive(
+        st.one_of(st.floats(), scalars),
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=4), st.dictionaries(text, inner, max_size=4)
+        ),
+        max_leaves=12,
+    )
+)
+def test_dumps_is_json_dumps_with_non_finite_floats(value):
+    """``json.loads`` takes ``NaN`` and ``Infinity`` from a client: they are written back as
+    ``json.dumps`` writes them."""
+    assert dumps(value) == json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
 def test_nothing_json_loads_finds_too_deep_is_accepted():
     """json.loads refuses a body nested past the interpreter's recursion budget (the gateway's
     400 nested_too_deeply); parse_object parses the top level itself, so its scanner had one

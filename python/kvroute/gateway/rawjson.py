@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import re
 from json.decoder import scanstring
-from json.encoder import encode_basestring
+from json.encoder import c_make_encoder, encode_basestring
 from typing import Any
 
 __all__ = ["DEEP", "RawObject", "dumps", "parse_object"]
@@ -39,11 +39,20 @@ _SCAN = json.scanner.make_scanner(_DECODER)  # the C scanner json.loads uses
 _WS = re.compile(r"[ \t\n\r]*")
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), check_circular=False)
+# The C encoder _ENCODER.iterencode builds on each call (the same arguments: no circular check,
+# str escaping without ensure_ascii, compact separators, unsorted, NaN allowed), built once.
+_C_ENCODE = (
+    c_make_encoder(None, _ENCODER.default, encode_basestring, None, ":", ",", False, False, True)
+    if c_make_encoder is not None
+    else None
+)
 
 
 def dumps(value: Any) -> str:
     """``json.dumps(value, ensure_ascii=False, separators=(",", ":"))`` for values parsed from
     JSON (no cycles: not checked), without building an encoder per call."""
+    if _C_ENCODE is not None:
+        return "".join(_C_ENCODE(value, 0))
     return "".join(_ENCODER.iterencode(value, _one_shot=True))
 
 
