@@ -87,6 +87,21 @@ def make_mutants():
     return mutants
 
 
+def test_make_mutants_refreshes_a_rebuilt_extension(tmp_path):
+    """mutmut never refreshes its copy of a non-Python file: run.py replaces a stale copy of the
+    native extension, and leaves an up-to-date one and a missing one alone."""
+    mutants = make_mutants()
+    built, copy = tmp_path / "built", tmp_path / "copy"
+    built.mkdir()
+    copy.mkdir()
+    (built / "_core.abi3.so").write_bytes(b"rebuilt")
+    (copy / "_core.abi3.so").write_bytes(b"stale!!")  # same size: compared by content
+    (built / "_core.other.so").write_bytes(b"x")
+    mutants.refresh_extensions(built, copy)
+    assert (copy / "_core.abi3.so").read_bytes() == b"rebuilt"
+    assert not (copy / "_core.other.so").exists()  # mutmut has not copied it (yet)
+
+
 def test_make_mutants_scores_and_equivalents():
     """tests/mutants/run.py: the accepted equivalents are read from docs/mutants.md (a ``\\|``
     in a cell is a ``|``), and a listed mutant is neither missed nor in the score."""

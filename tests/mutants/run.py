@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import filecmp
 import fnmatch
 import json
 import os
@@ -340,6 +341,17 @@ def statuses(results: str) -> dict[str, str]:
     return out
 
 
+def refresh_extensions(package: Path, copy: Path) -> None:
+    """Replaces mutmut's copies (in ``copy``) of the package's native extensions that differ from
+    the built ones. mutmut copies each file of src/ into mutants/ once and refreshes only the
+    Python ones: an extension rebuilt since (``make build`` after a Rust change) would stay stale
+    there, and every test reaching a changed binding would fail in the stats run."""
+    for ext in package.glob("_core*.so"):
+        stale = copy / ext.name
+        if stale.exists() and not filecmp.cmp(ext, stale, shallow=False):
+            shutil.copy2(ext, stale)
+
+
 def run_python(
     group: str,
     args: argparse.Namespace,
@@ -359,6 +371,7 @@ def run_python(
         link = work / name
         if not link.exists():
             link.symlink_to(ROOT / target)
+    refresh_extensions(ROOT / "python" / "kvroute", work / "mutants" / "src" / "kvroute")
     mutated = [f.replace("python/", "src/", 1) for f in files]
     lines = [
         "[tool.mutmut]",
