@@ -38,6 +38,13 @@ impl W {
         self.0.push(0x80 | n as u8);
         self
     }
+    /// A string of fewer than 32 bytes as msgspec writes it: `fixstr`.
+    fn fs(&mut self, s: &str) -> &mut Self {
+        assert!(s.len() < 32);
+        self.0.push(0xa0 | s.len() as u8);
+        self.0.extend_from_slice(s.as_bytes());
+        self
+    }
     fn s(&mut self, s: &str) -> &mut Self {
         self.0.push(0xd9);
         self.0.push(s.len() as u8);
@@ -477,6 +484,53 @@ fn a_clear_forgets_the_engine_blocks_before_it() {
     assert_eq!(matched(&index, &own, "w"), 1);
     let c = a.counters("w").expect("counters");
     assert_eq!((c.skipped_unknown_parent, c.blocks_stored), (1, 2));
+}
+
+/// cargo-mutants survivors (shard 4/40): `extra_keys` (read only by the general field decoder)
+/// decides a rehashed store — a string on the first block (a `fixstr`, as msgspec writes it) is
+/// the cache salt, so the blocks are the salted chain's; a multimodal item (`[identifier, offset]`) cannot be reproduced, so the
+/// store is skipped as unsupported.
+#[test]
+fn extra_keys_salt_a_store_or_make_it_unsupported() {
+    let tokens: Vec<u64> = (0..32).collect();
+    let salted = {
+        let options = Options {
+            salt: Some("tenant-a".to_owned()),
+            ..Options::default()
+        };
+        let h = BlockHasher::new(16, Profile::Native, options).expect("hasher");
+        let mut out = Vec::new();
+        h.hash_into(&tokens[..16], &ChainState::Root, &[], &mut out)
+            .expect("hash");
+        out
+    };
+    let index = shared();
+    let mut a = Applier::new(index.clone(), Config::default()).expect("applier");
+    let store = |hash: u64, tokens: &[u64], extra: &dyn Fn(&mut W)| {
+        batch(|w| {
+            w.map(6).s("type").s("BlockStored");
+            w.s("block_hashes").ints(&[hash]);
+            w.s("parent_block_hash").nil();
+            w.s("token_ids").ints(tokens);
+            w.s("block_size").u(16);
+            w.s("extra_keys");
+            extra(w);
+            1
+        })
+    };
+    let salt = store(1, &tokens[..16], &|w| {
+        w.arr(1).arr(1).fs("tenant-a");
+    });
+    a.apply("w", &salt).expect("apply");
+    assert_eq!(matched(&index, &salted, "w"), 1);
+    assert_eq!(matched(&index, &own_hashes(&tokens[..16], 16), "w"), 0);
+    let image = store(2, &tokens[16..], &|w| {
+        w.arr(1).arr(1).arr(2).s("img-1").u(0);
+    });
+    a.apply("w", &image).expect("apply");
+    assert_eq!(matched(&index, &own_hashes(&tokens[16..], 16), "w"), 0);
+    let c = a.counters("w").expect("counters");
+    assert_eq!((c.blocks_stored, c.skipped_unsupported), (1, 1));
 }
 
 /// `field_of` against a plain comparison with [`KEYS`], for every key, its one-byte edits,
