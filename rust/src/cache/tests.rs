@@ -446,8 +446,11 @@ fn idle_blocks_expire_leaves_first() {
     let s = PartitionId::SHARED;
     let mut c = BlockCache::new(100).unwrap();
     let mut out = Vec::new();
+    // cargo-mutants survivor (shard 4/40): `tracks_idle` is off until `track_idle`.
+    assert!(!c.tracks_idle());
     assert!(c.expire_idle_into(0.0, 1.0, &mut out).is_err());
     c.track_idle();
+    assert!(c.tracks_idle());
     c.insert(&[1, 2, 3], s, None, 0.0).unwrap();
     c.insert(&[1, 2, 9], s, None, 5.0).unwrap(); // 1 and 2 refreshed at 5
     c.insert(&[7], s, None, 6.0).unwrap();
