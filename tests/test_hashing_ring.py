@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import random
+import threading
+import time
 from collections import Counter
 
 import kvroute
@@ -13,6 +16,7 @@ import uhashring
 import xxhash
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from support.helpers import run_threads
 
 
 def ketama_hashi(key: str | bytes) -> int:
@@ -141,11 +145,14 @@ def test_get_many_equals_get_on_small_and_large_rings(hash, nodes):
 
 def test_get_many_equals_get_for_every_key_length():
     # Each length class of the batch's short-key copy (1-3, 4-7, 8-15, 16-31, 32-64 bytes, and
-    # longer), twice over so that later keys land after earlier ones in the buffer.
+    # longer), twice over so that later keys land after earlier ones in the buffer: keys from an
+    # iterator are copied; a list's are read in place.
     ring = kvroute.HashRing([f"node-{i}" for i in range(16)])
     keys = ["".join(chr(48 + (i * 7 + j) % 75) for j in range(n)) for i, n in enumerate(range(141))]
     keys = keys + keys[::-1]
-    assert ring.get_many(keys) == [ring.get(k) for k in keys]
+    expected = [ring.get(k) for k in keys]
+    assert ring.get_many(iter(keys)) == expected
+    assert ring.get_many(keys) == expected
 
 
 @settings(max_examples=30, deadline=None)
@@ -268,3 +275,91 @@ def test_ketama_node_without_points_comes_last_in_preference():
     assert "tiny" in ring and len(ring) == 2
     peer = uhashring.HashRing({"big": 1000, "tiny": 1}, hash_fn="ketama")
     assert peer.distribution == Counter(n for _, n in ring.points) == {"big": 4 * 79}
+
+
+# -- get_many on lists and tuples: keys hashed where they lie, the GIL released between chunks ----
+
+CHUNK = 8192  # keys hashed per hold of the GIL (rust/src/py/in_place.rs GIL_CHUNK)
+
+
+class Text(str):
+    """A str subclass: hashed as its UTF-8, like any str, read through the stable API."""
+
+
+@settings(max_examples=30, deadline=None)
+@given(keys=st.lists(st.text(min_size=1, max_size=30), min_size=1, max_size=100))
+def test_get_many_reads_cached_utf8_as_uhashring_hashes_it(keys):
+    # A non-ASCII str holds no UTF-8 until something asks for it; get() caches it in the string
+    # (PyUnicode_AsUTF8AndSize), which the next get_many then reads in place.
+    nodes = {f"node-{i}": 1 + i % 3 for i in range(12)}
+    ours = kvroute.HashRing(nodes)
+    peer = uhashring.HashRing(dict(nodes), hash_fn="ketama")
+    keys = [*keys, *boundary_keys()]
+    fresh = [k.encode().decode() for k in keys]  # equal strings, no cached UTF-8
+    first = ours.get_many(fresh)
+    for key in keys:
+        ours.get(key)
+    cached = ours.get_many(keys)
+    subclassed = ours.get_many([Text(k) for k in keys])
+    assert cached == first == subclassed == ours.get_many(tuple(keys))
+    for key, node in zip(keys, cached, strict=True):
+        assert node == peer.get_node(key) or divergence_is_documented(ours, key), key
+
+
+@pytest.mark.parametrize("hash", ["ketama", "xxh3"])
+def test_get_many_on_lists_longer_than_the_gil_chunks(hash):
+    nodes = [f"10.0.0.{i}:8000" for i in range(40)]
+    ring = kvroute.HashRing(nodes, hash=hash)
+    keys: list[str | bytes | int] = []
+    for i in range(3 * CHUNK + 17):
+        keys.append(("sess-{}", "séance-{}", "𝄞{}", "{0}" * 20)[i % 4].format(i))
+    keys[CHUNK - 1] = b"bytes at the end of a chunk"
+    keys[CHUNK] = 2**64 - 1
+    keys[2 * CHUNK] = Text("a subclass at the start of one")
+    got = ring.get_many(keys)
+    assert got == [ring.get(k) for k in keys]
+    assert ring.get_many(tuple(keys)) == got
+    if hash == "ketama":
+        peer = uhashring.HashRing(nodes, hash_fn="ketama")
+        for key, node in zip(keys, got, strict=True):
+            if not isinstance(key, bytes):  # uhashring hashes str(b"...") (see the class docs)
+                assert node == peer.get_node(key) or divergence_is_documented(ring, str(key))
+
+
+@pytest.mark.parametrize("hash", ["ketama", "xxh3"])
+def test_get_many_on_a_list_another_thread_changes(hash):
+    # Between chunks other threads run: each position is read as it is when reached, to the
+    # list's length then, as [get(k) for k in keys] reads it.
+    ring = kvroute.HashRing([f"w{i}" for i in range(32)], hash=hash)
+    n = 4 * CHUNK
+    a = [f"a-{i}" for i in range(n)]
+    b = [f"b-é{i}" for i in range(n)]
+    either = [{ring.get(x), ring.get(y)} for x, y in zip(a, b, strict=True)]
+    keys = list(a)
+    done = threading.Event()
+
+    def mutate():
+        rng = random.Random(7)
+        while not done.is_set():
+            for _ in range(200):
+                i = rng.randrange(n)
+                keys[i] = b[i] if keys[i] is a[i] else a[i]
+            cut = rng.randrange(n // 4, n)
+            # Copies that only the list holds: freed when cut off, so a read past the list's
+            # length would find freed objects.
+            tail = [(b[i] if rng.random() < 0.5 else a[i]).encode().decode() for i in range(cut, n)]
+            del keys[cut:]  # shrinks the list's array ...
+            time.sleep(0)  # ... lets the reader run on the short list ...
+            keys.extend(tail)  # ... and grows it back
+
+    def read():
+        try:
+            for _ in range(15):
+                got = ring.get_many(keys)
+                assert n // 4 <= len(got) <= n
+                for i, node in enumerate(got):
+                    assert node in either[i], i
+        finally:
+            done.set()
+
+    run_threads((mutate, ()), (read, ()))

@@ -6,7 +6,8 @@
 //!   (`md5(str(key))`).
 //! - [`ketama_points`] of server `name` and digest index `j` are the four little-endian 32-bit
 //!   words of `MD5("{name}-{j}")`.
-//! - [`ketama_hash_many`] returns exactly [`ketama_hash`] for every key, in order. Keys of at most
+//! - [`ketama_hash_many`] (and [`KetamaLanes`], fed one key at a time) returns exactly
+//!   [`ketama_hash`] for every key, in order. Keys of at most
 //!   55 bytes (one MD5 block) are hashed 32 at a time in SIMD lanes (AVX-512 or AVX2 when the
 //!   CPU has it, SSE2/NEON otherwise), written straight into the lanes' transposed message words
 //!   (no per-key block to transpose); longer keys take the scalar MD5 path.
@@ -292,43 +293,79 @@ pub fn ketama_hash(key: Key<'_>) -> u32 {
 
 /// [`ketama_hash`] of every key, in order, passed to `sink`.
 pub fn ketama_hash_many<'k>(keys: impl IntoIterator<Item = Key<'k>>, mut sink: impl FnMut(u32)) {
-    let mut m: Block<LANES> = [[0; LANES]; 16];
-    // Leading words written in some lane of the current group (see `pad_lane`).
-    let mut used = 0;
-    // Per position in the current group: a hash computed on the scalar path (long keys).
-    let mut scalar: [Option<u32>; LANES] = [None; LANES];
-    let mut filled = 0;
-    let mut flush = |m: &mut Block<LANES>, used: usize, scalar: &[Option<u32>; LANES], filled| {
-        let lanes = md5_word0_lanes(m, used);
-        for (done, lane) in scalar.iter().zip(lanes).take(filled) {
-            sink(done.unwrap_or(lane));
-        }
-        // Back to all-zero words for the next group (word 14 is rewritten in every lane).
-        for row in m.iter_mut().take(used) {
-            *row = [0; LANES];
-        }
-    };
-    let mut digits = [0u8; 20];
+    let mut lanes = KetamaLanes::new();
     for key in keys {
+        lanes.push(key, &mut sink);
+    }
+    lanes.flush(&mut sink);
+}
+
+/// [`ketama_hash`] of keys given one at a time: each key is padded into the MD5 lanes as it
+/// comes (its bytes are read once, there and then), and every [`LANES`] keys the group is hashed
+/// and its hashes passed to the sink, in order. [`KetamaLanes::flush`] hashes a partial group.
+/// The sink thus sees the hash of key `i` once key `i + LANES - 1` is pushed, or at the flush.
+pub struct KetamaLanes {
+    m: Block<LANES>,
+    /// Leading words written in some lane of the current group (see `pad_lane`).
+    used: usize,
+    /// Per position in the current group: a hash computed on the scalar path (long keys).
+    scalar: [Option<u32>; LANES],
+    /// Keys in the current group.
+    filled: usize,
+}
+
+impl Default for KetamaLanes {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl KetamaLanes {
+    /// No key pending.
+    pub fn new() -> Self {
+        Self {
+            m: [[0; LANES]; 16],
+            used: 0,
+            scalar: [None; LANES],
+            filled: 0,
+        }
+    }
+
+    /// Adds a key; when it completes a group of [`LANES`], the group's hashes go to `sink`.
+    #[inline(always)]
+    pub fn push(&mut self, key: Key<'_>, sink: &mut impl FnMut(u32)) {
+        let mut digits = [0u8; 20];
         let msg = match key {
             Key::Bytes(b) => b,
             Key::Int(k) => decimal(k, &mut digits),
         };
         let long = (msg.len() > ONE_BLOCK).then(|| scalar_word0(msg));
         if long.is_none() {
-            used = used.max(pad_lane(&mut m, filled, msg));
+            self.used = self.used.max(pad_lane(&mut self.m, self.filled, msg));
         }
-        if let Some(slot) = scalar.get_mut(filled) {
+        if let Some(slot) = self.scalar.get_mut(self.filled) {
             *slot = long;
         }
-        filled += 1;
-        if filled == LANES {
-            flush(&mut m, used, &scalar, filled);
-            (filled, used) = (0, 0);
+        self.filled += 1;
+        if self.filled == LANES {
+            self.flush(sink);
         }
     }
-    if filled > 0 {
-        flush(&mut m, used, &scalar, filled);
+
+    /// Hashes the keys pending (fewer than [`LANES`]) and passes their hashes to `sink`.
+    pub fn flush(&mut self, sink: &mut impl FnMut(u32)) {
+        if self.filled == 0 {
+            return;
+        }
+        let lanes = md5_word0_lanes(&self.m, self.used);
+        for (done, lane) in self.scalar.iter().zip(lanes).take(self.filled) {
+            sink(done.unwrap_or(lane));
+        }
+        // Back to all-zero words for the next group (word 14 is rewritten in every lane).
+        for row in self.m.iter_mut().take(self.used) {
+            *row = [0; LANES];
+        }
+        (self.filled, self.used) = (0, 0);
     }
 }
 

@@ -16,6 +16,8 @@
 //! - `preference(key, n)` walks the ring clockwise from the key's point, collecting distinct
 //!   owners; nodes that own no point (possible in ketama mode for a tiny weight share) come last,
 //!   in name order.
+//! - [`KeyHasher`] computes exactly [`HashRing::key_hash`] of each key, and
+//!   [`HashRing::get_hashed_into`] of those hashes is `get` of each key.
 //! - Lookups are O(1) expected: a table indexed by the top bits of the hash (about two buckets per
 //!   point) gives the first point of the key's bucket, and a short scan finds the answer.
 
@@ -23,7 +25,7 @@ use std::cell::Cell;
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use super::ketama::{ketama_hash, ketama_hash_many, ketama_points};
+use super::ketama::{ketama_hash, ketama_hash_many, ketama_points, KetamaLanes};
 use super::{
     cycle_from, extend_distinct, preference_len, ConsistentHash, Key, NodeId, NodeSet, SeenNodes,
 };
@@ -317,6 +319,70 @@ pub(super) fn bucket_table(points: &[u64], hash_bits: u32) -> (Vec<u32>, u32) {
         table.push(first as u32);
     }
     (table, shift)
+}
+
+impl HashRing {
+    /// The owner of each ring position in `hashes` — [`HashRing::key_hash`] of keys, as a
+    /// [`KeyHasher`] of `kind` computes them — in order, into `out` (cleared first). Fails when the
+    /// ring has no node, or when `kind` is not this ring's (an internal error: a ring's kind never
+    /// changes).
+    pub fn get_hashed_into(
+        &self,
+        kind: RingHash,
+        hashes: &[u64],
+        out: &mut Vec<NodeId>,
+    ) -> Result<()> {
+        self.require_nodes()?;
+        if kind != self.hash {
+            return crate::value_err!("internal error: {kind:?} hashes for a {:?} ring", self.hash);
+        }
+        out.clear();
+        out.reserve(hashes.len());
+        let hash = |i: usize| hashes.get(i).copied().unwrap_or(0);
+        // `resolve` emits the owners in order.
+        self.resolve(hashes.len(), hash, |_, node| out.push(node));
+        Ok(())
+    }
+}
+
+/// [`HashRing::key_hash`] of keys given one at a time, for [`HashRing::get_hashed_into`]: a
+/// caller that cannot hold on to its keys (a Python list, read with the GIL held) hashes each key
+/// as it reads it, then looks the hashes up in one go. Ketama keys are hashed in the MD5 lanes
+/// ([`KetamaLanes`]), so their hashes reach `out` a group at a time; after
+/// [`KeyHasher::finish`], `out` holds the hash of every key pushed, in order.
+pub struct KeyHasher {
+    kind: RingHash,
+    lanes: KetamaLanes,
+}
+
+impl KeyHasher {
+    /// A hasher of ring positions of `kind`.
+    pub fn new(kind: RingHash) -> Self {
+        Self {
+            kind,
+            lanes: KetamaLanes::new(),
+        }
+    }
+
+    /// The kind of positions computed.
+    pub fn kind(&self) -> RingHash {
+        self.kind
+    }
+
+    /// Hashes `key`, appending its hash (ketama: its group's hashes, once the group is full) to
+    /// `out`.
+    #[inline(always)]
+    pub fn push(&mut self, key: Key<'_>, out: &mut Vec<u64>) {
+        match self.kind {
+            RingHash::Ketama => self.lanes.push(key, &mut |h| out.push(u64::from(h))),
+            RingHash::Xxh3 => out.push(key.hash64()),
+        }
+    }
+
+    /// Appends the hashes still pending to `out`; the hasher is then empty.
+    pub fn finish(&mut self, out: &mut Vec<u64>) {
+        self.lanes.flush(&mut |h| out.push(u64::from(h)));
+    }
 }
 
 impl ConsistentHash for HashRing {

@@ -197,6 +197,40 @@ mod ketama {
     }
 
     #[test]
+    fn key_hasher_gives_key_hash_and_lookups_of_every_key_in_order() {
+        // The reference: `md5` for ketama positions, `key_hash` and `get` (scalar) for the rest.
+        let data: Vec<u8> = (0..200u32).map(|i| (i * 53 + 7) as u8).collect();
+        let mut keys: Vec<Key<'_>> = (0..=130).map(|n| Key::Bytes(&data[..n])).collect();
+        keys.extend((0..75u64).map(|i| Key::Int(i.wrapping_mul(0x9e37_79b9_7f4a_7c15))));
+        for kind in [RingHash::Ketama, RingHash::Xxh3] {
+            let ring = HashRing::new((0..40).map(|i| (format!("n{i}"), 1.0)), 160, kind).unwrap();
+            let mut hasher = KeyHasher::new(kind);
+            let mut hashes = Vec::new();
+            for &k in &keys {
+                hasher.push(k, &mut hashes);
+            }
+            hasher.finish(&mut hashes);
+            let want: Vec<u64> = keys.iter().map(|&k| ring.key_hash(k)).collect();
+            assert_eq!(hashes, want, "{kind:?}");
+            if kind == RingHash::Ketama {
+                if let Key::Bytes(b) = keys[9] {
+                    assert_eq!(hashes[9], u64::from(reference(b)));
+                }
+            }
+            let mut ids = vec![7; 3];
+            ring.get_hashed_into(kind, &hashes, &mut ids).unwrap();
+            let want: Vec<NodeId> = keys.iter().map(|&k| ring.get(k).unwrap()).collect();
+            assert_eq!(ids, want, "{kind:?}");
+            let other = if kind == RingHash::Ketama {
+                RingHash::Xxh3
+            } else {
+                RingHash::Ketama
+            };
+            assert!(ring.get_hashed_into(other, &hashes, &mut ids).is_err());
+        }
+    }
+
+    #[test]
     fn lanes_match_scalar_md5_for_every_length() {
         let data: Vec<u8> = (0..200u32).map(|i| (i * 37 + 11) as u8).collect();
         let keys: Vec<&[u8]> = (0..=130).map(|n| &data[..n]).collect();

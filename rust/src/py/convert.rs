@@ -22,6 +22,7 @@ use pyo3::types::{
     PyBool, PyByteArray, PyBytes, PyInt, PyList, PyMapping, PyMemoryView, PyString, PyTuple,
 };
 
+use super::in_place::str_utf8;
 use crate::error::Error;
 use crate::hashing::Key;
 
@@ -50,8 +51,13 @@ impl From<Error> for PyErr {
     }
 }
 
-/// The UTF-8 bytes of a Python `str`, borrowed from the string object (CPython caches them).
+/// The UTF-8 bytes of a Python `str`, borrowed from the string object (CPython caches them):
+/// read in place where they already lie ([`str_utf8`]), else through `PyUnicode_AsUTF8AndSize`.
 pub fn str_bytes<'a>(s: &'a Bound<'_, PyString>) -> PyResult<&'a [u8]> {
+    // SAFETY: a live `str` (bound: the GIL is held); the slice borrows `s`, which holds it.
+    if let Some(bytes) = unsafe { str_utf8(s.as_ptr()) } {
+        return Ok(bytes);
+    }
     Ok(s.to_str()?.as_bytes())
 }
 

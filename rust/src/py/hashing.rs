@@ -8,6 +8,10 @@
 //! the node names they refer to, captured under the same lock, and are turned into Python `str`
 //! objects after the lock is released, from a per-object cache that creates each node's `str`
 //! once.
+//!
+//! `HashRing.get_many` on an exact list or tuple hashes its keys first, reading each where it
+//! lies with the GIL held (released between chunks, see [`Seq::hash_keys`]), then looks the
+//! hashes up with the GIL released, under one read lock: the keys are never copied.
 
 use std::sync::Arc;
 
@@ -23,11 +27,13 @@ use super::convert::{
     int_to_u64, name_item, optional, type_error, u64_from_int, u64_slice, weight_from_py,
     weighted_names, with_key, KeyBatch, Name, Negative,
 };
+use super::in_place::{set_new_list_item, Seq};
 use super::names::NameCache;
 use super::{direct_call, with_read, with_write};
-use crate::hashing::{self, ConsistentHash, Key, NodeId, RingHash, SeenNodes};
+use crate::hashing::{self, ConsistentHash, Key, KeyHasher, NodeId, RingHash, SeenNodes};
 
-/// Batches at least this long are hashed with the GIL released.
+/// Batches at least this long are looked up (and, but for a ring's list or tuple, hashed) with the
+/// GIL released.
 const DETACH_MIN_KEYS: usize = 64;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -282,6 +288,8 @@ fn positions_of<H: ConsistentHash>(h: &H, ids: &[NodeId]) -> crate::Result<(Name
 #[derive(Default)]
 struct Scratch {
     keys: KeyBatch,
+    /// Ring positions of keys hashed before the lookup (see [`AsRing`]).
+    hashes: Vec<u64>,
     ids: Vec<NodeId>,
 }
 
@@ -290,11 +298,30 @@ impl Scratch {
     const KEEP_BYTES: usize = 64 << 20;
 
     fn trim(&mut self) {
-        if self.keys.capacity_bytes() + self.ids.capacity() * 4 > Self::KEEP_BYTES {
+        let bytes = self.keys.capacity_bytes() + self.hashes.capacity() * 8;
+        if bytes + self.ids.capacity() * 4 > Self::KEEP_BYTES {
             *self = Self::default();
         }
     }
 }
+
+/// The ring a hasher is, for batches hashed before the lookup (a ring's key hash depends on its
+/// kind only, never on its nodes, so keys can be hashed before its lock is taken).
+trait AsRing {
+    fn as_ring(&self) -> Option<&hashing::HashRing> {
+        None
+    }
+}
+
+impl AsRing for hashing::HashRing {
+    fn as_ring(&self) -> Option<&hashing::HashRing> {
+        Some(self)
+    }
+}
+
+impl AsRing for hashing::Maglev {}
+impl AsRing for hashing::Rendezvous {}
+impl AsRing for hashing::JumpHash {}
 
 /// A core hasher shared between Python threads, with its name cache.
 struct Shared<H> {
@@ -304,7 +331,7 @@ struct Shared<H> {
     scratch: Mutex<Scratch>,
 }
 
-impl<H: ConsistentHash + Send + Sync> Shared<H> {
+impl<H: ConsistentHash + AsRing + Send + Sync> Shared<H> {
     fn new(core: H) -> Self {
         Self {
             core: RwLock::new(core),
@@ -350,8 +377,7 @@ impl<H: ConsistentHash + Send + Sync> Shared<H> {
             .map_err(|_| PyValueError::new_err("too many keys"))?;
         // SAFETY: the GIL is held and no Python code runs below. The new list is ours alone
         // until returned (or dropped on error, its unset slots NULL, which dealloc skips); each
-        // slot is set once, to a live `str` given the new reference `PyList_SetItem` steals (it
-        // cannot fail: an exact list and an index in range).
+        // slot is set once, to a live `str` given the new reference the list takes.
         let list = unsafe { Bound::from_owned_ptr_or_err(py, pyo3::ffi::PyList_New(n))? };
         for (i, &id) in (0..n).zip(ids) {
             let s = strs
@@ -359,7 +385,7 @@ impl<H: ConsistentHash + Send + Sync> Shared<H> {
                 .and_then(Option::as_ref)
                 .ok_or_else(|| PyRuntimeError::new_err(format!("internal error: no node {id}")))?;
             // SAFETY: as above.
-            unsafe { pyo3::ffi::PyList_SetItem(list.as_ptr(), i, s.clone().into_ptr()) };
+            unsafe { set_new_list_item(list.as_ptr(), i, s.clone().into_ptr()) };
         }
         // SAFETY: made by `PyList_New`.
         Ok(unsafe { list.cast_into_unchecked::<PyList>() })
@@ -400,7 +426,11 @@ impl<H: ConsistentHash + Send + Sync> Shared<H> {
         let mut guard = self.scratch.try_lock();
         let mut own = Scratch::default();
         let scratch: &mut Scratch = guard.as_deref_mut().unwrap_or(&mut own);
-        let Scratch { keys: batch, ids } = scratch;
+        let Scratch {
+            keys: batch,
+            hashes,
+            ids,
+        } = scratch;
         // The names of the ids (a list), or each id's position among the nodes and the nodes in
         // that order (`as_index`), read under the lock the lookups ran under.
         let finish = |h: &H, ids: &[NodeId]| match as_index {
@@ -412,6 +442,17 @@ impl<H: ConsistentHash + Send + Sync> Shared<H> {
             let values = values.as_slice();
             self.read(py, values.len(), |h| {
                 h.get_many_into(values.iter().map(|&k| Key::Int(k)), ids)?;
+                finish(h, ids)
+            })
+        } else if let Some((seq, kind)) = self.ring_seq(py, keys) {
+            hashes.clear();
+            seq.hash_keys(&mut KeyHasher::new(kind), hashes)?;
+            let hashes = &*hashes;
+            self.read(py, hashes.len(), |h| {
+                let ring = h.as_ring().ok_or_else(|| {
+                    crate::Error::Value("internal error: the hasher is no ring".to_owned())
+                })?;
+                ring.get_hashed_into(kind, hashes, ids)?;
                 finish(h, ids)
             })
         } else {
@@ -434,6 +475,18 @@ impl<H: ConsistentHash + Send + Sync> Shared<H> {
         };
         scratch.trim();
         out
+    }
+
+    /// `keys` as a [`Seq`] with the kind of this hasher's ring, when `keys` is an exact list or
+    /// tuple and the hasher a ring (the batches hashed before the lookup).
+    fn ring_seq<'a, 'py>(
+        &self,
+        py: Python<'py>,
+        keys: &'a Bound<'py, PyAny>,
+    ) -> Option<(Seq<'a, 'py>, RingHash)> {
+        let seq = Seq::of(keys)?;
+        let kind = self.read(py, 1, |h| h.as_ring().map(hashing::HashRing::hash_kind))?;
+        Some((seq, kind))
     }
 
     fn preference<'py>(

@@ -10,6 +10,7 @@ mod convert;
 mod direct_call;
 mod events;
 mod hashing;
+mod in_place;
 mod index;
 mod names;
 mod router;
