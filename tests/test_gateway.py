@@ -252,6 +252,24 @@ def test_a_request_spilling_out_of_its_pool_is_routed_by_its_prompt(fleet, gw):
     assert int(h2["x-kvroute-cached-tokens"]) == cached == expected > 1500
 
 
+def test_a_spilling_request_never_goes_back_to_a_worker_it_failed_on(fleet, gw):
+    """The spill-over choice excludes the workers already tried, even the one holding the
+    prompt's prefix: a system prompt sent to ``home`` outside any endpoint (unsalted, as the
+    spill-over routes) would draw the retry back to it otherwise."""
+    _, h = chat(gw.client("sk-acme"), "ep-acme", "warm up")
+    home = h["x-kvroute-worker"]
+    for k in range(40):  # a prefix the router has seen on home, unsalted
+        system = f"Tenant {k}. {LONG_SYSTEM}"
+        _, seeded = chat(gw.client(None), "base-model", "seed", system=system)
+        if seeded["x-kvroute-worker"] == home:
+            break
+    else:
+        pytest.fail(f"no unsalted prompt was routed to {home}")
+    fleet[home].fail(500)
+    _, h = chat(gw.client("sk-acme"), "ep-acme", "spill", system=system)
+    assert h["x-kvroute-worker"] != home and h["x-kvroute-attempts"] == "2"
+
+
 def test_all_upstreams_failing_gives_the_last_error(fleet):
     with GatewayServer(config_dict(fleet, gateway={"max_attempts": 3})) as gw:
         for u in fleet.upstreams:

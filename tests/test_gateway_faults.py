@@ -191,10 +191,15 @@ def test_non_streamed_reply_cut_mid_body_is_retried(faults, good):
 def test_upstream_status_600_is_answered_502(faults, caplog):
     bad = faults(lambda body: [reply(600, b"{}")])
     with GatewayServer(fleet_config([bad.url], max_attempts=1)) as gw:
-        with caplog.at_level(logging.WARNING, logger="kvroute.server.health"):
+        with caplog.at_level(logging.WARNING):
             r = post_chat(gw)
         assert r.status_code == 502
         assert r.json()["error"]["code"] == "upstream_bad_status"
+        assert r.json()["error"]["message"] == "upstream w-0 answered an invalid HTTP status"
+        # The failure is logged with its worker, kind and detail.
+        assert "upstream w-0: bad_status: status 600" in [
+            r.getMessage() for r in caplog.records if r.name == "kvroute.gateway"
+        ]
         assert counted(gw, "upstream_errors_total", worker="w-0", kind="bad_status") == 1
         statuses = {
             dict(labels)["status"]
@@ -214,6 +219,8 @@ def test_an_upstream_5xx_answer_is_passed_on_bounded(faults):
     head = "HTTP/1.1 {} X\r\n{}content-length: {}\r\nconnection: close\r\n\r\n"
 
     def answer(body: bytes) -> list[bytes]:
+        if b"whole" in body:  # a 200 over the limit, arriving with its head in one write
+            return [reply(200, b'{"choices": [], "x": "' + b"y" * 5000 + b'"}')]
         if b"big" in body:
             return [reply(500, b"x" * 5000)]
         if b"text" in body:
@@ -243,6 +250,9 @@ def test_an_upstream_5xx_answer_is_passed_on_bounded(faults):
         )
         r = ask("big")
         assert (r.status_code, r.content) == (500, b"")
+        r = ask("whole")
+        assert r.status_code == 502
+        assert r.json()["error"]["code"] == "upstream_reply_too_large"
 
 
 # ---- item 6: upstream output is bounded ------------------------------------------------------

@@ -88,7 +88,12 @@ PYTHON: dict[str, tuple[list[str], list[str], list[str]]] = {
     # (request parsing, admin routes) runs in every request of ~40 server tests per mutant.
     "py-gateway-failover": (
         ["python/kvroute/gateway/app.py"],
-        ["tests/test_gateway_faults.py", "tests/test_gateway_limits.py", "tests/test_gateway.py"],
+        [
+            "tests/test_gateway_faults.py",
+            "tests/test_gateway_limits.py",
+            "tests/test_gateway.py",
+            "tests/test_gateway_usage.py",  # _attempt's cache usage fields on a whole reply
+        ],
         [
             f"kvroute.gateway.app.xǁGatewayǁ{f}__mutmut_*"
             for f in ("_choose", "_failed", "_settle", "_forward", "_give_up", "_attempt")
