@@ -316,6 +316,24 @@ fn power_of_two_draws_each_pair_equally_often() {
     }
 }
 
+/// cargo-mutants survivor (shard 6/40): `endpoints()` lists the endpoints added and not removed
+/// (the bindings' `Router.endpoints`).
+#[test]
+fn endpoints_lists_those_added_and_not_removed() {
+    let mut r = router(Policy::KvAware, &["a", "b"]);
+    let ids = |r: &Router| {
+        let mut ids: Vec<String> = r.endpoints().map(|e| e.id.to_string()).collect();
+        ids.sort();
+        ids
+    };
+    assert!(ids(&r).is_empty());
+    for id in ["tenant", "open", "batch"] {
+        r.add_endpoint(id, EndpointSpec::default()).unwrap();
+    }
+    r.remove_endpoint("open").unwrap();
+    assert_eq!(ids(&r), ["batch", "tenant"]);
+}
+
 /// cargo-mutants survivor (shard 3/40): block hashes given directly are salted per block as
 /// `XXH3-64(h as 8 LE bytes, seed = XXH3-64(salt))`, the salt being the endpoint id unless given
 /// (module docs of `endpoints`); a shared (not isolated) endpoint leaves them as they are.
