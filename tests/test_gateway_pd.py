@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 from kvroute.gateway import parse_config
-from support.gateway_faults import FaultServer
+from support.gateway_faults import FaultServer, reply
 from support.gateway_fleet import (
     LONG_SYSTEM,
     Fleet,
@@ -360,6 +360,51 @@ def test_a_prefill_refusal_without_a_content_type_is_passed_on_as_json(protocol)
         prefill.stop()
         fleet.close()
     assert fleet.exchange.errors == []
+
+
+def test_an_sglang_prefills_5xx_answer_is_passed_on_bounded():
+    """The last attempt's SGLang prefill answered 5xx: the client gets that status, as for a
+    single request, and none of a body past ``max_response_bytes``."""
+    prefill = FaultServer(lambda body: [reply(500, b"x" * 5000)])
+    fleet = PdFleet("sglang", 1, 1)
+    config = fleet.config(gateway={"max_attempts": 1, "max_response_bytes": 4096})
+    config["workers"][0]["url"] = prefill.url
+    try:
+        with GatewayServer(config) as gw:
+            r = httpx.post(
+                gw.url + "/v1/chat/completions",
+                json={"model": "ep-acme", "messages": [{"role": "user", "content": "R1?"}]},
+                headers={"authorization": "Bearer sk-acme"},
+                trust_env=False,
+                timeout=10,
+            )
+            assert (r.status_code, r.content) == (500, b"")
+            idle(gw)
+    finally:
+        prefill.stop()
+        fleet.close()
+    assert fleet.exchange.errors == []
+
+
+def test_a_client_leaving_aborts_the_waiting_sglang_decode():
+    """The client goes away while an SGLang pair waits (a slow prefill, the decode waiting for
+    its KV): the decode request is aborted upstream at once, not left to take the KV later."""
+    fleet = PdFleet("sglang", 1, 1)
+    fleet["up-0"].stall = 3.0  # the prefill
+    try:
+        with GatewayServer(fleet.config()) as gw:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(
+                    gw.url + "/v1/chat/completions",
+                    json={"model": "ep-acme", "messages": [{"role": "user", "content": "R1?"}]},
+                    headers={"authorization": "Bearer sk-acme"},
+                    trust_env=False,
+                    timeout=httpx.Timeout(10, read=0.5),
+                )
+            wait_for(lambda: len(fleet.exchange.aborted_rooms) == 1, "the decode to be aborted")
+            assert fleet.exchange.consumed_rooms == []
+    finally:
+        fleet.close()
 
 
 def test_no_prefill_worker_left_falls_back_or_fails_by_protocol():
