@@ -215,9 +215,13 @@ def test_rooms_are_fresh_and_client_handover_fields_are_dropped():
     fleet = PdFleet("vllm", 1, 1)
     with GatewayServer(fleet.config()) as gw:
         evil = {"do_remote_prefill": True, "remote_host": "10.9.9.9", "remote_block_ids": [1]}
-        ask(gw, "Anything?", extra_body={"kv_transfer_params": evil})
+        ask(gw, "Anything?", extra_body={"kv_transfer_params": evil}, max_completion_tokens=7)
         assert fleet["up-0"].bodies[0]["kv_transfer_params"] == VLLM_PREFILL_PARAMS
         assert fleet["up-1"].bodies[0]["kv_transfer_params"]["remote_host"] == "127.0.0.1"
+        # The prefill computes one token, however the client bounds its output.
+        p_body, d_body = fleet["up-0"].bodies[0], fleet["up-1"].bodies[0]
+        assert (p_body["max_tokens"], p_body["max_completion_tokens"]) == (1, 1)
+        assert d_body["max_completion_tokens"] == 7
     fleet.close()
     assert fleet.exchange.errors == []
 
@@ -241,6 +245,14 @@ def test_short_uncached_parts_stay_on_the_decode_worker():
         metrics = gw.metrics()
         assert 'kvroute_gateway_pd_pairs_total{reason="remote"} 1' in metrics
         assert 'kvroute_gateway_pd_pairs_total{reason="short"} 1' in metrics
+        # One routing decision per worker sent to: up-0 and up-1 for the pair, up-1 for the
+        # request it served whole.
+        decisions: dict[str, float] = {}
+        for (name, labels), value in metric_samples(metrics).items():
+            if name == "kvroute_gateway_routing_decisions_total":
+                worker = dict(labels)["worker"]
+                decisions[worker] = decisions.get(worker, 0) + value
+        assert decisions == {"up-0": 1, "up-1": 2}
         idle(gw)
     fleet.close()
     assert fleet.exchange.errors == []
