@@ -150,6 +150,17 @@ def test_a_pair_hands_the_kv_over_as_the_engine_expects(pd, stream):
         assert (p_body["bootstrap_host"], p_body["bootstrap_port"]) == ("127.0.0.1", port)
         assert fleet.exchange.consumed_rooms == [p_body["bootstrap_room"]]
         assert p_body == d_body
+    if stream:
+        # Streamed through as a stream: the usage chunk the gateway asked the decode engine
+        # for (the client did not) is taken out.
+        chunks = list(
+            gw.client("sk-acme").chat.completions.create(
+                model="ep-acme",
+                messages=[{"role": "user", "content": "And R8?"}],
+                stream=True,
+            )
+        )
+        assert chunks and all(c.usage is None for c in chunks)
     idle(gw)
 
 
