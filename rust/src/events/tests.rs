@@ -796,3 +796,68 @@ fn general_fields_and_an_empty_hash_array() {
     );
     assert_eq!(b.num_hashes(), 3);
 }
+
+/// cargo-mutants survivors (shard 0/40): a `lora_id` past a positive fixint (uint16 300, and a
+/// negative one) is read by the general decoder; `block_hashes: nil` is refused like any other
+/// non-array (the fast path takes only a fixarray of uint64); `Batch::is_empty` tells a batch of
+/// no event from one with events.
+#[test]
+fn wide_lora_ids_nil_hashes_and_empty_batches() {
+    let stored = |lora_id: &dyn Fn(&mut W)| {
+        batch(|w| {
+            w.map(5).s("type").fs("BlockStored");
+            w.s("block_hashes").ints(&[21]);
+            w.s("token_ids").ints(&(0..4).collect::<Vec<u64>>());
+            w.s("block_size").u(4);
+            w.s("lora_id");
+            lora_id(w);
+            1
+        })
+    };
+    let mut b = Batch::default();
+    for (payload, want) in [
+        (
+            stored(&|w| {
+                w.u(300);
+            }),
+            Some(300),
+        ),
+        (
+            stored(&|w| {
+                w.i(-2);
+            }),
+            Some(-2),
+        ),
+        (
+            stored(&|w| {
+                w.u(7);
+            }),
+            Some(7),
+        ),
+        (
+            stored(&|w| {
+                w.nil();
+            }),
+            None,
+        ),
+    ] {
+        Decoder::new().decode(&payload, &mut b).expect("decode");
+        assert!(!b.is_empty());
+        let e = b.events(&payload).next().expect("one event");
+        assert_eq!((e.lora_id, e.block_hashes), (want, &[21u64][..]));
+    }
+    let empty = batch(|_| 0);
+    Decoder::new().decode(&empty, &mut b).expect("decode");
+    assert!(b.is_empty());
+    assert_eq!(b.len(), 0);
+    for hashes in [0xc0u8, 0xa0] {
+        // nil, then the empty fixstr "": neither is an array of hashes.
+        let payload = batch(|w| {
+            w.map(2).s("type").fs("BlockRemoved").s("block_hashes");
+            w.0.push(hashes);
+            1
+        });
+        let err = Decoder::new().decode(&payload, &mut b).unwrap_err();
+        assert!(err.to_string().contains("block_hashes"), "{err}");
+    }
+}

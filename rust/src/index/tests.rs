@@ -689,6 +689,20 @@ fn memory_counts_every_node_and_block() {
     );
 }
 
+/// cargo-mutants survivor (shard 4/40): the mutations' reused buffers are counted as the module
+/// docs account every heap allocation — its bytes plus one `ALLOC_OVERHEAD` allowance — and a
+/// buffer never allocated as nothing.
+#[test]
+fn scratch_buffers_count_their_bytes_and_one_allowance_each() {
+    let mut s = super::Scratch::default();
+    assert_eq!(s.heap_bytes(), 0);
+    s.cuts.reserve_exact(10);
+    s.stack.reserve_exact(3);
+    let cuts = s.cuts.capacity() * std::mem::size_of::<(u32, usize, u64)>();
+    let stack = s.stack.capacity() * 4;
+    assert_eq!(s.heap_bytes(), cuts + stack + 2 * super::ALLOC_OVERHEAD);
+}
+
 /// `worker_set.rs`.
 mod worker_set {
     use super::super::worker_set::*;
