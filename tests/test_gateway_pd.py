@@ -430,6 +430,24 @@ def test_a_client_leaving_aborts_the_waiting_sglang_decode():
         fleet.close()
 
 
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+def test_an_endpoints_priority_goes_with_both_halves(protocol):
+    """Each half of a pair carries the endpoint's priority in its engine's direction (vLLM serves
+    lower values first, SGLang higher), as a single request does."""
+    fleet = PdFleet(protocol, 1, 1)
+    config = fleet.config()
+    config["endpoints"][0]["priority"] = 3  # ep-acme
+    try:
+        with GatewayServer(config) as gw:
+            ask(gw, "Urgent?")
+            want = -3 if protocol == "vllm" else 3
+            assert [fleet[n].bodies[0]["priority"] for n in ("up-0", "up-1")] == [want, want]
+            idle(gw)
+    finally:
+        fleet.close()
+    assert fleet.exchange.errors == []
+
+
 def test_no_prefill_worker_left_falls_back_or_fails_by_protocol():
     """vLLM's decode workers can prefill themselves; SGLang's cannot (503)."""
     for protocol in ("vllm", "sglang"):
