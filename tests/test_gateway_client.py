@@ -185,3 +185,26 @@ def test_errors_are_typed():
     finally:
         lost.stop()
         garbage.stop()
+
+
+def test_interim_1xx_answers_are_skipped():
+    # RFC 9110 15.2: a client must parse and ignore 1xx answers before the final one (100
+    # Continue, 103 Early Hints, with or without headers); their headers are not the reply's.
+    interim = (
+        b"HTTP/1.1 100 Continue\r\n\r\n"
+        b"HTTP/1.1 103 Early Hints\r\nlink: </style.css>; rel=preload\r\n\r\n"
+    )
+    server = FaultServer(lambda _: [interim, reply(201, b'{"ok": true}')])
+    try:
+
+        async def main():
+            p = pool(server.url)
+            r = await p.request("POST", "/x", JSON, b"{}")
+            assert r.status_code == 201 and "link" not in r.headers
+            assert await r.read() == b'{"ok": true}'
+            await r.aclose()
+            await p.aclose()
+
+        asyncio.run(main())
+    finally:
+        server.stop()

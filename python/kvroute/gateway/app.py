@@ -874,7 +874,7 @@ class Gateway:
         usage = None
         try:
             status = resp.status_code
-            if not 100 <= status <= 599:
+            if not 200 <= status <= 599:
                 return BAD_STATUS, f"status {status}", None
             limit = self.server.max_response_bytes
             if status >= 500:

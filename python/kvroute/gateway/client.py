@@ -17,6 +17,8 @@ Guarantees:
   byte of the request left. A connection is reused only after a response was read to its end
   and the server did not ask to close it; an idle connection older than ``keepalive`` seconds,
   or one the server closed, is never used.
+- Interim answers (1xx: ``100 Continue``, ``103 Early Hints``) are read and dropped, headers
+  and all: ``status_code`` is the final answer's (a ``101`` switch is a ``ProtocolError``).
 - Backpressure: a response whose body is not being consumed stops reading from its socket past
   ``HIGH_WATER`` buffered bytes.
 - ``Response.aclose()`` returns the connection to its pool when the body was read to the end and
@@ -107,6 +109,7 @@ class _Connection(asyncio.Protocol):
         # for every chunk and request makes and cancels no timer.
         self._read = LazyDeadline(self.loop, _Connection._read_expired, self)
         self._paused = False
+        self._interim = False  # parsing a 1xx answer, which the final one follows
 
     # ---- asyncio.Protocol --------------------------------------------------------------------
 
@@ -149,7 +152,12 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         r = self.response
         if r is not None:
-            r.status_code = self.parser.get_status_code()
+            status = self.parser.get_status_code()
+            if status < 200:  # an interim answer (100, 103; 101 raises HttpParserUpgrade)
+                self._interim = True
+                r.headers.clear()
+                return
+            r.status_code = status
             r.keep_alive = self.parser.should_keep_alive()
             if not r.head.done():
                 r.head.set_result(None)
@@ -160,6 +168,9 @@ class _Connection(asyncio.Protocol):
             r._chunk(body)
 
     def on_message_complete(self) -> None:
+        if self._interim:  # the final answer follows on this connection
+            self._interim = False
+            return
         r = self.response
         if r is not None:
             self._disarm()

@@ -226,7 +226,7 @@ class PdForwarder:
                 return body_failed(e)
             flight.prefilled()
             ctype = resp.headers.get("content-type", "application/json")
-            if status >= 500 or not 100 <= status <= 599:
+            if status >= 500 or not 200 <= status <= 599:
                 return STATUS_5XX, f"prefill status {status}", (status, data, ctype)
             if status != 200:
                 return Response(data, status_code=status, media_type=ctype)
@@ -352,7 +352,7 @@ class PdForwarder:
                 data = b""
                 with contextlib.suppress(UpstreamError, BodyTooLarge):
                     data = await resp.read(g.server.max_response_bytes)
-                if status >= 500 or not 100 <= status <= 599:
+                if status >= 500 or not 200 <= status <= 599:
                     return STATUS_5XX, f"prefill status {status}", (status, data, ctype)
                 return Response(data, status_code=status, media_type=ctype)
             first = True
