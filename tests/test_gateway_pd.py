@@ -103,6 +103,17 @@ def ask(gw: GatewayServer, question: str, *, stream: bool = False, rid: str | No
     return text, raw.headers
 
 
+def post_r1(gw: GatewayServer, timeout: Any = 10) -> httpx.Response:
+    """A short chat call to the endpoint, as raw HTTP (the status and body as they come)."""
+    return httpx.post(
+        gw.url + "/v1/chat/completions",
+        json={"model": "ep-acme", "messages": [{"role": "user", "content": "R1?"}]},
+        headers={"authorization": "Bearer sk-acme"},
+        trust_env=False,
+        timeout=timeout,
+    )
+
+
 def idle(gw: GatewayServer) -> None:
     wait_for(lambda: all(v == 0 for v in gw.active().values()), "every flight to finish")
     loads = [gw.gateway.router.load(w) for w in gw.gateway.router.workers]
@@ -365,13 +376,7 @@ def test_a_prefill_refusal_without_a_content_type_is_passed_on_as_json(protocol)
     config["workers"][0]["url"] = prefill.url
     try:
         with GatewayServer(config) as gw:
-            r = httpx.post(
-                gw.url + "/v1/chat/completions",
-                json={"model": "ep-acme", "messages": [{"role": "user", "content": "R1?"}]},
-                headers={"authorization": "Bearer sk-acme"},
-                trust_env=False,
-                timeout=10,
-            )
+            r = post_r1(gw)
             assert (r.status_code, r.content, r.headers["content-type"]) == (
                 400,
                 refusal,
@@ -394,13 +399,7 @@ def test_an_sglang_prefills_5xx_answer_is_passed_on_bounded():
     config["workers"][0]["url"] = prefill.url
     try:
         with GatewayServer(config) as gw:
-            r = httpx.post(
-                gw.url + "/v1/chat/completions",
-                json={"model": "ep-acme", "messages": [{"role": "user", "content": "R1?"}]},
-                headers={"authorization": "Bearer sk-acme"},
-                trust_env=False,
-                timeout=10,
-            )
+            r = post_r1(gw)
             assert (r.status_code, r.content) == (500, b"")
             idle(gw)
     finally:
@@ -417,13 +416,7 @@ def test_a_client_leaving_aborts_the_waiting_sglang_decode():
     try:
         with GatewayServer(fleet.config()) as gw:
             with pytest.raises(httpx.ReadTimeout):
-                httpx.post(
-                    gw.url + "/v1/chat/completions",
-                    json={"model": "ep-acme", "messages": [{"role": "user", "content": "R1?"}]},
-                    headers={"authorization": "Bearer sk-acme"},
-                    trust_env=False,
-                    timeout=httpx.Timeout(10, read=0.5),
-                )
+                post_r1(gw, timeout=httpx.Timeout(10, read=0.5))
             wait_for(lambda: len(fleet.exchange.aborted_rooms) == 1, "the decode to be aborted")
             assert fleet.exchange.consumed_rooms == []
     finally:

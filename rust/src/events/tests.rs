@@ -142,6 +142,21 @@ fn batch(events: impl FnOnce(&mut W) -> usize) -> Vec<u8> {
     w.0
 }
 
+/// A batch of one `BlockStored` event of 16-token blocks (no medium).
+fn stored_batch(hashes: &[u64], parent: Option<u64>, tokens: &[u64]) -> Vec<u8> {
+    batch(|w| {
+        let e = Ev {
+            hashes,
+            parent,
+            tokens,
+            block_size: 16,
+            medium: None,
+        };
+        stored(w, &e);
+        1
+    })
+}
+
 fn shared() -> SharedPrefixIndex {
     Arc::new(RwLock::new(PrefixIndex::new(None).expect("index")))
 }
@@ -261,19 +276,7 @@ fn rehash_chains_removes_and_clears() {
     a.apply("w", &p1).expect("apply");
     assert_eq!(matched(&index, &own, "w"), 4);
     // Unknown parent: skipped, counted, nothing stored.
-    let p2 = batch(|w| {
-        stored(
-            w,
-            &Ev {
-                hashes: &[99],
-                parent: Some(98),
-                tokens: &tokens[..16],
-                block_size: 16,
-                medium: None,
-            },
-        );
-        1
-    });
+    let p2 = stored_batch(&[99], Some(98), &tokens[..16]);
     a.apply("w", &p2).expect("apply");
     let c = a.counters("w").expect("counters");
     assert_eq!(c.skipped_unknown_parent, 1);
@@ -401,34 +404,10 @@ fn a_worker_removed_from_the_index_is_re_registered_empty() {
     let own = own_hashes(&tokens, 16);
     let index = shared();
     let mut a = Applier::new(index.clone(), Config::default()).expect("applier");
-    let first = batch(|w| {
-        stored(
-            w,
-            &Ev {
-                hashes: &[1],
-                parent: None,
-                tokens: &tokens[..16],
-                block_size: 16,
-                medium: None,
-            },
-        );
-        1
-    });
+    let first = stored_batch(&[1], None, &tokens[..16]);
     a.apply("w", &first).expect("apply");
     index.write().remove_worker("w").expect("known");
-    let child = batch(|w| {
-        stored(
-            w,
-            &Ev {
-                hashes: &[2],
-                parent: Some(1),
-                tokens: &tokens[16..],
-                block_size: 16,
-                medium: None,
-            },
-        );
-        1
-    });
+    let child = stored_batch(&[2], Some(1), &tokens[16..]);
     a.apply("w", &child).expect("apply");
     assert_eq!(matched(&index, &own, "w"), 0);
     assert_eq!(a.counters("w").expect("c").index_rejected, 1);
@@ -444,21 +423,7 @@ fn a_clear_forgets_the_engine_blocks_before_it() {
     let own = own_hashes(&tokens, 16);
     let index = shared();
     let mut a = Applier::new(index.clone(), Config::default()).expect("applier");
-    let root = |hash: u64| {
-        batch(|w| {
-            stored(
-                w,
-                &Ev {
-                    hashes: &[hash],
-                    parent: None,
-                    tokens: &tokens[..16],
-                    block_size: 16,
-                    medium: None,
-                },
-            );
-            1
-        })
-    };
+    let root = |hash: u64| stored_batch(&[hash], None, &tokens[..16]);
     a.apply("w", &root(1)).expect("apply");
     let clear = batch(|w| {
         w.map(1).s("type").s("AllBlocksCleared");
@@ -467,19 +432,7 @@ fn a_clear_forgets_the_engine_blocks_before_it() {
     a.apply("w", &clear).expect("apply");
     a.apply("w", &root(7)).expect("apply");
     assert_eq!(matched(&index, &own, "w"), 1);
-    let child = batch(|w| {
-        stored(
-            w,
-            &Ev {
-                hashes: &[2],
-                parent: Some(1),
-                tokens: &tokens[16..],
-                block_size: 16,
-                medium: None,
-            },
-        );
-        1
-    });
+    let child = stored_batch(&[2], Some(1), &tokens[16..]);
     a.apply("w", &child).expect("apply");
     assert_eq!(matched(&index, &own, "w"), 1);
     let c = a.counters("w").expect("counters");
