@@ -410,11 +410,13 @@ impl Router {
         self.workers.get_mut(slot)
     }
 
-    /// The request starts on its worker: adds it to the worker's load.
+    /// The request starts on its worker: adds it to the worker's load. Returns the blocks the
+    /// worker's requests had left to prefill just before (`prefill_blocks` of its load: the queue
+    /// ahead of this request).
     ///
     /// Errors: another router's decision or one already begun (`Value`); its worker was removed
     /// since (`Key`).
-    pub fn begin(&mut self, d: &Decision) -> Result<()> {
+    pub fn begin(&mut self, d: &Decision) -> Result<u64> {
         self.own(d)?;
         match d.stage() {
             Stage::Routed => {}
@@ -430,6 +432,7 @@ impl Router {
         let Some(w) = self.workers.get_mut(slot) else {
             return key_err!("worker {:?} of decision {} was removed", d.worker, d.id);
         };
+        let ahead = w.prefill_blocks;
         let (prefill, prompt) = (d.prefill_blocks() as i64, d.prompt_blocks as i64);
         let delta = [1, 1, prefill, prompt, prefill];
         w.add_load(delta);
@@ -443,7 +446,7 @@ impl Router {
         }
         d.set_begun();
         self.outbox.load(&d.worker, delta);
-        Ok(())
+        Ok(ahead)
     }
 
     /// The engine's own figures for worker `name` (e.g. scraped from its `/metrics`): its

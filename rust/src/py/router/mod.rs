@@ -241,10 +241,7 @@ impl PyRouter {
     /// another router; `KeyError` if its worker was removed.
     fn begin(&self, py: Python<'_>, decision: &Bound<'_, PyDecision>) -> PyResult<u64> {
         let d = &decision.get().inner;
-        Ok(self.run(py, true, |r| {
-            let ahead = r.workers().named(&d.worker).map_or(0, |w| w.prefill_blocks);
-            r.begin(d).map(|()| ahead)
-        })?)
+        Ok(self.run(py, true, |r| r.begin(d))?)
     }
 
     /// The request's prefill is done (first token): its blocks leave the worker's prefill queue.
