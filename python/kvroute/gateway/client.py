@@ -441,14 +441,11 @@ class Pool:
             self.total -= 1
         return None
 
-    async def _acquire(self) -> tuple[_Connection, bool]:
-        """A connection and whether it was reused."""
-        conn = self._idle()
-        if conn is not None:
-            return conn, True
+    async def _acquire(self) -> _Connection:
+        """A new connection, or one another request hands over, when none is idle."""
         if self.total < self.max_connections:
             self.total += 1
-            return await self._open(), False
+            return await self._open()
         waiter: asyncio.Future[_Connection | None] = self.loop.create_future()
         self.waiters.append(waiter)
         try:
@@ -459,15 +456,11 @@ class Pool:
             ) from None
         except BaseException:
             if waiter.done() and not waiter.cancelled():
-                handed = waiter.result()
-                if handed is None:
-                    self._release(None)
-                else:
-                    self._release(handed)
+                self._release(waiter.result())  # what was handed over: passed on
             raise
         if conn is None:
-            return await self._open(), False
-        return conn, True
+            return await self._open()
+        return conn
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -476,9 +469,7 @@ class Pool:
     ) -> Response:
         """Sends one request; returns once the response's status and headers arrived.
         ``headers`` is preformatted (``"name: value\\r\\n"`` lines)."""
-        conn = self._idle()  # an idle connection: no coroutine to await for it
-        if conn is None:
-            conn, _ = await self._acquire()
+        conn = self._idle() or await self._acquire()  # an idle one: no coroutine to await
         response = conn.response = Response(conn)
         head = (
             f"{method} {self.prefix}{path} HTTP/1.1\r\nhost: {self.authority}\r\n{self.fixed}"
