@@ -13,10 +13,8 @@ use super::convert::{
     block_hash_from_py, describe, name_item, optional, tokens_from_py, type_error, typed,
     u64_from_int, usize_from_int, Name, Tokens,
 };
+use super::DETACH_MIN_TOKENS;
 use crate::blocks::{BlockHasher, ChainState, MmItem, Options, Profile};
-
-/// Inputs of at least this many tokens are hashed with the GIL released.
-const DETACH_MIN_TOKENS: usize = 512;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyBlockHasher>()?;

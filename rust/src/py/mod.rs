@@ -30,6 +30,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
+/// Token inputs of at least this many tokens are hashed (and routed) with the GIL released.
+const DETACH_MIN_TOKENS: usize = 512;
+
 /// Runs `f` on the value behind `lock`. When `inline` (short work) and the lock is free, at once
 /// with the GIL held — releasing and re-taking the GIL would cost more than the work; otherwise
 /// with the GIL released, taking the lock inside `py.detach`. Never waits for the lock while

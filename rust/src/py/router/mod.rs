@@ -3,8 +3,8 @@
 //! The router's core sits behind a `parking_lot::Mutex`. `route` converts its arguments under the
 //! GIL, then hashes the tokens (the hasher is an `Arc` taken under the lock, so threads hash in
 //! parallel) and routes with the lock held; for prompts of at least [`DETACH_MIN_TOKENS`] tokens
-//! (or when the lock is busy) that work runs with the GIL released. `d.scores` is built only when
-//! read.
+//! or [`DETACH_MIN_BLOCKS`] blocks (or when the lock is busy) that work runs with the GIL
+//! released. `d.scores` is built only when read.
 //!
 //! Files: this one holds the `Router` class (every method converts its arguments and forwards
 //! to the core); `request.rs` the arguments `route` and `route_pd` share, `config.rs` the
@@ -25,7 +25,7 @@ use super::convert::{
 };
 use super::events::PyKvEventApplier;
 use super::index::PyPrefixIndex;
-use super::with_mutex;
+use super::{with_mutex, DETACH_MIN_TOKENS};
 use crate::blocks::Options;
 use crate::router::{Config, CostWeights, EndpointSpec, PdConfig, Phase, Role, Router};
 use config::{config_dict, roles_from_py, tier_weights_from_py};
@@ -36,8 +36,10 @@ const APPROX_INDEX_OWNED: &str = "router.index is read-only with index=\"approx\
      writes it as it routes (its model of each worker's cache); correct the model with \
      router.observe(...), or build the Router with index=\"events\" to feed the index yourself";
 
-/// Prompts of at least this many tokens (or blocks) are routed with the GIL released.
-const DETACH_MIN_TOKENS: usize = 512;
+/// Work over at least this many blocks (routing given block hashes, salting them, finishing or
+/// observing a decision's prompt) runs with the GIL released: it costs per block, whatever the
+/// router's block size (32 blocks are 512 tokens at vLLM's default of 16 tokens a block).
+const DETACH_MIN_BLOCKS: usize = 32;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRouter>()?;
@@ -261,7 +263,7 @@ impl PyRouter {
     ) -> PyResult<()> {
         let d = &decision.get().inner;
         let now = self.clock.now(now);
-        let light = d.prompt_blocks < DETACH_MIN_TOKENS / 16;
+        let light = d.prompt_blocks < DETACH_MIN_BLOCKS;
         Ok(self.run(py, light, |r| r.finish(d, now))?)
     }
 
@@ -271,7 +273,7 @@ impl PyRouter {
     /// (prefilled, observed, finished) or comes from another router.
     fn withdraw(&self, py: Python<'_>, decision: &Bound<'_, PyDecision>) -> PyResult<bool> {
         let d = &decision.get().inner;
-        let light = d.prompt_blocks < DETACH_MIN_TOKENS / 16;
+        let light = d.prompt_blocks < DETACH_MIN_BLOCKS;
         Ok(self.run(py, light, |r| r.withdraw(d))?)
     }
 
@@ -289,7 +291,7 @@ impl PyRouter {
         let d = &decision.get().inner;
         let cached = usize_from_int(cached_tokens, "cached_tokens")?;
         let now = self.clock.now(now);
-        let light = d.prompt_blocks < DETACH_MIN_TOKENS / 16;
+        let light = d.prompt_blocks < DETACH_MIN_BLOCKS;
         Ok(self.run(py, light, |r| r.observe(d, cached, now))?)
     }
 
@@ -565,7 +567,7 @@ impl PyRouter {
         let mut hashes = u64_slice(block_hashes, "block_hashes", Negative::Reinterpret)?
             .as_slice()
             .to_vec();
-        let light = hashes.len() < DETACH_MIN_TOKENS;
+        let light = hashes.len() < DETACH_MIN_BLOCKS;
         self.run(py, light, |r| r.salt_block_hashes(Some(id), &mut hashes))?;
         Ok(u64_array(py, hashes))
     }

@@ -4,7 +4,7 @@
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
-use super::{PyRouter, DETACH_MIN_TOKENS};
+use super::{PyRouter, DETACH_MIN_BLOCKS, DETACH_MIN_TOKENS};
 use crate::hashing::Key;
 use crate::py::convert::{
     names_from_py, optional, tokens_from_py, typed, u64_slice, with_key, Name, Negative, Tokens,
@@ -95,7 +95,7 @@ impl PyRouter {
             (None, Some(hashes)) => {
                 let hashes = u64_slice(hashes, "block_hashes", Negative::Reinterpret)?;
                 let mut hashes = hashes.as_slice().to_vec();
-                self.run(py, hashes.len() < DETACH_MIN_TOKENS, |r| {
+                self.run(py, hashes.len() < DETACH_MIN_BLOCKS, |r| {
                     r.salt_block_hashes(endpoint, &mut hashes)?;
                     f(r, RouteRequest { hashes, ..request })
                 })?
