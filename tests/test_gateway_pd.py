@@ -441,6 +441,45 @@ def test_an_endpoints_priority_goes_with_both_halves(protocol):
     assert fleet.exchange.errors == []
 
 
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+def test_a_first_attempt_stays_in_the_endpoints_pool_when_its_members_are_full(protocol):
+    """Only a retry spills past an endpoint's pool (``Gateway``'s failover, as for single
+    requests): a first attempt whose pool members are at ``max_in_flight_per_worker`` takes the
+    pool's answer. vLLM's pool gives a ``no_prefill`` pair — its decode worker prefills the
+    request itself; SGLang's gives none — the request is shed (429 ``worker_queue``). Neither
+    reaches the prefill worker outside the pool, which is idle."""
+    fleet = PdFleet(protocol, 2, 2)  # pool_size 1: one prefill and one decode worker in the pool
+    config = fleet.config(gateway={"max_in_flight_per_worker": 1})
+    try:
+        with GatewayServer(config) as gw:
+            router = gw.gateway.router
+            (p_in,) = router.endpoint_pool("ep-acme", phase="prefill")
+            (d_in,) = router.endpoint_pool("ep-acme", phase="decode")
+            (p_out,) = set(fleet.names("prefill")) - {p_in}
+            fleet[p_in].stall = 3.0  # its first request holds the pool's prefill worker
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                held = pool.submit(ask, gw, "Hold on?")
+                wait_for(lambda: len(fleet[p_in].bodies) == 1, "the first request's prefill")
+                if protocol == "vllm":
+                    _text, headers = ask(gw, "Meanwhile?")
+                    assert (headers["x-kvroute-prefill-worker"], headers["x-kvroute-worker"]) == (
+                        d_in,
+                        d_in,
+                    )
+                    assert "kv_transfer_params" not in fleet[d_in].bodies[-1]
+                else:
+                    r = post_r1(gw)
+                    assert r.status_code == 429
+                    assert r.json()["error"]["code"] == "worker_queue"
+                assert fleet[p_out].bodies == []
+                held.result()
+            assert fleet[p_out].bodies == []
+            idle(gw)
+    finally:
+        fleet.close()
+    assert fleet.exchange.errors == []
+
+
 def test_no_prefill_worker_left_falls_back_or_fails_by_protocol():
     """vLLM's decode workers can prefill themselves; SGLang's cannot (503)."""
     for protocol in ("vllm", "sglang"):
