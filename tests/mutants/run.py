@@ -89,6 +89,7 @@ PYTHON: dict[str, tuple[list[str], list[str], list[str]]] = {
     "py-gateway-failover": (
         ["python/kvroute/gateway/app.py"],
         [
+            "tests/test_gateway_failover.py",  # every failure path: answer, log, counters
             "tests/test_gateway_faults.py",
             "tests/test_gateway_limits.py",
             "tests/test_gateway.py",

@@ -1,0 +1,363 @@
+"""The gateway's failover, path by path (``Gateway._choose`` / ``_failed`` / ``_settle`` /
+``_forward`` / ``_give_up`` / ``_attempt``): for every kind of upstream failure in
+``kvroute.gateway.errors``, what the caller gets (status, body, content type, request id), what is
+logged (each record's exact text: worker, kind, detail, the health model's reason) and what is
+counted (``upstream_errors_total``, ``requests_total``, ``retries_total``, the routing decisions,
+the request's duration) — when no attempt succeeds, and when another worker then serves.
+
+The expected answers are the failure table's rows as the module docs of ``errors`` state them,
+written out here (not read from the table). Faults no real engine can be made to show come from
+``gateway_faults.FaultServer``; the health model's probes and reasons from the OpenAI-compatible
+test upstreams.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Any
+
+import httpx
+import pytest
+from support.gateway_faults import SSE_HEAD, FaultServer, chunk, reply
+from support.gateway_fleet import (
+    Fleet,
+    GatewayServer,
+    config_dict,
+    messages,
+    metric_samples,
+    wait_for,
+)
+from test_gateway_faults import fleet_config
+
+ROUTE = "/v1/chat/completions"
+
+
+def closed_port() -> int:
+    """A local port nobody listens on (bound, then closed)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+# name -> (script, streamed, (status, error code, message, type) of the give-up answer or None
+# for the upstream's own answer, the failure's kind, its logged detail, retried, health)
+# health: "count" (charged when the request is over), "down" (ejected at once), "none".
+FAILURES: dict[str, tuple[Any, bool, tuple[int, str, str, str] | None, str, str, bool, str]] = {
+    "5xx": (
+        lambda body: [reply(503, b'{"error": "busy"}')],
+        False,
+        None,
+        "status_5xx",
+        "status 503",
+        True,
+        "count",
+    ),
+    "status 600": (
+        lambda body: [reply(600, b"{}")],
+        False,
+        (
+            502,
+            "upstream_bad_status",
+            "upstream w-0 answered an invalid HTTP status",
+            "upstream_error",
+        ),
+        "bad_status",
+        "status 600",
+        True,
+        "count",
+    ),
+    "closed before the head": (
+        lambda body: [],
+        False,
+        (502, "upstream_reset", "upstream w-0 closed the connection", "upstream_error"),
+        "reset",
+        "the upstream closed the connection",
+        True,
+        "count",
+    ),
+    "cut mid-body": (
+        lambda body: [reply(200, b'{"choices": []}' + b" " * 1000)[:-900], 0.05],
+        False,
+        (502, "upstream_broken", "upstream w-0 failed mid-response", "upstream_error"),
+        "protocol",
+        "the upstream closed the connection",
+        True,
+        "count",
+    ),
+    "stream without an event": (
+        lambda body: [SSE_HEAD, b"0\r\n\r\n"],
+        True,
+        (
+            502,
+            "upstream_broken",
+            "upstream w-0 ended its stream before any event",
+            "upstream_error",
+        ),
+        "broken_stream",
+        "no event before the end",
+        True,
+        "count",
+    ),
+    "reply too large": (
+        lambda body: [reply(200, b'{"choices": [], "x": "' + b"y" * 5000 + b'"}')],
+        False,
+        (
+            502,
+            "upstream_reply_too_large",
+            "the reply of upstream w-0 exceeds the gateway's size limit",
+            "upstream_error",
+        ),
+        "too_large",
+        "the reply exceeds 4096 bytes",
+        False,
+        "none",
+    ),
+    "event too large": (
+        lambda body: [SSE_HEAD, chunk(b"data: " + b"y" * 5000), b"0\r\n\r\n"],
+        True,
+        (
+            502,
+            "upstream_reply_too_large",
+            "the reply of upstream w-0 exceeds the gateway's size limit",
+            "upstream_error",
+        ),
+        "too_large",
+        "an SSE event exceeds 4096 bytes",
+        False,
+        "none",
+    ),
+    "read timeout": (
+        lambda body: [5.0],
+        False,
+        (504, "upstream_timeout", "upstream w-0 timed out", "upstream_error"),
+        "timeout",
+        "no byte from the upstream for 0.5 s",
+        False,
+        "none",
+    ),
+    "refused": (
+        None,  # no server: a closed port
+        False,
+        (502, "upstream_unreachable", "upstream w-0 unreachable", "upstream_error"),
+        "connect",
+        "",
+        True,
+        "down",
+    ),
+}
+
+
+def post(gw: GatewayServer, rid: str, stream: bool) -> httpx.Response:
+    body = {"model": "m", "messages": messages("q"), "stream": stream}
+    return httpx.post(
+        gw.url + ROUTE, json=body, headers={"x-request-id": rid}, trust_env=False, timeout=20
+    )
+
+
+def samples(gw: GatewayServer, name: str) -> dict[tuple, float]:
+    """``{labels: value}`` of one series (labels as sorted pairs), zero samples left out."""
+    return {
+        labels: v
+        for (n, labels), v in metric_samples(gw.metrics()).items()
+        if n == f"kvroute_gateway_{name}" and v
+    }
+
+
+def lines(caplog: pytest.LogCaptureFixture, logger: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == logger]
+
+
+@pytest.fixture
+def servers():
+    made: list[FaultServer] = []
+
+    def make(script) -> str:
+        if script is None:
+            return f"http://127.0.0.1:{closed_port()}"
+        s = FaultServer(script)
+        made.append(s)
+        return s.url
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+GIVE_UP = {
+    "max_attempts": 3,  # a retry finds no worker left: the failure is the answer, not a 503
+    "max_response_bytes": 4096,
+    "max_event_bytes": 4096,
+    "read_timeout": 0.5,
+    "eject_after": 1000,
+}
+
+
+@pytest.mark.parametrize("name", list(FAILURES))
+def test_each_failure_on_the_only_worker_is_answered_logged_and_counted(servers, name, caplog):
+    script, stream, error, kind, detail, _retried, health = FAILURES[name]
+    url = servers(script)
+    with GatewayServer(fleet_config([url], **GIVE_UP)) as gw:
+        with caplog.at_level(logging.INFO):
+            r = post(gw, "rq-1", stream)
+        assert r.headers["x-request-id"] == "rq-1"
+        assert "x-kvroute-worker" not in r.headers
+        if error is None:  # the upstream's own answer, whole
+            assert (r.status_code, r.content, r.headers["content-type"]) == (
+                503,
+                b'{"error": "busy"}',
+                "application/json",
+            )
+        else:
+            status, code, message, kind_name = error
+            assert (r.status_code, r.headers["content-type"]) == (status, "application/json")
+            assert r.json() == {
+                "error": {"message": message, "type": kind_name, "param": None, "code": code}
+            }
+        # The failure's log line: its worker, kind and detail (or, for a worker that cannot be
+        # reached, its ejection with the kind and the error).
+        logged = lines(caplog, "kvroute.gateway")
+        ejected = [m for m in lines(caplog, "kvroute.server.health") if m.startswith("ejecting")]
+        if health == "down":
+            assert logged == []
+            (line,) = ejected
+            address = url.removeprefix("http://")
+            assert line.startswith(
+                f"ejecting upstream w-0: connect: ConnectFailed('cannot connect to {address}: "
+            )
+        else:
+            assert logged == [f"upstream w-0: {kind}: {detail}"]
+            assert ejected == []
+        failed = [m for m in lines(caplog, "kvroute.server.health") if "failed (" in m]
+        if health == "count":  # the one worker tried is charged, saying why
+            assert failed == [
+                "upstream w-0 failed (failed a request only it was tried for, 1 in a row)"
+            ]
+        else:
+            assert failed == []
+        # Counted once each: the failure under its worker and kind, the answer under its
+        # status, one routing decision, no retry (none was left), one duration.
+        assert samples(gw, "upstream_errors_total") == {(("kind", kind), ("worker", "w-0")): 1}
+        answered = (("model", "m"), ("route", ROUTE), ("status", str(r.status_code)))
+        assert samples(gw, "requests_total") == {answered: 1}
+        assert samples(gw, "retries_total") == {}
+        (decision,) = samples(gw, "routing_decisions_total").items()
+        assert dict(decision[0])["worker"] == "w-0" and decision[1] == 1
+        assert samples(gw, "request_duration_seconds_count") == {(("route", ROUTE),): 1}
+        assert samples(gw, "time_to_first_byte_seconds_count") == {}
+        wait_for(lambda: samples(gw, "in_flight") == {}, "the attempt to finish")
+
+
+@pytest.mark.parametrize("name", list(FAILURES))
+def test_each_failure_is_retried_on_another_worker_or_answered(servers, name, caplog):
+    """w-0 fails, w-1 (a test upstream) serves: a retried failure ends in w-1's answer on the
+    second attempt, and w-0 is charged with failing a request another worker then served; a
+    failure that is not retried is the answer at once. (Round robin: w-0 first.)"""
+    script, stream, error, kind, _detail, retried, health = FAILURES[name]
+    good = Fleet(1)
+    try:
+        urls = [servers(script), f"http://127.0.0.1:{good.ports[0]}"]
+        with GatewayServer(fleet_config(urls, **{**GIVE_UP, "max_attempts": 2})) as gw:
+            with caplog.at_level(logging.INFO):
+                r = post(gw, "rq-2", stream)
+            assert r.headers["x-request-id"] == "rq-2"
+            decisions = {
+                dict(labels)["worker"]: v
+                for labels, v in samples(gw, "routing_decisions_total").items()
+            }
+            charged = [m for m in lines(caplog, "kvroute.server.health") if "failed (" in m]
+            if retried:
+                assert r.status_code == 200
+                assert (r.headers["x-kvroute-worker"], r.headers["x-kvroute-attempts"]) == (
+                    "w-1",
+                    "2",
+                )
+                assert good.upstreams[0].ids == ["rq-2"]
+                assert samples(gw, "retries_total") == {(): 1}
+                assert decisions == {"w-0": 1, "w-1": 1}
+                if health == "count":
+                    assert charged == [
+                        "upstream w-0 failed (failed a request another worker then served, "
+                        "1 in a row)"
+                    ]
+                else:
+                    assert charged == []
+                assert samples(gw, "time_to_first_byte_seconds_count") == {(("route", ROUTE),): 1}
+            else:
+                assert error is not None
+                assert (r.status_code, r.json()["error"]["code"]) == error[:2]
+                assert good.upstreams[0].records == []
+                assert samples(gw, "retries_total") == {}
+                assert decisions == {"w-0": 1}
+                assert charged == []
+            assert samples(gw, "upstream_errors_total") == {(("kind", kind), ("worker", "w-0")): 1}
+            answered = (("model", "m"), ("route", ROUTE), ("status", str(r.status_code)))
+            assert samples(gw, "requests_total") == {answered: 1}
+            assert samples(gw, "request_duration_seconds_count") == {(("route", ROUTE),): 1}
+    finally:
+        good.close()
+
+
+@pytest.mark.parametrize("attempts", [1, 2])
+def test_failures_are_charged_and_probed_by_how_many_workers_failed(attempts, caplog):
+    """Workers that answer the request 500 and fail their health probes. Tried on one worker
+    only, the request is charged to it and it is probed; tried on two, it is charged to neither
+    (its content, most likely) and both are probed. A failed probe ejects, saying why; the
+    caller gets the last worker's own answer."""
+    fleet = Fleet(2)
+    try:
+        for u in fleet.upstreams:
+            u.fail(500)
+        cfg = config_dict(fleet, gateway={"max_attempts": attempts, "eject_after": 1000})
+        with GatewayServer(cfg) as gw:
+            with caplog.at_level(logging.INFO):
+                for u in fleet.upstreams:
+                    u.health_status = 500
+                r = httpx.post(
+                    gw.url + ROUTE,
+                    json={"model": "ep-acme", "messages": messages("q")},
+                    headers={"authorization": "Bearer sk-acme", "x-request-id": "rq-3"},
+                    trust_env=False,
+                    timeout=20,
+                )
+
+                def ejections() -> list[str]:
+                    health = lines(caplog, "kvroute.server.health")
+                    return sorted(m for m in health if m.startswith("ejecting"))
+
+                wait_for(lambda: len(ejections()) == attempts, "the probes to fail")
+            tried = [u.name for u in fleet.upstreams if u.records]
+            assert len(tried) == attempts
+            assert (r.status_code, r.headers["x-request-id"]) == (500, "rq-3")
+            last = r.json()["error"]["message"].split()[0]
+            assert r.json() == {"error": {"message": f"{last} failing", "type": "server_error"}}
+            logged = lines(caplog, "kvroute.gateway")
+            assert sorted(logged[:attempts]) == [
+                f"upstream {w}: status_5xx: status 500" for w in tried
+            ]
+            charged = [m for m in lines(caplog, "kvroute.server.health") if "failed (" in m]
+            if attempts == 1:
+                (worker,) = tried
+                assert logged[1:] == []
+                assert charged == [
+                    f"upstream {worker} failed (failed a request only it was tried for, 1 in a row)"
+                ]
+                assert ejections() == [
+                    f"ejecting upstream {worker}: request rq-3 failed there, and its health probe "
+                    "failed"
+                ]
+            else:
+                assert logged[2:] == [
+                    "request rq-3 failed on 2 workers: charged to none (its content, most "
+                    "likely); probing them"
+                ]
+                assert charged == []
+                assert ejections() == [
+                    f"ejecting upstream {w}: request rq-3 failed there and elsewhere, and its "
+                    "health probe failed"
+                    for w in ("up-0", "up-1")
+                ]
+    finally:
+        fleet.close()
