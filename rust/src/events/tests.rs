@@ -822,3 +822,7 @@ fn wide_lora_ids_nil_hashes_and_empty_batches() {
         assert!(err.to_string().contains("block_hashes"), "{err}");
     }
 }
+
+/// Tests written for cargo-mutants survivors since shard 5/40 (`tests_mutants.rs`).
+#[path = "tests_mutants.rs"]
+mod mutants;
