@@ -638,4 +638,6 @@ fn reserved_partition<'a>(
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_model;
+#[cfg(test)]
 mod tests_mutants;

@@ -1,0 +1,292 @@
+//! The router's worker table and load counters against a plain reference model: random calls
+//! of every public membership, health, freshness and load method (written for the class of
+//! cargo-mutants survivors most often found in the router, see the test's doc).
+
+use super::tests::{router, tokens};
+use super::*;
+
+/// A worker as the reference model of [`the_worker_table_and_its_loads_follow_a_reference_model`]
+/// sees it: what was set through the public calls, and the decisions begun on it.
+#[derive(Clone, Debug)]
+struct ModelWorker {
+    name: String,
+    /// Which addition of the name this is (a removed and re-added worker is another one).
+    added: u32,
+    weight: f64,
+    healthy: bool,
+    role: Role,
+    /// Freshness as set: `Fresh`, stale since a time, or a fixed value.
+    freshness: Freshness,
+    /// The engine-reported figures (active, queued, prefill, decode) last given, if any.
+    reported: [Option<u64>; 4],
+    /// The others' load at the last report (wire order; `written` is never reported).
+    others: [u64; 4],
+}
+
+/// A decision of the model: its worker, `[active, queued, prefill, decode, written]` it holds on
+/// that worker while begun, and whether it was begun / prefilled.
+struct ModelDecision {
+    d: Decision,
+    /// The `added` of its worker.
+    added: u32,
+    begun: bool,
+    prefilled: bool,
+}
+
+/// The own load of `name` in the model: the sum over its begun, unfinished decisions.
+fn model_own(decisions: &[ModelDecision], name: &str) -> [u64; 5] {
+    let mut own = [0u64; 5];
+    for m in decisions.iter().filter(|m| m.begun && &*m.d.worker == name) {
+        let prefill = m.d.prefill_blocks() as u64;
+        let queued = u64::from(!m.prefilled);
+        let add = [
+            1,
+            queued,
+            prefill * queued,
+            m.d.prompt_blocks as u64,
+            prefill,
+        ];
+        for (o, a) in own.iter_mut().zip(add) {
+            *o += a;
+        }
+    }
+    own
+}
+
+/// The class of survivor most often found in the router (shards 0/40 to 6/40: the healthy count
+/// after a removal, `uniform()` after removals, `set_freshness`, `config()`, `endpoints()`, the
+/// reasons' names, load counters): a reporting call or a counter of the worker table that no
+/// test read back after the calls that change it. Random calls of every public membership,
+/// health, freshness and load method — valid and invalid — against a plain reference model:
+/// after each, every count and every worker's reported state must be the model's, and a call
+/// that fails must change nothing.
+#[test]
+fn the_worker_table_and_its_loads_follow_a_reference_model() {
+    let mut r = router(Policy::KvAware, &[]);
+    let half_life = r.config().stale_half_life;
+    let mut rng = SplitMix64(21);
+    let mut below = |n: u64| rng.next_u64() % n;
+    let mut model: Vec<ModelWorker> = Vec::new();
+    let mut decisions: Vec<ModelDecision> = Vec::new();
+    let roles = [Role::Both, Role::Prefill, Role::Decode];
+    let (mut slots, mut compactions) = (0, 0);
+    for step in 0..2000u32 {
+        let now = f64::from(step) * 0.25;
+        // A new name, a worker of the model, or one of a few names (calls meet existing workers
+        // and missing ones); the table is kept small, so its weights are all equal at times.
+        let name = match below(8) {
+            0 => format!("n{step}"),
+            1..4 if !model.is_empty() => model[below(model.len() as u64) as usize].name.clone(),
+            _ => format!("w{}", below(6)),
+        };
+        let at = model.iter().position(|w| w.name == name);
+        let op = if model.len() > 6 && below(3) == 0 {
+            2
+        } else {
+            below(13)
+        };
+        let ok = match op {
+            0 | 1 => {
+                let weight = [1.0, 1.0, 1.0, 2.0, 0.5, 0.0, -1.0, f64::NAN][below(8) as usize];
+                let role = roles[below(3) as usize];
+                let res = r.add_worker_as(&name, weight, role);
+                let valid = at.is_none() && weight.is_finite() && weight > 0.0;
+                if valid {
+                    model.push(ModelWorker {
+                        name: name.clone(),
+                        added: step,
+                        weight,
+                        healthy: true,
+                        role,
+                        freshness: Freshness::Fresh,
+                        reported: [None; 4],
+                        others: [0; 4],
+                    });
+                }
+                (res.is_ok(), valid)
+            }
+            2 => {
+                let res = r.remove_worker(&name);
+                if let Some(i) = at {
+                    model.remove(i);
+                }
+                (res.is_ok(), at.is_some())
+            }
+            3 => {
+                let healthy = below(2) == 0;
+                let res = r.set_healthy(&name, healthy);
+                if let Some(i) = at {
+                    model[i].healthy = healthy;
+                }
+                (res.is_ok(), at.is_some())
+            }
+            4 => {
+                let role = roles[below(3) as usize];
+                let res = r.set_role(&name, role);
+                if let Some(i) = at {
+                    model[i].role = role;
+                }
+                (res.is_ok(), at.is_some())
+            }
+            5 => {
+                let res = r.mark_stale(&name, now);
+                if let Some(i) = at {
+                    if !matches!(model[i].freshness, Freshness::StaleSince(_)) {
+                        model[i].freshness = Freshness::StaleSince(now);
+                    }
+                }
+                (res.is_ok(), at.is_some())
+            }
+            6 => {
+                let res = r.mark_fresh(&name);
+                if let Some(i) = at {
+                    model[i].freshness = Freshness::Fresh;
+                }
+                (res.is_ok(), at.is_some())
+            }
+            7 => {
+                let value = [0.0, 0.3, 1.0, -0.5, 1.5][below(5) as usize];
+                let res = r.set_freshness(&name, value);
+                let valid = at.is_some() && (0.0..=1.0).contains(&value);
+                if let (Some(i), true) = (at, valid) {
+                    model[i].freshness = Freshness::Fixed(value);
+                }
+                (res.is_ok(), valid)
+            }
+            8 => {
+                let figures = [0, 1, 2, 3].map(|_| (below(3) > 0).then(|| below(40)));
+                let res = r.set_load(&name, figures[0], figures[1], figures[2], figures[3]);
+                if let Some(i) = at {
+                    let own = model_own(&decisions, &name);
+                    let own = [own[0], own[1], own[2], own[3]];
+                    for k in 0..4 {
+                        if let Some(v) = figures[k] {
+                            model[i].reported[k] = Some(v);
+                            model[i].others[k] = v.saturating_sub(own[k]);
+                        }
+                    }
+                }
+                (res.is_ok(), at.is_some())
+            }
+            9 | 10 => {
+                // A whole request goes to a healthy worker that decodes, if there is one.
+                let able = |w: &ModelWorker| w.healthy && w.role.does(Phase::Decode);
+                let any = model.iter().any(able);
+                let t = tokens(below(5) as u32, 4 * (1 + below(12) as u32));
+                let res = r.route_tokens(&t, None, None, now);
+                if let Ok(d) = res {
+                    let w = model.iter().find(|w| *w.name == *d.worker);
+                    assert!(w.is_some_and(able), "step {step}: {}", d.worker);
+                    let added = w.map_or(0, |w| w.added);
+                    decisions.push(ModelDecision {
+                        d,
+                        added,
+                        begun: false,
+                        prefilled: false,
+                    });
+                    (true, any)
+                } else {
+                    (false, any)
+                }
+            }
+            _ if decisions.is_empty() => (true, true),
+            _ => {
+                let k = below(decisions.len() as u64) as usize;
+                let alive = model
+                    .iter()
+                    .any(|w| *w.name == *decisions[k].d.worker && w.added == decisions[k].added);
+                let m = &mut decisions[k];
+                if !m.begun {
+                    let ahead = r.begin(&m.d);
+                    if alive {
+                        m.begun = true;
+                    } else {
+                        decisions.swap_remove(k);
+                    }
+                    (ahead.is_ok(), alive)
+                } else if !m.prefilled && below(2) == 0 {
+                    m.prefilled = true;
+                    (r.prefilled(&m.d).is_ok(), true)
+                } else {
+                    let res = r.finish(&m.d, now);
+                    decisions.swap_remove(k);
+                    (res.is_ok(), true)
+                }
+            }
+        };
+        assert_eq!(ok.0, ok.1, "step {step}: op {op} on {name}");
+        // A removed worker's decisions stay begun in the model but count for no one: drop them.
+        decisions.retain(|m| {
+            !m.begun
+                || model
+                    .iter()
+                    .any(|w| *w.name == *m.d.worker && w.added == m.added)
+        });
+        // Every count and every worker's state, as the model has them.
+        let t = r.workers();
+        compactions += usize::from(t.slot_count() < slots);
+        slots = t.slot_count();
+        let names: Vec<&str> = t.iter().map(|w| &*w.name).collect();
+        let want: Vec<&str> = model.iter().map(|w| w.name.as_str()).collect();
+        assert_eq!(names, want, "step {step}: workers in the order added");
+        assert_eq!((t.len(), t.is_empty()), (model.len(), model.is_empty()));
+        let healthy = model.iter().filter(|w| w.healthy).count();
+        assert_eq!(t.healthy(), healthy, "step {step}");
+        for phase in [Phase::Prefill, Phase::Decode] {
+            let capable = model.iter().filter(|w| w.role.does(phase)).count();
+            assert_eq!(t.capable(phase), capable, "step {step}: {phase:?}");
+        }
+        let uniform = model.windows(2).all(|p| p[0].weight == p[1].weight);
+        assert_eq!(t.uniform(), uniform, "step {step}");
+        for m in &model {
+            let w = t.named(&m.name).unwrap();
+            assert_eq!((w.weight, w.healthy, w.role), (m.weight, m.healthy, m.role));
+            assert_eq!(r.role(&m.name).unwrap(), m.role);
+            assert_eq!(t.get(t.slot(&m.name).unwrap()).unwrap().name, w.name);
+            let fresh = match m.freshness {
+                Freshness::Fresh => 1.0,
+                Freshness::Fixed(v) => v,
+                Freshness::StaleSince(s) => 0.5f64.powf((now + 1.0 - s) / half_life),
+            };
+            let got = r.freshness(&m.name, now + 1.0).unwrap();
+            assert!((got - fresh).abs() < 1e-12, "step {step}: {got} vs {fresh}");
+            let own = model_own(&decisions, &m.name);
+            assert_eq!(
+                [
+                    w.active,
+                    w.queued,
+                    w.prefill_blocks,
+                    w.decode_blocks,
+                    w.written_blocks
+                ],
+                own,
+                "step {step}: {}",
+                m.name
+            );
+            let o = m.others;
+            assert_eq!(
+                [
+                    w.total_active(),
+                    w.total_queued(),
+                    w.total_prefill_blocks(),
+                    w.total_decode_blocks(),
+                    w.total_written_blocks(),
+                ],
+                [
+                    own[0] + o[0],
+                    own[1] + o[1],
+                    own[2] + o[2],
+                    own[3] + o[3],
+                    own[4]
+                ],
+                "step {step}: {}",
+                m.name
+            );
+            let load = (own[0] + o[0]) as f64 / m.weight;
+            assert_eq!(w.request_load(), load);
+        }
+        let gone = format!("n{}", step + 10_000);
+        assert!(t.named(&gone).is_err() && r.freshness(&gone, now).is_err());
+    }
+    assert!(compactions > 0, "the table was never compacted");
+}
