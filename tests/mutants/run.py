@@ -104,7 +104,7 @@ PYTHON: dict[str, tuple[list[str], list[str], list[str]]] = {
     # prefill-then-decode handoff, SGLang's bootstrap fields) and charging a failed half.
     "py-gateway-pd": (
         ["python/kvroute/gateway/pd.py"],
-        ["tests/test_gateway_pd.py"],
+        ["tests/test_gateway_pd.py", "tests/test_gateway_pd_failover.py"],
         [
             *(
                 f"kvroute.gateway.pd.xǁPdForwarderǁ{f}__mutmut_*"

@@ -1,0 +1,286 @@
+"""Prefill/decode pairs' failover, path by path (``PdForwarder``'s ``_read_prefill`` (vLLM),
+``_drain_prefill`` (SGLang), ``_refused``, ``_send``): for each way a prefill half can fail, and
+for a failed decode half, what the caller gets (status, body, content type, request id), what is
+logged (each record's exact text: the worker charged, the failure's kind and detail, the health
+model's reason) and what is counted (``upstream_errors_total``, ``requests_total``,
+``retries_total``, one routing decision per half sent, ``pd_pairs_total``) — and that the pair's
+load returns to zero.
+
+The expected answers are the failure table's rows (``kvroute.gateway.errors``) as its module
+docs state them, written out here. Faults no real engine can be made to show come from
+``gateway_faults.FaultServer`` in the prefill worker's place; the decode worker is the test
+upstream of its protocol (``support.pd_upstream``).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Any
+
+import httpx
+import pytest
+from support.gateway_faults import FaultServer, reply
+from support.gateway_fleet import GatewayServer, messages, metric_samples, wait_for
+from test_gateway_pd import PdFleet, ask, idle
+
+ROUTE = "/v1/chat/completions"
+
+
+def closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def samples(gw: GatewayServer, name: str) -> dict[tuple, float]:
+    """``{labels: value}`` of one series (labels as sorted pairs), zero samples left out."""
+    return {
+        labels: v
+        for (n, labels), v in metric_samples(gw.metrics()).items()
+        if n == f"kvroute_gateway_{name}" and v
+    }
+
+
+def lines(caplog: pytest.LogCaptureFixture, logger: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == logger]
+
+
+def post(gw: GatewayServer, rid: str) -> httpx.Response:
+    """A chat call to the endpoint whose prompt fills blocks, as raw HTTP."""
+    return httpx.post(
+        gw.url + ROUTE,
+        json={"model": "ep-acme", "messages": messages("Which fuel?")},
+        headers={"authorization": "Bearer sk-acme", "x-request-id": rid},
+        trust_env=False,
+        timeout=20,
+    )
+
+
+def by_worker(gw: GatewayServer) -> dict[str, float]:
+    return {
+        dict(labels)["worker"]: v for labels, v in samples(gw, "routing_decisions_total").items()
+    }
+
+
+REFUSAL = b'{"error": {"message": "no"}}'
+# name -> (protocols, script (None: nobody listens), the answer: (status, body, content type) of
+# the prefill's own, or (status, code, message) of the gateway's error, kind, logged detail,
+# health: "count" charged, "down" ejected, "none")
+PREFILL_FAULTS: dict[str, tuple[tuple[str, ...], Any, tuple, str | None, str, str]] = {
+    "5xx": (
+        ("vllm", "sglang"),
+        lambda body: [reply(503, b'{"error": "busy"}')],
+        (503, b'{"error": "busy"}', "application/json"),
+        "status_5xx",
+        "prefill status 503",
+        "count",
+    ),
+    "4xx": (
+        ("vllm", "sglang"),
+        lambda body: [reply(400, REFUSAL)],
+        (400, REFUSAL, "application/json"),
+        None,
+        "",
+        "none",
+    ),
+    "closed before the head": (
+        ("vllm", "sglang"),
+        lambda body: [],
+        (502, "upstream_reset", "upstream up-0 closed the connection"),
+        "reset",
+        "the upstream closed the connection",
+        "count",
+    ),
+    "cut mid-body": (
+        ("vllm", "sglang"),
+        lambda body: [reply(200, b'{"choices": []}' + b" " * 1000)[:-900], 0.05],
+        (502, "upstream_broken", "upstream up-0 failed mid-response"),
+        "protocol",
+        "the upstream closed the connection",
+        "count",
+    ),
+    # SGLang's prefill reply is drained, never parsed nor bounded: these are no failures there.
+    "reply too large": (
+        ("vllm",),
+        lambda body: [reply(200, b'{"x": "' + b"y" * 5000 + b'"}')],
+        (
+            502,
+            "upstream_reply_too_large",
+            "the reply of upstream up-0 exceeds the gateway's size limit",
+        ),
+        "too_large",
+        "the reply exceeds 4096 bytes",
+        "none",
+    ),
+    "not a JSON object": (
+        ("vllm",),
+        lambda body: [reply(200, b"[1, 2]")],
+        (502, "upstream_error", "upstream up-0 failed"),
+        "status_5xx",
+        "the prefill's reply is not a JSON object",
+        "count",
+    ),
+    "read timeout": (  # vLLM only: SGLang's decode, sent at once, would time out alike
+        ("vllm",),
+        lambda body: [5.0],
+        (504, "upstream_timeout", "upstream up-0 timed out"),
+        "timeout",
+        "no byte from the upstream for 0.5 s",
+        "none",
+    ),
+    "refused": (
+        ("vllm", "sglang"),
+        None,
+        (502, "upstream_unreachable", "upstream up-0 unreachable"),
+        "connect",
+        "",
+        "down",
+    ),
+}
+CASES = [(p, name) for name, row in PREFILL_FAULTS.items() for p in row[0]]
+
+
+@pytest.mark.parametrize(("protocol", "name"), CASES, ids=[f"{p}-{n}" for p, n in CASES])
+def test_each_prefill_failure_is_answered_logged_and_counted(protocol, name, caplog):
+    _protocols, script, answer, kind, detail, health = PREFILL_FAULTS[name]
+    prefill = FaultServer(script) if script is not None else None
+    fleet = PdFleet(protocol, 1, 1)
+    config = fleet.config(
+        gateway={
+            "max_attempts": 1,
+            "max_response_bytes": 4096,
+            "read_timeout": 0.5 if name == "read timeout" else 10.0,
+            "eject_after": 1000,
+        }
+    )
+    url = prefill.url if prefill is not None else f"http://127.0.0.1:{closed_port()}"
+    config["workers"][0]["url"] = url
+    try:
+        with GatewayServer(config) as gw:
+            with caplog.at_level(logging.INFO):
+                r = post(gw, "pq-1")
+            assert r.headers["x-request-id"] == "pq-1"
+            if isinstance(answer[1], bytes):  # the prefill worker's own answer, whole
+                assert (r.status_code, r.content, r.headers["content-type"]) == answer
+            else:
+                status, code, message = answer
+                assert (r.status_code, r.headers["content-type"]) == (status, "application/json")
+                kind_name = "service_unavailable" if status == 503 else "upstream_error"
+                assert r.json() == {
+                    "error": {"message": message, "type": kind_name, "param": None, "code": code}
+                }
+            logged = lines(caplog, "kvroute.gateway")
+            health_lines = lines(caplog, "kvroute.server.health")
+            ejected = [m for m in health_lines if m.startswith("ejecting")]
+            charged = [m for m in health_lines if "failed (" in m]
+            if kind is None or health == "down":
+                assert logged == []
+            else:
+                assert logged == [f"upstream up-0: {kind}: {detail}"]
+            if health == "down":
+                (line,) = ejected
+                address = url.removeprefix("http://")
+                assert line.startswith(
+                    f"ejecting upstream up-0: connect: ConnectFailed('cannot connect to {address}: "
+                )
+            else:
+                assert ejected == []
+            if health == "count":
+                assert charged == [
+                    "upstream up-0 failed (failed a request only it was tried for, 1 in a row)"
+                ]
+            else:
+                assert charged == []
+            # Counted once each: the pair, a decision per half, the failure under the prefill
+            # worker, the answer under its status; no retry.
+            assert samples(gw, "pd_pairs_total") == {(("reason", "remote"),): 1}
+            assert by_worker(gw) == {"up-0": 1, "up-1": 1}
+            errors = {(("kind", kind), ("worker", "up-0")): 1} if kind else {}
+            assert samples(gw, "upstream_errors_total") == errors
+            answered = (("model", "ep-acme"), ("route", ROUTE), ("status", str(r.status_code)))
+            assert samples(gw, "requests_total") == {answered: 1}
+            assert samples(gw, "request_duration_seconds_count") == {(("route", ROUTE),): 1}
+            assert samples(gw, "retries_total") == {}
+            if protocol == "vllm":
+                assert fleet["up-1"].bodies == []  # the decode half was never sent …
+                # … so it was withdrawn: the prompt left the router's model of that worker
+                assert gw.gateway.router.index.num_blocks("up-1") == 0
+            else:  # sent at once, waiting for the KV: aborted
+                wait_for(lambda: len(fleet.exchange.aborted_rooms) == 1, "the decode's abort")
+                assert fleet.exchange.consumed_rooms == []
+            idle(gw)
+    finally:
+        if prefill is not None:
+            prefill.stop()
+        fleet.close()
+    assert fleet.exchange.errors == []
+
+
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+def test_a_failed_decode_half_is_answered_logged_and_counted(protocol, caplog):
+    """The decode worker answers 503: the caller gets that answer, the decode worker is charged
+    and logged with the status, and both halves' load returns to zero."""
+    fleet = PdFleet(protocol, 1, 1)
+    fleet["up-1"].fail(503)
+    try:
+        with GatewayServer(fleet.config(gateway={"max_attempts": 1})) as gw:
+            with caplog.at_level(logging.INFO):
+                r = post(gw, "pq-2")
+            assert (r.status_code, r.headers["x-request-id"]) == (503, "pq-2")
+            assert r.headers["content-type"] == "application/json"
+            assert r.json() == {"error": {"message": "up-1 failing", "type": "server_error"}}
+            assert lines(caplog, "kvroute.gateway") == ["upstream up-1: status_5xx: status 503"]
+            assert [m for m in lines(caplog, "kvroute.server.health") if "failed (" in m] == [
+                "upstream up-1 failed (failed a request only it was tried for, 1 in a row)"
+            ]
+            assert samples(gw, "upstream_errors_total") == {
+                (("kind", "status_5xx"), ("worker", "up-1")): 1
+            }
+            assert by_worker(gw) == {"up-0": 1, "up-1": 1}
+            assert len(fleet["up-0"].bodies) == 1  # the prefill was served
+            answered = (("model", "ep-acme"), ("route", ROUTE), ("status", "503"))
+            assert samples(gw, "requests_total") == {answered: 1}
+            idle(gw)
+    finally:
+        fleet.close()
+
+
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+def test_a_retried_prefill_is_charged_to_the_worker_that_failed(protocol, caplog):
+    """The endpoint's prefill worker answers 500 once: the pair is routed again past the pool
+    (another prefill worker, the same decode worker), the failure is logged and counted under the
+    worker that failed, which is charged with a request another worker then served."""
+    fleet = PdFleet(protocol, 2, 1)
+    try:
+        with GatewayServer(fleet.config()) as gw:
+            (first,) = gw.gateway.router.endpoint_pool("ep-acme", phase="prefill")
+            (other,) = set(fleet.names("prefill")) - {first}
+            fleet[first].fail(500, times=1)
+            with caplog.at_level(logging.INFO):
+                _text, headers = ask(gw, "Retry me?", rid="pq-3")
+            assert (headers["x-kvroute-prefill-worker"], headers["x-kvroute-worker"]) == (
+                other,
+                "up-2",
+            )
+            assert headers["x-kvroute-attempts"] == "2"
+            assert lines(caplog, "kvroute.gateway") == [
+                f"upstream {first}: status_5xx: prefill status 500"
+            ]
+            assert [m for m in lines(caplog, "kvroute.server.health") if "failed (" in m] == [
+                f"upstream {first} failed (failed a request another worker then served, 1 in a row)"
+            ]
+            assert samples(gw, "retries_total") == {(): 1}
+            assert samples(gw, "pd_pairs_total") == {(("reason", "remote"),): 2}
+            assert by_worker(gw) == {first: 1, other: 1, "up-2": 2}
+            assert samples(gw, "upstream_errors_total") == {
+                (("kind", "status_5xx"), ("worker", first)): 1
+            }
+            answered = (("model", "ep-acme"), ("route", ROUTE), ("status", "200"))
+            assert samples(gw, "requests_total") == {answered: 1}
+            idle(gw)
+    finally:
+        fleet.close()
+    assert fleet.exchange.errors == []
