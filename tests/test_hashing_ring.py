@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import inspect
 import random
 import threading
 import time
@@ -363,3 +364,28 @@ def test_get_many_on_a_list_another_thread_changes(hash):
             done.set()
 
     run_threads((mutate, ()), (read, ()))
+
+
+def test_get_arguments_bind_like_a_def():
+    # `HashRing.get` is a direct method (rust/src/py/direct_call.rs): one positional key is looked
+    # up there; every other call must bind as the PyO3 method `def get(self, key)` does.
+    ring = kvroute.HashRing(["a", "b", "c"])
+    want = uhashring.HashRing(["a", "b", "c"], hash_fn="ketama").get_node("k-1")
+    assert ring.get("k-1") == ring.get(key="k-1") == kvroute.HashRing.get(ring, "k-1") == want
+    assert kvroute.HashRing.get(ring, key="k-1") == want
+    assert list(inspect.signature(kvroute.HashRing.get).parameters) == ["self", "key"]
+    assert "The node ``key`` maps to." in kvroute.HashRing.get.__doc__
+    with pytest.raises(TypeError, match="missing"):
+        ring.get()
+    with pytest.raises(TypeError, match="takes 1 positional argument"):
+        ring.get("k-1", "k-2")
+    with pytest.raises(TypeError, match="multiple values"):
+        ring.get("k-1", key="k-2")
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        ring.get(name="k-1")
+    with pytest.raises(TypeError):
+        kvroute.HashRing.get(kvroute.Maglev(["a"]), "k-1")
+    with pytest.raises(TypeError, match="key must be str, bytes or int"):
+        ring.get(1.5)
+    with pytest.raises(ValueError):
+        kvroute.HashRing([]).get("k-1")

@@ -101,6 +101,59 @@ pub(super) type Block<const L: usize> = [[u32; L]; 16];
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(super) const WORD_VARIANTS: [usize; 4] = [4, 6, 8, 14];
 
+/// `v`, as a value the optimiser cannot see into, when `L == 1` (the scalar MD5): it then keeps
+/// the sums built before a step's chain-dependent operand is added, instead of reassociating them
+/// onto the chain (which made each step two to three additions longer). Generates no
+/// instruction (elsewhere than x86-64 and AArch64, it is `v` as is). Lanes (`L > 1`) are left to
+/// the optimiser.
+#[inline(always)]
+fn settled<const L: usize>(v: u32) -> u32 {
+    let mut v = v;
+    if L == 1 {
+        // SAFETY: an empty template (a comment naming the register): no instruction, and no
+        // memory, stack or flags touched.
+        #[cfg(target_arch = "x86_64")]
+        unsafe {
+            std::arch::asm!("/* {0:e} */", inout(reg) v, options(pure, nomem, nostack, preserves_flags));
+        }
+        // SAFETY: as above.
+        #[cfg(target_arch = "aarch64")]
+        unsafe {
+            std::arch::asm!("/* {0:w} */", inout(reg) v, options(pure, nomem, nostack, preserves_flags));
+        }
+    }
+    v
+}
+
+/// `t + F(x, y, z)`; `t` and the terms of `y` and `z` are ready before `x` (the previous step's
+/// result). F = z ^ (x & (y ^ z)): two operations after `x`.
+#[inline(always)]
+fn f<const L: usize>(t: u32, x: u32, y: u32, z: u32) -> u32 {
+    settled::<L>(t).wrapping_add(z ^ (x & settled::<L>(y ^ z)))
+}
+
+/// `t + G(x, y, z)`, G = (x & z) | (y & !z), whose two terms share no bit: so `t + (y & !z)` is
+/// summed ahead, and one operation (`x & z`) and one add follow `x`.
+#[inline(always)]
+fn g<const L: usize>(t: u32, x: u32, y: u32, z: u32) -> u32 {
+    if L == 1 {
+        return settled::<L>(t.wrapping_add(y & !z)).wrapping_add(x & z);
+    }
+    t.wrapping_add((x & z) | (y & !z))
+}
+
+/// `t + H(x, y, z)`, H = x ^ y ^ z: `y ^ z` ahead, one operation after `x`.
+#[inline(always)]
+fn h<const L: usize>(t: u32, x: u32, y: u32, z: u32) -> u32 {
+    settled::<L>(t).wrapping_add(x ^ settled::<L>(y ^ z))
+}
+
+/// `t + I(x, y, z)`, I = y ^ (x | !z): `!z` ahead, two operations after `x`.
+#[inline(always)]
+fn i<const L: usize>(t: u32, x: u32, y: u32, z: u32) -> u32 {
+    settled::<L>(t).wrapping_add(y ^ (x | settled::<L>(!z)))
+}
+
 /// Word 0 of the MD5 digest (the first four digest bytes, little-endian) of each lane's block.
 ///
 /// `rows[w]` holds message word `w` of every lane; words `W..14` and 15 must be zero in every lane
@@ -111,28 +164,23 @@ fn md5_word0<const L: usize, const W: usize>(rows: [&[u32; L]; 16]) -> [u32; L] 
     let [a0, b0, c0, d0] = INIT;
     let (mut a, mut b, mut c, mut d) = ([a0; L], [b0; L], [c0; L], [d0; L]);
     macro_rules! step {
-        ($f:expr, $a:ident, $b:ident, $c:ident, $d:ident, $i:expr, $g:expr, $s:expr) => {
+        ($r:ident, $a:ident, $b:ident, $c:ident, $d:ident, $i:expr, $g:expr, $s:expr) => {
             let m = rows[$g];
             for l in 0..L {
-                let (x, y, z) = ($b[l], $c[l], $d[l]);
-                let f: u32 = $f(x, y, z);
-                // `a + K + M` does not depend on `b`; adding `f` last keeps one add on the
-                // step-to-step dependency chain. A word known to be zero is not added.
+                // `a + K + M` does not depend on `b`: it is summed first, and `t + f(b, c, d)`
+                // keeps one add on the step-to-step dependency chain. A word known to be zero
+                // is not added.
                 let mut t = $a[l].wrapping_add(K[$i]);
                 if $g < W || $g == 14 {
                     t = t.wrapping_add(m[l]);
                 }
-                let t = t.wrapping_add(f);
-                $a[l] = x.wrapping_add(t.rotate_left($s));
+                let t = $r::<L>(t, $b[l], $c[l], $d[l]);
+                $a[l] = $b[l].wrapping_add(t.rotate_left($s));
             }
         };
     }
-    let f = |x: u32, y: u32, z: u32| z ^ (x & (y ^ z));
-    let g = |x: u32, y: u32, z: u32| (x & z) | (y & !z);
-    let h = |x: u32, y: u32, z: u32| x ^ y ^ z;
-    let i = |x: u32, y: u32, z: u32| y ^ (x | !z);
     macro_rules! four {
-        ($fun:expr, $i:expr, [$g0:expr, $g1:expr, $g2:expr, $g3:expr], [$s0:expr, $s1:expr, $s2:expr, $s3:expr]) => {
+        ($fun:ident, $i:expr, [$g0:expr, $g1:expr, $g2:expr, $g3:expr], [$s0:expr, $s1:expr, $s2:expr, $s3:expr]) => {
             step!($fun, a, b, c, d, $i, $g0, $s0);
             step!($fun, d, a, b, c, $i + 1, $g1, $s1);
             step!($fun, c, d, a, b, $i + 2, $g2, $s2);
