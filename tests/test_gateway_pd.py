@@ -231,6 +231,9 @@ def test_rooms_are_fresh_and_client_handover_fields_are_dropped():
             )
         rooms = [b["bootstrap_room"] for b in fleet["up-0"].bodies]
         assert len(set(rooms)) == 6 and 7 not in rooms
+        # Non-negative 63-bit integers, as SGLang's own mini_lb draws them
+        # (random.randint(0, 2**63 - 1)).
+        assert all(isinstance(r, int) and 0 <= r < 1 << 63 for r in rooms)
         assert {b["bootstrap_host"] for b in fleet["up-1"].bodies} == {"127.0.0.1"}
     fleet.close()
     assert fleet.exchange.errors == []
@@ -246,6 +249,68 @@ def test_rooms_are_fresh_and_client_handover_fields_are_dropped():
         assert d_body["max_completion_tokens"] == 7
     fleet.close()
     assert fleet.exchange.errors == []
+
+
+def test_the_vllm_prefill_request_is_the_decodes_less_what_only_the_decode_needs():
+    """vLLM's proxy flow (``toy_proxy_server.py``): the prefill request is the client's with
+    ``kv_transfer_params`` = do_remote_decode, ``stream`` false, ``max_tokens`` and
+    ``max_completion_tokens`` 1, and no ``stream_options`` / ``min_tokens`` /
+    ``min_completion_tokens``; every other field as the decode request has it. The decode gets
+    the client's request whole, with the prefill reply's ``kv_transfer_params``."""
+    fleet = PdFleet("vllm", 1, 1)
+    try:
+        with GatewayServer(fleet.config()) as gw:
+            only_decode = {"min_tokens": 3, "min_completion_tokens": 2}
+            ask(
+                gw,
+                "Which fuel?",
+                stream=True,
+                stream_options={"include_usage": True},
+                max_tokens=9,
+                max_completion_tokens=7,
+                temperature=0.5,
+                extra_body=only_decode,
+            )
+            (p_body,) = fleet["up-0"].bodies
+            (d_body,) = fleet["up-1"].bodies
+            assert {k: p_body.get(k, "absent") for k in PREFILL_ONLY} == {
+                "kv_transfer_params": VLLM_PREFILL_PARAMS,
+                "stream": False,
+                "max_tokens": 1,
+                "max_completion_tokens": 1,
+                "stream_options": "absent",
+                "min_tokens": "absent",
+                "min_completion_tokens": "absent",
+            }
+            assert {
+                k: d_body.get(k, "absent") for k in PREFILL_ONLY if k != "kv_transfer_params"
+            } == {
+                "stream": True,
+                "max_tokens": 9,
+                "max_completion_tokens": 7,
+                "stream_options": {"include_usage": True},
+                **only_decode,
+            }
+            rest = [set(b) - set(PREFILL_ONLY) for b in (p_body, d_body)]
+            assert rest[0] == rest[1] and {"temperature", "messages", "cache_salt"} <= rest[0]
+            assert {k: p_body[k] for k in rest[0]} == {k: d_body[k] for k in rest[1]}
+            (key,) = fleet.exchange.pulled  # the decode pulled the KV the prefill offered
+            assert d_body["kv_transfer_params"]["remote_engine_id"] == key[0] == "engine-up-0"
+            idle(gw)
+    finally:
+        fleet.close()
+    assert fleet.exchange.errors == []  # the engines found every field as they expect
+
+
+PREFILL_ONLY = (
+    "kv_transfer_params",
+    "stream",
+    "max_tokens",
+    "max_completion_tokens",
+    "stream_options",
+    "min_tokens",
+    "min_completion_tokens",
+)
 
 
 def test_short_uncached_parts_stay_on_the_decode_worker():
