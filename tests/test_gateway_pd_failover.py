@@ -284,3 +284,44 @@ def test_a_retried_prefill_is_charged_to_the_worker_that_failed(protocol, caplog
     finally:
         fleet.close()
     assert fleet.exchange.errors == []
+
+
+def post_slo(gw: GatewayServer, question: str, slo_ms: str) -> httpx.Response:
+    return httpx.post(
+        gw.url + ROUTE,
+        json={"model": "ep-acme", "messages": messages(question)},
+        headers={"authorization": "Bearer sk-acme", "x-slo-ttft-ms": slo_ms},
+        trust_env=False,
+        timeout=20,
+    )
+
+
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+def test_a_pair_shed_on_its_ttft_slo_is_withdrawn_whole(protocol):
+    """A pair whose prefill cannot meet ``x-slo-ttft-ms`` (~2,000 uncached tokens at 1,000
+    tokens/s) is shed before either half is sent: 429 ``slo``, no routing decision or pair
+    counted, and both halves withdrawn — the prompt leaves the router's model of both workers.
+    A relaxed SLO is served."""
+    fleet = PdFleet(protocol, 1, 1)
+    config = fleet.config(gateway={"prefill_tokens_per_second": 1000.0})
+    try:
+        with GatewayServer(config) as gw:
+            r = post_slo(gw, "Hurry?", "100")
+            assert (r.status_code, r.headers["retry-after"]) == (429, "1")
+            error = r.json()["error"]
+            assert (error["type"], error["code"]) == ("rate_limit_error", "slo")
+            assert error["message"].startswith("predicted time to first token ")
+            assert error["message"].endswith(" ms on the best worker exceeds x-slo-ttft-ms 100")
+            assert [fleet[n].bodies for n in ("up-0", "up-1")] == [[], []]
+            router = gw.gateway.router
+            assert [router.index.num_blocks(n) for n in ("up-0", "up-1")] == [0, 0]
+            assert samples(gw, "shed_total") == {(("reason", "slo"),): 1}
+            assert samples(gw, "routing_decisions_total") == {}
+            assert samples(gw, "pd_pairs_total") == {}
+            idle(gw)
+            r = post_slo(gw, "Relaxed?", "60000")
+            assert (r.status_code, r.headers["x-kvroute-prefill-worker"]) == (200, "up-0")
+            idle(gw)
+    finally:
+        fleet.close()
+    assert fleet.exchange.errors == []
