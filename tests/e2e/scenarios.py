@@ -22,10 +22,11 @@ from gateway import Result, send, send_stream, start_gateway
 from kvroute.gateway.prompt import ModelTokenizer
 from workload import chat_shapes, requests, system_prompt
 
-#: Pause after each request in the accuracy runs: the engine publishes a step's KV events as the
-#: step ends, the gateway applies them on its own thread; this keeps "the index before request
-#: n + 1" equal to "the engine after request n", which is what prediction accuracy measures.
+#: Pause after each request in the accuracy runs of a gateway without KV events (approx mode: it
+#: records a prompt when the answer arrives, so a short pause suffices).
 SETTLE = 0.1
+#: With KV events: the quiet time after the serving engine's stream has moved, and the longest wait.
+QUIET, SETTLE_CAP = 0.15, 10.0
 
 
 # ---- checks ------------------------------------------------------------------------------------
@@ -159,12 +160,47 @@ def check_block_stored(engine: Engine, model: str) -> tuple[bool, Any]:
 # ---- scenarios ---------------------------------------------------------------------------------
 
 
+class Settle:
+    """Keeps "the index before request n + 1" equal to "the engine after request n", which is what
+    prediction accuracy measures. The engine publishes a step's KV events as the step ends and the
+    gateway applies them on its own thread, so a fixed pause is load-sensitive: with KV events,
+    after a request that stored new blocks, this waits until the serving worker's ``last_seq`` (the
+    gateway's ``/health``) has moved past its value before the request and then stayed put for
+    ``QUIET`` seconds (at most ``SETTLE_CAP``); otherwise it pauses ``SETTLE``."""
+
+    def __init__(self, gateway: Any, block_size: int) -> None:
+        self.gateway, self.block_size = gateway, block_size
+        self.seqs: dict[str, Any] = {}
+
+    def _seqs(self) -> dict[str, Any]:
+        return {w: e.get("last_seq") for w, e in self.gateway.health().get("events", {}).items()}
+
+    def before(self) -> None:
+        self.seqs = self._seqs()
+
+    def after(self, res: Result) -> None:
+        bs = self.block_size
+        stores = res.prompt is not None and (res.prompt // bs) > ((res.cached or 0) // bs)
+        if res.worker not in self.seqs or not stores:
+            time.sleep(SETTLE)
+            return
+        start = moved = time.monotonic()
+        seq = self.seqs[res.worker]
+        while (now := time.monotonic()) - start < SETTLE_CAP:
+            latest = self._seqs().get(res.worker)
+            if latest != seq:
+                seq, moved = latest, now
+            elif seq != self.seqs[res.worker] and now - moved >= QUIET:
+                return
+            time.sleep(0.02)
+
+
 def _run(
     url: str,
     reqs: list,
     *,
     stream: bool = False,
-    settle: float = 0.0,
+    settle: Settle | None = None,
     client: httpx.Client | None = None,
 ) -> list[Result]:
     own = client is None
@@ -172,10 +208,12 @@ def _run(
     out = []
     try:
         for r in reqs:
+            if settle:
+                settle.before()
             res = (send_stream if stream else send)(client, url, r.path, r.body)
             out.append(res)
             if settle:
-                time.sleep(settle)
+                settle.after(res)
     finally:
         if own:
             client.close()
@@ -252,7 +290,7 @@ def scenario_accuracy(
     g = start_gateway(tmp, name, engines, model_dir=args.model, **kw)
     try:
         reqs = requests(args.requests, args.tenants, seed)
-        return _run(g.url, reqs, settle=SETTLE)
+        return _run(g.url, reqs, settle=Settle(g, engines[0].block_size))
     finally:
         g.stop()
 
@@ -270,7 +308,8 @@ def scenario_hit_rate(tmp: Path, policy: str, engines: list[Engine], args: Any) 
         hash_algo=engines[0].hash_algo,
     )
     try:
-        return _run(g.url, requests(args.requests, args.tenants, 5), stream=True, settle=SETTLE)
+        settle = Settle(g, engines[0].block_size)
+        return _run(g.url, requests(args.requests, args.tenants, 5), stream=True, settle=settle)
     finally:
         g.stop()
 
@@ -292,19 +331,20 @@ def scenario_restart(tmp: Path, engines: list[Engine], args: Any) -> dict[str, A
         hash_algo=e1.hash_algo,
     )
     reqs = requests(140, 8, 21)
+    settle = Settle(g, e1.block_size)
     try:
-        before = _run(g.url, reqs[:40], settle=SETTLE)
+        before = _run(g.url, reqs[:40], settle=settle)
         held = _health_events(g, e1.name).get("blocks")
         e1.stop()
         time.sleep(1.0)
-        down = _run(g.url, reqs[40:60], settle=SETTLE)  # served by e0 (failover)
+        down = _run(g.url, reqs[40:60], settle=settle)  # served by e0 (failover)
         events = _health_events(g, e1.name)
         detected = (events.get("disconnects") or 0) + (events.get("restarts") or 0) > 0
         detected = detected and events.get("blocks") == 0  # its blocks were cleared
         e1.start()
         e1.wait_ready()
         time.sleep(2.0)  # the health prober readmits e1
-        after = _run(g.url, reqs[60:], settle=SETTLE)
+        after = _run(g.url, reqs[60:], settle=settle)
         on_e1 = [r for r in after if r.worker == e1.name]
         # The number of e1's requests before every later one is exact.
         until = None
