@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from support.gateway_faults import SSE_HEAD, FaultServer, chunk, reply
+from support.gateway_faults import SSE_HEAD, FaultServer, chunk, delta, reply
 from support.gateway_fleet import (
     Fleet,
     GatewayServer,
@@ -361,3 +361,37 @@ def test_failures_are_charged_and_probed_by_how_many_workers_failed(attempts, ca
                 ]
     finally:
         fleet.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answers_headers_are_forwarded_by_name(servers, stream):
+    """Of an upstream's answer head, only ``content-type``, ``content-encoding`` and
+    ``cache-control`` reach the caller (streamed or whole), with the request's own
+    ``x-request-id``; the upstream's other headers (its own request id among them) do not."""
+    extra = (
+        "content-type: {}\r\ncontent-encoding: identity\r\ncache-control: no-store\r\n"
+        "x-upstream-secret: 1\r\nx-request-id: upstream-id\r\nconnection: close\r\n"
+    )
+    if stream:
+        head = "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n" + extra + "\r\n"
+        done = chunk(b"data: [DONE]\n\n")
+        script = lambda body: [  # noqa: E731
+            head.format("text/event-stream").encode(),
+            chunk(delta("one ")),
+            done,
+            b"0\r\n\r\n",
+        ]
+    else:
+        data = b'{"choices": [{"index": 0, "message": {"role": "assistant", "content": "one"}}]}'
+        head = f"HTTP/1.1 200 OK\r\ncontent-length: {len(data)}\r\n" + extra + "\r\n"
+        script = lambda body: [head.format("application/json").encode() + data]  # noqa: E731
+    with GatewayServer(fleet_config([servers(script)])) as gw:
+        r = post(gw, "rq-4", stream)
+        assert r.status_code == 200
+        forwarded = {k: r.headers.get(k) for k in ("content-encoding", "cache-control")}
+        assert forwarded == {"content-encoding": "identity", "cache-control": "no-store"}
+        ctype = "text/event-stream" if stream else "application/json"
+        assert r.headers["content-type"].split(";")[0] == ctype
+        assert r.headers["x-request-id"] == "rq-4"
+        assert "x-upstream-secret" not in r.headers
+        assert b"one" in r.content
