@@ -395,3 +395,30 @@ def test_an_answers_headers_are_forwarded_by_name(servers, stream):
         assert r.headers["x-request-id"] == "rq-4"
         assert "x-upstream-secret" not in r.headers
         assert b"one" in r.content
+
+
+def test_a_request_shed_on_its_ttft_slo_is_withdrawn():
+    """A request that cannot meet ``x-slo-ttft-ms`` (~2,000 uncached tokens at 1,000 tokens/s)
+    is shed before it is sent: 429 ``slo`` with ``retry-after``, no routing decision counted,
+    and its prompt out of the router's model of the worker it was routed to."""
+    fleet = Fleet(1)
+    try:
+        cfg = config_dict(fleet, gateway={"prefill_tokens_per_second": 1000.0})
+        cfg["endpoints"] = cfg["endpoints"][:1]  # ep-acme, a pool of the one worker
+        with GatewayServer(cfg) as gw:
+            r = httpx.post(
+                gw.url + ROUTE,
+                json={"model": "ep-acme", "messages": messages("Hurry?")},
+                headers={"authorization": "Bearer sk-acme", "x-slo-ttft-ms": "100"},
+                trust_env=False,
+                timeout=20,
+            )
+            assert (r.status_code, r.headers["retry-after"]) == (429, "1")
+            assert r.json()["error"]["code"] == "slo"
+            assert fleet.upstreams[0].records == []
+            assert gw.gateway.router.index.num_blocks("up-0") == 0
+            assert gw.gateway.router.load("up-0")["prefill_blocks"] == 0
+            assert samples(gw, "routing_decisions_total") == {}
+            assert samples(gw, "shed_total") == {(("reason", "slo"),): 1}
+    finally:
+        fleet.close()
