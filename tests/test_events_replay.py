@@ -300,13 +300,15 @@ def test_unanswered_replay_times_out_and_clears(engines):
     assert freshness(router, "w") == 1.0
 
 
-def test_catch_up_replays_what_was_published_before_joining(engines):
+@pytest.mark.parametrize("before", [1, 3])
+def test_catch_up_replays_what_was_published_before_joining(engines, before):
+    """The first message seen is number ``before`` (1: only number 0 was missed)."""
     engine, router, tokens, payloads = chain(engines, 5, first=500, answer_replays=True)
-    for p in payloads[:3]:
+    for p in payloads[:before]:
         engine.publish(p, send=False)  # before the subscriber existed
     with subscriber(router, engine) as sub:
         engine.wait_subscriber()
-        for p in payloads[3:]:
+        for p in payloads[before:]:
             engine.publish(p)
         wait_for(lambda: sub.stats()["w"]["last_seq"] == 4 and not sub.is_stale("w"), "seq 4")
         s = sub.stats()["w"]
@@ -444,6 +446,8 @@ def test_a_replay_past_the_live_head_drops_the_rest_of_its_answer(engines):
         engine.publish(payloads[3], send=False)  # published, not yet delivered live
         engine.answer(first, engine.buffered_from(start), end=False)  # 1, 2, 3: past the head
         wait_for(lambda: not sub.is_stale("w"), "the replay to end at seq 3")
+        w = sub._workers["w"]  # the old DEALER is closed and forgotten, not kept in the poll map
+        assert set(sub._owner) == {w.sub, w.monitor, w.dealer}
         engine.send_buffered(3)  # the live stream catches up: already applied
         engine.publish(payloads[4], send=False)
         engine.publish(payloads[5])  # a second gap
@@ -465,13 +469,23 @@ def test_a_malformed_replay_reply_is_counted_and_skipped(engines):
     with subscriber(router, engine) as sub:
         open_gap(sub, engine, payloads)
         identity, start = engine.take_replay_request()
-        engine.router.send_multipart([identity, b"", b"neither form"])
-        wait_for(lambda: sub.stats()["w"]["malformed"] == 1, "the malformed reply")
+        one = (1).to_bytes(8, "big")  # the batch the replay is waiting for
+        malformed = [
+            [b"", b"neither form"],
+            [b"x", one, payloads[1]],  # the old form without its empty first frame
+            [b"x", b"", one, payloads[1]],  # the new form without it
+            [b"", b"", one[1:], payloads[1]],  # a 7-byte sequence frame
+            [b"", b"", one, payloads[1], b""],  # five frames
+        ]
+        for n, frames in enumerate(malformed, 1):
+            engine.router.send_multipart([identity, *frames])
+            wait_for(lambda n=n: sub.stats()["w"]["malformed"] == n, f"malformed reply {n}")
+            assert sub.stats()["w"]["batches"] == 1  # nothing applied
         engine.answer(identity, engine.buffered_from(start))
         wait_for(lambda: not sub.is_stale("w"), "the replay to end")
         s = sub.stats()["w"]
         assert s["replay_endpoint"] == engine.replay_endpoint
-    assert (s["malformed"], s["errors"], s["batches"]) == (1, 0, 4)
+    assert (s["malformed"], s["errors"], s["batches"]) == (len(malformed), 0, 4)
     assert counters(s) == (1, 1, 0, 0, 0)
     assert router.index.match(own(tokens)) == {"w": 4}
 
@@ -531,3 +545,49 @@ def test_each_replay_that_loses_history_is_one_failure(engines):
     assert counters(s) == (2, 2, 2, 3, 0)
     held = {i for i in range(8) if router.index.match(own(blocks[i]))}
     assert held == {6, 7}  # cleared at each hole; nothing guessed
+
+
+def test_a_replays_deadline_is_replay_timeout_after_it_starts(engines):
+    """The deadline of a replay without progress: ``replay_timeout`` seconds after it starts,
+    5 by default (the class docstring's bound). Read between two readings of the same monotonic
+    clock taken before the gap is shown and after the replay started — no waiting on time."""
+    for kwargs, timeout in (({}, 5.0), ({"replay_timeout": 42.0}, 42.0)):
+        engine, router, _, payloads = chain(engines, 3)
+        sub = KvEventSubscriber(
+            router, {"w": engine.endpoint}, replay={"w": engine.replay_endpoint}, **kwargs
+        )
+        with sub:
+            start_with_seq0(sub, engine, payloads[0])
+            engine.publish(payloads[1], send=False)
+            before = time.monotonic()
+            engine.publish(payloads[2])  # shows the gap: the replay starts
+            engine.take_replay_request()
+            after = time.monotonic()
+            deadline = sub._workers["w"].replay_deadline
+        assert before + timeout <= deadline <= after + timeout, kwargs
+
+
+def test_a_freshness_sink_given_is_told_instead_of_the_target(engines):
+    """``freshness=`` is the sink even when the target (a router) has ``mark_stale`` /
+    ``mark_fresh`` of its own: the router is never marked stale."""
+
+    class Sink:
+        def __init__(self):
+            self.calls = []
+
+        def mark_stale(self, worker):
+            self.calls.append(("stale", worker))
+
+        def mark_fresh(self, worker):
+            self.calls.append(("fresh", worker))
+
+    engine, router, tokens, payloads = chain(engines, 3)
+    sink = Sink()
+    with subscriber(router, engine, freshness=sink) as sub:
+        open_gap(sub, engine, payloads)
+        identity, start = engine.take_replay_request()
+        wait_for(lambda: sink.calls == [("stale", "w")], "the sink told: stale")
+        assert sub.is_stale("w") and freshness(router, "w") == 1.0  # the router is not told
+        engine.answer(identity, engine.buffered_from(start))
+        wait_for(lambda: sink.calls == [("stale", "w"), ("fresh", "w")], "then fresh")
+    assert router.index.match(own(tokens)) == {"w": 3}

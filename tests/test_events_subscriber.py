@@ -172,8 +172,11 @@ def test_stop_is_clean_and_restartable(engines):
     before = {t.name for t in threading.enumerate()}
     sub.start()
     engine.wait_subscriber()
-    assert "kvroute-kv-events" in {t.name for t in threading.enumerate()}
+    (thread,) = (t for t in threading.enumerate() if t.name == "kvroute-kv-events")
+    daemon, ctx = thread.daemon, sub._ctx
     sub.stop()
+    assert daemon  # a program that never calls stop() still exits
+    assert ctx.closed  # the ZMQ context (its I/O threads) is terminated
     sub.stop()  # idempotent
     assert {t.name for t in threading.enumerate()} == before
     with sub:
@@ -416,3 +419,205 @@ def test_a_dropped_event_connection_clears_the_worker_at_once(engines):
         assert index.match(own(tokens)) == {}
         assert s["resets"] == 1
     engine.pub = engine.ctx.socket(zmq.PUB)  # for the fixture's close()
+
+
+def test_every_argument_error_is_named_whole():
+    """Each refused argument's message, whole: what was wrong and the value given."""
+    index = PrefixIndex()
+    one = {"w": "tcp://127.0.0.1:1"}
+    cases = [
+        (
+            {"target": index, "endpoints": one, "replay": {"x": "tcp://127.0.0.1:2"}},
+            KeyError,
+            "replay endpoints given for unknown workers ['x']",
+        ),
+        (
+            {"target": index, "endpoints": one, "bind": {"v": True}},
+            KeyError,
+            "bind given for unknown workers ['v']",
+        ),
+        (
+            {"target": index, "endpoints": {"w": 5}},
+            TypeError,
+            "endpoints must map str to str, got 'w': 5",
+        ),
+        (
+            {"target": index, "endpoints": {5: "tcp://127.0.0.1:1"}},
+            TypeError,
+            "endpoints must map str to str, got 5: 'tcp://127.0.0.1:1'",
+        ),
+        (
+            {"target": index, "endpoints": one, "replay_timeout": 0},
+            ValueError,
+            "replay_timeout must be > 0, got 0",
+        ),
+        (
+            {"target": index, "endpoints": one, "replay_timeout": -1.5},
+            ValueError,
+            "replay_timeout must be > 0, got -1.5",
+        ),
+        (
+            {"target": index, "endpoints": one, "max_pending": 0},
+            ValueError,
+            "max_pending must be >= 1, got 0",
+        ),
+        (
+            {"target": index, "endpoints": one, "max_pending_bytes": 0},
+            ValueError,
+            "max_pending_bytes must be >= 1, got 0",
+        ),
+        (
+            {"target": object(), "endpoints": one},
+            TypeError,
+            "target must be a PrefixIndex, a KvEventApplier, a router with an .index or an "
+            "event sink, got object",
+        ),
+        (
+            {"target": Router(["w"]), "endpoints": one},
+            ValueError,
+            "this router predicts its index (index='approx'); create it with index='events' to "
+            "feed it engine KV events",
+        ),
+    ]
+    for kwargs, kind, message in cases:
+        target, endpoints = kwargs.pop("target"), kwargs.pop("endpoints")
+        with pytest.raises(kind) as raised:
+            KvEventSubscriber(target, endpoints, **kwargs)
+        assert raised.value.args == (message,), kwargs
+    KvEventSubscriber(index, one, replay_timeout=1e-9)  # any positive timeout
+
+
+def test_the_subscribers_block_size_and_group_idx_reach_the_applier():
+    """``block_size`` hashes a PrefixIndex's blocks (and overrides a router-like target's own);
+    ``group_idx`` picks the KV-cache group followed — the default, 0, skips other groups'
+    events. Blocks are indexed under ``BlockHasher``'s hashes of the same tokens."""
+    tokens = list(range(64))
+    one = {"w": "tcp://127.0.0.1:1"}
+    big = P.batch([P.map16(P.stored_fields([1, 2], None, tokens, 32))])
+    index = PrefixIndex()
+    KvEventSubscriber(index, one, block_size=32).applier.apply("w", big)
+    assert index.match(own(tokens, block_size=32)) == {"w": 2}
+
+    class Target:
+        index = PrefixIndex()
+        block_size = 16
+        hash_profile = "native"
+
+    target = Target()
+    KvEventSubscriber(target, one, block_size=32).applier.apply("w", big)
+    assert target.index.match(own(tokens, block_size=32)) == {"w": 2}
+
+    group1 = P.batch([P.map16(P.stored_fields([1], None, tokens[:16], 16, group_idx=1))])
+    default, chosen = PrefixIndex(), PrefixIndex()
+    sub = KvEventSubscriber(default, one)
+    sub.applier.apply("w", group1)
+    assert default.match(own(tokens[:16])) == {}
+    assert sub.applier.stats("w")["skipped_other_group"] == 1
+    KvEventSubscriber(chosen, one, group_idx=1).applier.apply("w", group1)
+    assert chosen.match(own(tokens[:16])) == {"w": 1}
+
+
+def test_seconds_since_event_is_the_time_since_the_last_message(engines):
+    """``seconds_since_event`` lies between 0 and the time since the test published the message
+    (both read from the same monotonic clock): not a duration the test waits for."""
+    engine = engines(replay=False)
+    with KvEventSubscriber(PrefixIndex(), {"w": engine.endpoint}) as sub:
+        assert sub.stats()["w"]["seconds_since_event"] is None
+        engine.wait_subscriber()
+        before = time.monotonic()
+        engine.publish(stored([1], None, range(16)))
+        wait_for(lambda: sub.stats()["w"]["last_seq"] == 0, "seq 0")
+        since = sub.stats()["w"]["seconds_since_event"]
+        assert 0.0 <= since <= time.monotonic() - before
+
+
+def test_rcvhwm_and_its_default_reach_the_sub_socket(engines):
+    """The SUB socket's receive high-water mark: ``rcvhwm``, by default 100,000 messages (the
+    default stated in the docstring of ``KvEventSubscriber.__init__``'s ``rcvhwm``)."""
+    engine = engines(replay=False)
+    for kwargs, expected in (({}, 100_000), ({"rcvhwm": 7}, 7)):
+        with KvEventSubscriber(PrefixIndex(), {"w": engine.endpoint}, **kwargs) as sub:
+            engine.wait_subscriber()
+            assert sub._workers["w"].sub.getsockopt(zmq.RCVHWM) == expected
+
+
+def test_the_poll_waits_until_the_earliest_replay_deadline():
+    """The poll thread's wait: a second when no replay runs; else until the earliest replay
+    deadline, rounded up to the next millisecond (so it never wakes before it), and 0 once a
+    deadline has passed. Bounds from the test's own readings of the same monotonic clock."""
+    sub = KvEventSubscriber(PrefixIndex(), {"a": "tcp://127.0.0.1:1", "b": "tcp://127.0.0.1:2"})
+    a, b = sub._workers["a"], sub._workers["b"]
+    assert sub._poll_timeout() == 1000
+    b.replay_deadline = time.monotonic() - 1.0  # not replaying: its deadline does not count
+    assert sub._poll_timeout() == 1000
+    a.replaying = b.replaying = True
+    for soon, later in ((0.25, 0.5), (0.5, 0.25)):
+        before = time.monotonic()
+        a.replay_deadline, b.replay_deadline = before + soon, before + later
+        waited = sub._poll_timeout()
+        after = time.monotonic()
+        first = before + 0.25
+        assert int((first - after) * 1000) + 1 <= waited <= int((first - before) * 1000) + 1
+    a.replay_deadline = time.monotonic() - 0.5  # passed
+    assert sub._poll_timeout() == 0
+
+
+def test_stats_over_an_event_sink_are_the_subscribers_own(engines):
+    """Over ``kvroute relay``'s outbox — an event sink whose stats are its own message counts,
+    with none of the applier's counters — a worker's row still holds the subscriber's: a gap
+    without replay and a restart each clear the worker (``resets``), a short sequence frame is
+    malformed; the outbox's counts (batches and clears it queued) are passed through."""
+    from kvroute.cluster.relay import _Outbox
+
+    engine = engines(replay=False)
+    outbox = _Outbox(max_pending=100)
+    payloads = chain_payloads(list(range(48)), 3)
+    with KvEventSubscriber(outbox, {"w": engine.endpoint}) as sub:
+        assert sub.applier is outbox
+        engine.wait_subscriber()
+        engine.publish(payloads[0])
+        engine.publish(payloads[1], send=False)
+        engine.publish(payloads[2])  # a gap, no replay endpoint: cleared
+        wait_for(lambda: sub.stats()["w"]["last_seq"] == 2, "seq 2")
+        engine.restart()
+        engine.publish(payloads[0])  # number 0 again: a restart, cleared
+        wait_for(lambda: sub.stats()["w"]["restarts"] == 1, "the restart")
+        engine.send_raw([b"", b"\x00" * 7, payloads[0]])
+        wait_for(lambda: sub.stats()["w"]["malformed"] == 1, "the malformed frame")
+        s = sub.stats()["w"]
+    assert s.pop("stale") is False and s.pop("seconds_since_event") >= 0
+    assert s == {
+        **{"batch": 3, "clear": 2, "fresh": 0},  # the outbox's own counts
+        **{"endpoint": engine.endpoint, "replay_endpoint": None, "last_seq": 0},
+        **{"gaps": 1, "replays": 0, "replay_failures": 0, "resets": 2, "restarts": 1},
+        **{"disconnects": 0, "errors": 0, "pending": 0, "pending_bytes": 0},
+        **{"malformed": 1, "malformed_frames": 1, "malformed_payloads": 0},
+    }
+
+
+def test_the_default_replay_buffer_bounds():
+    """The defaults the class docstring states: during a replay up to 100,000 live messages
+    (``max_pending``) and 64 MiB (``max_pending_bytes``) are buffered; one message more gives
+    the replay up — the worker is cleared and follows the live stream from the buffered
+    messages. Driven through the poll thread's live handler without sockets (100,001 ZMQ
+    messages would take seconds); the payloads are empty batches, or malformed ones."""
+    empty = P.batch([])
+    sub = KvEventSubscriber(PrefixIndex(), {"w": "tcp://127.0.0.1:1"})
+    w = sub._workers["w"]
+    w.replaying, w.expected = True, 0  # a replay from 0, no DEALER to replace
+    for seq in range(1, 100_001):
+        sub._on_live(w, seq, empty)
+    assert (len(w.pending), w.replaying) == (100_000, True)
+    sub._on_live(w, 100_001, empty)
+    s = sub.stats()["w"]
+    assert (s["pending"], s["stale"], s["replay_failures"], s["resets"]) == (0, False, 1, 1)
+    assert (s["batches"], s["last_seq"]) == (100_001, 100_001)
+
+    sub = KvEventSubscriber(PrefixIndex(), {"w": "tcp://127.0.0.1:1"})
+    w = sub._workers["w"]
+    w.replaying, w.expected = True, 0
+    sub._on_live(w, 1, bytes(64 << 20))  # exactly the bound
+    assert (w.pending_bytes, w.replaying) == (64 << 20, True)
+    sub._on_live(w, 2, b"x")
+    s = sub.stats()["w"]
+    assert (s["pending_bytes"], s["replay_failures"], s["malformed"], s["last_seq"]) == (0, 1, 2, 2)

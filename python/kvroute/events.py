@@ -182,6 +182,11 @@ class KvEventSubscriber:
     publisher binds only an endpoint with a wildcard host (``tcp://*:5557``), ``ipc://`` or
     ``inproc://``, and *connects* to one with a concrete host (``tcp://10.0.0.5:5557``), where
     the subscriber must bind. The replay socket is always bound by the engine.
+
+    Bounds: a replay is given up after ``replay_timeout`` seconds without progress (default 5)
+    or when the live messages buffered meanwhile exceed ``max_pending`` (default 100,000) or
+    ``max_pending_bytes`` (default 64 MiB); ``rcvhwm`` (default 100,000 messages) is each SUB
+    socket's receive high-water mark — past it ZMQ drops messages, which shows as a gap.
     """
 
     def __init__(
