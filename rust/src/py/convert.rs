@@ -249,19 +249,20 @@ pub fn usize_from_int(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
 /// Calls `f` with the routing key held in `obj`: `str` (UTF-8 bytes), `bytes`, or `int` in 0..2^64.
 pub fn with_key<R>(obj: &Bound<'_, PyAny>, f: impl FnOnce(Key<'_>) -> R) -> PyResult<R> {
     // Exact `str` first: a pointer comparison, where the subclass check below is a call.
-    if let Ok(s) = obj.cast_exact::<PyString>() {
-        return Ok(f(Key::Bytes(str_bytes(s)?)));
-    }
-    if let Ok(s) = obj.cast::<PyString>() {
-        return Ok(f(Key::Bytes(str_bytes(s)?)));
-    }
-    if let Ok(b) = obj.cast::<PyBytes>() {
-        return Ok(f(Key::Bytes(b.as_bytes())));
-    }
-    if obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>() {
-        return Ok(f(Key::Int(u64_from_int(obj, "key", None)?)));
-    }
-    Err(type_error(obj, "key must be str, bytes or int"))
+    let key = if let Ok(s) = obj.cast_exact::<PyString>() {
+        Key::Bytes(str_bytes(s)?)
+    } else if let Ok(s) = obj.cast::<PyString>() {
+        Key::Bytes(str_bytes(s)?)
+    } else if let Ok(b) = obj.cast::<PyBytes>() {
+        Key::Bytes(b.as_bytes())
+    } else if obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>() {
+        Key::Int(u64_from_int(obj, "key", None)?)
+    } else {
+        return Err(type_error(obj, "key must be str, bytes or int"));
+    };
+    // One call site: `f` is inlined here rather than made a function of its own, whose result
+    // would come back through memory.
+    Ok(f(key))
 }
 
 /// A batch of keys copied out of Python objects into contiguous memory, so the work on them can

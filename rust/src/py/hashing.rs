@@ -150,19 +150,21 @@ unsafe extern "C" fn ring_get_direct(
     nargs: pyo3::ffi::Py_ssize_t,
     kwnames: *mut pyo3::ffi::PyObject,
 ) -> *mut pyo3::ffi::PyObject {
-    if nargs == 1 && kwnames.is_null() && !slf.is_null() {
+    if nargs == 1 && kwnames.is_null() {
         // SAFETY: CPython calls a method with the GIL held, `self` and the `nargs` positional
         // arguments live for the call.
         let (py, slf, key) = unsafe {
             let py = Python::assume_attached();
-            (
-                py,
-                Borrowed::from_ptr(py, slf),
-                Borrowed::from_ptr(py, *args),
-            )
+            let (slf, key) = (
+                Borrowed::from_ptr_or_opt(py, slf),
+                Borrowed::from_ptr_or_opt(py, *args),
+            );
+            (py, slf, key)
         };
-        if let Ok(ring) = slf.cast_exact::<HashRing>() {
-            return direct_call::returned(py, || ring.get().inner.get(py, &key));
+        if let (Some(slf), Some(key)) = (slf, key) {
+            if let Ok(ring) = slf.cast_exact::<HashRing>() {
+                return direct_call::returned(py, || ring.get().inner.get(py, &key));
+            }
         }
     }
     // SAFETY: called by CPython with these arguments unchanged.
