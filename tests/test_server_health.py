@@ -180,6 +180,7 @@ class HealthMachine(RuleBasedStateMachine):
 
         self.probed.clear()
         self.loop.run_until_complete(suspect_and_wait())
+        assert not self.health._probes  # a finished probe is not kept
         probed = self.ref.suspect(worker, self.now, self.answers[worker])
         assert self.probed == ([worker] if probed else [])
         self.expect_calls(before)
@@ -253,4 +254,43 @@ def test_loop_readmits_once_a_probe_answers(caplog):
         "ejecting upstream a: refused",
         "health probe round failed",
         "upstream a is healthy again",
+    ]
+
+
+def test_every_log_line_names_the_worker_and_why(caplog):
+    """Each failure, ejection, refusal to eject (the fleet fraction), readmission and failed
+    suspicion probe is logged whole, at its level, with the worker, the reason and the counts."""
+    answers = {"a": True, "b": False}
+
+    async def probe(worker: str) -> bool:
+        return answers[worker]
+
+    async def main() -> None:
+        config = HealthConfig(
+            interval=1.0, eject_seconds=0.0, eject_after=2, max_ejected_fraction=0.5
+        )
+        health = Health(["a", "b"], config, set_healthy=lambda w, ok: None, probe=probe)
+        health.failed("a", "timeout")
+        assert health.failed("a", "timeout")
+        health.failed("b", "reset")
+        assert not health.failed("b", "reset")  # half the fleet is out already
+        health.readmit("a")
+        health.suspect("b", "a 5xx")
+        await asyncio.gather(*health._probes)
+        assert not health._probes  # a finished probe is not kept
+        health.down("a", "connection refused")
+        await health.stop()
+
+    with caplog.at_level("INFO", logger="kvroute.server.health"):
+        asyncio.run(main())
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", "upstream a failed (timeout, 1 in a row)"),
+        ("WARNING", "upstream a failed (timeout, 2 in a row)"),
+        ("WARNING", "ejecting upstream a: 2 failures in a row"),
+        ("WARNING", "upstream b failed (reset, 1 in a row)"),
+        ("WARNING", "upstream b failed (reset, 2 in a row)"),
+        ("WARNING", "not ejecting b: 1 of 2 workers are out already (max_ejected_fraction 0.50)"),
+        ("INFO", "upstream a is healthy again"),
+        ("WARNING", "ejecting upstream b: a 5xx, and its health probe failed"),
+        ("WARNING", "ejecting upstream a: connection refused"),
     ]
