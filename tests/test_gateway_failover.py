@@ -422,3 +422,25 @@ def test_a_request_shed_on_its_ttft_slo_is_withdrawn():
             assert samples(gw, "shed_total") == {(("reason", "slo"),): 1}
     finally:
         fleet.close()
+
+
+def test_a_served_request_starts_the_workers_failures_in_a_row_again(caplog):
+    """A worker's charged failures count in a row: one it then serves starts them again at 0
+    (``eject_after`` 2: fail, serve, fail ejects nothing)."""
+    fleet = Fleet(1)
+    try:
+        cfg = fleet_config([f"http://127.0.0.1:{fleet.ports[0]}"], max_attempts=1, eject_after=2)
+        with GatewayServer(cfg) as gw:
+            with caplog.at_level(logging.INFO):
+                for rid in ("rq-5", "rq-6", "rq-7"):
+                    fleet.upstreams[0].fail(500, times=1 if rid != "rq-6" else 0)
+                    r = post(gw, rid, False)
+                    assert r.status_code == (200 if rid == "rq-6" else 500)
+            health = lines(caplog, "kvroute.server.health")
+            assert (
+                health
+                == ["upstream w-0 failed (failed a request only it was tried for, 1 in a row)"] * 2
+            )
+            assert gw.get("/health").json()["workers"] == {"w-0": True}
+    finally:
+        fleet.close()
