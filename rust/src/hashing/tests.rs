@@ -945,3 +945,7 @@ mod ring {
         }
     }
 }
+
+/// Tests written for cargo-mutants survivors since shard 5/40 (`tests_mutants.rs`).
+#[path = "tests_mutants.rs"]
+mod mutants;
