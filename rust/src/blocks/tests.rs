@@ -6,6 +6,44 @@ fn hasher(profile: Profile, options: Options) -> BlockHasher {
     BlockHasher::new(4, profile, options).expect("valid hasher")
 }
 
+/// cargo-mutants survivor (shard 5/40): each vLLM release boundary at the release itself —
+/// 0.29 is the first to derive NONE_HASH from `"vllm-none-hash"` without `PYTHONHASHSEED`
+/// (`self < 0.29` → `<=` refused it a seed-less hasher), 0.31 the first with tagged extra
+/// keys, 0.23 the oldest reproduced. The reference for 0.29: vLLM 0.29.0's own hashing code
+/// (`tests/data/vectors/vllm_block_hash_releases.json`, case sha256 / seed `vllm-none-hash`),
+/// which a seed-less 0.29 hasher must reproduce.
+#[test]
+fn vllm_release_boundaries_fall_on_the_release() {
+    let v = |s: &str| s.parse::<super::vllm::VllmVersion>().expect("version");
+    assert!(v("0.28.2").random_none_hash());
+    assert!(!v("0.29.0").random_none_hash());
+    use super::vllm::KeyFormat;
+    assert_eq!(v("0.30.9").key_format(), KeyFormat::Untagged);
+    assert_eq!(v("0.31.0").key_format(), KeyFormat::Tagged);
+    assert!(v("0.23.0") < v("0.29.0"));
+    assert!("0.22.9".parse::<super::vllm::VllmVersion>().is_err());
+    let profile = Profile::Vllm(super::vllm::Flavor::default())
+        .with_vllm(Some("sha256"), Some("0.29.0"))
+        .expect("profile");
+    let h = BlockHasher::new(16, profile, Options::default()).expect("0.29 needs no seed");
+    let mut tokens: Vec<u32> = vec![0, 1, 255, 256, 65535, 65536, 2_147_483_647, 2_147_483_648];
+    tokens.extend(1000..1060);
+    let mut out = Vec::new();
+    h.hash_into(&tokens, &ChainState::Root, &[], &mut out)
+        .expect("hash");
+    assert_eq!(
+        out,
+        [
+            15_729_447_548_136_691_582,
+            9_054_327_036_022_895_145,
+            2_088_187_815_551_200_337,
+            4_383_404_313_148_681_841
+        ]
+    );
+    let old = profile.with_vllm(None, Some("0.28.0")).expect("0.28");
+    assert!(BlockHasher::new(16, old, Options::default()).is_err());
+}
+
 #[test]
 fn chaining_holds_for_every_profile() {
     let tokens: Vec<u32> = (0..37).map(|i| i * 7919 % 1000).collect();
