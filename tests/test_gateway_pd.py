@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 from kvroute.gateway import parse_config
+from kvroute.gateway.pd import bootstrap_host
 from support.gateway_faults import FaultServer, reply
 from support.gateway_fleet import (
     LONG_SYSTEM,
@@ -311,6 +312,31 @@ PREFILL_ONLY = (
     "min_tokens",
     "min_completion_tokens",
 )
+
+
+def test_sglang_bootstrap_address_defaults():
+    """The bootstrap host is the prefill worker URL's host, an IPv6 address in brackets (as
+    SGLang's ``maybe_wrap_ipv6_address`` writes it); the port, when the worker sets none,
+    SGLang's default ``--disaggregation-bootstrap-port`` 8998 — a pair through a prefill
+    server listening for bootstrap there is served."""
+    assert bootstrap_host("http://[::1]:30000") == "[::1]"
+    assert bootstrap_host("http://[2001:db8::7]:30000/v1") == "[2001:db8::7]"
+    assert bootstrap_host("http://10.1.2.3:30000") == "10.1.2.3"
+    assert bootstrap_host("https://prefill-0.sglang.svc:30000/") == "prefill-0.sglang.svc"
+    assert bootstrap_host("http://:30000") == ""  # no host: none to name
+    fleet = PdFleet("sglang", 1, 1)
+    fleet["up-0"].bootstrap_port = 8998  # the prefill server's own default
+    config = fleet.config()
+    del config["workers"][0]["bootstrap_port"]
+    try:
+        with GatewayServer(config) as gw:
+            ask(gw, "Default port?")
+            assert fleet["up-0"].bodies[0]["bootstrap_port"] == 8998
+            assert len(fleet.exchange.consumed_rooms) == 1
+            idle(gw)
+    finally:
+        fleet.close()
+    assert fleet.exchange.errors == []
 
 
 def test_short_uncached_parts_stay_on_the_decode_worker():
