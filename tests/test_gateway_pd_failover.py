@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+from kvroute.gateway import pd
 from support.gateway_faults import FaultServer, reply
 from support.gateway_fleet import GatewayServer, messages, metric_samples, wait_for
 from test_gateway_pd import PdFleet, ask, idle
@@ -325,3 +326,32 @@ def test_a_pair_shed_on_its_ttft_slo_is_withdrawn_whole(protocol):
     finally:
         fleet.close()
     assert fleet.exchange.errors == []
+
+
+@pytest.mark.parametrize(
+    ("tail", "usage"),
+    [
+        (b'{"id": "x", "usage": {"prompt_tokens": 3}}', {"prompt_tokens": 3}),  # a JSON body
+        (b'{"id": "x"}', None),
+        (b'data: {"usage": {"a": 1}}\n\ndata: {"usage": {"a": 2}}\n\ndata: [DONE]\n\n', {"a": 2}),
+        (b'data: {"usage": {"a": 1}}\n\ndata: {"usage": null}\n\ndata: [DONE]\n\n', {"a": 1}),
+        (b'data:{"usage": {"a": 5}}\n\n', {"a": 5}),  # no space after the colon
+        # only data fields are read: not another field's line, JSON after its 5th byte or not
+        (b'data: {"usage": {"a": 1}}\n\nevent{"usage": {"a": 7}}\n\n', {"a": 1}),
+        (b'age": {"a": 9}}\n\ndata: {"choices": []}\n\n', None),  # the tail's cut first line
+        (b'data: {"choices": [], "x": "usage"}\n\n', None),
+        (b"data: [DONE]\n\n", None),
+        (b"", None),
+    ],
+)
+def test_the_usage_of_a_prefill_replys_end(tail, usage):
+    """What an SGLang prefill's drained reply reported: a JSON body's ``usage``, or the last
+    stream chunk whose ``usage`` is an object (OpenAI's streams send ``"usage": null`` in the
+    others)."""
+    assert pd._last_usage(tail) == usage
+
+
+def test_a_prefill_reply_is_a_json_object_or_none():
+    assert pd._json_object(b'{"a": [1]}') == {"a": [1]}
+    for data in (b"[1, 2]", b'"text"', b"3", b"null", b"not json", b"{", b"[" * 100_000):
+        assert pd._json_object(data) is None
