@@ -355,3 +355,29 @@ def test_a_prefill_reply_is_a_json_object_or_none():
     assert pd._json_object(b'{"a": [1]}') == {"a": [1]}
     for data in (b"[1, 2]", b'"text"', b"3", b"null", b"not json", b"{", b"[" * 100_000):
         assert pd._json_object(data) is None
+
+
+def test_an_sglang_decode_failing_first_aborts_its_prefill(caplog):
+    """SGLang sends both halves at once. The decode worker fails before the prefill has answered
+    (here at once, a fault no engine shows on demand): the caller gets the decode's answer, it is
+    charged to the decode worker, and the prefill request is aborted upstream, not left to
+    compute KV nobody will take."""
+    decode = FaultServer(lambda body: [reply(503, b'{"error": "decode down"}')])
+    fleet = PdFleet("sglang", 1, 1)
+    fleet["up-0"].stall = 5.0  # the prefill
+    config = fleet.config(gateway={"max_attempts": 1})
+    config["workers"][1]["url"] = decode.url
+    try:
+        with GatewayServer(config) as gw:
+            with caplog.at_level(logging.INFO):
+                r = post(gw, "pq-5")
+            assert (r.status_code, r.content) == (503, b'{"error": "decode down"}')
+            assert lines(caplog, "kvroute.gateway") == ["upstream up-1: status_5xx: status 503"]
+            wait_for(lambda: fleet["up-0"].abandoned == ["pq-5"], "the prefill to be aborted")
+            assert samples(gw, "upstream_errors_total") == {
+                (("kind", "status_5xx"), ("worker", "up-1")): 1
+            }
+            idle(gw)
+    finally:
+        decode.stop()
+        fleet.close()
