@@ -67,6 +67,10 @@ def by_worker(gw: GatewayServer) -> dict[str, float]:
 
 
 REFUSAL = b'{"error": {"message": "no"}}'
+TEXT_HEAD = (
+    "HTTP/1.1 {} X\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: {}\r\n"
+    "connection: close\r\n\r\n"
+)
 # name -> (protocols, script (None: nobody listens), the answer: (status, body, content type) of
 # the prefill's own, or (status, code, message) of the gateway's error, kind, logged detail,
 # health: "count" charged, "down" ejected, "none")
@@ -83,6 +87,23 @@ PREFILL_FAULTS: dict[str, tuple[tuple[str, ...], Any, tuple, str | None, str, st
         ("vllm", "sglang"),
         lambda body: [reply(400, REFUSAL)],
         (400, REFUSAL, "application/json"),
+        None,
+        "",
+        "none",
+    ),
+    # The prefill's own content type passed on (JSON only when it names none).
+    "5xx as text": (
+        ("vllm", "sglang"),
+        lambda body: [TEXT_HEAD.format(503, len(b"engine down")).encode() + b"engine down"],
+        (503, b"engine down", "text/plain; charset=utf-8"),
+        "status_5xx",
+        "prefill status 503",
+        "count",
+    ),
+    "4xx as text": (
+        ("vllm", "sglang"),
+        lambda body: [TEXT_HEAD.format(422, len(b"too long")).encode() + b"too long"],
+        (422, b"too long", "text/plain; charset=utf-8"),
         None,
         "",
         "none",
