@@ -147,6 +147,8 @@ def test_a_pair_hands_the_kv_over_as_the_engine_expects(pd, stream):
         assert p_body["kv_transfer_params"] == VLLM_PREFILL_PARAMS
         assert (p_body["stream"], p_body["max_tokens"]) == (False, 1)
         assert "stream_options" not in p_body
+        # max_completion_tokens is bounded only when given (toy_proxy_server.py's flow)
+        assert "max_completion_tokens" not in p_body
         # The decode worker got the original request with the prefill's kv_transfer_params.
         (key,) = fleet.exchange.pulled
         assert key == (f"engine-{prefill}", fleet[prefill].records[0]["upstream_id"])
