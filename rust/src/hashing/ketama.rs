@@ -94,7 +94,7 @@ const K: [u32; 64] = [
 /// Message words of up to `L` single-block messages, transposed (`m[word][lane]`).
 pub(super) type Block<const L: usize> = [[u32; L]; 16];
 
-/// The message-word variants compiled for the AVX-512 lanes: `W` such that every word at index
+/// The message-word variants compiled for the AVX-512 and AVX2 lanes: `W` such that every word at index
 /// `W..14` (and word 15) is zero in every lane, so its additions are left out. A key of `n` bytes
 /// uses words `0..=n / 4` (the last holds the 0x80 terminator) and word 14 (its bit length).
 /// The last is 14: every one-block key.
@@ -245,7 +245,7 @@ fn md5_word0_lanes(m: &Block<LANES>, used: usize) -> [u32; LANES] {
         }
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the running CPU supports AVX2 (checked just above).
-            return unsafe { md5_word0_lanes_avx2(m) };
+            return unsafe { md5_word0_lanes_avx2(m, used) };
         }
     }
     // SSE2 (x86-64's baseline) or NEON: 4 lanes per vector, two vectors interleaved.
@@ -270,11 +270,26 @@ pub(super) fn md5_word0_lanes_avx512(m: &Block<LANES>, used: usize) -> [u32; LAN
 /// The same computation compiled for AVX2: three 8-lane vectors interleaved, enough to keep the
 /// vector units busy through a step's dependency chain (two left them waiting: 16.4-17.0 ns per
 /// key for `ketama_hash_many` over 100k short keys in a Rust loop vs 14.0-14.2 with three, AMD
-/// EPYC Zen 3; four spill registers, 20.6-20.9).
+/// EPYC Zen 3; four spill registers, 20.6-20.9). Compiled once per [`WORD_VARIANTS`] entry, as
+/// for AVX-512: 13.4-13.5 ns (with two vectors, LLVM left the variants below 14 scalar: 64 ns).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-pub(super) fn md5_word0_lanes_avx2(m: &Block<LANES>) -> [u32; LANES] {
-    md5_word0_by::<LANES, 24, 14>(m)
+pub(super) fn md5_word0_lanes_avx2(m: &Block<LANES>, used: usize) -> [u32; LANES] {
+    const V: [usize; 4] = WORD_VARIANTS;
+    match used {
+        u if u <= V[0] => avx2_words::<{ V[0] }>(m),
+        u if u <= V[1] => avx2_words::<{ V[1] }>(m),
+        u if u <= V[2] => avx2_words::<{ V[2] }>(m),
+        _ => avx2_words::<{ V[3] }>(m),
+    }
+}
+
+/// [`md5_word0_lanes_avx2`] for words `W..14` and 15 zero in every lane.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline(never)]
+fn avx2_words<const W: usize>(m: &Block<LANES>) -> [u32; LANES] {
+    md5_word0_by::<LANES, 24, W>(m)
 }
 
 /// Writes the padded single MD5 block of `msg` (at most [`ONE_BLOCK`] bytes) into lane `lane` of

@@ -306,7 +306,7 @@ mod ketama {
                 {
                     if std::arch::is_x86_feature_detected!("avx2") {
                         // SAFETY: the CPU supports AVX2 (checked just above).
-                        assert_eq!(unsafe { md5_word0_lanes_avx2(&m) }.to_vec(), want);
+                        assert_eq!(unsafe { md5_word0_lanes_avx2(&m, used) }.to_vec(), want);
                     }
                     if std::arch::is_x86_feature_detected!("avx512f")
                         && std::arch::is_x86_feature_detected!("avx512vl")
