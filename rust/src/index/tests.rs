@@ -754,6 +754,64 @@ mod worker_set {
         assert!(WorkerSet::single(3).is_only(3) && !WorkerSet::single(3).is_only(67));
     }
 
+    /// cargo-mutants survivor (shard 5/40): `insert` into a spilled set below its last word
+    /// (the in-place path; without it the general path resized the words to the inserted id's,
+    /// dropping every id above it). Random inserts and removes of ids 0..260 against a
+    /// `BTreeSet`: after each, membership, order, size, `is_only`, subset and difference with
+    /// a second set, and the canonical form (derived equality is set equality).
+    #[test]
+    fn sets_follow_a_reference_set() {
+        use std::collections::BTreeSet;
+        let mut rng = crate::router::SplitMix64(5);
+        let (mut a, mut b) = (WorkerSet::default(), WorkerSet::default());
+        let (mut ma, mut mb) = (BTreeSet::new(), BTreeSet::new());
+        for step in 0..4000 {
+            let r = rng.next_u64();
+            // Ids mostly low (inline sets), sometimes in later words.
+            let id = if r & 3 == 0 {
+                (r >> 8) % 260
+            } else {
+                (r >> 8) % 70
+            } as u32;
+            let (set, model) = if r & 16 == 0 {
+                (&mut a, &mut ma)
+            } else {
+                (&mut b, &mut mb)
+            };
+            if r & 32 == 0 || model.len() < 3 {
+                set.insert(id);
+                model.insert(id);
+            } else {
+                set.remove(id);
+                model.remove(&id);
+            }
+            let at = format!("step {step}: id {id}");
+            for (set, model) in [(&a, &ma), (&b, &mb)] {
+                assert_eq!(
+                    set.iter().collect::<Vec<_>>(),
+                    model.iter().copied().collect::<Vec<_>>(),
+                    "{at}"
+                );
+                assert_eq!(
+                    (set.len(), set.is_empty()),
+                    (model.len(), model.is_empty()),
+                    "{at}"
+                );
+                for probe in [id, id ^ 1, id + 64, 0, 63, 64, 130, 259] {
+                    assert_eq!(set.contains(probe), model.contains(&probe), "{at}: {probe}");
+                    let only = model.len() == 1 && model.contains(&probe);
+                    assert_eq!(set.is_only(probe), only, "{at}: {probe}");
+                }
+                let words: Vec<u64> = set.words().to_vec();
+                assert_eq!(&WorkerSet::from_words(words), set, "{at}: canonical");
+            }
+            assert_eq!(a.is_subset(&b), ma.is_subset(&mb), "{at}");
+            let minus: Vec<u32> = ma.difference(&mb).copied().collect();
+            assert_eq!(a.iter_minus(&b).collect::<Vec<_>>(), minus, "{at}");
+            assert_eq!(a == b, ma == mb, "{at}");
+        }
+    }
+
     #[test]
     fn minus_and_subset() {
         let mut a = WorkerSet::default();
