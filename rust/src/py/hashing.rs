@@ -431,6 +431,10 @@ impl<H: ConsistentHash + AsRing + Send + Sync> Shared<H> {
         Ok(unsafe { list.cast_into_unchecked::<PyList>() })
     }
 
+    /// Inlined into its two callers (the direct method and the PyO3 one): returned from a call,
+    /// the `PyResult` came back through memory, read wider than it was written (a store-forwarding
+    /// stall per call).
+    #[inline(always)]
     fn get<'py>(&self, py: Python<'py>, key: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
         let no_node = |id| PyRuntimeError::new_err(format!("internal error: no node {id}"));
         with_key(key, |k| -> PyResult<Bound<'py, PyString>> {
