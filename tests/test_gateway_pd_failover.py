@@ -272,7 +272,7 @@ def test_a_failed_decode_half_is_answered_logged_and_counted(protocol, caplog):
 
 @pytest.mark.parametrize("protocol", ["vllm", "sglang"])
 def test_a_retried_prefill_is_charged_to_the_worker_that_failed(protocol, caplog):
-    """The endpoint's prefill worker answers 500 once: the pair is routed again past the pool
+    """The endpoint's prefill worker answers 500: the pair is routed again past the pool
     (another prefill worker, the same decode worker), the failure is logged and counted under the
     worker that failed, which is charged with a request another worker then served."""
     fleet = PdFleet(protocol, 2, 1)
@@ -280,7 +280,7 @@ def test_a_retried_prefill_is_charged_to_the_worker_that_failed(protocol, caplog
         with GatewayServer(fleet.config()) as gw:
             (first,) = gw.gateway.router.endpoint_pool("ep-acme", phase="prefill")
             (other,) = set(fleet.names("prefill")) - {first}
-            fleet[first].fail(500, times=1)
+            fleet[first].fail(500)  # for good: a retry that tried it again would fail too
             with caplog.at_level(logging.INFO):
                 _text, headers = ask(gw, "Retry me?", rid="pq-3")
             assert (headers["x-kvroute-prefill-worker"], headers["x-kvroute-worker"]) == (
@@ -401,4 +401,30 @@ def test_an_sglang_decode_failing_first_aborts_its_prefill(caplog):
             idle(gw)
     finally:
         decode.stop()
+        fleet.close()
+
+
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+def test_a_retry_never_goes_back_to_the_prefill_worker_that_failed(protocol):
+    """The only prefill worker answers every request 500 (and is not ejected): the retry
+    excludes it inside the endpoint's pool and past it. vLLM's decode worker then serves the
+    request alone; SGLang's cannot, and the prefill's own answer is the caller's. Either way the
+    failed worker got the request once, though ``max_attempts`` allows three."""
+    fleet = PdFleet(protocol, 1, 1)
+    fleet["up-0"].fail(500)
+    config = fleet.config(gateway={"max_attempts": 3, "eject_after": 1000})
+    try:
+        with GatewayServer(config) as gw:
+            r = post(gw, "pq-6")
+            if protocol == "vllm":
+                assert r.status_code == 200
+                workers = (r.headers["x-kvroute-prefill-worker"], r.headers["x-kvroute-worker"])
+                assert workers == ("up-1", "up-1")
+                assert r.headers["x-kvroute-attempts"] == "2"
+            else:
+                assert r.status_code == 500
+                assert r.json() == {"error": {"message": "up-0 failing", "type": "server_error"}}
+            assert len(fleet["up-0"].bodies) == 1
+            idle(gw)
+    finally:
         fleet.close()
