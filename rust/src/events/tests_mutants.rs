@@ -612,3 +612,78 @@ fn every_msgpack_encoding_of_every_field_decodes_to_its_value() {
     }
     assert!(shapes.len() > 20, "the generator drew too few shapes");
 }
+
+/// cargo-mutants survivors (shard 7/40, and 6/40's `&` → `|`): the fast path reads a fixstr
+/// value to the length its marker gives (`m & 0x1f`). Another length is refused by the fast
+/// path's ASCII check as soon as a marker byte follows — which is why only bytes that read as
+/// ASCII can tell: positive fixints after the string, as a legacy array event's trailing
+/// positions or a batch's trailing elements (both skipped) may hold. Each string must still be
+/// read whole and alone.
+#[test]
+fn a_fixstr_value_ends_where_its_marker_says_before_ascii_bytes() {
+    let fixints = |w: &mut W, n: usize| {
+        for i in 0..n {
+            w.u(i as u64 % 100);
+        }
+    };
+    let tokens: Vec<u64> = (0..16).collect();
+    // A legacy BlockStored array: ..., lora_name "ab", extra_keys 1, group_idx 0, 200 trailing
+    // fixints; a legacy BlockRemoved array: hashes, medium "CPU", group_idx 0, 200 fixints.
+    let stored = {
+        let mut w = W::default();
+        w.arr(10 + 200)
+            .fs("BlockStored")
+            .ints(&[7])
+            .nil()
+            .ints(&tokens)
+            .u(16);
+        w.nil().nil().fs("ab").u(1).u(0);
+        fixints(&mut w, 200);
+        w.0
+    };
+    let removed = {
+        let mut w = W::default();
+        w.arr(4 + 200).fs("BlockRemoved").ints(&[7]).fs("CPU").u(0);
+        fixints(&mut w, 200);
+        w.0
+    };
+    // A map event whose last field is a fixstr, then the batch's rank and 200 trailing fixints.
+    let mapped = {
+        let mut w = W::default();
+        w.map(3)
+            .fs("type")
+            .fs("BlockRemoved")
+            .fs("block_hashes")
+            .ints(&[8]);
+        w.fs("medium").fs("DISK");
+        w.0
+    };
+    let mut w = W::default();
+    w.arr(3 + 200).f(1.0).arr(3);
+    for e in [&stored, &removed, &mapped] {
+        w.0.extend_from_slice(e);
+    }
+    w.u(3);
+    fixints(&mut w, 200);
+    let mut b = Batch::default();
+    Decoder::new().decode(&w.0, &mut b).expect("decode");
+    let events: Vec<Event<'_>> = b.events(&w.0).collect();
+    assert_eq!(events.len(), 3);
+    assert_eq!(
+        (
+            events[0].lora_name,
+            events[0].group_idx,
+            events[0].block_size
+        ),
+        (Some("ab"), 0, 16)
+    );
+    assert_eq!(
+        (events[1].medium, events[1].block_hashes),
+        (Some("CPU"), &[7u64][..])
+    );
+    assert_eq!(
+        (events[2].medium, events[2].block_hashes),
+        (Some("DISK"), &[8u64][..])
+    );
+    assert_eq!(b.dp_rank, Some(3));
+}
