@@ -34,6 +34,7 @@ class Fixed(Policy):
         self.index = PrefixIndex() if events else None
         self.seen: list[dict[str, int]] = []
         self.hooks: list[tuple[str, int, int, float]] = []
+        self.calls: list[tuple] = []  # every call with all its arguments
 
     def bind(self, fleet):
         super().bind(fleet)
@@ -41,18 +42,22 @@ class Fixed(Policy):
             fleet.subscribe(self.index)
 
     def route(self, request, chain, now):
+        self.calls.append(("route", request, now))
         if self.index is not None:
             self.seen.append(self.index.match(chain) if chain.shape[0] else {})
         return self.assign[request]
 
     def prefill_started(self, request, worker, cached_blocks, now):
         self.hooks.append(("start", request, worker, now))
+        self.calls.append(("start", request, worker, cached_blocks, now))
 
     def first_token(self, request, worker, now):
         self.hooks.append(("first", request, worker, now))
+        self.calls.append(("first", request, worker, now))
 
     def finished(self, request, worker, cached_tokens, now):
         self.hooks.append(("finish", request, worker, now))
+        self.calls.append(("finish", request, worker, cached_tokens, now))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,8 +77,26 @@ def test_single_worker_fifo_by_hand():
         (5.0, [1, 2, 3, 4], 16, 2),  # idle worker; 4 blocks = 16 tokens cached: 1 token computed
     ]
     w = make_workload(rows)
-    r = run(w, Fixed([0, 0, 0, 0]), model)
+    p = Fixed([0, 0, 0, 0])
+    r = run(w, p, model)
     assert r["cached_tokens"].tolist() == [0, 12, 0, 16]
+
+    # The policy is told each step with the by-hand values: routed at arrival, admitted with
+    # the blocks cached then, its first token, its end with the tokens cached (and the times).
+    def called(kind):
+        calls = sorted(c[1:] for c in p.calls if c[0] == kind)
+        return [c[:-1] for c in calls], [c[-1] for c in calls]
+
+    assert called("route") == ([(0,), (1,), (2,), (3,)], pytest.approx([0.0, 0.1, 0.2, 5.0]))
+    assert called("start") == (
+        [(0, 0, 0), (1, 0, 3), (2, 0, 0), (3, 0, 4)],
+        pytest.approx([0.0, 0.62, 1.15, 5.0]),
+    )
+    assert called("first") == ([(i, 0) for i in range(4)], pytest.approx([0.62, 1.15, 1.67, 5.51]))
+    assert called("finish") == (
+        [(0, 0, 0), (1, 0, 12), (2, 0, 0), (3, 0, 16)],
+        pytest.approx([1.02, 1.15, 1.87, 5.61]),
+    )
     assert r["prefill_start"] == pytest.approx([0.0, 0.62, 1.15, 5.0])
     assert r["first_token"] == pytest.approx([0.62, 1.15, 1.67, 5.51])
     # finish = first token + (output - 1) * 0.1
