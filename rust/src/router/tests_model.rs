@@ -62,11 +62,28 @@ fn model_own(decisions: &[ModelDecision], name: &str) -> [u64; 5] {
 /// that fails must change nothing.
 #[test]
 fn the_worker_table_and_its_loads_follow_a_reference_model() {
-    let mut r = router(Policy::KvAware, &[]);
+    let mut r = router(Policy::KvAware, &["s0", "s1", "s2"]);
+    // An endpoint whose pools every step checks too (members of each phase, and of either).
+    let spec = EndpointSpec {
+        pool_size: 3,
+        ..EndpointSpec::default()
+    };
+    r.add_endpoint("e", spec).unwrap();
     let half_life = r.config().stale_half_life;
     let mut rng = SplitMix64(21);
     let mut below = |n: u64| rng.next_u64() % n;
-    let mut model: Vec<ModelWorker> = Vec::new();
+    let mut model: Vec<ModelWorker> = ["s0", "s1", "s2"]
+        .map(|name| ModelWorker {
+            name: name.to_owned(),
+            added: 0,
+            weight: 1.0,
+            healthy: true,
+            role: Role::Both,
+            freshness: Freshness::Fresh,
+            reported: [None; 4],
+            others: [0; 4],
+        })
+        .to_vec();
     let mut decisions: Vec<ModelDecision> = Vec::new();
     let roles = [Role::Both, Role::Prefill, Role::Decode];
     let (mut slots, mut compactions) = (0, 0);
@@ -285,6 +302,35 @@ fn the_worker_table_and_its_loads_follow_a_reference_model() {
             let load = (own[0] + o[0]) as f64 / m.weight;
             assert_eq!(w.request_load(), load);
         }
+        // The endpoint's pools: per phase, the healthy workers doing it, at most 3 of them (all
+        // when fewer), listed in slot order; `None`: the members of either phase, each once.
+        let order = |name: &str| model.iter().position(|w| *w.name == *name);
+        let mut members: Vec<usize> = Vec::new();
+        for phase in [Phase::Prefill, Phase::Decode] {
+            let pool = r.endpoint_pool("e", Some(phase)).unwrap();
+            let able = model
+                .iter()
+                .filter(|w| w.healthy && w.role.does(phase))
+                .count();
+            assert_eq!(pool.len(), able.min(3), "step {step}: {phase:?} {pool:?}");
+            let at: Vec<usize> = pool.iter().filter_map(|n| order(n)).collect();
+            assert_eq!(at.len(), pool.len(), "step {step}: {pool:?}");
+            assert!(at.windows(2).all(|p| p[0] < p[1]), "step {step}: {pool:?}");
+            for &i in &at {
+                assert!(model[i].healthy && model[i].role.does(phase), "step {step}");
+            }
+            members.extend(at);
+        }
+        members.sort_unstable();
+        members.dedup();
+        let all: Vec<String> = r
+            .endpoint_pool("e", None)
+            .unwrap()
+            .iter()
+            .map(|n| n.to_string())
+            .collect();
+        let want: Vec<String> = members.iter().map(|&i| model[i].name.clone()).collect();
+        assert_eq!(all, want, "step {step}: members of either phase");
         let gone = format!("n{}", step + 10_000);
         assert!(t.named(&gone).is_err() && r.freshness(&gone, now).is_err());
     }

@@ -601,3 +601,34 @@ fn a_batch_takes_every_whole_update_that_fits() {
         assert_eq!(got.dump_model().unwrap(), reference.dump_model().unwrap());
     }
 }
+
+/// cargo-mutants survivor (shard 9/40): a block's idle time counts from the last request that
+/// touched it on its worker, even when requests reach the router slightly out of time order
+/// (each takes its `now`, then the router's lock). `Model::expire_idle` does nothing to a worker
+/// before its idle deadline; `now < deadline` → `now == deadline` ran the expiry on every worker
+/// a route merely considered, which moves that worker's cache clock to the route's `now`, and
+/// blocks stored there later by an earlier-stamped request took that later time.
+#[test]
+fn blocks_idle_from_the_request_that_stored_them() {
+    let config = Config {
+        policy: Policy::KvAware,
+        block_size: 4,
+        capacity_blocks: 64,
+        ttl: Some(10.0),
+        ..Config::default()
+    };
+    let mut r = Router::new([("a", 1.0), ("b", 1.0)], config).unwrap();
+    // A request at t = 100 goes to one worker; the other is only considered.
+    let first = r.route_tokens(&tokens(1, 16), None, None, 100.0).unwrap();
+    let other = if &*first.worker == "a" { "b" } else { "a" };
+    r.set_healthy(&first.worker, false).unwrap();
+    // A request stamped t = 50 (it took its time before the first) stores its prompt on the other.
+    let d = r.route_tokens(&tokens(2, 16), None, None, 50.0).unwrap();
+    assert_eq!(&*d.worker, other);
+    // At t = 61 those blocks have been idle 11 s, past the 10 s TTL: gone.
+    let again = r.route_tokens(&tokens(2, 16), None, None, 61.0).unwrap();
+    assert_eq!((&*again.worker, again.cached_blocks), (other, 0));
+    // Within the TTL of their last touch (t = 61) they are still there.
+    let within = r.route_tokens(&tokens(2, 16), None, None, 70.0).unwrap();
+    assert!(within.cached_blocks > 0, "{}", within.cached_blocks);
+}
