@@ -687,3 +687,180 @@ fn a_fixstr_value_ends_where_its_marker_says_before_ascii_bytes() {
     );
     assert_eq!(b.dp_rank, Some(3));
 }
+
+/// cargo-mutants survivors (shard 8/40: the offset of a token id that is not an integer, an
+/// unknown tag that is not UTF-8) and the class they belong to: a malformed payload is refused
+/// with the byte offset of what is wrong and what it is (the message a user debugging an engine
+/// reads), and the batch is left empty. The offsets are where each case wrote the bad value.
+#[test]
+fn each_malformed_payload_is_refused_at_its_byte() {
+    let tokens: Vec<u64> = (0..16).collect();
+    // A batch of one event: `head` writes its fields before the bad one, `bad` the bad value
+    // (the offset recorded just before it), `tail` what follows; `pairs` the map's size.
+    type Part<'a> = &'a dyn Fn(&mut W);
+    let case = |pairs: usize, head: Part<'_>, bad: Part<'_>, tail: Part<'_>| {
+        let mut w = W::default();
+        w.arr(3).f(1.0).arr(1).map(pairs);
+        head(&mut w);
+        let at = w.0.len();
+        bad(&mut w);
+        tail(&mut w);
+        w.nil();
+        (w.0, at)
+    };
+    let stored_head = |w: &mut W| {
+        w.fs("type").fs("BlockStored").fs("block_hashes").ints(&[1]);
+        w.fs("block_size").u(16);
+    };
+    let cases: Vec<((Vec<u8>, usize), &str)> = vec![
+        (
+            case(
+                4,
+                &|w| {
+                    stored_head(w);
+                    w.fs("token_ids").arr(16);
+                    for &t in &tokens[..5] {
+                        w.u(t);
+                    }
+                },
+                &|w| {
+                    w.fs("x");
+                },
+                &|w| {
+                    for &t in &tokens[6..] {
+                        w.u(t);
+                    }
+                },
+            ),
+            "token_ids holds a value that is not an integer",
+        ),
+        (
+            case(
+                1,
+                &|w| {
+                    w.fs("type");
+                },
+                &|w| {
+                    w.0.extend_from_slice(&[0xa3, b'B', 0xff, b'x']);
+                },
+                &|_| {},
+            ),
+            "a string is not valid UTF-8",
+        ),
+        (
+            case(
+                5,
+                &|w| {
+                    stored_head(w);
+                    w.fs("token_ids").ints(&tokens);
+                    w.fs("lora_name");
+                },
+                &|w| {
+                    w.0.extend_from_slice(&[0xd9, 2, 0xc3, 0x28]);
+                },
+                &|_| {},
+            ),
+            "a string is not valid UTF-8",
+        ),
+        (
+            case(
+                2,
+                &|w| {
+                    w.fs("type")
+                        .fs("BlockRemoved")
+                        .fs("block_hashes")
+                        .arr(2)
+                        .u(5);
+                },
+                &|w| {
+                    w.fs("h");
+                },
+                &|_| {},
+            ),
+            "block_hashes holds a value that is not a hash",
+        ),
+        (
+            case(
+                2,
+                &|w| {
+                    w.fs("type").fs("BlockRemoved").fs("block_hashes").arr(1);
+                },
+                &|w| {
+                    w.bin(&[7; 65]);
+                },
+                &|_| {},
+            ),
+            "block_hashes holds a 65-byte digest",
+        ),
+        (
+            case(
+                3,
+                &|w| {
+                    w.fs("type")
+                        .fs("BlockRemoved")
+                        .fs("block_hashes")
+                        .ints(&[1]);
+                },
+                &|w| {
+                    w.fs("block_hashes");
+                },
+                &|w| {
+                    w.ints(&[2]);
+                },
+            ),
+            "the event key \"block_hashes\" is repeated",
+        ),
+        (
+            case(
+                2,
+                &|w| {
+                    w.fs("type").fs("BlockRemoved").fs("parent_block_hash");
+                },
+                &|w| {
+                    w.f(0.5);
+                },
+                &|w| {
+                    w.fs("block_hashes").ints(&[1]);
+                },
+            ),
+            "parent_block_hash holds a value that is not a hash",
+        ),
+        (
+            case(
+                2,
+                &|w| {
+                    w.fs("type").fs("BlockRemoved").fs("future");
+                },
+                &|w| {
+                    w.0.push(0xc1);
+                },
+                &|w| {
+                    w.fs("block_hashes").ints(&[1]);
+                },
+            ),
+            "reserved msgpack marker 0xc1",
+        ),
+    ];
+    let mut b = Batch::default();
+    for (i, ((payload, at), what)) in cases.into_iter().enumerate() {
+        Decoder::new()
+            .decode(&stored_batch(&[9], None, &tokens), &mut b)
+            .expect("a good batch first");
+        let err = Decoder::new().decode(&payload, &mut b).unwrap_err();
+        // The reserved marker is reported where the skip reads it: one byte past it.
+        let at = if what.starts_with("reserved") {
+            at + 1
+        } else {
+            at
+        };
+        let want = format!("malformed KV event payload at byte {at}: {what}");
+        assert!(
+            err.to_string().starts_with(&want),
+            "case {i}: {err} (want {want})"
+        );
+        assert!(
+            b.is_empty(),
+            "case {i}: a refused payload leaves the batch empty"
+        );
+    }
+}
