@@ -632,3 +632,18 @@ fn blocks_idle_from_the_request_that_stored_them() {
     let within = r.route_tokens(&tokens(2, 16), None, None, 70.0).unwrap();
     assert!(within.cached_blocks > 0, "{}", within.cached_blocks);
 }
+
+/// cargo-mutants survivor (shard 10/40): power-of-two gives a tie to the first worker drawn (the
+/// policy's documented rule; `lb < la` → `<=` gave it to the second). With no request begun,
+/// every pair ties at load 0, and `scores()` lists the draws in order.
+#[test]
+fn power_of_two_gives_a_tie_to_the_first_draw() {
+    let mut r = router(Policy::PowerOfTwo, &["a", "b", "c", "d", "e"]);
+    for t in 0..50 {
+        let d = r.route_tokens(&tokens(t, 8), None, None, 0.0).unwrap();
+        let drawn: Vec<(String, f64)> = d.scores().map(|(n, v)| (n.to_string(), v)).collect();
+        assert_eq!(drawn.len(), 2, "{drawn:?}");
+        assert_eq!((drawn[0].1, drawn[1].1), (0.0, 0.0));
+        assert_eq!(*d.worker, *drawn[0].0, "request {t}: {drawn:?}");
+    }
+}
