@@ -841,6 +841,23 @@ fn each_malformed_payload_is_refused_at_its_byte() {
             "reserved msgpack marker 0xc1",
         ),
     ];
+    // A container claiming more elements than bytes are left is refused at once (no
+    // reservation or loop of that size): an array16 of 60,000 hashes with 4 bytes after it.
+    let mut cases = cases;
+    cases.push((
+        case(
+            2,
+            &|w| {
+                w.fs("type").fs("BlockRemoved").fs("block_hashes");
+                w.0.extend_from_slice(&[0xdc, 0xea, 0x60]);
+            },
+            &|_| {},
+            &|w| {
+                w.u(1).u(2);
+            },
+        ),
+        "a container claims 60000 elements but only 3 bytes are left",
+    ));
     let mut b = Batch::default();
     for (i, ((payload, at), what)) in cases.into_iter().enumerate() {
         Decoder::new()
@@ -863,4 +880,39 @@ fn each_malformed_payload_is_refused_at_its_byte() {
             "case {i}: a refused payload leaves the batch empty"
         );
     }
+}
+
+/// cargo-mutants survivor (shard 9/40): a store whose router-side hashing fails is counted once
+/// as unsupported and stores nothing. With the `sglang` profile a `lora_name` cannot be hashed
+/// (SGLang's page hashes do not include the adapter: the hasher refuses it), so such a store is
+/// skipped; the same store without the adapter is kept.
+#[test]
+fn a_store_the_router_cannot_hash_is_counted_as_unsupported() {
+    let tokens: Vec<u64> = (0..16).collect();
+    let index = shared();
+    let config = Config {
+        profile: Profile::Sglang,
+        ..Config::default()
+    };
+    let mut a = Applier::new(index.clone(), config).expect("applier");
+    let store = |hash: u64, lora: Option<&str>| {
+        batch(|w| {
+            w.map(if lora.is_some() { 6 } else { 5 });
+            w.s("type").s("BlockStored");
+            w.s("block_hashes").ints(&[hash]);
+            w.s("parent_block_hash").nil();
+            w.s("token_ids").ints(&tokens);
+            w.s("block_size").u(16);
+            if let Some(name) = lora {
+                w.s("lora_name").s(name);
+            }
+            1
+        })
+    };
+    a.apply("w", &store(1, Some("sql-lora"))).expect("apply");
+    let c = a.counters("w").expect("counters");
+    assert_eq!((c.skipped_unsupported, c.blocks_stored), (1, 0));
+    a.apply("w", &store(2, None)).expect("apply");
+    let c = a.counters("w").expect("counters");
+    assert_eq!((c.skipped_unsupported, c.blocks_stored), (1, 1));
 }
