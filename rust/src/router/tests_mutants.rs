@@ -197,18 +197,43 @@ fn a_freshness_set_by_hand_is_reported() {
 /// prefilling half the prompt, and it is chosen.
 #[test]
 fn blocks_held_only_in_a_slower_tier_earn_credit() {
+    let weights = Config::default().tier_weights;
+    let ratio = slower_tier_cost_ratio("CPU", weights);
+    assert!((ratio - 2.0).abs() < 1e-9, "{ratio}");
+}
+
+/// cargo-mutants survivor (shard 11/40): each configured tier weight applies to its own tier
+/// (`**t == **name` → `!=` gave a tier the first other tier's weight), and a tier named nowhere
+/// gets [`OTHER_TIER_WEIGHT`]: the holder of the whole prompt in tier `t` only costs
+/// `1 - weight(t)` of what a worker without it does.
+#[test]
+fn each_tier_earns_its_own_weight() {
+    let weights = || vec![("CPU".to_owned(), 0.5), ("DISK".to_owned(), 0.2)];
+    for (medium, weight) in [("CPU", 0.5), ("DISK", 0.2), ("STORAGE", OTHER_TIER_WEIGHT)] {
+        let ratio = slower_tier_cost_ratio(medium, weights());
+        assert!(
+            (ratio - 1.0 / (1.0 - weight)).abs() < 1e-9,
+            "{medium}: {ratio}"
+        );
+    }
+}
+
+/// Worker `c` holds a 10-block prompt in tier `medium` only (stored by an event); returns the
+/// cost of the other workers, which hold nothing, over `c`'s (c is chosen).
+fn slower_tier_cost_ratio(medium: &str, tier_weights: Vec<(String, f64)>) -> f64 {
     use rmp::encode::{
         write_array_len, write_f64, write_map_len, write_nil, write_str, write_uint,
     };
     let config = Config {
         block_size: 4,
         mode: IndexMode::Events,
+        tier_weights,
         ..Config::default()
     };
     let mut r = Router::new(["a", "b", "c", "d"].map(|n| (n, 1.0)), config).unwrap();
     let mut applier = r.new_event_applier().unwrap();
     let prompt = tokens(3, 40);
-    // [ts, [BlockStored{10 blocks of the prompt, medium "CPU"}], dp_rank]: the msgpack of vLLM's
+    // [ts, [BlockStored{10 blocks of the prompt, medium}], dp_rank]: the msgpack of vLLM's
     // KVEventBatch.
     let mut p = Vec::new();
     write_array_len(&mut p, 3).unwrap();
@@ -232,20 +257,18 @@ fn blocks_held_only_in_a_slower_tier_earn_credit() {
     write_str(&mut p, "block_size").unwrap();
     write_uint(&mut p, 4).unwrap();
     write_str(&mut p, "medium").unwrap();
-    write_str(&mut p, "CPU").unwrap();
+    write_str(&mut p, medium).unwrap();
     write_nil(&mut p).unwrap();
     applier.apply("c", &p).unwrap();
     let d = r.route_tokens(&prompt, None, None, 0.0).unwrap();
     let cost = |name: &str| d.scores().find(|(n, _)| &***n == name).unwrap().1;
     assert_eq!(&*d.worker, "c");
     assert_eq!(d.cached_blocks, 0); // nothing on the GPU
-    for other in ["a", "b", "d"] {
-        assert!(
-            (cost(other) / cost("c") - 2.0).abs() < 1e-9,
-            "{other}: {:?}",
-            cost(other)
-        );
+    let ratio = cost("a") / cost("c");
+    for other in ["b", "d"] {
+        assert!((cost(other) / cost("c") - ratio).abs() < 1e-9, "{other}");
     }
+    ratio
 }
 
 /// cargo-mutants survivors (shard 3/40): `config()` is the configuration the router was built
@@ -602,12 +625,12 @@ fn a_batch_takes_every_whole_update_that_fits() {
     }
 }
 
-/// cargo-mutants survivor (shard 9/40): a block's idle time counts from the last request that
-/// touched it on its worker, even when requests reach the router slightly out of time order
-/// (each takes its `now`, then the router's lock). `Model::expire_idle` does nothing to a worker
-/// before its idle deadline; `now < deadline` → `now == deadline` ran the expiry on every worker
-/// a route merely considered, which moves that worker's cache clock to the route's `now`, and
-/// blocks stored there later by an earlier-stamped request took that later time.
+/// cargo-mutants survivor (shard 9/40): `Model::expire_idle` does nothing to a worker before its
+/// idle deadline (its documented rule), so a route that only considers a worker leaves that
+/// worker's cache clock alone, and when requests reach the router slightly out of time order
+/// (each takes its `now`, then the router's lock) blocks stored there by an earlier-stamped
+/// request count their idle time from that request. `now < deadline` → `now == deadline` ran the
+/// expiry on every worker a route considered, moving its clock to the route's `now`.
 #[test]
 fn blocks_idle_from_the_request_that_stored_them() {
     let config = Config {
@@ -646,4 +669,67 @@ fn power_of_two_gives_a_tie_to_the_first_draw() {
         assert_eq!((drawn[0].1, drawn[1].1), (0.0, 0.0));
         assert_eq!(*d.worker, *drawn[0].0, "request {t}: {drawn:?}");
     }
+}
+
+/// cargo-mutants survivor (shard 11/40): with every candidate busy, each block a choice makes its
+/// worker prefill is paid by `1 + delayed` requests, `delayed = 1 + min over the candidates of
+/// queued` (the policy's documented cost; `delayed_requests` → `1.0` ignored the queues). Each
+/// score is checked against the formula, from the workers' counters.
+#[test]
+fn kv_cost_counts_the_requests_waiting_at_the_least_busy_candidate() {
+    let mut r = router(Policy::KvAware, &["a", "b"]);
+    for t in 0..6 {
+        let d = r
+            .route_tokens(&tokens(10 + t, 16), None, None, 0.0)
+            .unwrap();
+        r.begin(&d).unwrap();
+    }
+    let least = r.workers().iter().map(|w| w.total_queued()).min().unwrap();
+    assert!(least >= 1, "every candidate busy");
+    let d = r.route_tokens(&tokens(99, 32), None, None, 0.0).unwrap();
+    let weights = r.config().weights;
+    let delayed = 1.0 + least as f64;
+    let mut seen = 0;
+    for (name, cost) in d.scores() {
+        let w = r.workers().named(name).unwrap();
+        let left = d.prompt_blocks as f64; // a new prompt: nothing cached anywhere
+        let want = (weights.queue * w.total_prefill_blocks() as f64
+            + (1.0 + delayed) * left
+            + weights.decode * w.total_written_blocks() as f64)
+            / w.weight;
+        assert!((cost - want).abs() < 1e-9, "{name}: {cost} vs {want}");
+        seen += 1;
+    }
+    assert_eq!(seen, 2);
+}
+
+/// cargo-mutants survivor (shard 11/40): `Model::expire_idle` skips a worker only *before* its
+/// idle deadline (its documented rule); at the deadline itself the expiry runs, which hands the
+/// route's `now` to the worker's modelled cache (its clock), even when the route chooses another
+/// worker. (`now < deadline` → `<=` skipped it at the deadline.)
+#[test]
+fn a_worker_at_its_idle_deadline_is_checked() {
+    let config = Config {
+        policy: Policy::KvAware,
+        block_size: 4,
+        capacity_blocks: 64,
+        ttl: Some(10.0),
+        ..Config::default()
+    };
+    let mut r = Router::new([("a", 1.0), ("b", 1.0)], config).unwrap();
+    let first = r.route_tokens(&tokens(1, 16), None, None, 50.0).unwrap();
+    let x = first.worker.clone();
+    // Load `x` so that a new prompt goes to the other worker; its idle deadline is 50 + 10.
+    r.begin(&first).unwrap();
+    let clock = |r: &Router| {
+        let w = r.workers().named(&x).unwrap();
+        w.cache.as_ref().map(|c| c.clock()).unwrap()
+    };
+    assert_eq!(clock(&r), 50.0);
+    let d = r.route_tokens(&tokens(2, 16), None, None, 55.0).unwrap();
+    assert_ne!(d.worker, x);
+    assert_eq!(clock(&r), 50.0, "before the deadline nothing is done to x");
+    let d = r.route_tokens(&tokens(3, 16), None, None, 60.0).unwrap();
+    assert_ne!(d.worker, x);
+    assert_eq!(clock(&r), 60.0, "at the deadline x's expiry ran");
 }
