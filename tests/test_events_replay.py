@@ -591,3 +591,20 @@ def test_a_freshness_sink_given_is_told_instead_of_the_target(engines):
         engine.answer(identity, engine.buffered_from(start))
         wait_for(lambda: sink.calls == [("stale", "w"), ("fresh", "w")], "then fresh")
     assert router.index.match(own(tokens)) == {"w": 3}
+
+
+def test_a_restarted_subscriber_replays_over_a_new_dealer(engines):
+    """Stopped and started again, the subscriber has a replay DEALER again: a gap is replayed."""
+    engine, router, tokens, payloads = chain(engines, 4, answer_replays=True)
+    sub = subscriber(router, engine)
+    with sub:
+        start_with_seq0(sub, engine, payloads[0])
+    with sub:
+        engine.wait_subscriber()
+        engine.publish(payloads[1])
+        engine.publish(payloads[2], send=False)
+        engine.publish(payloads[3])
+        wait_for(lambda: sub.stats()["w"]["last_seq"] == 3 and not sub.is_stale("w"), "seq 3")
+        s = sub.stats()["w"]
+    assert router.index.match(own(tokens)) == {"w": 4}
+    assert counters(s) == (1, 1, 0, 0, 0) and s["errors"] == 0

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import zmq
 from kvroute import KvEventApplier, PrefixIndex, Router
-from kvroute.events import KvEventSubscriber
+from kvroute.events import KvEventSubscriber, applier_for
 from support import events_payloads as P
 from support.events_engine import chain_payloads, own, stored
 from support.helpers import wait_for
@@ -92,10 +92,17 @@ def test_restart_clears_the_worker(engines):
         engine.restart()  # a new engine process numbers from 0 again
         engine.publish(stored([9], None, tokens[16:32]))
         wait_for(lambda: sub.stats()["w"]["last_seq"] == 0, "the restarted engine")
+        assert (sub.stats()["w"]["restarts"], sub.stats()["w"]["resets"]) == (1, 1)
+        assert index.match(own(tokens)) == {}
+        assert index.match(own(tokens[16:32])) == {"w": 1}
+        engine.publish(stored([10], None, tokens[:16]))
+        engine.restart()  # and again: each restart counts
+        engine.publish(stored([11], None, tokens[32:]))
+        wait_for(lambda: sub.stats()["w"]["restarts"] == 2, "the second restart")
         s = sub.stats()["w"]
-    assert (s["restarts"], s["resets"]) == (1, 1)
-    assert index.match(own(tokens)) == {}
-    assert index.match(own(tokens[16:32])) == {"w": 1}
+    assert (s["restarts"], s["resets"], s["last_seq"], s["errors"]) == (2, 2, 0, 0)
+    assert index.match(own(tokens[:16])) == {}
+    assert index.match(own(tokens[32:])) == {"w": 1}
 
 
 def test_malformed_frames_are_counted_and_skipped(engines):
@@ -179,11 +186,15 @@ def test_stop_is_clean_and_restartable(engines):
     assert ctx.closed  # the ZMQ context (its I/O threads) is terminated
     sub.stop()  # idempotent
     assert {t.name for t in threading.enumerate()} == before
-    with sub:
+    with sub:  # started again: a gap is cleared as before (no replay endpoint, no DEALER)
         engine.wait_subscriber()
         engine.publish(stored([1], None, range(16)))
-        wait_for(lambda: sub.stats()["w"]["last_seq"] == 0, "seq 0")
+        engine.publish(stored([2], 1, range(16, 32)), send=False)
+        engine.publish(stored([3], 2, range(32, 48)))
+        wait_for(lambda: sub.stats()["w"]["last_seq"] == 2, "seq 2")
+        s = sub.stats()["w"]
     assert not sub.running
+    assert (s["gaps"], s["replays"], s["resets"], s["errors"], s["stale"]) == (1, 0, 1, 0, False)
 
 
 class FailingOnce:
@@ -621,3 +632,11 @@ def test_the_default_replay_buffer_bounds():
     sub._on_live(w, 2, b"x")
     s = sub.stats()["w"]
     assert (s["pending_bytes"], s["replay_failures"], s["malformed"], s["last_seq"]) == (0, 1, 2, 2)
+
+
+def test_applier_for_defaults():
+    """``applier_for(index)`` with nothing else: rehashed 16-token blocks of the native profile,
+    KV-cache group 0 — the applier's own defaults, read back from it."""
+    applier = applier_for(PrefixIndex())
+    assert (applier.mode, applier.block_size, applier.hash_profile) == ("rehash", 16, "native")
+    assert applier.group_idx == 0
