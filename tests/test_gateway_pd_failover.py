@@ -14,6 +14,7 @@ upstream of its protocol (``support.pd_upstream``).
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 from typing import Any
@@ -428,3 +429,32 @@ def test_a_retry_never_goes_back_to_the_prefill_worker_that_failed(protocol):
             idle(gw)
     finally:
         fleet.close()
+
+
+@pytest.mark.parametrize("params", [None, {}, [], "engine-0", [1, 2]], ids=repr)
+def test_a_vllm_prefill_without_usable_transfer_params_hands_over_out_of_band(params, caplog):
+    """A vLLM prefill reply whose ``kv_transfer_params`` is missing, empty or not an object
+    hands nothing over: the decode request goes without the field (its engine finds the KV in
+    its connector, or computes the prompt), logged at debug level — not the reply's value."""
+    reply_body = {"id": "p", "choices": [{"index": 0, "text": "x"}]}
+    if params is not None:
+        reply_body["kv_transfer_params"] = params
+    prefill = FaultServer(lambda body: [reply(200, json.dumps(reply_body).encode())])
+    fleet = PdFleet("vllm", 1, 1)
+    config = fleet.config()
+    config["workers"][0]["url"] = prefill.url
+    try:
+        with GatewayServer(config) as gw:
+            with caplog.at_level(logging.DEBUG, "kvroute.gateway"):
+                r = post(gw, "pq-7")
+            assert (r.status_code, r.headers["x-kvroute-worker"]) == (200, "up-1")
+            (d_body,) = fleet["up-1"].bodies
+            assert "kv_transfer_params" not in d_body
+            assert lines(caplog, "kvroute.gateway") == [
+                "prefill on up-0 returned no kv_transfer_params"
+            ]
+            idle(gw)
+    finally:
+        prefill.stop()
+        fleet.close()
+    assert fleet.exchange.errors == []
