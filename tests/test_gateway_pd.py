@@ -368,6 +368,14 @@ def test_short_uncached_parts_stay_on_the_decode_worker():
                 worker = dict(labels)["worker"]
                 decisions[worker] = decisions.get(worker, 0) + value
         assert decisions == {"up-0": 1, "up-1": 2}
+        # The request served whole reports what its engine found cached, against its routed
+        # prompt (a decode half reports nothing: the first turn's prefill half does).
+        reported: dict[tuple[str, str], float] = {}
+        for (name, labels), value in metric_samples(metrics).items():
+            if name.endswith(("_cached_tokens_reported_total", "_prompt_tokens_total")):
+                reported[(name.split("_")[2], dict(labels)["worker"])] = value
+        assert reported[("prompt", "up-1")] > reported[("cached", "up-1")] > 1800
+        assert reported[("cached", "up-0")] == 0 < reported[("prompt", "up-0")]
         idle(gw)
     fleet.close()
     assert fleet.exchange.errors == []
