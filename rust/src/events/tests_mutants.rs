@@ -858,6 +858,22 @@ fn each_malformed_payload_is_refused_at_its_byte() {
         ),
         "a container claims 60000 elements but only 3 bytes are left",
     ));
+    // A block size that is an empty map (0x80, one past the positive fixints) is not a size
+    // (shard 10/40: the fast path's `m < 0x80` → `m == 0x80` read it as 128).
+    cases.push((
+        case(
+            4,
+            &|w| {
+                w.fs("type").fs("BlockStored").fs("block_hashes").ints(&[1]);
+                w.fs("token_ids").ints(&tokens).fs("block_size");
+            },
+            &|w| {
+                w.map(0);
+            },
+            &|_| {},
+        ),
+        "block_size is not an integer",
+    ));
     let mut b = Batch::default();
     for (i, ((payload, at), what)) in cases.into_iter().enumerate() {
         Decoder::new()
@@ -915,4 +931,24 @@ fn a_store_the_router_cannot_hash_is_counted_as_unsupported() {
     a.apply("w", &store(2, None)).expect("apply");
     let c = a.counters("w").expect("counters");
     assert_eq!((c.skipped_unsupported, c.blocks_stored), (1, 1));
+}
+
+/// cargo-mutants survivor (shard 10/40): `Applier::config` is the configuration the applier was
+/// built with (the bindings' `KvEventApplier` properties read it).
+#[test]
+fn the_applier_reports_its_configuration() {
+    let config = Config {
+        mode: Mode::Direct,
+        block_size: 32,
+        profile: Profile::Sglang,
+        seed: None,
+        group_idx: 2,
+    };
+    let a = Applier::new(shared(), config.clone()).expect("applier");
+    let c = a.config();
+    assert_eq!(
+        (c.mode, c.block_size, c.profile, c.group_idx),
+        (Mode::Direct, 32, Profile::Sglang, 2)
+    );
+    assert_eq!(c.seed, None);
 }
