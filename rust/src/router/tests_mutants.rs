@@ -221,9 +221,6 @@ fn each_tier_earns_its_own_weight() {
 /// Worker `c` holds a 10-block prompt in tier `medium` only (stored by an event); returns the
 /// cost of the other workers, which hold nothing, over `c`'s (c is chosen).
 fn slower_tier_cost_ratio(medium: &str, tier_weights: Vec<(String, f64)>) -> f64 {
-    use rmp::encode::{
-        write_array_len, write_f64, write_map_len, write_nil, write_str, write_uint,
-    };
     let config = Config {
         block_size: 4,
         mode: IndexMode::Events,
@@ -233,33 +230,9 @@ fn slower_tier_cost_ratio(medium: &str, tier_weights: Vec<(String, f64)>) -> f64
     let mut r = Router::new(["a", "b", "c", "d"].map(|n| (n, 1.0)), config).unwrap();
     let mut applier = r.new_event_applier().unwrap();
     let prompt = tokens(3, 40);
-    // [ts, [BlockStored{10 blocks of the prompt, medium}], dp_rank]: the msgpack of vLLM's
-    // KVEventBatch.
-    let mut p = Vec::new();
-    write_array_len(&mut p, 3).unwrap();
-    write_f64(&mut p, 1.0).unwrap();
-    write_array_len(&mut p, 1).unwrap();
-    write_map_len(&mut p, 6).unwrap();
-    write_str(&mut p, "type").unwrap();
-    write_str(&mut p, "BlockStored").unwrap();
-    write_str(&mut p, "block_hashes").unwrap();
-    write_array_len(&mut p, 10).unwrap();
-    for h in 1..=10 {
-        write_uint(&mut p, h).unwrap();
-    }
-    write_str(&mut p, "parent_block_hash").unwrap();
-    write_nil(&mut p).unwrap();
-    write_str(&mut p, "token_ids").unwrap();
-    write_array_len(&mut p, 40).unwrap();
-    for &t in &prompt {
-        write_uint(&mut p, t.into()).unwrap();
-    }
-    write_str(&mut p, "block_size").unwrap();
-    write_uint(&mut p, 4).unwrap();
-    write_str(&mut p, "medium").unwrap();
-    write_str(&mut p, medium).unwrap();
-    write_nil(&mut p).unwrap();
-    applier.apply("c", &p).unwrap();
+    applier
+        .apply("c", &stored_in_tier(&prompt, medium))
+        .unwrap();
     let d = r.route_tokens(&prompt, None, None, 0.0).unwrap();
     let cost = |name: &str| d.scores().find(|(n, _)| &***n == name).unwrap().1;
     assert_eq!(&*d.worker, "c");
@@ -269,6 +242,65 @@ fn slower_tier_cost_ratio(medium: &str, tier_weights: Vec<(String, f64)>) -> f64
         assert!((cost(other) / cost("c") - ratio).abs() < 1e-9, "{other}");
     }
     ratio
+}
+
+/// `[ts, [BlockStored{the 4-token blocks of prompt, medium}], dp_rank]`: the msgpack of vLLM's
+/// KVEventBatch.
+fn stored_in_tier(prompt: &[u32], medium: &str) -> Vec<u8> {
+    use rmp::encode::{
+        write_array_len, write_f64, write_map_len, write_nil, write_str, write_uint,
+    };
+    let mut p = Vec::new();
+    write_array_len(&mut p, 3).unwrap();
+    write_f64(&mut p, 1.0).unwrap();
+    write_array_len(&mut p, 1).unwrap();
+    write_map_len(&mut p, 6).unwrap();
+    write_str(&mut p, "type").unwrap();
+    write_str(&mut p, "BlockStored").unwrap();
+    write_str(&mut p, "block_hashes").unwrap();
+    write_array_len(&mut p, (prompt.len() / 4) as u32).unwrap();
+    for h in 1..=(prompt.len() / 4) as u64 {
+        write_uint(&mut p, h).unwrap();
+    }
+    write_str(&mut p, "parent_block_hash").unwrap();
+    write_nil(&mut p).unwrap();
+    write_str(&mut p, "token_ids").unwrap();
+    write_array_len(&mut p, prompt.len() as u32).unwrap();
+    for &t in prompt {
+        write_uint(&mut p, t.into()).unwrap();
+    }
+    write_str(&mut p, "block_size").unwrap();
+    write_uint(&mut p, 4).unwrap();
+    write_str(&mut p, "medium").unwrap();
+    write_str(&mut p, medium).unwrap();
+    write_nil(&mut p).unwrap();
+    p
+}
+
+/// cargo-mutants survivor (shard 12/40): tier credit is per worker — two workers holding the
+/// prompt in different tiers (a: CPU, weight 0.5; c: DISK, 0.2) each earn their own tier's
+/// credit (the hits grouped by worker: `a.0 == b.0` → `!=` grouped different workers together,
+/// so one of them got none).
+#[test]
+fn workers_in_different_tiers_each_earn_their_credit() {
+    let config = Config {
+        block_size: 4,
+        mode: IndexMode::Events,
+        tier_weights: vec![("CPU".to_owned(), 0.5), ("DISK".to_owned(), 0.2)],
+        ..Config::default()
+    };
+    let mut r = Router::new(["a", "b", "c"].map(|n| (n, 1.0)), config).unwrap();
+    let mut applier = r.new_event_applier().unwrap();
+    let prompt = tokens(4, 40);
+    applier.apply("a", &stored_in_tier(&prompt, "CPU")).unwrap();
+    applier
+        .apply("c", &stored_in_tier(&prompt, "DISK"))
+        .unwrap();
+    let d = r.route_tokens(&prompt, None, None, 0.0).unwrap();
+    let cost = |name: &str| d.scores().find(|(n, _)| &***n == name).unwrap().1;
+    assert!((cost("b") / cost("a") - 2.0).abs() < 1e-9, "{}", cost("a"));
+    assert!((cost("b") / cost("c") - 1.25).abs() < 1e-9, "{}", cost("c"));
+    assert_eq!(&*d.worker, "a");
 }
 
 /// cargo-mutants survivors (shard 3/40): `config()` is the configuration the router was built
