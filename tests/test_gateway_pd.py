@@ -390,8 +390,11 @@ def test_the_prefill_half_reports_what_its_engine_found_cached(protocol, stream)
     reports nothing (its engine counts the KV it received as cached)."""
     fleet = PdFleet(protocol, 1, 1)
     with GatewayServer(fleet.config()) as gw:
-        ask(gw, "What fuels R7?", stream=stream)
-        ask(gw, "And what fuels R8?", stream=stream)
+        _text, first = ask(gw, "What fuels R7?", stream=stream)
+        _text, second = ask(gw, "And what fuels R8?", stream=stream)
+        # The answer's header: the prefill half's predicted cached tokens (the router's).
+        assert int(first["x-kvroute-cached-tokens"]) == 0
+        assert int(second["x-kvroute-cached-tokens"]) > 1500
         idle(gw)
         samples = metric_samples(gw.metrics())
         cached = [r["cached_tokens"] for r in fleet["up-0"].records]
