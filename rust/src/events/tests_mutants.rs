@@ -874,6 +874,25 @@ fn each_malformed_payload_is_refused_at_its_byte() {
         ),
         "block_size is not an integer",
     ));
+    // A medium that is the integer 64 is not a string (shard 11/40: the fast path's fixstr check
+    // `m & 0xe0 == 0xa0` → `m ^ 0xe0` matched 0x40 and read it as "").
+    cases.push((
+        case(
+            3,
+            &|w| {
+                w.fs("type")
+                    .fs("BlockRemoved")
+                    .fs("block_hashes")
+                    .ints(&[1]);
+                w.fs("medium");
+            },
+            &|w| {
+                w.u(64);
+            },
+            &|_| {},
+        ),
+        "medium is neither a string nor nil",
+    ));
     let mut b = Batch::default();
     for (i, ((payload, at), what)) in cases.into_iter().enumerate() {
         Decoder::new()
@@ -951,4 +970,37 @@ fn the_applier_reports_its_configuration() {
         (Mode::Direct, 32, Profile::Sglang, 2)
     );
     assert_eq!(c.seed, None);
+}
+
+/// cargo-mutants survivors (shard 11/40): `Applier::index` is the GPU index it was built with;
+/// at most [`MAX_TIERS`] storage tiers besides the GPU get an index, and a store to one more is
+/// counted once as unsupported (nothing stored).
+#[test]
+fn the_applier_shares_its_index_and_caps_its_tiers() {
+    let index = shared();
+    let mut a = Applier::new(index.clone(), Config::default()).expect("applier");
+    assert!(Arc::ptr_eq(a.index(), &index));
+    let tokens: Vec<u64> = (0..16).collect();
+    for t in 0..=MAX_TIERS {
+        let medium = format!("TIER{t}");
+        let payload = batch(|w| {
+            let e = Ev {
+                hashes: &[t as u64 + 1],
+                parent: None,
+                tokens: &tokens,
+                block_size: 16,
+                medium: Some(&medium),
+            };
+            stored(w, &e);
+            1
+        });
+        a.apply("w", &payload).expect("apply");
+    }
+    let c = a.counters("w").expect("counters");
+    assert_eq!(
+        (c.blocks_stored, c.skipped_unsupported),
+        (MAX_TIERS as u64, 1)
+    );
+    assert!(a.tier_index("TIER0").is_some());
+    assert!(a.tier_index(&format!("TIER{MAX_TIERS}")).is_none());
 }
