@@ -761,7 +761,38 @@ fn a_worker_at_its_idle_deadline_is_checked() {
     let d = r.route_tokens(&tokens(2, 16), None, None, 55.0).unwrap();
     assert_ne!(d.worker, x);
     assert_eq!(clock(&r), 50.0, "before the deadline nothing is done to x");
+    // `x` serves its prompt again at t = 58: its blocks are touched then, its deadline stays 60.
+    let d = r.route_tokens(&tokens(1, 16), None, None, 58.0).unwrap();
+    assert_eq!(d.worker, x);
     let d = r.route_tokens(&tokens(3, 16), None, None, 60.0).unwrap();
     assert_ne!(d.worker, x);
     assert_eq!(clock(&r), 60.0, "at the deadline x's expiry ran");
+    // That check found the oldest block touched at 58: the next deadline is 58 + 10 (shard
+    // 13/40: `t + ttl` → `t - ttl` made it 48, and every later route checked `x` again).
+    let d = r.route_tokens(&tokens(4, 16), None, None, 63.0).unwrap();
+    assert_ne!(d.worker, x);
+    assert_eq!(
+        clock(&r),
+        60.0,
+        "before the next deadline (68) nothing is done to x"
+    );
+}
+
+/// An endpoint's pool keeps `pool_size` members while enough healthy workers exist, even when
+/// the order's head runs out of healthy ones and must be drawn again: 20 workers, pool size 1
+/// (a head of 9), the member marked unhealthy 15 times in a row (fails without the redraw in
+/// `refresh_pool`). Written for shard 13/40's `pool.len() < pool_size` → `==`, which it does not
+/// catch: that mutant redraws the head at every refresh of a full pool, so the head never runs
+/// short here (see docs/mutants.md).
+#[test]
+fn a_pool_stays_full_while_its_head_runs_out_of_healthy_workers() {
+    let names: Vec<String> = (0..20).map(|i| format!("w{i}")).collect();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let mut r = router(Policy::KvAware, &refs);
+    r.add_endpoint("e", EndpointSpec::default()).unwrap();
+    for k in 0..15 {
+        let pool = r.endpoint_pool("e", Some(Phase::Decode)).unwrap();
+        assert_eq!(pool.len(), 1, "after {k} marked unhealthy");
+        r.set_healthy(&pool[0], false).unwrap();
+    }
 }
