@@ -444,3 +444,15 @@ def test_a_served_request_starts_the_workers_failures_in_a_row_again(caplog):
             assert gw.get("/health").json()["workers"] == {"w-0": True}
     finally:
         fleet.close()
+
+
+def test_status_599_is_an_upstream_5xx_answer(servers):
+    """599 is the last status HTTP defines a class for (5xx): passed on as the upstream's own
+    answer, not taken for an invalid status (600 is one)."""
+    url = servers(lambda body: [reply(599, b'{"error": "edge"}')])
+    with GatewayServer(fleet_config([url], max_attempts=1)) as gw:
+        r = post(gw, "rq-8", False)
+        assert (r.status_code, r.content) == (599, b'{"error": "edge"}')
+        assert samples(gw, "upstream_errors_total") == {
+            (("kind", "status_5xx"), ("worker", "w-0")): 1
+        }
