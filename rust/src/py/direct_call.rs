@@ -44,9 +44,10 @@ pub fn add_function(
     slot: &'static PyOnceLock<Py<PyAny>>,
 ) -> PyResult<()> {
     let py = m.py();
-    let _ = slot.set(py, full.unbind()); // a second module initialisation keeps the first
-                                         // SAFETY: C extensions store METH_FASTCALL functions in the `PyCFunction` slot, cast; CPython
-                                         // reads `ml_flags` and calls the pointer back with the `FastCFunction` signature.
+    // A second module initialisation keeps the first.
+    let _ = slot.set(py, full.unbind());
+    // SAFETY: C extensions store METH_FASTCALL functions in the `PyCFunction` slot, cast; CPython
+    // reads `ml_flags` and calls the pointer back with the `FastCFunction` signature.
     let meth = unsafe { std::mem::transmute::<FastCFunction, ffi::PyCFunction>(direct) };
     // The definition must outlive every function object made from it: created once per module
     // initialisation and never freed.
@@ -94,8 +95,9 @@ pub fn add_method(
     };
     let doc = std::ffi::CString::new(doc)
         .map_err(|_| PyRuntimeError::new_err("internal error: NUL in a docstring"))?;
-    let _ = slot.set(py, full.unbind()); // a second module initialisation keeps the first
-                                         // SAFETY: as in `add_function`.
+    // A second module initialisation keeps the first.
+    let _ = slot.set(py, full.unbind());
+    // SAFETY: as in `add_function`.
     let meth = unsafe { std::mem::transmute::<FastCFunction, ffi::PyCFunction>(direct) };
     // Outlives every descriptor made from it: created once per module initialisation, never
     // freed (as the docstring).
