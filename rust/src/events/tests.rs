@@ -826,3 +826,7 @@ fn wide_lora_ids_nil_hashes_and_empty_batches() {
 /// Tests written for cargo-mutants survivors since shard 5/40 (`tests_mutants.rs`).
 #[path = "tests_mutants.rs"]
 mod mutants;
+
+/// The decoder against every msgpack encoding of every field (`tests_encodings.rs`).
+#[path = "tests_encodings.rs"]
+mod encodings;
