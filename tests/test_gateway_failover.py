@@ -14,7 +14,6 @@ test upstreams.
 from __future__ import annotations
 
 import logging
-import socket
 from typing import Any
 
 import httpx
@@ -23,23 +22,16 @@ from support.gateway_faults import SSE_HEAD, FaultServer, chunk, delta, reply
 from support.gateway_fleet import (
     Fleet,
     GatewayServer,
+    closed_port,
     config_dict,
+    lines,
     messages,
-    metric_samples,
+    samples,
     wait_for,
 )
 from test_gateway_faults import fleet_config
 
 ROUTE = "/v1/chat/completions"
-
-
-def closed_port() -> int:
-    """A local port nobody listens on (bound, then closed)."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 # name -> (script, streamed, (status, error code, message, type) of the give-up answer or None
@@ -155,19 +147,6 @@ def post(gw: GatewayServer, rid: str, stream: bool) -> httpx.Response:
     return httpx.post(
         gw.url + ROUTE, json=body, headers={"x-request-id": rid}, trust_env=False, timeout=20
     )
-
-
-def samples(gw: GatewayServer, name: str) -> dict[tuple, float]:
-    """``{labels: value}`` of one series (labels as sorted pairs), zero samples left out."""
-    return {
-        labels: v
-        for (n, labels), v in metric_samples(gw.metrics()).items()
-        if n == f"kvroute_gateway_{name}" and v
-    }
-
-
-def lines(caplog: pytest.LogCaptureFixture, logger: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == logger]
 
 
 @pytest.fixture

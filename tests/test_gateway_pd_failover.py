@@ -16,38 +16,23 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 from typing import Any
 
 import httpx
 import pytest
 from kvroute.gateway import pd
 from support.gateway_faults import FaultServer, reply
-from support.gateway_fleet import GatewayServer, messages, metric_samples, wait_for
+from support.gateway_fleet import (
+    GatewayServer,
+    closed_port,
+    lines,
+    messages,
+    samples,
+    wait_for,
+)
 from test_gateway_pd import PdFleet, ask, idle
 
 ROUTE = "/v1/chat/completions"
-
-
-def closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-def samples(gw: GatewayServer, name: str) -> dict[tuple, float]:
-    """``{labels: value}`` of one series (labels as sorted pairs), zero samples left out."""
-    return {
-        labels: v
-        for (n, labels), v in metric_samples(gw.metrics()).items()
-        if n == f"kvroute_gateway_{name}" and v
-    }
-
-
-def lines(caplog: pytest.LogCaptureFixture, logger: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == logger]
 
 
 def post(gw: GatewayServer, rid: str) -> httpx.Response:

@@ -234,3 +234,26 @@ def cli_serve(config: dict[str, Any], tmp_path: Any) -> Iterator[tuple[str, list
         out, _ = proc.communicate(timeout=20)
         output.append(out)
     assert proc.returncode == 0, out.decode()
+
+
+def closed_port() -> int:
+    """A local port nobody listens on (bound, then closed)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def samples(gw: GatewayServer, name: str) -> dict[tuple, float]:
+    """``{labels: value}`` of one gateway series (labels as sorted pairs), zero samples left out."""
+    return {
+        labels: v
+        for (n, labels), v in metric_samples(gw.metrics()).items()
+        if n == f"kvroute_gateway_{name}" and v
+    }
+
+
+def lines(caplog: Any, logger: str) -> list[str]:
+    """The messages ``logger`` logged during the test (pytest's ``caplog``)."""
+    return [r.getMessage() for r in caplog.records if r.name == logger]

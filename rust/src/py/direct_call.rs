@@ -46,17 +46,7 @@ pub fn add_function(
     let py = m.py();
     // A second module initialisation keeps the first.
     let _ = slot.set(py, full.unbind());
-    // SAFETY: C extensions store METH_FASTCALL functions in the `PyCFunction` slot, cast; CPython
-    // reads `ml_flags` and calls the pointer back with the `FastCFunction` signature.
-    let meth = unsafe { std::mem::transmute::<FastCFunction, ffi::PyCFunction>(direct) };
-    // The definition must outlive every function object made from it: created once per module
-    // initialisation and never freed.
-    let def: &'static mut ffi::PyMethodDef = Box::leak(Box::new(ffi::PyMethodDef {
-        ml_name: name.as_ptr(),
-        ml_meth: ffi::PyMethodDefPointer { PyCFunction: meth },
-        ml_flags: ffi::METH_FASTCALL | ffi::METH_KEYWORDS,
-        ml_doc: doc.as_ptr(),
-    }));
+    let def = method_def(name, doc, direct);
     let module_name = m.name()?;
     // SAFETY: `def` is valid forever; `m` and `module_name` are live objects; the GIL is held.
     let func = unsafe {
@@ -66,6 +56,24 @@ pub fn add_function(
         )?
     };
     m.add(name.to_string_lossy().as_ref(), func)
+}
+
+/// The `METH_FASTCALL | METH_KEYWORDS` definition of `direct`. It must outlive every function
+/// or descriptor made from it: made once per module initialisation and never freed.
+fn method_def(
+    name: &'static CStr,
+    doc: &'static CStr,
+    direct: FastCFunction,
+) -> *mut ffi::PyMethodDef {
+    // SAFETY: C extensions store METH_FASTCALL functions in the `PyCFunction` slot, cast; CPython
+    // reads `ml_flags` and calls the pointer back with the `FastCFunction` signature.
+    let meth = unsafe { std::mem::transmute::<FastCFunction, ffi::PyCFunction>(direct) };
+    Box::into_raw(Box::new(ffi::PyMethodDef {
+        ml_name: name.as_ptr(),
+        ml_meth: ffi::PyMethodDefPointer { PyCFunction: meth },
+        ml_flags: ffi::METH_FASTCALL | ffi::METH_KEYWORDS,
+        ml_doc: doc.as_ptr(),
+    }))
 }
 
 /// Makes `direct` the method `name` of class `ty` (a method descriptor, as a C extension's
@@ -97,16 +105,8 @@ pub fn add_method(
         .map_err(|_| PyRuntimeError::new_err("internal error: NUL in a docstring"))?;
     // A second module initialisation keeps the first.
     let _ = slot.set(py, full.unbind());
-    // SAFETY: as in `add_function`.
-    let meth = unsafe { std::mem::transmute::<FastCFunction, ffi::PyCFunction>(direct) };
-    // Outlives every descriptor made from it: created once per module initialisation, never
-    // freed (as the docstring).
-    let def: &'static mut ffi::PyMethodDef = Box::leak(Box::new(ffi::PyMethodDef {
-        ml_name: name.as_ptr(),
-        ml_meth: ffi::PyMethodDefPointer { PyCFunction: meth },
-        ml_flags: ffi::METH_FASTCALL | ffi::METH_KEYWORDS,
-        ml_doc: Box::leak(doc.into_boxed_c_str()).as_ptr(),
-    }));
+    // Never freed, as the definition that points to it.
+    let def = method_def(name, Box::leak(doc.into_boxed_c_str()), direct);
     // SAFETY: `def` is valid forever; `ty` is a live type object; the GIL is held.
     let descr = unsafe {
         Bound::from_owned_ptr_or_err(
