@@ -5,8 +5,9 @@ and a version-specific one: ``maturin build --features pyo3/abi3-py310`` and wit
 build's module is loaded side by side; every round calls ``HashRing.get_many`` on 100k str keys
 and ``get`` 20,000 times with each build in turn, and the ``uhashring`` loop of bench_hashing.py
 every third round, so that load on a shared machine falls on all alike. Prints the median (and
-minimum) CPU time per key and the ratio to the peer of the same rounds. ``--shuffle`` shuffles the
-keys first: their string objects then lie scattered in memory.
+minimum) CPU time per key and the ratio to the peer of the same rounds. ``--shuffle`` shuffles
+the keys first: their string objects then lie scattered in memory. Then ``jump_hash`` per call
+(1,024 and 100,000 buckets) with each build and the C ``jump.hash`` in turn, 15 rounds.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import statistics
 import sys
 import time
 
+import jump
 import uhashring
 
 N_KEYS = 100_000
@@ -39,11 +41,11 @@ def cpu_per(fn, n: int) -> float:
 
 
 def repeat(get, n: int):
-    """A loop of ``n`` calls ``get(KEY)``."""
+    """``n`` calls ``get(KEY)`` in a list comprehension, the same form for every build and the
+    peer (a plain ``for`` loop costs ~5 ns more per call)."""
 
     def run() -> None:
-        for _ in range(n):
-            get(KEY)
+        [get(KEY) for _ in range(n)]
 
     return run
 
@@ -67,9 +69,7 @@ def main(argv: list[str]) -> None:
             for name, ring in rings.items():
                 for _ in range(3):
                     many[name].append(cpu_per(lambda ring=ring: ring.get_many(keys), N_KEYS))
-                one[name].append(
-                    cpu_per(lambda g=ring.get: [g(KEY) for _ in range(20_000)], 20_000)
-                )
+                one[name].append(cpu_per(repeat(ring.get, 20_000), 20_000))
             if r % 3 == 0:
                 many["uhashring"].append(cpu_per(lambda g=get_node: [g(k) for k in keys], N_KEYS))
             one["uhashring"].append(cpu_per(repeat(get_node, 5000), 5000))
@@ -86,6 +86,27 @@ def main(argv: list[str]) -> None:
                 f" (min {min(many[name]) * 1e9:6.1f}) {peer_many / m:6.1f}x"
                 f" | get {s * 1e9:6.1f} ns {peer_one / s:5.1f}x"
             )
+    jump_calls(builds)
+
+
+def jump_calls(builds: dict) -> None:
+    """``jump_hash(key, n)`` per call with each build and the C peer, interleaved."""
+    key, calls = 0xDEADBEEF, 100_000
+    for n in (1024, 100_000):
+        per = {name: [] for name in [*builds, "jump.hash"]}
+        for _ in range(15):
+            for name, m in builds.items():
+                per[name].append(
+                    cpu_per(lambda f=m.jump_hash, n=n: [f(key, n) for _ in range(calls)], calls)
+                )
+            per["jump.hash"].append(
+                cpu_per(lambda n=n: [jump.hash(key, n) for _ in range(calls)], calls)
+            )
+        peer = statistics.median(per["jump.hash"])
+        print(f"jump_hash, {n:,} buckets: jump.hash (C) {peer * 1e9:.1f} ns per call")
+        for name in builds:
+            m = statistics.median(per[name])
+            print(f"  {name:>10}: {m * 1e9:6.1f} ns {peer / m:5.2f}x")
 
 
 if __name__ == "__main__":

@@ -37,12 +37,38 @@ use crate::error::Result;
 /// Bucket in `0..num_buckets` for `key`, bit-exact with the paper's reference implementation.
 ///
 /// `num_buckets` must be at least 1 (callers validate; `0` yields `0` rather than panicking).
-/// This is the reference loop itself (the bucket index as an integer, the jump as a float
-/// product truncated to an integer); it inlines into its callers, which matters for a call from
-/// Python that costs ~140 instructions in all. `j` stays below `2^62` (`(b + 1) <= 2^31` times a
-/// factor `<= 2^31`), so the `f64 -> i64` conversion is exact truncation, as in C.
+/// The reference loop keeps the bucket index as an integer and truncates the float jump to one;
+/// here, where the CPU rounds a float in one instruction (SSE4.1's `roundsd`, AArch64's
+/// `frintz`), the index stays an integer-valued `f64` instead, as in [`jump_lanes`]: each step's
+/// dependency chain through `b` is then an add, a multiply and a round, without the two
+/// int/float conversions. Every value is exact (`b + 1 <= 2^31`, the product below `2^62`), so
+/// both loops give the same buckets. It inlines into its callers, which matters for a call from
+/// Python that costs ~140 instructions in all.
 #[inline]
-pub fn jump_hash(mut key: u64, num_buckets: u32) -> u32 {
+pub fn jump_hash(key: u64, num_buckets: u32) -> u32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("sse4.1") {
+            // SAFETY: the running CPU supports SSE4.1 (checked just above).
+            return unsafe { jump_hash_sse41(key, num_buckets) };
+        }
+        jump_int(key, num_buckets)
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        jump_float(key, num_buckets)
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        jump_int(key, num_buckets)
+    }
+}
+
+/// The reference loop: the bucket index as an integer, the jump a float product truncated to an
+/// integer. `j` stays below `2^62` (`(b + 1) <= 2^31` times a factor `<= 2^31`), so the
+/// `f64 -> i64` conversion is exact truncation, as in C.
+#[inline(always)]
+pub(super) fn jump_int(mut key: u64, num_buckets: u32) -> u32 {
     let n = i64::from(num_buckets);
     let mut b: i64 = 0;
     let mut j: i64 = 0;
@@ -55,6 +81,32 @@ pub fn jump_hash(mut key: u64, num_buckets: u32) -> u32 {
         j = unsafe { next.to_int_unchecked::<i64>() };
     }
     b as u32
+}
+
+/// The reference loop with `b` and `j` as integer-valued `f64`s: `trunc` of the same product
+/// is the same integer, and `j < n` compares the same exact values.
+#[inline(always)]
+pub(super) fn jump_float(mut key: u64, num_buckets: u32) -> u32 {
+    let n = f64::from(num_buckets);
+    let mut b = 0.0f64;
+    let mut j = 0.0f64;
+    while j < n {
+        b = j;
+        key = key.wrapping_mul(2_862_933_555_777_941_757).wrapping_add(1);
+        // (key >> 33) < 2^31, so the i32 conversion is exact.
+        let divisor = f64::from((key >> 33) as i32) + 1.0;
+        j = ((b + 1.0) * ((1u64 << 31) as f64 / divisor)).trunc();
+    }
+    // `b` is an integer below 2^31: the conversion is exact.
+    b as u32
+}
+
+/// [`jump_float`] compiled with SSE4.1, whose `roundsd` makes `trunc` one instruction (without
+/// it, a call into libm).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "sse4.1")]
+fn jump_hash_sse41(key: u64, num_buckets: u32) -> u32 {
+    jump_float(key, num_buckets)
 }
 
 /// Keys advanced together by [`jump_hash_many_into`]. The single-key loop waits on one float

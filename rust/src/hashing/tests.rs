@@ -152,7 +152,32 @@ mod bounded {
 
 /// `jump.rs`: `jump_hash`.
 mod jump {
-    use super::super::jump::{jump_hash, jump_hash_many_into};
+    use super::super::jump::{jump_float, jump_hash, jump_hash_many_into, jump_int};
+
+    #[test]
+    fn the_float_loop_is_the_reference_loop() {
+        // The paper's loop (integer index) against the integer-valued-float one `jump_hash`
+        // runs where the CPU rounds in one instruction: random keys over bucket counts at the
+        // edges (1, 2, 2^31 - 1) and across the range.
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for i in 0..200_000u32 {
+            let key = next();
+            let n = match i % 4 {
+                0 => [1, 2, 3, i32::MAX as u32][(i / 4 % 4) as usize],
+                1 => (next() % 1024) as u32 + 1,
+                _ => (next() % (i32::MAX as u64)) as u32 + 1,
+            };
+            let want = jump_int(key, n);
+            assert_eq!(jump_float(key, n), want, "key {key:#x}, n {n}");
+            assert_eq!(jump_hash(key, n), want, "key {key:#x}, n {n}");
+        }
+    }
 
     #[test]
     fn batch_equals_single_calls() {
