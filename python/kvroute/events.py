@@ -29,6 +29,12 @@ messages and restarts:
   its first request — waiting for its numbering to start again would credit it, meanwhile, with
   blocks it lost. A ZMQ socket monitor reports the drop.
 - ``AllBlocksCleared`` clears the worker (done by the applier).
+- **Block sizes.** The first store of each engine (and again after every reset) is checked against
+  the router's block size: one the applier cannot use (direct mode: not equal; rehash: not a
+  multiple) is logged as an error naming both sizes — every store of that engine is skipped, its
+  index stays empty — and a multiple in rehash mode as a warning (the index matches at the
+  router's finer blocks, so predicted cached tokens may exceed the engine's by less than one engine
+  block). vLLM ≥ 0.34 uses 64-token blocks on GPU by default (16 before).
 - **Malformed input** — wrong frame count, a sequence frame that is not 8 bytes, a payload the
   decoder refuses — is counted and skipped; nothing crashes and nothing else changes.
 
@@ -49,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Mapping
@@ -57,6 +64,8 @@ from typing import Any, Protocol
 from ._core import KvEventApplier, PrefixIndex
 
 __all__ = ["END_SEQ", "Freshness", "KvEventSubscriber", "applier_for"]
+
+log = logging.getLogger("kvroute.events")
 
 #: The sequence number of the replay end marker (``-1`` as a signed 8-byte big-endian int).
 END_SEQ = b"\xff" * 8
@@ -164,6 +173,7 @@ class _Worker:
         self.errors = 0
         self.last_seq: int | None = None
         self.last_message: float | None = None
+        self.block_size_checked = False  # the engine's block size compared since the last reset
 
 
 class KvEventSubscriber:
@@ -342,11 +352,12 @@ class KvEventSubscriber:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per worker: the applier's counters (batches, events, blocks_stored, blocks_removed,
-        skipped_*, …) plus gaps, replays, replay_failures, resets (clears for lost history:
-        unrecoverable gaps, restarts and disconnects), restarts, disconnects, malformed (frames and
-        payloads), errors (exceptions caught in the poll thread, the freshness sink's included),
-        last_seq, stale, pending and pending_bytes (live messages buffered during a replay) and
-        seconds_since_event (``None`` before the first message)."""
+        skipped_*, …, and engine_block_size: the block size of the engine's last store) plus gaps,
+        replays, replay_failures, resets (clears for lost history: unrecoverable gaps, restarts and
+        disconnects), restarts, disconnects, malformed (frames and payloads), errors (exceptions
+        caught in the poll thread, the freshness sink's included), last_seq, stale, pending and
+        pending_bytes (live messages buffered during a replay) and seconds_since_event (``None``
+        before the first message)."""
         now = time.monotonic()
         applied = self.applier.stats()
         out: dict[str, dict[str, Any]] = {}
@@ -561,11 +572,57 @@ class KvEventSubscriber:
             self.applier.apply(w.name, payload)
         except ValueError:
             pass  # counted by the applier as a malformed payload; it changed nothing
+        if not w.block_size_checked:
+            self._check_block_size(w)
+
+    def _check_block_size(self, w: _Worker) -> None:
+        """Once the worker's engine has stored a block, logs a block size the router cannot use
+        (error) or uses only at its own finer granularity (warning); see the module docs."""
+        if not isinstance(self.applier, KvEventApplier):
+            w.block_size_checked = True  # an event sink (the relay's outbox): no sizes to compare
+            return
+        engine = self.applier.stats(w.name)["engine_block_size"]
+        if not engine:
+            return  # no store seen yet
+        w.block_size_checked = True
+        router, mode = self.applier.block_size, self.applier.mode
+        if engine == router:
+            return
+        if mode == "direct" or engine % router:
+            need = "equal" if mode == "direct" else "a multiple of the router's"
+            log.error(
+                "worker %s: the engine's KV blocks are %d tokens and the router's %d: %s mode "
+                "needs the engine's block size %s, so every store of this engine is skipped "
+                "(stats: skipped_block_size) and it is never credited with a cached prefix. Set "
+                "the router's block_size to %d, or start the engine with --block-size %d "
+                "(vLLM >= 0.34 defaults to 64 on GPU).",
+                w.name,
+                engine,
+                router,
+                mode,
+                need,
+                engine,
+                router,
+            )
+        else:
+            log.warning(
+                "worker %s: the engine's KV blocks are %d tokens and the router's %d: its stores "
+                "are indexed as %d-token blocks, so a request is predicted to find up to %d "
+                "tokens more cached than the engine's whole blocks hold. Set the router's "
+                "block_size to %d for exact predictions.",
+                w.name,
+                engine,
+                router,
+                router,
+                engine - router,
+                engine,
+            )
 
     def _reset(self, w: _Worker) -> None:
         """Forgets the worker's blocks and its numbering (history lost)."""
         self.applier.clear(w.name)
         w.expected = None
+        w.block_size_checked = False  # a restarted engine may run with another block size
         with self._lock:
             w.resets += 1
 

@@ -130,6 +130,9 @@ pub struct WorkerCounters {
     pub index_rejected: u64,
     /// Resets requested by the caller ([`Applier::clear_worker`]: gap, restart).
     pub resets: u64,
+    /// Not a count: the engine's block size in the last `BlockStored` of the followed group (0
+    /// before the first), so that a size the router cannot use can be named.
+    pub engine_block_size: u64,
 }
 
 /// What one payload contained.
@@ -500,6 +503,7 @@ impl Ctx<'_> {
         if n == 0 {
             return;
         }
+        counters.engine_block_size = ev.block_size;
         let router = self.config.block_size;
         let engine = usize::try_from(ev.block_size).unwrap_or(usize::MAX);
         if engine == 0 || n.checked_mul(engine) != Some(ev.token_ids.len()) || engine < router {

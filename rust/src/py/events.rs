@@ -40,6 +40,7 @@ fn counters_dict<'py>(py: Python<'py>, c: &WorkerCounters) -> PyResult<Bound<'py
         skipped_unknown_type,
         index_rejected,
         resets,
+        engine_block_size,
     } = *c;
     for (k, v) in [
         ("batches", batches),
@@ -58,6 +59,7 @@ fn counters_dict<'py>(py: Python<'py>, c: &WorkerCounters) -> PyResult<Bound<'py
         ("skipped_unknown_type", skipped_unknown_type),
         ("index_rejected", index_rejected),
         ("resets", resets),
+        ("engine_block_size", engine_block_size),
     ] {
         d.set_item(k, v)?;
     }

@@ -1,0 +1,115 @@
+"""An engine whose KV block size the router cannot use is named in the log, once per engine run.
+
+vLLM >= 0.34 stores 64-token blocks on GPU by default (16 before), so a router left at 16 tokens
+meets engines it cannot follow: in direct mode every store is skipped, in rehash mode they are
+indexed at the router's finer size. Real ZMQ sockets on 127.0.0.1 (support/events_engine.py);
+payloads built from the spec (support/events_payloads.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from kvroute import PrefixIndex
+from kvroute.events import KvEventSubscriber
+from support import events_payloads as P
+from support.events_engine import own
+from support.helpers import wait_for
+
+
+def store(hashes: list[int], tokens: list[int], block_size: int) -> bytes:
+    return P.batch([P.map16(P.stored_fields(hashes, None, tokens, block_size))])
+
+
+def records(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "kvroute.events"]
+
+
+def published(sub: KvEventSubscriber, seq: int) -> dict:
+    wait_for(lambda: sub.stats()["w"]["last_seq"] == seq, f"seq {seq}")
+    return sub.stats()["w"]
+
+
+def test_direct_mode_names_an_engine_block_size_it_skips(engines, caplog):
+    caplog.set_level(logging.WARNING, logger="kvroute.events")
+    engine = engines(replay=False)
+    index = PrefixIndex()
+    tokens = list(range(128))
+    sub = KvEventSubscriber(index, {"w": engine.endpoint}, mode="direct", hash_profile="vllm")
+    with sub:
+        engine.wait_subscriber()
+        engine.publish(store([11], tokens[:64], 64))
+        engine.publish(store([12], tokens[64:], 64))
+        s = published(sub, 1)
+        assert (s["skipped_block_size"], s["blocks_stored"], s["engine_block_size"]) == (2, 0, 64)
+        assert index.match([11]) == {}
+        (first,) = records(caplog)  # once, not per store
+        assert first.levelno == logging.ERROR
+        assert first.getMessage() == (
+            "worker w: the engine's KV blocks are 64 tokens and the router's 16: direct mode "
+            "needs the engine's block size equal, so every store of this engine is skipped "
+            "(stats: skipped_block_size) and it is never credited with a cached prefix. Set the "
+            "router's block_size to 64, or start the engine with --block-size 16 (vLLM >= 0.34 "
+            "defaults to 64 on GPU)."
+        )
+        # A restarted engine (numbering from 0 again: the worker is reset) is checked afresh.
+        engine.restart()
+        engine.publish(store([13], tokens[:64], 64))
+        wait_for(lambda: sub.stats()["w"]["restarts"] == 1, "the restart")
+        wait_for(lambda: len(records(caplog)) == 2, "the second engine run's check")
+        assert sub.stats()["w"]["errors"] == 0
+
+
+def test_rehash_mode_names_a_size_that_is_not_a_multiple(engines, caplog):
+    caplog.set_level(logging.WARNING, logger="kvroute.events")
+    engine = engines(replay=False)
+    sub = KvEventSubscriber(PrefixIndex(), {"w": engine.endpoint}, block_size=32)
+    with sub:
+        engine.wait_subscriber()
+        engine.publish(store([21], list(range(48)), 48))
+        s = published(sub, 0)
+    assert (s["skipped_block_size"], s["engine_block_size"]) == (1, 48)
+    (record,) = records(caplog)
+    assert record.levelno == logging.ERROR
+    assert (
+        "blocks are 48 tokens and the router's 32: rehash mode needs the engine's block size a "
+        "multiple of the router's" in record.getMessage()
+    )
+
+
+def test_rehash_mode_warns_that_a_multiple_is_indexed_at_the_router_size(engines, caplog):
+    caplog.set_level(logging.INFO, logger="kvroute.events")
+    engine = engines(replay=False)
+    index = PrefixIndex()
+    tokens = list(range(64))
+    with KvEventSubscriber(index, {"w": engine.endpoint}) as sub:
+        engine.wait_subscriber()
+        engine.publish(store([31], tokens, 64))
+        s = published(sub, 0)
+        engine.publish(store([32], list(range(100, 164)), 64))
+        s = published(sub, 1)
+    assert (s["skipped_block_size"], s["blocks_stored"], s["engine_block_size"]) == (0, 2, 64)
+    assert index.match(own(tokens)) == {"w": 4}  # indexed as four 16-token blocks
+    (record,) = records(caplog)
+    assert record.levelno == logging.WARNING
+    assert record.getMessage() == (
+        "worker w: the engine's KV blocks are 64 tokens and the router's 16: its stores are "
+        "indexed as 16-token blocks, so a request is predicted to find up to 48 tokens more "
+        "cached than the engine's whole blocks hold. Set the router's block_size to 64 for exact "
+        "predictions."
+    )
+
+
+@pytest.mark.parametrize("mode", ["rehash", "direct"])
+def test_equal_sizes_log_nothing(engines, caplog, mode):
+    caplog.set_level(logging.DEBUG, logger="kvroute.events")
+    engine = engines(replay=False)
+    profile = "vllm" if mode == "direct" else None
+    sub = KvEventSubscriber(PrefixIndex(), {"w": engine.endpoint}, mode=mode, hash_profile=profile)
+    with sub:
+        engine.wait_subscriber()
+        engine.publish(store([41], list(range(16)), 16))
+        s = published(sub, 0)
+    assert (s["skipped_block_size"], s["blocks_stored"], s["engine_block_size"]) == (0, 1, 16)
+    assert records(caplog) == []
