@@ -641,3 +641,5 @@ mod tests;
 mod tests_model;
 #[cfg(test)]
 mod tests_mutants;
+#[cfg(test)]
+mod tests_sync;

@@ -1,0 +1,297 @@
+//! Sharing the approx model between replicas (`sync.rs`): updates published, applied, batched
+//! and refused (moved out of `tests.rs`, unchanged).
+
+use super::tests::{router, tokens};
+use super::*;
+
+fn replica(capacity: usize) -> Router {
+    replica_of(&["a", "b", "c"], capacity, true, Config::default().policy)
+}
+
+/// An approx-mode router over `names` (weight 1, blocks of 4 tokens).
+fn replica_of(names: &[&str], capacity: usize, updates: bool, policy: Policy) -> Router {
+    let config = Config {
+        block_size: 4,
+        capacity_blocks: capacity,
+        updates,
+        policy,
+        ..Config::default()
+    };
+    Router::new(names.iter().map(|&n| (n, 1.0)), config).unwrap()
+}
+
+/// A prompt: a shared system part (`family`), then a per-request tail.
+fn prompt(family: u32, tail: u32) -> Vec<u32> {
+    let mut t = tokens(family, 24);
+    t.extend(tokens(1000 + tail, 4 * (1 + tail % 3)));
+    t
+}
+
+#[test]
+fn replicas_applying_each_others_updates_hold_identical_models() {
+    // Small caches so that evictions happen: the models must agree on them too.
+    let mut reps = [replica(24), replica(24)];
+    let mut rng = SplitMix64(7);
+    for step in 0..300u32 {
+        let (i, now) = ((rng.next_u64() % 2) as usize, f64::from(step));
+        let t = prompt((rng.next_u64() % 5) as u32, step);
+        let d = reps[i].route_tokens(&t, None, None, now).unwrap();
+        reps[i].begin(&d).unwrap();
+        if step % 7 == 0 {
+            reps[i].observe(&d, d.cached_tokens() / 2, now).unwrap();
+        }
+        reps[i].finish(&d, now).unwrap();
+        let batch = reps[i].take_updates(None);
+        assert!(!batch.is_empty());
+        let other = &mut reps[1 - i];
+        let stats = other.apply_updates(&batch, now, true).unwrap();
+        assert_eq!(
+            (stats.unanchored, stats.unknown_workers),
+            (0, 0),
+            "{stats:?}"
+        );
+        assert!(
+            other.take_updates(None).is_empty(),
+            "applied updates are not echoed"
+        );
+        assert_eq!(reps[0].dump_model().unwrap(), reps[1].dump_model().unwrap());
+    }
+    reps[0].check_model().unwrap();
+    reps[1].check_model().unwrap();
+}
+
+#[test]
+fn a_route_publishes_only_the_blocks_newly_predicted() {
+    let mut r = replica(64);
+    let t = prompt(1, 1);
+    let _ = r.route_tokens(&t, None, None, 0.0).unwrap();
+    let first = r.take_updates(None);
+    let d = r.route_tokens(&t, None, None, 1.0).unwrap();
+    assert_eq!(d.cached_blocks, t.len() / 4);
+    let second = r.take_updates(None);
+    // header 5 + tag 1 + worker 3 + partition 2 + anchor 9 + count 4 + 8 per block
+    assert_eq!(first.len(), 24 + 8 * (t.len() / 4));
+    assert_eq!(
+        second.len(),
+        24,
+        "a known prompt is a touch of its last block"
+    );
+}
+
+#[test]
+fn batches_split_on_update_boundaries() {
+    let mut a = replica(4096);
+    let mut whole = replica(4096);
+    let mut parts = replica(4096);
+    for k in 0..20 {
+        let d = a.route_tokens(&prompt(k, k), None, None, 0.0).unwrap();
+        a.begin(&d).unwrap();
+    }
+    let mut probe = replica(4096);
+    for k in 0..20 {
+        let d = probe.route_tokens(&prompt(k, k), None, None, 0.0).unwrap();
+        probe.begin(&d).unwrap();
+    }
+    let all = probe.take_updates(None);
+    let mut n = 0;
+    loop {
+        let part = a.take_updates(Some(100));
+        if part.is_empty() {
+            break;
+        }
+        let stats = parts.apply_updates(&part, 0.0, true).unwrap();
+        // Within the limit, or one update alone longer than it.
+        assert!(part.len() <= 100 || stats.records + stats.loads == 1);
+        n += 1;
+    }
+    assert!(n > 20, "{n} batches");
+    whole.apply_updates(&all, 0.0, true).unwrap();
+    assert_eq!(whole.dump_model().unwrap(), parts.dump_model().unwrap());
+    for name in ["a", "b", "c"] {
+        let (w, p) = (whole.workers().named(name), parts.workers().named(name));
+        assert_eq!(w.unwrap().others, p.unwrap().others);
+    }
+    // Own updates re-applied without their loads.
+    let mut own = replica(4096);
+    let d = own.route_tokens(&prompt(1, 1), None, None, 0.0).unwrap();
+    own.begin(&d).unwrap();
+    let batch = own.take_updates(None);
+    let stats = own.apply_updates(&batch, 0.0, false).unwrap();
+    assert_eq!((stats.records, stats.loads), (1, 0));
+    assert_eq!(
+        own.workers().named(&d.worker).unwrap().others,
+        Load::default()
+    );
+}
+
+#[test]
+fn bad_batches_change_nothing_and_unknowns_are_counted() {
+    let mut a = replica(64);
+    let mut b = replica(64);
+    let _ = a.route_tokens(&prompt(1, 1), None, None, 0.0).unwrap();
+    let batch = a.take_updates(None);
+    let before = b.dump_model().unwrap();
+    for cut in [1, 4, 9, batch.len() - 1] {
+        assert!(
+            b.apply_updates(&batch[..cut], 1.0, true).is_err(),
+            "cut at {cut}"
+        );
+    }
+    let mut bad = batch.clone();
+    bad[5] = 9; // unknown tag
+    assert!(b.apply_updates(&bad, 1.0, true).is_err());
+    assert!(b.apply_updates(b"nonsense", 1.0, true).is_err());
+    assert!(b.apply_updates(&batch, f64::NAN, true).is_err());
+    assert_eq!(b.dump_model().unwrap(), before);
+    // A worker b does not know, and a continuation whose anchor b never learnt.
+    let mut c = replica_of(&["a", "zz"], 64, true, Policy::RoundRobin);
+    let _ = c.route_tokens(&prompt(2, 1), None, None, 0.0).unwrap(); // a
+    let _ = c.route_tokens(&prompt(3, 1), None, None, 0.0).unwrap(); // zz
+    let _ = c.route_tokens(&prompt(2, 2), None, None, 0.0).unwrap(); // a, anchored
+    let _ = c.take_updates(None);
+    let _ = c.route_tokens(&prompt(2, 4), None, None, 0.0).unwrap();
+    let stats = b.apply_updates(&c.take_updates(None), 1.0, true).unwrap();
+    assert_eq!(stats.records + stats.unanchored + stats.unknown_workers, 1);
+    assert_eq!(stats.records, 0);
+    assert_eq!(b.dump_model().unwrap(), before);
+}
+
+#[test]
+fn load_updates_make_every_replica_weigh_every_replicas_requests() {
+    let mut a = replica(64);
+    let mut b = replica(64);
+    let d = a.route_tokens(&prompt(1, 1), None, None, 0.0).unwrap();
+    a.begin(&d).unwrap();
+    b.apply_updates(&a.take_updates(None), 0.0, true).unwrap();
+    let o = b.workers().named(&d.worker).unwrap().others;
+    assert_eq!((o.active, o.prefill_blocks), (1, d.prefill_blocks() as u64));
+    a.prefilled(&d).unwrap();
+    b.apply_updates(&a.take_updates(None), 0.0, true).unwrap();
+    assert_eq!(
+        b.workers().named(&d.worker).unwrap().others.prefill_blocks,
+        0
+    );
+    a.finish(&d, 1.0).unwrap();
+    b.apply_updates(&a.take_updates(None), 1.0, true).unwrap();
+    assert_eq!(
+        b.workers().named(&d.worker).unwrap().others,
+        Load::default()
+    );
+    // Events mode shares load only.
+    let events = Config {
+        mode: IndexMode::Events,
+        updates: true,
+        ..Config::default()
+    };
+    let mut e = Router::new([("a", 1.0)], events.clone()).unwrap();
+    let mut f = Router::new([("a", 1.0)], events).unwrap();
+    let d = e.route_tokens(&tokens(1, 64), None, None, 0.0).unwrap();
+    e.begin(&d).unwrap();
+    let stats = f.apply_updates(&e.take_updates(None), 0.0, true).unwrap();
+    assert_eq!((stats.loads, stats.records), (1, 0));
+    assert_eq!(f.workers().named("a").unwrap().others.active, 1);
+}
+
+#[test]
+fn a_withdrawal_reaches_the_other_replicas() {
+    let mut a = replica(64);
+    let mut b = replica(64);
+    let d = a.route_tokens(&prompt(1, 1), None, None, 0.0).unwrap();
+    a.begin(&d).unwrap();
+    b.apply_updates(&a.take_updates(None), 0.0, true).unwrap();
+    assert_eq!(b.workers().named(&d.worker).unwrap().others.active, 1);
+    assert!(a.withdraw(&d).unwrap());
+    let stats = b.apply_updates(&a.take_updates(None), 0.0, true).unwrap();
+    assert_eq!((stats.forgets, stats.loads), (1, 1));
+    assert_eq!(
+        b.workers().named(&d.worker).unwrap().others,
+        Load::default()
+    );
+    assert_eq!(a.dump_model().unwrap(), b.dump_model().unwrap());
+    let again = b.route_tokens(&prompt(1, 1), None, None, 1.0).unwrap();
+    assert_eq!(again.matched_blocks, 0, "b forgot the withdrawn prompt");
+}
+
+fn reserved_endpoint() -> EndpointSpec<'static> {
+    EndpointSpec {
+        pool_size: 2,
+        reserved_blocks: Some(8),
+        ..EndpointSpec::default()
+    }
+}
+
+#[test]
+fn a_snapshot_reproduces_the_model_and_its_eviction_order() {
+    let mut a = replica(20);
+    a.add_endpoint("ep", reserved_endpoint()).unwrap();
+    let mut rng = SplitMix64(3);
+    for step in 0..200u32 {
+        let t = prompt((rng.next_u64() % 6) as u32, step);
+        let ep = (step % 4 == 0).then_some("ep");
+        let d = a.route_tokens(&t, None, ep, f64::from(step)).unwrap();
+        if step % 5 == 0 {
+            a.begin(&d).unwrap();
+            a.observe(&d, 0, f64::from(step)).unwrap();
+            a.finish(&d, f64::from(step)).unwrap();
+        }
+    }
+    let image = a.dump_model().unwrap();
+    let mut b = replica(20);
+    b.add_endpoint("ep", reserved_endpoint()).unwrap();
+    b.load_model(&image, 500.0).unwrap();
+    b.check_model().unwrap();
+    assert_eq!(b.dump_model().unwrap(), image);
+    // The same traffic from here on evicts the same blocks on both.
+    for step in 0..100u32 {
+        let t = prompt((rng.next_u64() % 9) as u32, 1000 + step);
+        let now = 600.0 + f64::from(step);
+        let da = a.route_tokens(&t, None, None, now).unwrap();
+        let db = b.route_tokens(&t, None, None, now).unwrap();
+        assert_eq!(
+            (&da.worker, da.cached_blocks),
+            (&db.worker, db.cached_blocks)
+        );
+    }
+    assert_eq!(a.dump_model().unwrap(), b.dump_model().unwrap());
+}
+
+#[test]
+fn bad_snapshots_change_nothing() {
+    let mut a = replica(64);
+    let _ = a.route_tokens(&prompt(1, 1), None, None, 0.0).unwrap();
+    let image = a.dump_model().unwrap();
+    let mut b = replica(64);
+    let _ = b.route_tokens(&prompt(2, 2), None, None, 0.0).unwrap();
+    let before = b.dump_model().unwrap();
+    for cut in [0, 7, 20, image.len() - 1] {
+        assert!(b.load_model(&image[..cut], 1.0).is_err());
+    }
+    let mut flipped = image.clone();
+    flipped[30] ^= 1;
+    assert!(b.load_model(&flipped, 1.0).is_err());
+    assert!(b.load_model(&image, f64::INFINITY).is_err());
+    assert_eq!(b.dump_model().unwrap(), before);
+    // Another fleet's snapshot: only the shared names load.
+    let mut c = replica_of(&["a", "x"], 64, false, Config::default().policy);
+    c.load_model(&image, 1.0).unwrap();
+    c.check_model().unwrap();
+}
+
+#[test]
+fn engine_load_is_a_baseline_for_the_routers_own_changes() {
+    let mut r = router(Policy::LeastLoaded, &["a", "b"]);
+    let d = r.route_tokens(&tokens(1, 8), None, None, 0.0).unwrap();
+    r.begin(&d).unwrap();
+    let mine = d.worker.clone();
+    // The engine of `mine` reports 5 requests (ours included): 4 are others'.
+    r.set_load(&mine, Some(5), Some(3), Some(40), None).unwrap();
+    let w = r.workers().named(&mine).unwrap();
+    assert_eq!((w.others.active, w.others.prefill_blocks), (4, 38));
+    assert_eq!((w.others.queued, w.total_queued()), (2, 3));
+    assert_eq!(w.total_active(), 5);
+    r.finish(&d, 1.0).unwrap();
+    assert_eq!(r.workers().named(&mine).unwrap().total_active(), 4);
+    let next = r.route_tokens(&tokens(2, 8), None, None, 2.0).unwrap();
+    assert_ne!(next.worker, mine, "the busier engine is avoided");
+    assert!(r.set_load("nope", Some(1), None, None, None).is_err());
+}
