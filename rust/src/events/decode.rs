@@ -186,18 +186,28 @@ impl Decoder {
     /// Decodes `payload` into `batch` (cleared first). On `Err` the batch is left empty.
     pub fn decode(&self, payload: &[u8], batch: &mut Batch) -> Result<()> {
         batch.clear();
-        if payload.len() > u32::MAX as usize {
-            return Err(Error::Value(format!(
-                "KV event payload of {} bytes is too large",
-                payload.len()
-            )));
-        }
+        check_payload_len(payload.len())?;
         let out = decode_batch(&mut Reader::new(payload), batch);
         if out.is_err() {
             batch.clear();
         }
         out
     }
+}
+
+/// The longest payload [`Decoder::decode`] takes: a batch keeps its strings as `u32` offsets and
+/// lengths into the payload (`Span`), which reach every byte of a payload this long.
+pub const MAX_PAYLOAD_BYTES: usize = u32::MAX as usize;
+
+/// `Ok` for a payload of `len` bytes, at most [`MAX_PAYLOAD_BYTES`]; else the `Value` error
+/// [`Decoder::decode`] returns.
+pub(super) fn check_payload_len(len: usize) -> Result<()> {
+    if len > MAX_PAYLOAD_BYTES {
+        return Err(Error::Value(format!(
+            "KV event payload of {len} bytes is too large"
+        )));
+    }
+    Ok(())
 }
 
 fn decode_batch(r: &mut Reader<'_>, batch: &mut Batch) -> Result<()> {

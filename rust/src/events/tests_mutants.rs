@@ -3,6 +3,7 @@
 //! payload writer and helpers.
 
 use super::*;
+use crate::error::Error;
 
 /// The salted chain of `tokens` as the router's `BlockHasher(salt=...)` computes it: the
 /// reference a rehashed, salted store must reproduce.
@@ -445,4 +446,34 @@ fn the_applier_shares_its_index_and_caps_its_tiers() {
     );
     assert!(a.tier_index("TIER0").is_some());
     assert!(a.tier_index(&format!("TIER{MAX_TIERS}")).is_none());
+}
+
+/// Left from shard 11/40: `Decoder::decode`'s size check `len > u32::MAX` → `==` accepted every
+/// payload over 4 GiB and refused one of exactly `u32::MAX` bytes — which only such a payload
+/// shows. The check is `check_payload_len`, tested here at its bound: a batch keeps strings as
+/// `u32` offsets and lengths into the payload (`Span`), so the longest payload whose every span
+/// fits is `u32::MAX` bytes (the last byte at offset `u32::MAX - 1`, a span of the whole payload
+/// `u32::MAX` long); one byte more is refused, with the size named.
+#[cfg(target_pointer_width = "64")]
+#[test]
+fn a_payload_is_refused_exactly_when_its_spans_cannot_reach_every_byte() {
+    let longest = usize::try_from(u32::MAX).expect("64-bit");
+    let whole = Span {
+        start: 0,
+        len: u32::MAX,
+    };
+    assert_eq!(whole.len as usize, longest);
+    assert_eq!(decode::MAX_PAYLOAD_BYTES, longest);
+    for len in [0, 1, longest - 1, longest] {
+        assert_eq!(decode::check_payload_len(len), Ok(()), "{len}");
+    }
+    for len in [longest + 1, longest + 2, usize::MAX] {
+        assert_eq!(
+            decode::check_payload_len(len),
+            Err(Error::Value(format!(
+                "KV event payload of {len} bytes is too large"
+            ))),
+            "{len}"
+        );
+    }
 }

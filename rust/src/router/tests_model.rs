@@ -336,3 +336,115 @@ fn the_worker_table_and_its_loads_follow_a_reference_model() {
     }
     assert!(compactions > 0, "the table was never compacted");
 }
+
+/// An endpoint's pools as the module docs of `endpoints` define them, from the rendezvous hasher
+/// itself: per phase, the first `pool_size` healthy workers able to do it in the weighted
+/// rendezvous order of the endpoint id over every worker (`model`: name, weight, healthy, role),
+/// sorted by name; `[prefill, decode]`.
+fn reference_pools(
+    model: &[(String, f64, bool, Role)],
+    h: Option<&crate::hashing::Rendezvous>,
+    id: &str,
+    pool_size: usize,
+) -> [Vec<String>; 2] {
+    use crate::hashing::ConsistentHash;
+    let mut order = Vec::new();
+    if let Some(h) = h {
+        h.preference_into(Key::Bytes(id.as_bytes()), model.len(), &mut order)
+            .unwrap();
+    }
+    [Phase::Prefill, Phase::Decode].map(|phase| {
+        let mut pool: Vec<String> = order
+            .iter()
+            .filter_map(|&n| {
+                // Node ids index the pairs in the order given (`NodeSet::from_pairs`).
+                let w = model.get(n as usize)?;
+                (w.2 && w.3.does(phase)).then(|| w.0.clone())
+            })
+            .take(pool_size)
+            .collect();
+        pool.sort_unstable();
+        pool
+    })
+}
+
+/// The class of router 13/40's survivor `refresh_pool`'s `pool.len() < pool_size` → `==`: an
+/// endpoint keeps only the head of its rendezvous order (to its `head_len`-th healthy worker,
+/// `head_len` = `max(2·pool_size, pool_size + 8)`), cuts a complete order back to a head when it
+/// grows past `2·head_len`, and draws the order again when a head runs short. No test had a fleet
+/// larger than a head with many workers unhealthy: a complete order cut back to a head whose
+/// workers are mostly unhealthy gave a short pool that was never drawn again. Random joins,
+/// leaves, health and role changes in a fleet of up to ~60 workers, in stretches where most
+/// workers are unhealthy and where most are healthy; after each, every endpoint's pool of each
+/// phase must be the pool the rendezvous hasher gives (`reference_pool`).
+#[test]
+fn endpoint_pools_are_their_rendezvous_orders_first_healthy_workers() {
+    use crate::hashing::Rendezvous;
+    let mut r = router(Policy::KvAware, &["w0", "w1", "w2", "w3"]);
+    let mut model: Vec<(String, f64, bool, Role)> = (0..4)
+        .map(|i| (format!("w{i}"), 1.0, true, Role::Both))
+        .collect();
+    let endpoints = [("e1", 1), ("e2", 2), ("e3", 3), ("e4", 1), ("e5", 1)];
+    for (id, pool_size) in endpoints {
+        let spec = EndpointSpec {
+            pool_size,
+            ..EndpointSpec::default()
+        };
+        r.add_endpoint(id, spec).unwrap();
+    }
+    let roles = [Role::Both, Role::Both, Role::Prefill, Role::Decode];
+    let mut rng = SplitMix64(13);
+    let mut below = |n: u64| rng.next_u64() % n;
+    let mut short = 0; // checks where some phase had fewer healthy workers than a head
+    for step in 0..2500u32 {
+        // Stretches of 250 steps: the fleet grows mostly unhealthy, then recovers.
+        let sick = (step / 250) % 2 == 0;
+        let at = (!model.is_empty()).then(|| below(model.len() as u64) as usize);
+        match (below(10), at) {
+            (0..=3, _) if model.len() < 60 => {
+                let name = format!("n{step}");
+                let weight = if below(4) == 0 { 2.0 } else { 1.0 };
+                let role = roles[below(4) as usize];
+                r.add_worker_as(&name, weight, role).unwrap();
+                model.push((name.clone(), weight, true, role));
+                if sick && below(5) > 0 {
+                    r.set_healthy(&name, false).unwrap();
+                    model.last_mut().unwrap().2 = false;
+                }
+            }
+            (4, Some(i)) => {
+                r.remove_worker(&model[i].0).unwrap();
+                model.remove(i);
+            }
+            (5..=7, Some(i)) => {
+                let healthy = if sick { below(5) == 0 } else { below(5) > 0 };
+                r.set_healthy(&model[i].0, healthy).unwrap();
+                model[i].2 = healthy;
+            }
+            (8, Some(i)) => {
+                let role = roles[below(4) as usize];
+                r.set_role(&model[i].0, role).unwrap();
+                model[i].3 = role;
+            }
+            _ => {}
+        }
+        let h = (!model.is_empty())
+            .then(|| Rendezvous::new(model.iter().map(|w| (w.0.as_str(), w.1))).unwrap());
+        for (id, pool_size) in endpoints {
+            let want = reference_pools(&model, h.as_ref(), id, pool_size);
+            for (phase, want) in [Phase::Prefill, Phase::Decode].into_iter().zip(want) {
+                let mut pool: Vec<String> = r
+                    .endpoint_pool(id, Some(phase))
+                    .unwrap()
+                    .iter()
+                    .map(|n| n.to_string())
+                    .collect();
+                pool.sort_unstable();
+                assert_eq!(pool, want, "step {step}: {id} {phase:?}");
+            }
+        }
+        let healthy = |phase: Phase| model.iter().filter(|w| w.2 && w.3.does(phase)).count();
+        short += usize::from(healthy(Phase::Prefill).min(healthy(Phase::Decode)) < 9);
+    }
+    assert!(short > 0, "no check with fewer healthy workers than a head");
+}

@@ -735,8 +735,8 @@ fn kv_cost_counts_the_requests_waiting_at_the_least_busy_candidate() {
     assert_eq!(seen, 2);
 }
 
-/// cargo-mutants survivor (shard 11/40): `Model::expire_idle` skips a worker only *before* its
-/// idle deadline (its documented rule); at the deadline itself the expiry runs, which hands the
+/// cargo-mutants survivors (shards 11/40, 13/40, 14/40): `Model::expire_idle` skips a worker
+/// only *before* its idle deadline (its documented rule); at the deadline itself the expiry runs, which hands the
 /// route's `now` to the worker's modelled cache (its clock), even when the route chooses another
 /// worker. (`now < deadline` → `<=` skipped it at the deadline.)
 #[test]
@@ -776,6 +776,10 @@ fn a_worker_at_its_idle_deadline_is_checked() {
         60.0,
         "before the next deadline (68) nothing is done to x"
     );
+    // And at 68 it runs (shard 14/40: `t + ttl` → `t * ttl` made the deadline 580).
+    let d = r.route_tokens(&tokens(5, 16), None, None, 68.0).unwrap();
+    assert_ne!(d.worker, x);
+    assert_eq!(clock(&r), 68.0, "at the next deadline x's expiry ran");
 }
 
 /// An endpoint's pool keeps `pool_size` members while enough healthy workers exist, even when
@@ -794,5 +798,59 @@ fn a_pool_stays_full_while_its_head_runs_out_of_healthy_workers() {
         let pool = r.endpoint_pool("e", Some(Phase::Decode)).unwrap();
         assert_eq!(pool.len(), 1, "after {k} marked unhealthy");
         r.set_healthy(&pool[0], false).unwrap();
+    }
+}
+
+/// cargo-mutants survivor (shard 14/40): `decode_cost`'s `held = decode blocks + blocks not held`
+/// → `*`. A pair's decode half shows every decode candidate's cost, as every policy's decision
+/// does, and each must be the documented decode cost (`pd` module docs, step 2): the decode
+/// blocks its running requests hold — the engine's reported figure, plus the router's own
+/// requests begun since — and the prompt blocks it does not hold, per unit of weight. Workers of
+/// different weights, reported loads and held prefixes, against the formula computed here.
+#[test]
+fn each_decode_candidates_cost_is_its_kv_after_the_pair_per_weight() {
+    let config = Config {
+        block_size: 4,
+        mode: IndexMode::Events,
+        ..Config::default()
+    };
+    let workers = [("d0", 1.0), ("d1", 2.0), ("d2", 0.5), ("d3", 4.0)];
+    let mut r = Router::new(workers, config).unwrap();
+    let mut applier = r.new_event_applier().unwrap();
+    let prompt = tokens(5, 40); // 10 blocks
+    let mut held = [0usize, 3, 10, 7]; // leading prompt blocks each holds
+    let reported = [5u64, 0, 12, 40]; // decode blocks each engine reports
+    let mut own = [0u64; 4]; // decode blocks of the pairs begun here
+    for (i, (name, _)) in workers.iter().enumerate() {
+        if held[i] > 0 {
+            let stored = stored_in_tier(&prompt[..4 * held[i]], "GPU");
+            applier.apply(name, &stored).unwrap();
+        }
+        r.set_load(name, None, None, None, Some(reported[i]))
+            .unwrap();
+    }
+    for round in 0..3 {
+        let pair = r.route_pd_tokens(&prompt, None, f64::from(round)).unwrap();
+        let scores: Vec<(String, f64)> = pair
+            .decode
+            .scores()
+            .map(|(n, v)| (n.to_string(), v))
+            .collect();
+        assert_eq!(scores.len(), workers.len(), "round {round}: {scores:?}");
+        for (i, (name, weight)) in workers.iter().enumerate() {
+            let kv = reported[i] + own[i] + (10 - held[i]) as u64;
+            let want = kv as f64 / weight;
+            let got = scores.iter().find(|s| s.0 == *name).unwrap().1;
+            assert!(
+                (got - want).abs() < 1e-9,
+                "round {round}, {name}: {got} vs {want}"
+            );
+        }
+        r.begin(&pair.decode).unwrap();
+        let at = workers.iter().position(|w| *w.0 == *pair.decode.worker);
+        // A running request holds its prompt's KV, and its worker is credited with the prompt
+        // while it is in flight (`a_follow_up_is_credited_with_the_prefix_still_in_flight`).
+        own[at.unwrap()] += 10;
+        held[at.unwrap()] = 10;
     }
 }

@@ -295,3 +295,57 @@ fn engine_load_is_a_baseline_for_the_routers_own_changes() {
     assert_ne!(next.worker, mine, "the busier engine is avoided");
     assert!(r.set_load("nope", Some(1), None, None, None).is_err());
 }
+
+/// Router 13/40 left `put_str`'s bound `NO_PARTITION - 1` → `+ 1`. A name in the update format
+/// is a `u16` length and its UTF-8 bytes, and a partition length of `0xFFFF` means none, so a
+/// name is cut to at most 65,534 bytes, at a char boundary (the module docs of `sync`). The
+/// class: each length-prefixed name a record carries — its worker's and its partition's (a
+/// reserving endpoint's id) — at lengths around that bound, against the bytes the wire format
+/// specifies; and a replica reads the batch (a worker known only by its whole name is unknown
+/// there once the name was cut).
+#[test]
+fn names_in_updates_are_cut_to_65534_bytes_at_a_char_boundary() {
+    // (name, the length it is written with); in the last, `é`'s 2 bytes span the bound.
+    let cases = [
+        ("a".repeat(65_533), 65_533),
+        ("b".repeat(65_534), 65_534),
+        ("c".repeat(65_535), 65_534),
+        ("d".repeat(70_000), 65_534),
+        (format!("{}é", "e".repeat(65_533)), 65_533),
+    ];
+    for i in 0..cases.len() {
+        let (worker, wlen) = &cases[i];
+        let (endpoint, plen) = &cases[(i + 2) % cases.len()];
+        let mut r = replica_of(&[worker], 64, true, Policy::KvAware);
+        let spec = EndpointSpec {
+            reserved_blocks: Some(4),
+            ..EndpointSpec::default()
+        };
+        r.add_endpoint(endpoint, spec).unwrap();
+        let d = r
+            .route_tokens(&tokens(1, 8), None, Some(endpoint), 0.0)
+            .unwrap();
+        assert_eq!(d.hashes.len(), 2);
+        let mut want = b"KVRU\x01\x01".to_vec(); // header, version 1, a record
+        for (name, len) in [(worker, *wlen), (endpoint, *plen)] {
+            want.extend_from_slice(&(len as u16).to_le_bytes());
+            want.extend_from_slice(&name.as_bytes()[..len]);
+        }
+        want.push(0); // no anchor
+        want.extend_from_slice(&[0; 8]);
+        want.extend_from_slice(&2u32.to_le_bytes());
+        for h in &d.hashes {
+            want.extend_from_slice(&h.to_le_bytes());
+        }
+        let batch = r.take_updates(None);
+        assert!(batch == want, "worker of {wlen}, partition of {plen} bytes");
+        let mut other = replica_of(&[worker], 64, false, Policy::KvAware);
+        let stats = other.apply_updates(&batch, 0.0, true).unwrap();
+        let cut = *wlen < worker.len();
+        assert_eq!(
+            (stats.records, stats.unknown_workers),
+            (u64::from(!cut), u64::from(cut)),
+            "worker of {wlen} bytes"
+        );
+    }
+}
