@@ -4,6 +4,7 @@ of the test upstreams (a vLLM-like prefix cache each, reporting ``cached_tokens`
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -360,11 +361,79 @@ def test_engine_metrics_become_router_load():
     v = parse_engine_metrics(VLLM_METRICS, "vllm", 16)
     # 0.25 × 1000 blocks × 32 tokens / 16; 2 waiting × 512 tokens × (1 − 0.25) / 16
     assert (v.active, v.queued, v.decode_blocks, v.prefill_blocks) == (5, 2, 500, 48)
+    assert v.block_size == 32  # cache_config_info's label
     s = parse_engine_metrics(SGLANG_METRICS, "sglang", 16)
     # 1600 / 16; 1 waiting × 640 tokens × 0.5 / 16
     assert (s.active, s.queued, s.decode_blocks, s.prefill_blocks) == (5, 1, 100, 20)
+    assert s.block_size is None  # SGLang publishes no block size
     empty = parse_engine_metrics("", "vllm", 16)
-    assert empty == EngineLoad(None, None, None, None)
+    assert empty == EngineLoad(None, None, None, None, None)
+    # Data-parallel engines that disagree on the block size give none.
+    line = 'vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="1000"} 1.0\n'
+
+    def with_second_engine(block_size: str) -> str:
+        second = line.replace('engine="0"', 'engine="1"').replace('"32"', f'"{block_size}"')
+        return VLLM_METRICS.replace(line, line + second)
+
+    assert parse_engine_metrics(with_second_engine("64"), "vllm", 16).block_size is None
+    assert parse_engine_metrics(with_second_engine("32"), "vllm", 16).block_size == 32
+
+
+def test_the_scraper_names_an_engine_block_size_once(caplog):
+    """An engine whose KV blocks are not the router's size is logged once per worker, and again
+    only when its size changes (a restarted engine); equal sizes log nothing."""
+    import asyncio
+
+    from kvroute import Router
+    from kvroute.cluster import EngineScraper
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from support.gateway_upstream import ServerThread
+
+    page = {"text": VLLM_METRICS}
+
+    async def metrics(request):
+        return PlainTextResponse(page["text"])
+
+    engine = ServerThread(Starlette(routes=[Route("/metrics", metrics)]))
+    caplog.set_level(logging.WARNING, logger="kvroute.cluster")
+
+    def told() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "kvroute.cluster"]
+
+    async def scraped(scraper: EngineScraper, n: int) -> EngineScraper:
+        for _ in range(n):  # one round each: the loop scrapes, then sleeps for the interval
+            scraper.last.clear()
+            scraper.start()
+            while "e" not in scraper.last:
+                await asyncio.sleep(0.01)
+            await scraper.stop()
+        return scraper
+
+    def rounds(scraper: EngineScraper, n: int) -> EngineScraper:
+        return asyncio.run(asyncio.wait_for(scraped(scraper, n), 20))
+
+    def scraper(block_size: int) -> EngineScraper:
+        router = Router(["e"], block_size=block_size)
+        return EngineScraper(router, [("e", engine.url, "vllm", None)], interval=3600, timeout=5)
+
+    try:
+        s = rounds(scraper(16), 3)
+        assert told() == [
+            "worker e: the engine's KV blocks are 32 tokens and the router's 16: cached prefixes "
+            "are counted in blocks the engine does not keep. Set the router's block_size to 32 "
+            "(vLLM >= 0.34 defaults to 64 on GPU)."
+        ]
+        assert s.describe()["e"]["block_size"] == 32
+        page["text"] = VLLM_METRICS.replace('block_size="32"', 'block_size="64"')
+        rounds(s, 2)  # the same scraper: told again, once, of the new size
+        assert len(told()) == 2 and "are 64 tokens and the router's 16" in told()[1]
+        caplog.clear()
+        rounds(scraper(64), 2)
+        assert told() == []
+    finally:
+        engine.stop()
     with pytest.raises(ValueError, match="openai"):
         parse_engine_metrics("", "openai", 16)
 

@@ -17,6 +17,11 @@ the engine's figures, which it keeps as a baseline for its own changes until the
   from vLLM's ``vllm:request_prompt_tokens`` histogram (``_sum``/``_count``), less the prefix
   cache's hit ratio (``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries``); SGLang's
   ``sglang:prompt_tokens_total`` / ``sglang:num_requests_total`` less ``sglang:cache_hit_rate``.
+- ``block_size`` = the engine's KV block size (vLLM's ``cache_config_info`` label). One that
+  differs from the router's is logged once per worker (a warning naming both): the router then
+  counts cached prefixes in blocks the engine does not keep (vLLM >= 0.34 uses 64-token blocks on
+  GPU by default, 16 before), and in events mode may skip the engine's stores (``kvroute.events``
+  says which).
 
 A figure an engine does not publish is left as it was (``None``); series with several label sets
 (data-parallel engines) are summed. A scrape that fails or times out changes nothing and is
@@ -51,6 +56,8 @@ class EngineLoad:
     queued: int | None
     prefill_blocks: int | None
     decode_blocks: int | None
+    #: The engine's KV block size in tokens (None: not published, or engines that disagree).
+    block_size: int | None = None
 
 
 def _samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -85,9 +92,12 @@ def parse_engine_metrics(text: str, kind: str, block_size: int) -> EngineLoad:
         waiting = _sum(s, "vllm:num_requests_waiting")
         usage = _sum(s, "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
         capacity = 0.0
+        sizes = set()
         for labels, _ in s.get("vllm:cache_config_info", []):
             with contextlib.suppress(KeyError, ValueError):
+                sizes.add(int(labels["block_size"]))
                 capacity += float(labels["num_gpu_blocks"]) * float(labels["block_size"])
+        engine_block_size = sizes.pop() if len(sizes) == 1 else None
         used = usage * capacity if usage is not None and capacity else None
         if usage is not None and len(s.get("vllm:cache_config_info", [])) > 1:
             used = None  # usage is a per-engine fraction: only meaningful for one engine
@@ -110,6 +120,7 @@ def parse_engine_metrics(text: str, kind: str, block_size: int) -> EngineLoad:
             _sum(s, "sglang:prompt_tokens_total"), _sum(s, "sglang:num_requests_total")
         )
         hit = _sum(s, "sglang:cache_hit_rate")
+        engine_block_size = None
     else:
         raise ValueError(f"cannot read the load of a {kind!r} worker (vllm or sglang)")
     active = None if running is None and waiting is None else (running or 0) + (waiting or 0)
@@ -122,6 +133,7 @@ def parse_engine_metrics(text: str, kind: str, block_size: int) -> EngineLoad:
         queued=None if waiting is None else round(waiting),
         prefill_blocks=None if prefill is None else round(prefill),
         decode_blocks=None if used is None else round(used / block_size),
+        block_size=engine_block_size,
     )
 
 
@@ -147,6 +159,7 @@ class EngineScraper:
         self.timeout = timeout
         self.block_size = int(router.block_size)
         self.last: dict[str, EngineLoad] = {}
+        self._sizes_told: dict[str, int] = {}  # worker -> the engine block size last logged
         self.outcomes = (registry or Registry()).add(
             Counter(
                 "kvroute_cluster_scrapes_total",
@@ -218,6 +231,22 @@ class EngineScraper:
             return
         self.last[name] = load
         self.outcomes.inc(name, "ok")
+        engine = load.block_size
+        if (
+            engine is not None
+            and engine != self.block_size
+            and self._sizes_told.get(name) != engine
+        ):
+            self._sizes_told[name] = engine
+            log.warning(
+                "worker %s: the engine's KV blocks are %d tokens and the router's %d: cached "
+                "prefixes are counted in blocks the engine does not keep. Set the router's "
+                "block_size to %d (vLLM >= 0.34 defaults to 64 on GPU).",
+                name,
+                engine,
+                self.block_size,
+                engine,
+            )
 
     def describe(self) -> dict[str, Any]:
         """The last figures read per worker (``/health``)."""
@@ -227,6 +256,7 @@ class EngineScraper:
                 "queued": load.queued,
                 "prefill_blocks": load.prefill_blocks,
                 "decode_blocks": load.decode_blocks,
+                "block_size": load.block_size,
             }
             for name, load in self.last.items()
         }
