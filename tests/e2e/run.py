@@ -206,7 +206,9 @@ def main() -> int:
             restart["detected"]
             and restart["client_errors"] == 0
             and restart["requests_until_exact"] is not None
-            and restart["requests_until_exact"] <= 5,
+            and restart["requests_until_exact"] <= 5
+            and restart["engine_block_size"] == restart["block_size"]
+            and restart["skipped_block_size"] == 0,
             {k: v for k, v in restart.items() if k != "after"},
         )
 

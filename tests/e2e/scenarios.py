@@ -334,7 +334,8 @@ def scenario_restart(tmp: Path, engines: list[Engine], args: Any) -> dict[str, A
     settle = Settle(g, e1.block_size)
     try:
         before = _run(g.url, reqs[:40], settle=settle)
-        held = _health_events(g, e1.name).get("blocks")
+        running = _health_events(g, e1.name)
+        held = running.get("blocks")
         e1.stop()
         time.sleep(1.0)
         down = _run(g.url, reqs[40:60], settle=settle)  # served by e0 (failover)
@@ -356,6 +357,10 @@ def scenario_restart(tmp: Path, engines: list[Engine], args: Any) -> dict[str, A
             "detected": detected,
             "events_after_stop": events,
             "blocks_before_stop": held,
+            # The engine's block size as its events give it, and stores skipped for their size.
+            "engine_block_size": running.get("engine_block_size"),
+            "skipped_block_size": running.get("skipped_block_size"),
+            "block_size": e1.block_size,
             "client_errors": sum(r.status != 200 for r in before + down + after),
             "requests_after_restart_on_restarted": len(on_e1),
             "requests_until_exact": until if on_e1 else None,
