@@ -640,3 +640,154 @@ def test_applier_for_defaults():
     applier = applier_for(PrefixIndex())
     assert (applier.mode, applier.block_size, applier.hash_profile) == ("rehash", 16, "native")
     assert applier.group_idx == 0
+
+
+def test_workers_a_bind_or_replay_mapping_leaves_out_connect_without_replay(engines):
+    """``bind`` and ``replay`` given as mappings apply to the workers they name; every other
+    worker keeps the defaults: its SUB socket connects (to an engine that binds its endpoint)
+    and it has no replay endpoint — a gap clears it."""
+    import socket
+
+    engine = engines()  # binds its endpoint and its replay ROUTER
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    bound = f"tcp://127.0.0.1:{port}"  # the subscriber binds it, a publisher connects
+    index = PrefixIndex()
+    tokens = list(range(16 * 3))
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    endpoints = {"a": engine.endpoint, "b": bound}
+    sub = KvEventSubscriber(
+        index, endpoints, bind={"b": True}, replay={"b": engine.replay_endpoint}
+    )
+    try:
+        with sub:
+            engine.wait_subscriber()
+            pub.connect(bound)
+            assert pub.poll(10_000), "the subscription never arrived"
+            payloads = chain_payloads(tokens, 3)
+            engine.publish(payloads[0])
+            engine.publish(payloads[1], send=False)  # lost: "a" has no replay endpoint
+            engine.publish(payloads[2])
+            pub.send_multipart([b"", (0).to_bytes(8, "big"), payloads[0]])
+            wait_for(lambda: sub.stats()["a"]["last_seq"] == 2, "a's seq 2")
+            wait_for(lambda: sub.stats()["b"]["last_seq"] == 0, "b's seq 0")
+            s = sub.stats()
+    finally:
+        pub.close(linger=0)
+        ctx.term()
+    assert (s["a"]["replay_endpoint"], s["b"]["replay_endpoint"]) == (None, engine.replay_endpoint)
+    assert (s["a"]["gaps"], s["a"]["replays"], s["a"]["resets"]) == (1, 0, 1)
+    assert engine.replay_requests == []
+    assert index.match(own(tokens)) == {"b": 1}  # "a"'s chain lost its parent in the gap
+
+
+class _FakeSocket:
+    """A socket of ``_FakeZmq``: a queue of messages, read without blocking."""
+
+    def __init__(self, monitor: _FakeSocket | None = None) -> None:
+        self.queue: list[list[bytes]] = []
+        self.monitor = monitor
+
+    def setsockopt(self, *args):
+        pass
+
+    def bind(self, endpoint):
+        pass
+
+    connect = bind
+
+    def get_monitor_socket(self, events):
+        return self.monitor
+
+    def disable_monitor(self):
+        pass
+
+    def close(self, linger=None):
+        pass
+
+    def recv_multipart(self, flags=0):
+        if not self.queue:
+            raise zmq.ZMQError(zmq.EAGAIN)
+        return self.queue.pop(0)
+
+
+class _FakeZmq:
+    """What the poll thread uses of pyzmq, over ``_FakeSocket`` queues: a poll reports every
+    registered socket holding messages, in registration order (as libzmq's ``zmq_poll`` does),
+    and the stop socket once none does."""
+
+    def __init__(self) -> None:
+        for name in ("PAIR", "SUB", "DEALER", "LINGER", "RCVHWM", "SUBSCRIBE", "POLLIN"):
+            setattr(self, name, getattr(zmq, name))
+        self.NOBLOCK, self.EVENT_DISCONNECTED, self.ZMQError = (
+            zmq.NOBLOCK,
+            zmq.EVENT_DISCONNECTED,
+            zmq.ZMQError,
+        )
+        self.subs: list[_FakeSocket] = []
+        fake = self
+
+        class Context:
+            def socket(self, kind):
+                s = _FakeSocket(_FakeSocket()) if kind == zmq.SUB else _FakeSocket()
+                if kind == zmq.SUB:
+                    fake.subs.append(s)
+                return s
+
+        class Poller:
+            def __init__(self) -> None:
+                self.sockets: list[_FakeSocket] = []
+
+            def register(self, sock, flags=0):
+                self.sockets.append(sock)
+
+            def unregister(self, sock):
+                self.sockets.remove(sock)
+
+            def poll(self, timeout=None):
+                ready = [(s, zmq.POLLIN) for s in self.sockets if s.queue]
+                return ready or [(self.sockets[0], zmq.POLLIN)]  # nothing left: stop
+
+        self.Context, self.Poller = Context, Poller
+
+
+def test_a_flooded_engine_yields_to_the_others_after_1024_messages():
+    """The poll thread reads at most 1,024 messages of one socket before it serves the other
+    sockets ready (the module docs): a flooded engine does not starve the others. Driven over
+    fake sockets (the order of a real poll's arrivals is not the test's to choose)."""
+    applied = []
+
+    class Sink:
+        def apply(self, worker, payload):
+            applied.append((worker, int(payload)))
+
+        def clear(self, worker):
+            applied.append((worker, "clear"))
+
+        def stats(self):
+            return {}
+
+    def frames(k):
+        return [b"", k.to_bytes(8, "big"), str(k).encode()]
+
+    fake = _FakeZmq()
+
+    class Filled(fake.Poller):
+        def register(self, sock, flags=0):
+            super().register(sock, flags)
+            if len(fake.subs) == 2 and sock is fake.subs[1].monitor:  # every socket made
+                fake.subs[0].queue += [frames(k) for k in range(1030)]
+                fake.subs[1].queue.append(frames(0))
+
+    fake.Poller = Filled
+    sub = KvEventSubscriber(Sink(), {"a": "tcp://127.0.0.1:1", "b": "tcp://127.0.0.1:2"})
+    sub._zmq, sub._ctx = fake, fake.Context()
+    sub._run()  # returns at the first poll that finds every queue empty
+    assert applied == [
+        *(("a", k) for k in range(1024)),
+        ("b", 0),
+        *(("a", k) for k in range(1024, 1030)),
+    ]

@@ -201,6 +201,33 @@ def test_priority_requests_jump_the_queue_but_not_the_running_prefill():
     np.testing.assert_allclose(prio["prefill_start"], ref["start"], atol=1e-9)
 
 
+def test_a_newcomer_outranking_a_head_that_waits_for_memory_is_admitted_if_it_fits():
+    # Capacity 4 blocks, 4-token blocks, 10 tokens/s, 1 s per output token. Request 0 holds
+    # blocks 1-3 while it decodes, 1.2 .. 11.2 s. Each of the admission's triggers, by hand:
+    # - 1 (2.0 s, blocks 5, 6) needs 3 + 2 > 4 blocks: its head waits for memory;
+    # - 2 (3.0 s, priority 1, block 1: pinned already, so 3 + 0 <= 4) outranks it and fits:
+    #   admitted at its arrival, 1 token computed (0.1 s);
+    # - 3 (4.0 s, priority 2, blocks 7, 8) outranks 1 but does not fit: both wait for request
+    #   0's end (11.2 s), when 3 goes first (prefill 0.8 s), then 1 at 3's prefill end (12.0 s:
+    #   3 pins 2 blocks, 1 needs 2 more).
+    model = FleetModel(
+        workers=1,
+        capacity_blocks=4,
+        prefill_rate=10.0,
+        prefill_overhead=0.0,
+        decode_time_per_token=1.0,
+    )
+    w = make_workload(
+        [(0.0, [1, 2, 3], 12, 11), (2.0, [5, 6], 8, 1), (3.0, [1], 4, 1), (4.0, [7, 8], 8, 1)]
+    )
+    scenario = Scenario(priority=np.array([0, 0, 1, 2]))
+    r = run(w, Fixed([0, 0, 0, 0]), model, scenario=scenario)
+    assert r["prefill_start"] == pytest.approx([0.0, 12.0, 3.0, 11.2])
+    assert r["cached_tokens"].tolist() == [0, 0, 4, 0]
+    ref, _ = reference_run(w, [0, 0, 0, 0], model, scenario)
+    np.testing.assert_allclose(r["prefill_start"], ref["start"], atol=1e-9)
+
+
 def test_kv_events_carry_the_engine_hashes():
     # The scenario's chains are what the engine caches and announces: a subscriber matches them,
     # not the workload's hashes the policy routes with.

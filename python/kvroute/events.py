@@ -45,8 +45,10 @@ the ROUTER answers ``[b"", topic, seq, payload]`` for every buffered batch with 
 
 Freshness: the target's (or ``freshness=``'s) ``mark_stale(worker)`` / ``mark_fresh(worker)`` are
 called when a worker goes stale (replay started) and when it has caught up; ``stats()`` also gives
-each worker's seconds since its last message. One background thread polls every socket; ``stop()``
-wakes it at once through an inproc socket, joins it and closes every socket and the ZMQ context.
+each worker's seconds since its last message. One background thread polls every socket, reading
+at most 1,024 messages of one before it serves the other sockets ready and checks the replay
+deadlines (a flooded engine starves neither); ``stop()`` wakes it at once through an inproc
+socket, joins it and closes every socket and the ZMQ context.
 
 Requires ``pyzmq`` (``pip install kvroute[events]``).
 """

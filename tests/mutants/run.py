@@ -50,7 +50,11 @@ RUST = ["hashing", "blocks", "index", "cache", "router", "events"]
 PYTHON: dict[str, tuple[list[str], list[str], list[str]]] = {
     "py-events": (
         ["python/kvroute/events.py"],
-        ["tests/test_events_replay.py", "tests/test_events_subscriber.py"],
+        [
+            "tests/test_events_replay.py",
+            "tests/test_events_subscriber.py",
+            "tests/test_events_block_size.py",  # the engine's block size checked
+        ],
         [],
     ),
     "py-gateway-auth": (
