@@ -450,6 +450,87 @@ mod vllm {
         assert_eq!((c, s.mm_selected.len()), (1, 0));
     }
 
+    /// cargo-mutants survivor (shard 6/40): `first && self.salt.is_some()` → `||` in
+    /// `Vllm::encode_cbor` wrote the cache salt into the extra keys of every later block that has
+    /// some (a LoRA's, a multimodal item's). vLLM (`generate_block_hash_extra_keys`) adds
+    /// `cache_salt` to the first block's only: for both serializations and both key formats, a
+    /// later block of a salted LoRA request has the pre-image of the same block unsalted (for
+    /// 0.33's `sha256_cbor`, the LoRA vector's published bytes), and the first block has the LoRA's
+    /// key and then the salt's (0.33's: `("cache_salt", "tenant-a")`, as in the salt vector).
+    #[test]
+    fn the_cache_salt_is_in_the_first_blocks_extra_keys_only() {
+        let block: Vec<u32> = (1..=16).collect();
+        let block2: Vec<u32> = (17..=32).collect();
+        let parent = [0xb9u8; 32];
+        let lora = Some(("sql-lora", "/adapters/sql-lora"));
+        for algo in [HashAlgo::Sha256Cbor, HashAlgo::Sha256] {
+            for version in ["0.30", "0.33"] {
+                let version = version.parse().expect("version");
+                let flavor = Flavor { algo, version };
+                let plain = Vllm::new(flavor, DEFAULT_SEED, None, lora).expect("vllm");
+                let salted = Vllm::new(flavor, DEFAULT_SEED, Some("tenant-a"), lora).expect("v");
+                let later = preimage(&salted, &parent, &block2, false);
+                assert_eq!(
+                    later,
+                    preimage(&plain, &parent, &block2, false),
+                    "{algo:?} {version}"
+                );
+                let first = preimage(&salted, salted.none_hash(), &block, true);
+                assert_ne!(first, preimage(&plain, plain.none_hash(), &block, true));
+            }
+        }
+        let salted = Vllm::new(cbor_flavor(), DEFAULT_SEED, Some("tenant-a"), lora).expect("v");
+        assert!(preimage(&salted, &parent, &block2, false).ends_with(
+            "901112131415161718181819181a181b181c181d181e181f18208183646c6f72616873716c2d6c6f\
+             7261722f61646170746572732f73716c2d6c6f7261"
+        ));
+        assert!(
+            preimage(&salted, salted.none_hash(), &block, true).ends_with(
+                "0f108283646c6f72616873716c2d6c6f7261722f61646170746572732f73716c2d6c6f7261\
+             826a63616368655f73616c746874656e616e742d61"
+            )
+        );
+    }
+
+    /// cargo-mutants survivor (shard 6/40): `VllmVersion`'s `Display` → nothing (it names the
+    /// oldest release in a refusal and is shown back to users). For the class — each vLLM name
+    /// the hasher shows or takes — every release from the oldest to the newest displays as
+    /// `major.minor` and parses back, each algorithm's name is vLLM's and parses back, and each
+    /// refusal carries its whole message.
+    #[test]
+    fn every_vllm_name_round_trips_and_each_refusal_says_why() {
+        for minor in 23..=33 {
+            let v = VllmVersion { major: 0, minor };
+            assert_eq!(v.to_string(), format!("0.{minor}"));
+            assert_eq!(v.to_string().parse::<VllmVersion>(), Ok(v));
+        }
+        assert_eq!(VllmVersion::OLDEST.to_string(), "0.23");
+        assert_eq!(VllmVersion::NEWEST.to_string(), "0.33");
+        for (algo, name) in [
+            (HashAlgo::Sha256, "sha256"),
+            (HashAlgo::Sha256Cbor, "sha256_cbor"),
+        ] {
+            assert_eq!(algo.name(), name);
+            assert_eq!(name.parse::<HashAlgo>(), Ok(algo));
+        }
+        let refused = |got: Result<VllmVersion>, want: &str| {
+            assert!(matches!(&got, Err(Error::Value(m)) if m == want), "{got:?}");
+        };
+        refused(
+            "0.22.1".parse(),
+            "vllm_version \"0.22.1\" is older than 0.23, the oldest release whose block hashes \
+             kvroute reproduces",
+        );
+        refused(
+            "latest".parse(),
+            "vllm_version must look like '0.30' or '0.30.1', got \"latest\"",
+        );
+        let got = "xxhash".parse::<HashAlgo>();
+        let want = "hash_algo must be 'sha256' (vLLM's default) or 'sha256_cbor', got \"xxhash\" \
+                    (vLLM's xxhash algorithms use a random per-process seed and cannot be reproduced)";
+        assert!(matches!(&got, Err(Error::Value(m)) if m == want), "{got:?}");
+    }
+
     /// `vllm/pickle.rs`.
     mod pickle {
         use super::super::super::vllm::pickle::*;

@@ -548,6 +548,33 @@ fn remove_takes_descendants_first_and_changes_nothing_on_error() {
     assert_eq!(evicted, vec![1]);
 }
 
+/// cargo-mutants survivor (shard 6/40): the clock is the largest `now` passed, and a `now` that
+/// is not larger leaves it — `now > self.now` → `>=` in `Recency::advance` took an equal one,
+/// which is seen only as a zero's sign: after `0.0`, a `-0.0` (smaller in IEEE 754's total order)
+/// moved the clock, and the touches stamped with it, to `-0.0`.
+#[test]
+fn the_clock_keeps_the_largest_now_and_ignores_one_not_larger() {
+    let mut c = BlockCache::new(4).unwrap();
+    c.track_idle();
+    assert_eq!(c.clock(), f64::NEG_INFINITY);
+    c.insert(&[1], PartitionId::SHARED, None, 0.0).unwrap();
+    c.insert(&[2], PartitionId::SHARED, None, -0.0).unwrap();
+    c.expire(-0.0).unwrap();
+    assert!(
+        c.clock() == 0.0 && c.clock().is_sign_positive(),
+        "{}",
+        c.clock()
+    );
+    for h in [1, 2] {
+        let t = c.last_touch(h).unwrap();
+        assert!(t == 0.0 && t.is_sign_positive(), "block {h}: {t}");
+    }
+    c.insert(&[3], PartitionId::SHARED, None, -5.0).unwrap();
+    assert_eq!((c.clock(), c.last_touch(3)), (0.0, Some(0.0)));
+    c.expire(7.5).unwrap();
+    assert_eq!(c.clock(), 7.5);
+}
+
 /// `table.rs`.
 mod table {
     use super::super::table::*;
@@ -586,6 +613,48 @@ mod table {
             }
         }
         assert_eq!(table.len, model.len());
+    }
+
+    /// cargo-mutants survivor (shard 6/40): `Table::fill` stores into the probed slot only when
+    /// room was reserved, and otherwise is `insert` (which grows the table to stay at most half
+    /// full) — `(len + 1) * 2 <= slots` → `>` stored past half full without growing. A table built
+    /// by `probe` + `fill`, with and without room reserved first, through removals and wrapping
+    /// runs, is the table `insert` builds from the same steps (same slots), checked after each of
+    /// the first 300 steps (every growth of a small table) and every 250th after.
+    #[test]
+    fn fill_builds_the_table_insert_builds_with_or_without_room_reserved() {
+        for reserved in [0, 5, 1500] {
+            let (mut by_insert, mut by_fill) = (Table::default(), Table::default());
+            by_insert.reserve(reserved);
+            by_fill.reserve(reserved);
+            let mut slab: Vec<u64> = Vec::new();
+            let mut live: Vec<(u64, u32)> = Vec::new();
+            for step in 0..2500u64 {
+                if step % 5 == 4 {
+                    let (key, index) = live.swap_remove((step as usize * 7) % live.len());
+                    by_insert.remove(key, index);
+                    by_fill.remove(key, index);
+                } else {
+                    let key = if step % 3 == 0 { step << 40 } else { step };
+                    slab.push(key);
+                    let index = (slab.len() - 1) as u32;
+                    by_insert.insert(key, index);
+                    match by_fill.probe(key, |i| slab[i as usize] == key) {
+                        Probe::Vacant(at) => by_fill.fill(at, key, index),
+                        Probe::Found(i) => panic!("{key} found at {i} before it was stored"),
+                    }
+                    live.push((key, index));
+                }
+                if step < 300 || step % 250 == 0 {
+                    assert_eq!(
+                        format!("{by_fill:?}"),
+                        format!("{by_insert:?}"),
+                        "step {step}"
+                    );
+                }
+            }
+            assert_eq!(by_fill.len, live.len());
+        }
     }
 
     /// cargo-mutants survivor (shard 2/40): the tag (which also picks the home slot) of

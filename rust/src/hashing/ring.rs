@@ -131,7 +131,7 @@ impl HashRing {
         }
     }
 
-    fn point_counts(nodes: &NodeSet, vnodes: u32, hash: RingHash) -> Result<Vec<usize>> {
+    pub(super) fn point_counts(nodes: &NodeSet, vnodes: u32, hash: RingHash) -> Result<Vec<usize>> {
         if vnodes == 0 {
             return crate::value_err!("vnodes must be >= 1, got 0");
         }

@@ -62,3 +62,145 @@ fn a_ring_walk_starts_at_the_first_point_at_or_after_the_hash() {
         }
     }
 }
+
+/// Checks `h`'s shared face — the trait's provided methods — against `names`, the nodes it was
+/// built with (all with weight 1), in order: the node count, membership, each id's name, and a
+/// batch lookup written over an `out` that held other values, equal to `get` key by key.
+fn check_shared_face<H: ConsistentHash>(h: &H, names: &[String], what: &str) {
+    assert_eq!(h.len(), names.len(), "{what}");
+    assert_eq!(h.is_empty(), names.is_empty(), "{what}");
+    for (id, name) in names.iter().enumerate() {
+        assert!(h.contains(name), "{what} {name}");
+        assert_eq!(
+            h.name(id as NodeId).map(|n| &**n),
+            Some(name.as_str()),
+            "{what}"
+        );
+    }
+    assert!(!h.contains("absent"), "{what}");
+    assert_eq!(h.name(names.len() as NodeId), None, "{what}");
+    let keys = || {
+        (0..500u64)
+            .map(Key::Int)
+            .chain([Key::Bytes(b"k"), Key::Bytes(b"")])
+    };
+    let mut out = vec![NodeId::MAX; 7];
+    let got = h.get_many_into(keys(), &mut out);
+    if names.is_empty() {
+        let msg = "cannot route a key: the hasher has no nodes";
+        assert!(
+            matches!(&got, Err(crate::Error::Value(m)) if m == msg),
+            "{what}: {got:?}"
+        );
+        assert!(matches!(h.get(Key::Int(1)), Err(crate::Error::Value(m)) if m == msg));
+        assert!(matches!(h.require_nodes(), Err(crate::Error::Value(m)) if m == msg));
+        return;
+    }
+    got.unwrap();
+    h.require_nodes().unwrap();
+    let want: Vec<NodeId> = keys().map(|k| h.get(k).unwrap()).collect();
+    assert_eq!(out, want, "{what}");
+}
+
+/// cargo-mutants survivors (shard 6/40): `ConsistentHash::get_many_into` → `Ok(())` (the default
+/// batch lookup Maglev, jump hash and rendezvous use; only the ring's own override was tested)
+/// and `Maglev::table_size` → 0. For their classes — the trait's provided methods on every
+/// hasher, and each hasher's configuration read back — every hasher, empty and with nodes, is
+/// checked against the names and settings it was built with.
+#[test]
+fn every_hasher_answers_its_shared_face_and_reads_back_its_configuration() {
+    for n in [0usize, 1, 5, 40] {
+        let names: Vec<String> = (0..n).map(|i| format!("10.0.0.{i}:8000")).collect();
+        let pairs = || names.iter().map(|s| (s.as_str(), 1.0));
+        for hash in [RingHash::Ketama, RingHash::Xxh3] {
+            let r = HashRing::new(pairs(), 8, hash).unwrap();
+            check_shared_face(&r, &names, &format!("ring {hash:?} {n}"));
+            assert_eq!((r.hash_kind(), r.vnodes()), (hash, 8));
+            assert_eq!(r.num_points(), 8 * n);
+            assert_eq!(KeyHasher::new(hash).kind(), hash);
+        }
+        for size in [2, 101, 65_537] {
+            let t = Maglev::new(pairs(), size).unwrap();
+            check_shared_face(&t, &names, &format!("maglev {size} {n}"));
+            assert_eq!(t.table_size(), size);
+            assert_eq!(t.table().len() as u64, if n == 0 { 0 } else { size });
+        }
+        let j = JumpHash::new(&names).unwrap();
+        check_shared_face(&j, &names, &format!("jump {n}"));
+        assert_eq!(j.buckets(), n as u32);
+        check_shared_face(
+            &Rendezvous::new(pairs()).unwrap(),
+            &names,
+            &format!("hrw {n}"),
+        );
+    }
+}
+
+/// cargo-mutants survivor (shard 6/40): `total > MAX_POINTS` → `>=` in `HashRing::point_counts`
+/// refused an xxh3 ring of exactly `MAX_POINTS` points. For its class, every limit the point
+/// counts check is taken at its bound — accepted there, refused one step past with its whole
+/// message — for both hashes (`point_counts` directly: a ring of 2^24 points is ~0.5 GB).
+#[test]
+fn ring_point_counts_take_every_limit_at_its_bound() {
+    let set = |pairs: &[(&str, f64)]| NodeSet::from_pairs(pairs.iter().copied()).unwrap();
+    let one = set(&[("a", 1.0)]);
+    let two = set(&[("a", 1.0), ("b", 1.0)]);
+    let halves = set(&[("a", 0.5), ("b", 0.5)]);
+    let max = MAX_POINTS as u32;
+    let refused =
+        |nodes: &NodeSet, vnodes: u32, hash: RingHash, want: &str| match HashRing::point_counts(
+            nodes, vnodes, hash,
+        ) {
+            Err(crate::Error::Value(m)) => assert_eq!(m, want, "{hash:?} {vnodes}"),
+            other => panic!("{hash:?} {vnodes}: {other:?}"),
+        };
+    let counts = |nodes: &NodeSet, vnodes: u32, hash: RingHash| {
+        HashRing::point_counts(nodes, vnodes, hash).unwrap()
+    };
+    for hash in [RingHash::Ketama, RingHash::Xxh3] {
+        refused(&one, 0, hash, "vnodes must be >= 1, got 0");
+        assert_eq!(counts(&one, 4, hash), [4]);
+        assert_eq!(counts(&one, max, hash), [MAX_POINTS]);
+        assert_eq!(counts(&two, max / 2, hash), [MAX_POINTS / 2; 2]);
+    }
+    assert_eq!(counts(&one, 1, RingHash::Xxh3), [1]);
+    assert_eq!(counts(&halves, max, RingHash::Xxh3), [MAX_POINTS / 2; 2]);
+    let over = format!(
+        "ring too large: weights x {} vnodes exceed {MAX_POINTS} points",
+        max + 1
+    );
+    refused(&one, max + 1, RingHash::Xxh3, &over);
+    let over = format!(
+        "ring too large: weights x {} vnodes exceed {MAX_POINTS} points",
+        max / 2 + 1
+    );
+    refused(&two, max / 2 + 1, RingHash::Xxh3, &over);
+    let fours = "ketama places points in fours: vnodes must be a multiple of 4, got 6";
+    refused(&one, 6, RingHash::Ketama, fours);
+    let over = format!(
+        "ring too large: 1 nodes x {} vnodes exceeds {MAX_POINTS} points",
+        max + 4
+    );
+    refused(&one, max + 4, RingHash::Ketama, &over);
+    let over = format!(
+        "ring too large: 2 nodes x {} vnodes exceeds {MAX_POINTS} points",
+        max / 2 + 4
+    );
+    refused(&two, max / 2 + 4, RingHash::Ketama, &over);
+    // Ketama weights: whole numbers up to 2^53 (the next f64 above it is 2^53 + 2).
+    let exact = (1u64 << 53) as f64;
+    assert_eq!(counts(&set(&[("a", exact)]), 4, RingHash::Ketama), [4]);
+    let whole = "ketama weights must be whole numbers <= 2**53, got";
+    refused(
+        &set(&[("a", exact + 2.0)]),
+        4,
+        RingHash::Ketama,
+        &format!("{whole} {} for node \"a\"", exact + 2.0),
+    );
+    refused(
+        &set(&[("a", 1.5)]),
+        4,
+        RingHash::Ketama,
+        &format!("{whole} 1.5 for node \"a\""),
+    );
+}

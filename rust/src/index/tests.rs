@@ -831,3 +831,7 @@ mod worker_set {
         );
     }
 }
+
+/// Tests written for cargo-mutants survivors since shard 6/40 (`tests_mutants.rs`).
+#[path = "tests_mutants.rs"]
+mod mutants;

@@ -1,0 +1,106 @@
+//! Index tests written for cargo-mutants survivors since shard 6/40 (`tests.rs` is near its size
+//! limit). A child module of `tests`.
+
+use super::*;
+
+/// cargo-mutants survivor (shard 6/40): `PrefixIndex::apply` → `vec![]` reported no failing op
+/// (no Rust test called `apply`). A batch of stores, removals and clears — some refused: an
+/// unknown worker id for each kind of op, a parent the worker does not hold — is applied with
+/// `apply` and, as documented, op by op with `store_id` / `remove_id` / `clear_id` on a second
+/// index: the failing ops are reported at their positions with their whole errors, the others
+/// take effect (the same blocks matched, the same image dumped).
+#[test]
+fn apply_is_each_op_in_order_with_each_failure_at_its_position() {
+    let mut batch = PrefixIndex::new(None).unwrap();
+    let mut one_by_one = PrefixIndex::new(None).unwrap();
+    for ix in [&mut batch, &mut one_by_one] {
+        assert_eq!((ix.add_worker("a"), ix.add_worker("b")), (Ok(0), Ok(1)));
+    }
+    let chain: Vec<u64> = (1..=8).collect();
+    let ops = || {
+        [
+            IndexOp::Store {
+                worker: 0,
+                hashes: &chain,
+                parent: None,
+            },
+            IndexOp::Store {
+                worker: 1,
+                hashes: &chain[..4],
+                parent: None,
+            },
+            IndexOp::Store {
+                worker: 1,
+                hashes: &[50, 51],
+                parent: Some(7),
+            },
+            IndexOp::Store {
+                worker: 9,
+                hashes: &[60],
+                parent: None,
+            },
+            IndexOp::Store {
+                worker: 0,
+                hashes: &[70, 71],
+                parent: Some(8),
+            },
+            IndexOp::Remove {
+                worker: 0,
+                hashes: &chain[6..7],
+            },
+            IndexOp::Remove {
+                worker: 9,
+                hashes: &[1],
+            },
+            IndexOp::Store {
+                worker: 1,
+                hashes: &[80],
+                parent: Some(4),
+            },
+            IndexOp::Clear { worker: 7 },
+            IndexOp::Clear { worker: 1 },
+            IndexOp::Store {
+                worker: 1,
+                hashes: &[90, 91, 92],
+                parent: None,
+            },
+        ]
+    };
+    let errors = batch.apply(ops());
+    let want = vec![
+        (
+            2,
+            Error::Key("worker \"b\" does not hold parent block 0x0000000000000007".into()),
+        ),
+        (3, Error::Key("unknown worker id 9".into())),
+        (6, Error::Key("unknown worker id 9".into())),
+        (8, Error::Key("unknown worker id 7".into())),
+    ];
+    assert_eq!(errors, want);
+    let mut each = Vec::new();
+    for (i, op) in ops().into_iter().enumerate() {
+        let out = match op {
+            IndexOp::Store {
+                worker,
+                hashes,
+                parent,
+            } => one_by_one.store_id(worker, hashes, parent),
+            IndexOp::Remove { worker, hashes } => one_by_one.remove_id(worker, hashes).map(drop),
+            IndexOp::Clear { worker } => one_by_one.clear_id(worker).map(drop),
+        };
+        if let Err(e) = out {
+            each.push((i, e));
+        }
+    }
+    assert_eq!(each, want);
+    assert_eq!(batch.dump(), one_by_one.dump());
+    batch.check_invariants().unwrap();
+    // What took effect: "a" holds 1..=6 (7 and its descendants removed), "b" only 90..=92.
+    assert_eq!(batch.num_blocks("a"), Ok(6));
+    assert_eq!(batch.num_blocks("b"), Ok(3));
+    let mut got = Vec::new();
+    batch.match_into(&chain, &mut got);
+    assert_eq!(got, [(0, 6)]);
+    batch.match_into(&[90, 91, 92], &mut got);
+    assert_eq!(got, [(1, 3)]);
+}
