@@ -233,6 +233,33 @@ def test_an_exception_in_a_handler_is_counted_and_the_thread_goes_on(engines):
     assert index.match(own(tokens[16:])) == {"w": 1}
 
 
+def test_last_seq_shows_once_its_batch_is_in_the_index(engines):
+    """``stats()["last_seq"]`` is the last batch applied: a reader that waits for it (as every
+    test here does) finds the batch's blocks in the index — while the applier still holds the
+    batch, the number is not out yet."""
+    engine = engines(replay=False)
+    index = PrefixIndex()
+    tokens = list(range(16))
+    entered, release = threading.Event(), threading.Event()
+
+    class Held(FailingOnce):
+        def apply(self, worker, payload):
+            entered.set()
+            assert release.wait(20)
+            self.real.apply(worker, payload)
+
+    with KvEventSubscriber(index, {"w": engine.endpoint}) as sub:
+        sub.applier = Held(sub.applier)
+        engine.wait_subscriber()
+        engine.publish(chain_payloads(tokens, 1)[0])
+        assert entered.wait(20), "the batch never reached the applier"
+        s = sub.stats()["w"]
+        release.set()
+        wait_for(lambda: sub.stats()["w"]["last_seq"] == 0, "seq 0")
+        assert index.match(own(tokens)) == {"w": 1}
+    assert (s["last_seq"], s["seconds_since_event"]) == (None, None)
+
+
 def thread_cpu_seconds(name: str) -> float:
     """User + system CPU time of this process's thread ``name`` (Linux: /proc)."""
     (thread,) = (t for t in threading.enumerate() if t.name == name)

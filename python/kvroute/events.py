@@ -357,7 +357,8 @@ class KvEventSubscriber:
         skipped_*, …, and engine_block_size: the block size of the engine's last store) plus gaps,
         replays, replay_failures, resets (clears for lost history: unrecoverable gaps, restarts and
         disconnects), restarts, disconnects, malformed (frames and payloads), errors (exceptions
-        caught in the poll thread, the freshness sink's included), last_seq, stale, pending and
+        caught in the poll thread, the freshness sink's included), last_seq (the last batch
+        applied: its blocks are in the index once it shows), stale, pending and
         pending_bytes (live messages buffered during a replay) and seconds_since_event (``None``
         before the first message)."""
         now = time.monotonic()
@@ -567,13 +568,14 @@ class KvEventSubscriber:
 
     def _apply(self, w: _Worker, seq: int, payload: bytes) -> None:
         w.expected = seq + 1
-        with self._lock:
-            w.last_seq = seq
-            w.last_message = time.monotonic()
         try:
             self.applier.apply(w.name, payload)
         except ValueError:
             pass  # counted by the applier as a malformed payload; it changed nothing
+        finally:  # after the batch: a reader seeing ``last_seq`` sees its blocks in the index
+            with self._lock:
+                w.last_seq = seq
+                w.last_message = time.monotonic()
         if not w.block_size_checked:
             self._check_block_size(w)
 
