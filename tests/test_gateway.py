@@ -7,6 +7,7 @@ re-implements the documented byte-level rendering independently of the gateway's
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import os
@@ -268,6 +269,43 @@ def test_a_spilling_request_never_goes_back_to_a_worker_it_failed_on(fleet, gw):
     fleet[home].fail(500)
     _, h = chat(gw.client("sk-acme"), "ep-acme", "spill", system=system)
     assert h["x-kvroute-worker"] != home and h["x-kvroute-attempts"] == "2"
+
+
+def test_a_retry_stays_in_its_endpoints_pool_while_a_member_is_untried(fleet, gw):
+    """A request spills past its endpoint's pool only when no untried member is left: ep-globex's
+    pool is two workers, both failing once, so its request tries one, then the other, and only
+    its third attempt goes outside the pool — though the pool's members report a long queue and
+    the two workers outside are idle (a retry routed past the pool would go to one of them)."""
+    pool = set(gw.gateway.router.endpoint_pool("ep-globex"))
+    assert len(pool) == 2
+    for worker in pool:
+        fleet[worker].fail(500, times=1)
+        gw.gateway.router.set_load(worker, queued=50, prefill_blocks=5000)
+    rid = {"x-request-id": "rid-pool"}
+    _, h = chat(gw.client("sk-globex"), "ep-globex", "Which fuel?", extra_headers=rid)
+    tried = [fleet_owner(fleet, r) for r in fleet.records() if r["id"] == "rid-pool"]
+    assert len(tried) == 3 and set(tried[:2]) == pool and tried[2] not in pool
+    assert (h["x-kvroute-worker"], h["x-kvroute-attempts"]) == (tried[2], "3")
+    assert set(gw.active().values()) == {0}
+
+
+def test_a_first_attempt_stays_in_its_endpoints_pool_when_its_member_is_full(fleet):
+    """Only a retry spills past an endpoint's pool: a first attempt whose one pool worker is at
+    ``max_in_flight_per_worker`` is shed (429 ``worker_queue``), though three workers outside the
+    pool are idle."""
+    cfg = config_dict(fleet, gateway={"max_in_flight_per_worker": 1})
+    with GatewayServer(cfg) as gw:
+        (home,) = gw.gateway.router.endpoint_pool("ep-acme")
+        fleet[home].stall = 2.0  # its first request holds the pool's worker
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            held = pool.submit(chat, gw.client("sk-acme"), "ep-acme", "Hold on?")
+            wait_for(lambda: len(fleet[home].records) == 1, "the first request upstream")
+            with pytest.raises(openai.RateLimitError) as e:
+                chat(gw.client("sk-acme"), "ep-acme", "Meanwhile?")
+            assert e.value.code == "worker_queue"
+            held.result()
+        assert [fleet_owner(fleet, r) for r in fleet.records()] == [home]
+        assert set(gw.active().values()) == {0}
 
 
 def test_all_upstreams_failing_gives_the_last_error(fleet):

@@ -409,6 +409,40 @@ def test_the_prefill_half_reports_what_its_engine_found_cached(protocol, stream)
     assert fleet.exchange.errors == []
 
 
+def test_an_sglang_prefill_reports_the_usage_in_its_replys_last_64_kib():
+    """An SGLang prefill's reply is read to its end keeping only its last 64 KiB, where its usage
+    is looked for: a JSON body of exactly 64 KiB reports its cached tokens, one a byte longer
+    (its opening brace gone) none; a stream longer than 64 KiB reports its last usage chunk."""
+    fleet = PdFleet("sglang", 1, 1)
+    prefill = fleet["up-0"]
+
+    def reported(gw: GatewayServer) -> float:
+        idle(gw)
+        samples = metric_samples(gw.metrics())
+        return sum(
+            v
+            for (name, labels), v in samples.items()
+            if name == "kvroute_gateway_cached_tokens_reported_total"
+            and dict(labels)["worker"] == "up-0"
+        )
+
+    with GatewayServer(fleet.config()) as gw:
+        ask(gw, "What fuels R7?")  # the prefix cached on the prefill worker
+        prefill.reply_bytes = 65536
+        ask(gw, "And what fuels R8?")
+        assert reported(gw) == prefill.records[-1]["cached_tokens"] > 1500
+        prefill.reply_bytes = 65537
+        ask(gw, "And what fuels R9?")
+        assert prefill.records[-1]["cached_tokens"] > 1500
+        assert reported(gw) == prefill.records[-2]["cached_tokens"]
+        prefill.reply_bytes, prefill.chunks = 0, 600  # ~80 KB of chunks before the usage
+        before = reported(gw)
+        ask(gw, "And what fuels R10?", stream=True, stream_options={"include_usage": True})
+        assert reported(gw) == before + prefill.records[-1]["cached_tokens"] > before + 1500
+    fleet.close()
+    assert fleet.exchange.errors == []
+
+
 # ---- failover on each half -----------------------------------------------------------------------
 
 

@@ -294,6 +294,35 @@ def test_a_retried_prefill_is_charged_to_the_worker_that_failed(protocol, caplog
     assert fleet.exchange.errors == []
 
 
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+def test_a_retried_pair_stays_in_the_endpoints_pool_while_a_member_is_untried(protocol):
+    """A pair spills past its endpoint's pool only when no untried member (of a phase) is left,
+    as single requests do: the pool holds two of the three prefill workers, both failing once,
+    so the request's prefill tries one, then the other, and only its third attempt goes outside
+    the pool — though the pool's members report a long queue and the worker outside is idle
+    (a retry routed past the pool would go there). The router holds no pair of it after."""
+    fleet = PdFleet(protocol, 3, 2)
+    config = fleet.config()
+    config["endpoints"][0]["pool_size"] = 2
+    try:
+        with GatewayServer(config) as gw:
+            pool = set(gw.gateway.router.endpoint_pool("ep-acme", phase="prefill"))
+            assert len(pool) == 2
+            for worker in pool:
+                fleet[worker].fail(500, times=1)
+                gw.gateway.router.set_load(worker, queued=50, prefill_blocks=5000)
+            _text, headers = ask(gw, "Retry me?", rid="pq-pool")
+            owner = {id(r): n for n in fleet.names("prefill") for r in fleet[n].records}
+            tried = [owner[id(r)] for r in fleet.records() if id(r) in owner]  # in order
+            assert len(tried) == 3 and set(tried[:2]) == pool and tried[2] not in pool
+            assert headers["x-kvroute-prefill-worker"] == tried[2]
+            assert headers["x-kvroute-attempts"] == "3"
+            idle(gw)
+    finally:
+        fleet.close()
+    assert fleet.exchange.errors == []
+
+
 def post_slo(gw: GatewayServer, question: str, slo_ms: str) -> httpx.Response:
     return httpx.post(
         gw.url + ROUTE,

@@ -125,6 +125,7 @@ class Upstream:
             self.report_cached = True  # usage.prompt_tokens_details.cached_tokens (vLLM's flag)
             self.stall = 0.0
             self.chunks = 3
+            self.reply_bytes = 0  # a JSON reply padded with trailing spaces to this size (0: none)
             self.chunk_delay = 0.0
             self.health_status = 200
             self.gate_after_first = False  # hold a stream after its first content chunk …
@@ -257,16 +258,19 @@ class Upstream:
                 choice["message"] = {"role": "assistant", "content": content}
             else:
                 choice["text"] = content
-            return JSONResponse(
-                {
-                    "id": f"cmpl-{rid}",
-                    "object": kind,
-                    "created": int(time.time()),
-                    "model": body.get("model"),
-                    "choices": [choice],
-                    "usage": usage,
-                }
-            )
+            reply = {
+                "id": f"cmpl-{rid}",
+                "object": kind,
+                "created": int(time.time()),
+                "model": body.get("model"),
+                "choices": [choice],
+                "usage": usage,
+            }
+            if self.reply_bytes:
+                data = json.dumps(reply).encode()
+                assert len(data) <= self.reply_bytes
+                return Response(data.ljust(self.reply_bytes), media_type="application/json")
+            return JSONResponse(reply)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return StreamingResponse(
             self._stream(rid, body.get("model"), content, usage, include_usage, chat),

@@ -339,7 +339,8 @@ class PdForwarder:
         self, call: Call, flight: Flight, body: bytes
     ) -> Response | Failed | None:
         """An SGLang prefill request, read to its end and dropped: None when it succeeded,
-        else its 4xx answer or failure. The flight is closed either way."""
+        else its 4xx answer or failure. The flight is closed either way. Of a 200 reply only the
+        last 64 KiB are kept, where its usage is looked for (``_last_usage``)."""
         g = self.g
         resp = await flight.send(call.route, call.upstream_headers, body)
         if isinstance(resp, tuple):
