@@ -228,6 +228,14 @@ def test_a_newcomer_outranking_a_head_that_waits_for_memory_is_admitted_if_it_fi
     np.testing.assert_allclose(r["prefill_start"], ref["start"], atol=1e-9)
 
 
+def test_progress_is_reported_every_256_arrivals_and_at_the_end():
+    # As `run` documents: the number of requests routed so far, each 256th, then all of them.
+    w = make_workload([(float(k), [k % 7], 4, 1) for k in range(600)])
+    seen = []
+    run(w, Fixed([0] * 600, events=False), FleetModel(workers=1), progress=seen.append)
+    assert seen == [256, 512, 600]
+
+
 def test_kv_events_carry_the_engine_hashes():
     # The scenario's chains are what the engine caches and announces: a subscriber matches them,
     # not the workload's hashes the policy routes with.

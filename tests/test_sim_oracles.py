@@ -181,6 +181,11 @@ def test_pooled_lru_runs_any_prefix_cache_and_reports_progress():
     r = pooled_lru(w, 2, cache=make_block_cache(2, "auto"), progress=seen.append)
     assert r.cached_blocks.tolist() == _pooled_ref(w, 2)
     assert seen == [3]
+    # Every 1,024 requests too (its docs), then all of them.
+    w = _workload([[k % 5] for k in range(2500)], chained=False)
+    seen = []
+    pooled_lru(w, 2, progress=seen.append)
+    assert seen == [1024, 2048, 2500]
 
 
 # -- the real trace (the `mooncake` fixture: conftest.py) --------------------------------------

@@ -138,6 +138,14 @@ def test_one_request_closed_form():
     assert r["finish"] - r["first_token"] == pytest.approx(100 * tpot, abs=1e-9)
 
 
+def test_progress_is_reported_every_256_arrivals_and_at_the_end():
+    # The same reports as `kvroute.sim.engine.run`: each 256th request routed, then all.
+    w = make_workload([(float(k), [k % 7], 4, 1) for k in range(600)], block_size=BS)
+    seen = []
+    run_pd(w, PdModel(prefill=1, decode=1), "aggregated", progress=seen.append)
+    assert seen == [256, 512, 600]
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 @pytest.mark.parametrize("split", [False, True])
 def test_matches_reference_model(seed, split):
