@@ -168,6 +168,60 @@ fn options_are_checked() {
     assert_eq!(Profile::Native.with_vllm(None, None), Ok(Profile::Native));
 }
 
+/// cargo-mutants survivor (shard 7/40): `item.offset < previous` → `<=` in `check_mm` refused
+/// two items at one offset. vLLM keeps a request's items sorted by offset (ties allowed): for the
+/// class — each check of the items at its bound — items sharing an offset are accepted and each
+/// keys the block (the hashes differ from either item's alone), and each refusal carries its
+/// whole message, naming the item.
+#[test]
+fn mm_items_sharing_an_offset_are_hashed_and_each_refusal_says_why() {
+    let h = hasher(
+        Profile::Vllm(super::vllm::Flavor::default()),
+        Options::default(),
+    );
+    let item = |identifier: &str, offset: i64, length: u64| MmItem {
+        identifier: identifier.into(),
+        offset,
+        length,
+    };
+    let tokens: Vec<u32> = (1..=16).collect();
+    let hash = |mm: &[MmItem]| {
+        let mut out = Vec::new();
+        h.hash_into(&tokens, &ChainState::Root, mm, &mut out)
+            .map(|_| out)
+    };
+    let both = hash(&[item("a", 4, 4), item("b", 4, 8)]).expect("a tie is sorted");
+    assert_eq!(both.len(), 4);
+    assert_ne!(both, hash(&[item("a", 4, 4)]).expect("a"));
+    assert_ne!(both, hash(&[item("b", 4, 8)]).expect("b"));
+    let refused = |mm: &[MmItem], profile: Profile, want: &str| {
+        let h = hasher(profile, Options::default());
+        let got = h.hash_into(&tokens, &ChainState::Root, mm, &mut Vec::new());
+        assert!(matches!(&got, Err(Error::Value(m)) if m == want), "{got:?}");
+    };
+    let vllm = Profile::Vllm(super::vllm::Flavor::default());
+    refused(
+        &[item("b", 5, 1), item("a", 1, 1)],
+        vllm,
+        "mm items must be sorted by offset (as vLLM keeps them): mm[1] offset 1 comes after 5",
+    );
+    refused(
+        &[item("a", 0, 1), item("b", MM_LIMIT, 1)],
+        vllm,
+        "mm[1] offset 4611686018427387904 is out of range ±2**62",
+    );
+    refused(
+        &[item("a", 0, 1), item("b", 1, MM_LIMIT as u64)],
+        vllm,
+        "mm[1] length 4611686018427387904 is out of range 0..2**62",
+    );
+    refused(
+        &[item("a", 0, 1)],
+        Profile::Native,
+        "mm (multimodal items) applies only to profile 'vllm', not \"native\"",
+    );
+}
+
 #[test]
 fn unsorted_mm_items_are_refused() {
     let h = hasher(

@@ -104,3 +104,42 @@ fn apply_is_each_op_in_order_with_each_failure_at_its_position() {
     batch.match_into(&[90, 91, 92], &mut got);
     assert_eq!(got, [(1, 3)]);
 }
+
+/// cargo-mutants survivor (shard 7/40): `off > 0 && is_only(w)` → `off < 0` in `PrefixIndex::cut`
+/// sent every cut through the general path — split the run, then delete its tail as a node of
+/// its own: the same blocks dropped, but a node allocated to remove blocks (the slab, the free
+/// list and the scratch stack grew). Cutting the tail of a run the worker alone holds is done in
+/// place: over 60 such runs of every length cut at every offset, each removal drops exactly the
+/// tail, keeps the node count, and never grows the index's memory.
+#[test]
+fn cutting_the_tail_of_a_run_held_alone_is_done_in_place() {
+    let mut ix = PrefixIndex::new(None).unwrap();
+    let mut runs = Vec::new();
+    for len in 2..=12u64 {
+        for off in 1..len {
+            let start = 1000 * (runs.len() as u64 + 1);
+            let run: Vec<u64> = (start..start + len).collect();
+            ix.store("a", &run, None).unwrap();
+            runs.push((run, off as usize));
+        }
+    }
+    ix.store("b", &[7, 8, 9], None).unwrap();
+    assert!(runs.len() >= 60);
+    let nodes = ix.num_nodes();
+    for (run, off) in &runs {
+        let (memory, blocks) = (ix.memory_bytes(), ix.len());
+        let dropped = ix.remove("a", &[run[*off]]).unwrap();
+        assert_eq!(dropped as usize, run.len() - off);
+        assert_eq!(ix.len(), blocks - (run.len() - off));
+        assert_eq!(ix.num_nodes(), nodes, "run {run:?} cut at {off}");
+        assert!(
+            ix.memory_bytes() <= memory,
+            "run {run:?} cut at {off}: {} > {memory}",
+            ix.memory_bytes()
+        );
+        let mut got = Vec::new();
+        ix.match_into(run, &mut got);
+        assert_eq!(got, [(0, *off as u32)]);
+    }
+    ix.check_invariants().unwrap();
+}
