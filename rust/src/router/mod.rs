@@ -642,4 +642,6 @@ mod tests_model;
 #[cfg(test)]
 mod tests_mutants;
 #[cfg(test)]
+mod tests_policies;
+#[cfg(test)]
 mod tests_sync;
