@@ -14,6 +14,7 @@ test upstreams.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import httpx
@@ -435,3 +436,48 @@ def test_status_599_is_an_upstream_5xx_answer(servers):
         assert samples(gw, "upstream_errors_total") == {
             (("kind", "status_5xx"), ("worker", "w-0")): 1
         }
+
+
+OK = b'{"choices": [{"index": 0, "message": {"role": "assistant", "content": "one"}}]}'
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"[1, 2]", b'"text"', b"7", b"null", b'{"usage": 5}', b"{}", b"not json", b"[" * 3000],
+)
+def test_a_whole_200_reply_of_any_shape_is_passed_on_as_it_came(servers, body):
+    """A whole 200 reply is parsed only for its usage (and the cache fields added to it): a body
+    that is JSON but not an object, an object whose usage is not one, or no JSON at all (nested
+    past the parser's depth, too) reaches the caller byte for byte, and its flight is closed."""
+    url = servers(lambda _: [reply(200, body)])
+    with GatewayServer(fleet_config([url], max_attempts=1)) as gw:
+        r = post(gw, "rq-9", False)
+        assert (r.status_code, r.content) == (200, body)
+        assert gw.active() == {"w-0": 0}
+        assert samples(gw, "cached_tokens_reported_total") == {}
+
+
+def test_a_retry_that_finds_every_other_worker_full_sheds_nothing():
+    """A request that failed on one worker and finds the other full answers with its failure
+    (the upstream's own 500), not a 429: it was not shed, and no shed is counted."""
+    script = lambda body: [1.0, reply(200, OK)] if b"hold" in body else [reply(500, b"{}")]  # noqa: E731
+    made = [FaultServer(script) for _ in range(2)]
+    try:
+        cfg = fleet_config([s.url for s in made], max_attempts=3, max_in_flight_per_worker=1)
+        with GatewayServer(cfg) as gw:
+            body = {"model": "m", "messages": messages("hold")}
+            held = threading.Thread(
+                target=httpx.post,
+                args=(gw.url + ROUTE,),
+                kwargs={"json": body, "timeout": 20, "trust_env": False},
+            )
+            held.start()
+            wait_for(lambda: sum(len(s.requests) for s in made) == 1, "the held request")
+            r = post(gw, "rq-10", False)
+            assert (r.status_code, r.content) == (500, b"{}")
+            held.join(20)
+            assert samples(gw, "shed_total") == {}
+            assert sorted(len(s.requests) for s in made) == [1, 1]
+    finally:
+        for s in made:
+            s.stop()

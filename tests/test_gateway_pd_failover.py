@@ -14,6 +14,7 @@ upstream of its protocol (``support.pd_upstream``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 from typing import Any
@@ -317,6 +318,38 @@ def test_a_retried_pair_stays_in_the_endpoints_pool_while_a_member_is_untried(pr
             assert len(tried) == 3 and set(tried[:2]) == pool and tried[2] not in pool
             assert headers["x-kvroute-prefill-worker"] == tried[2]
             assert headers["x-kvroute-attempts"] == "3"
+            idle(gw)
+    finally:
+        fleet.close()
+    assert fleet.exchange.errors == []
+
+
+def test_a_retried_pair_that_finds_every_other_worker_full_sheds_nothing():
+    """As for single requests: a pair whose prefill failed, retried when every other prefill
+    worker is full, answers with its failure (the prefill's own 500), not a 429 — it was not
+    shed, and no shed is counted. SGLang: the held request's decode half fills a decode worker
+    too (it waits for the KV)."""
+    fleet = PdFleet("sglang", 2, 2)
+    try:
+        with GatewayServer(fleet.config(gateway={"max_in_flight_per_worker": 1})) as gw:
+            prefills = fleet.names("prefill")
+            for name in prefills:
+                fleet[name].stall, fleet[name].poison = 1.0, "POISON"
+
+            def send(question: str) -> httpx.Response:
+                body = {"model": "base-model", "messages": messages(question)}
+                return httpx.post(gw.url + ROUTE, json=body, trust_env=False, timeout=20)
+
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                held = pool.submit(send, "Hold on?")
+                wait_for(lambda: sum(len(fleet[n].bodies) for n in prefills) == 1, "the hold")
+                for name in prefills:
+                    fleet[name].stall = 0.0  # the other prefill worker fails at once
+                r = send("POISON?")
+                assert r.status_code == 500
+                assert held.result().status_code == 200
+            assert samples(gw, "shed_total") == {}
+            assert sorted(len(fleet[n].bodies) for n in prefills) == [1, 1]
             idle(gw)
     finally:
         fleet.close()
