@@ -96,3 +96,102 @@ fn a_prompt_without_a_whole_block_changes_neither_index_nor_model() {
     assert!(with.index().read().dump() == without.index().read().dump());
     assert!(with.dump_model().unwrap() == without.dump_model().unwrap());
 }
+
+/// cargo-mutants survivor (shard 17/40): `begin`'s `Stage::Withdrawn` arm deleted, so a
+/// withdrawn decision was reported "already begun". The class: every lifecycle call's refusal
+/// at every stage names the decision and why, exactly — `begin`, `prefilled`, `finish`,
+/// `observe` and `withdraw` on decisions routed, begun, prefilled, observed, finished,
+/// withdrawn, of another router and of a removed worker.
+#[test]
+fn every_lifecycle_refusal_names_the_decision_and_why() {
+    let mut r = router(Policy::RoundRobin, &["a", "b"]);
+    let mut other = router(Policy::RoundRobin, &["a", "b"]);
+    let route = |r: &mut Router, t: u32| r.route_tokens(&tokens(t, 8), None, None, 0.0).unwrap();
+    let msg = |e: Result<()>| e.unwrap_err().to_string();
+    let routed = route(&mut r, 1);
+    let n = routed.id;
+    assert_eq!(
+        msg(r.prefilled(&routed)),
+        format!("decision {n} is not active (begin it first)")
+    );
+    assert_eq!(
+        msg(r.finish(&routed, 0.0)),
+        format!("decision {n} was not begun")
+    );
+    let foreign = route(&mut other, 2);
+    let f = foreign.id;
+    let made = format!("decision {f} was made by another router");
+    assert_eq!(msg(r.begin(&foreign).map(drop)), made);
+    assert_eq!(msg(r.prefilled(&foreign)), made);
+    assert_eq!(msg(r.finish(&foreign, 0.0)), made);
+    assert_eq!(msg(r.observe(&foreign, 0, 0.0)), made);
+    assert_eq!(msg(r.withdraw(&foreign).map(drop)), made);
+
+    let withdrawn = route(&mut r, 3);
+    let w = withdrawn.id;
+    assert!(r.withdraw(&withdrawn).unwrap());
+    assert!(
+        !r.withdraw(&withdrawn).unwrap(),
+        "a second withdrawal is a no-op"
+    );
+    let gone = format!("decision {w} was withdrawn");
+    assert_eq!(msg(r.begin(&withdrawn).map(drop)), gone);
+    assert_eq!(
+        msg(r.prefilled(&withdrawn)),
+        format!("decision {w} is not active (begin it first)")
+    );
+    assert_eq!(msg(r.finish(&withdrawn, 0.0)), gone);
+    assert_eq!(msg(r.observe(&withdrawn, 0, 0.0)), gone);
+
+    let ran = route(&mut r, 4);
+    let k = ran.id;
+    r.begin(&ran).unwrap();
+    assert_eq!(
+        msg(r.begin(&ran).map(drop)),
+        format!("decision {k} was already begun")
+    );
+    r.prefilled(&ran).unwrap();
+    assert_eq!(
+        msg(r.prefilled(&ran)),
+        format!("decision {k} was already marked prefilled")
+    );
+    let on = format!("decision {k} was prefilled on {:?}: it ran", ran.worker);
+    assert_eq!(msg(r.withdraw(&ran).map(drop)), on);
+    r.observe(&ran, 0, 0.0).unwrap();
+    assert_eq!(
+        msg(r.observe(&ran, 0, 0.0)),
+        format!("decision {k} was already observed")
+    );
+    r.finish(&ran, 1.0).unwrap();
+    assert_eq!(
+        msg(r.finish(&ran, 1.0)),
+        format!("decision {k} was already finished")
+    );
+    assert_eq!(
+        msg(r.begin(&ran).map(drop)),
+        format!("decision {k} was already begun")
+    );
+    assert_eq!(
+        msg(r.withdraw(&ran).map(drop)),
+        format!("decision {k} was finished: it ran")
+    );
+
+    let observed = route(&mut r, 5);
+    let o = observed.id;
+    r.begin(&observed).unwrap();
+    r.observe(&observed, 0, 0.0).unwrap();
+    assert_eq!(
+        msg(r.withdraw(&observed).map(drop)),
+        format!("decision {o} was observed: it ran")
+    );
+
+    let orphan = route(&mut r, 6);
+    r.remove_worker(&orphan.worker).unwrap();
+    let err = r.begin(&orphan).unwrap_err();
+    assert!(matches!(err, crate::Error::Key(_)), "{err:?}");
+    let removed = format!(
+        "worker {:?} of decision {} was removed",
+        orphan.worker, orphan.id
+    );
+    assert_eq!(err.to_string(), removed);
+}
