@@ -474,8 +474,10 @@ def test_fleet_view_for_policies():
             return super().route(request, chain, now)
 
     # Request 0 prefills 0..0.8 then decodes to 0.8 + 9 × 1.0; requests 1 and 2 arrive while
-    # it prefills (1 waits at worker 0), and 2 goes to worker 1.
-    w = make_workload([(0.0, [1, 2], 8, 10), (0.1, [1, 3], 8, 1), (0.2, [4], 4, 1)])
+    # it prefills (1 waits at worker 0), and 2 goes to worker 1 (prefill 0.2..0.6); 3 waits at
+    # worker 0 too, so 4 sees two waiting there.
+    rows = [(0.0, [1, 2], 8, 10), (0.1, [1, 3], 8, 1), (0.2, [4], 4, 1), (0.3, [5], 4, 1)]
+    w = make_workload([*rows, (0.4, [6], 4, 1)])
     model = FleetModel(
         workers=2,
         capacity_blocks=10,
@@ -483,10 +485,12 @@ def test_fleet_view_for_policies():
         prefill_overhead=0.0,
         decode_time_per_token=1.0,
     )
-    run(w, Watch([0, 0, 1]), model)
+    run(w, Watch([0, 0, 1, 0, 0]), model)
     assert snapshots[0] == ([0, 0], [0, 0], [0, 0])
     assert snapshots[1] == ([0, 0], [1, 0], [0, 0])  # request 0 prefilling: running, no pins yet
     assert snapshots[2] == ([1, 0], [1, 0], [0, 0])
+    assert snapshots[3] == ([1, 0], [1, 1], [0, 0])
+    assert snapshots[4] == ([2, 0], [1, 1], [0, 0])
 
 
 @pytest.mark.parametrize("choice", [5, 2, -1])  # 2: one past the last of two workers
@@ -525,3 +529,5 @@ def test_model_capacity():
     assert FleetModel().capacity(512) == 864
     assert FleetModel().capacity(16) == 27648
     assert FleetModel(capacity_blocks=7).capacity(512) == 7
+    # At least one block (the docs), and whole blocks only.
+    assert [FleetModel(kv_tokens=t).capacity(16) for t in (1, 15, 16, 31, 32)] == [1, 1, 1, 1, 2]
