@@ -143,3 +143,61 @@ fn cutting_the_tail_of_a_run_held_alone_is_done_in_place() {
     }
     ix.check_invariants().unwrap();
 }
+
+/// cargo-mutants survivor (shard 8/40): `+` → `-` between two scratch buffers in
+/// `Scratch::heap_bytes` — the shard 4/40 test grew two of the four buffers only. For the class,
+/// every buffer counts: each alone, then all four, is its bytes plus one allowance.
+#[test]
+fn every_scratch_buffer_counts_its_bytes_and_one_allowance() {
+    use crate::index::{Scratch, ALLOC_OVERHEAD};
+    let grow = |s: &mut Scratch, which: usize| -> usize {
+        match which {
+            0 => {
+                s.cuts.reserve_exact(10);
+                s.cuts.capacity() * std::mem::size_of::<(u32, usize, u64)>()
+            }
+            1 => {
+                s.nodes.reserve_exact(7);
+                s.nodes.capacity() * 4
+            }
+            2 => {
+                s.stack.reserve_exact(5);
+                s.stack.capacity() * 4
+            }
+            _ => {
+                s.parents.reserve_exact(3);
+                s.parents.capacity() * 4
+            }
+        }
+    };
+    for which in 0..4 {
+        let mut s = Scratch::default();
+        let bytes = grow(&mut s, which);
+        assert_eq!(s.heap_bytes(), bytes + ALLOC_OVERHEAD, "buffer {which}");
+    }
+    let mut s = Scratch::default();
+    let bytes: usize = (0..4).map(|which| grow(&mut s, which)).sum();
+    assert_eq!(s.heap_bytes(), bytes + 4 * ALLOC_OVERHEAD);
+}
+
+/// cargo-mutants survivor (shard 8/40): `free.capacity() * 4` → `+ 4` in `Tree::memory_bytes`.
+/// For the class — each part the tree's memory counts, at its own size — growing one part alone
+/// grows `memory_bytes` by exactly that part's bytes: the node slab's slots, the free list's
+/// 4-byte ids, the runs' and worker sets' heap bytes.
+#[test]
+fn the_trees_memory_counts_each_part_at_its_size() {
+    let mut t = crate::index::tree::Tree::new();
+    let grown = |t: &mut crate::index::tree::Tree, grow: &dyn Fn(&mut crate::index::tree::Tree)| {
+        let before = t.memory_bytes();
+        grow(t);
+        t.memory_bytes() - before
+    };
+    let cap = t.free.capacity();
+    let d = grown(&mut t, &|t| t.free.reserve_exact(100));
+    assert_eq!(d, 4 * (t.free.capacity() - cap));
+    let cap = t.nodes.capacity();
+    let d = grown(&mut t, &|t| t.nodes.reserve_exact(50));
+    let node = std::mem::size_of_val(&t.nodes[0]);
+    assert_eq!(d, node * (t.nodes.capacity() - cap));
+    assert_eq!(grown(&mut t, &|t| t.heap_bytes += 1000), 1000);
+}
