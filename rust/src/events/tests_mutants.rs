@@ -477,3 +477,89 @@ fn a_payload_is_refused_exactly_when_its_spans_cannot_reach_every_byte() {
         );
     }
 }
+
+/// cargo-mutants survivor (shard 17/40): `Applier::tiers` → `vec![]`. The tier names an applier
+/// has seen, in the order first seen, the GPU tier (the main index) not among them.
+#[test]
+fn tiers_lists_each_offload_tier_once_in_order_seen() {
+    let tokens: Vec<u64> = (0..16).collect();
+    let mut a = Applier::new(shared(), Config::default()).expect("applier");
+    assert!(a.tiers().is_empty());
+    for (i, medium) in ["CPU", "GPU", "DISK", "CPU"].iter().enumerate() {
+        let p = batch(|w| {
+            let e = Ev {
+                hashes: &[i as u64 + 1],
+                parent: None,
+                tokens: &tokens,
+                block_size: 16,
+                medium: Some(medium),
+            };
+            stored(w, &e);
+            1
+        });
+        a.apply("w", &p).expect("apply");
+    }
+    let tiers = a.tiers();
+    let names: Vec<&str> = tiers.iter().map(|t| &**t).collect();
+    assert_eq!(names, ["CPU", "DISK"]);
+}
+
+/// cargo-mutants survivor (shard 17/40): direct mode's `blocks_stored += n` → `*=`. Every
+/// engine block a direct-mode store applies is counted, across stores.
+#[test]
+fn direct_mode_counts_every_block_stored() {
+    let tokens: Vec<u64> = (0..48).collect();
+    let config = Config {
+        mode: Mode::Direct,
+        ..Config::default()
+    };
+    let mut a = Applier::new(shared(), config).expect("applier");
+    a.apply("w", &stored_batch(&[1, 2], None, &tokens[..32]))
+        .expect("apply");
+    a.apply("w", &stored_batch(&[3], Some(2), &tokens[32..]))
+        .expect("apply");
+    let c = a.counters("w").expect("counters");
+    assert_eq!((c.stored_events, c.blocks_stored), (2, 3));
+}
+
+/// cargo-mutants survivor (shard 17/40): `store_rehash`'s `!firsts.is_empty()` → `is_empty()`.
+/// An engine hash stored again with one router block per engine block (its size changed from
+/// 32 to 16 tokens) must forget the first router block recorded for its earlier, 32-token
+/// store: a removal of that engine hash then drops the block it now stands for.
+#[test]
+fn an_engine_block_stored_again_at_one_router_block_is_removed_whole() {
+    let index = shared();
+    let mut a = Applier::new(index.clone(), Config::default()).expect("applier");
+    let old: Vec<u64> = (0..32).collect();
+    let new: Vec<u64> = (100..116).collect();
+    let store = |hash: u64, tokens: &[u64], block_size: u64| {
+        batch(|w| {
+            let e = Ev {
+                hashes: &[hash],
+                parent: None,
+                tokens,
+                block_size,
+                medium: None,
+            };
+            stored(w, &e);
+            1
+        })
+    };
+    a.apply("w", &store(7, &old, 32)).expect("apply");
+    assert_eq!(matched(&index, &own_hashes(&old, 16), "w"), 2);
+    a.apply("w", &store(7, &new, 16)).expect("apply");
+    assert_eq!(matched(&index, &own_hashes(&new, 16), "w"), 1);
+    a.apply(
+        "w",
+        &batch(|w| {
+            removed(w, &[7], None);
+            1
+        }),
+    )
+    .expect("apply");
+    assert_eq!(
+        matched(&index, &own_hashes(&new, 16), "w"),
+        0,
+        "the block 7 stands for now"
+    );
+}
