@@ -133,7 +133,7 @@ pub(crate) fn common_prefix(a: &[u64], b: &[u64]) -> usize {
 
 pub(crate) struct Tree {
     pub nodes: Vec<Node>,
-    pub free: Vec<u32>,
+    pub(super) free: Vec<u32>,
     table: HashTable<u64>,
     /// First block of every live node → node: a small table (one entry per node, key inline)
     /// that `match` and `store` use to step from a node to its child without touching the
