@@ -341,6 +341,40 @@ def test_sglang_bootstrap_address_defaults():
     assert fleet.exchange.errors == []
 
 
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+def test_a_prefill_half_feeds_the_learned_prefill_rate(protocol):
+    """Without a configured ``prefill_tokens_per_second`` the SLO admission learns the rate from
+    each prefill's first output: a pair's prefill half reports it (a whole, unstreamed pair,
+    whose decode half reports none)."""
+    fleet = PdFleet(protocol, 1, 1)
+    with GatewayServer(fleet.config()) as gw:
+        assert gw.gateway.admission.learned_rate is None
+        ask(gw, "What fuels R7?")
+        assert gw.gateway.admission.learned_rate > 0
+        idle(gw)
+    fleet.close()
+    assert fleet.exchange.errors == []
+
+
+def test_a_pair_served_whole_streams_as_asked():
+    """vLLM, a threshold no prompt reaches: every pair is served whole on its decode worker, and a
+    streamed request is streamed through as a stream there too — without the usage chunk the
+    gateway asked the engine for (the client did not)."""
+    fleet = PdFleet("vllm", 1, 1)
+    with GatewayServer(fleet.config(threshold=10**6)) as gw:
+        raw = gw.client("sk-acme").chat.completions.with_raw_response.create(
+            model="ep-acme", messages=[{"role": "user", "content": "R8?"}], stream=True
+        )
+        assert raw.headers["x-kvroute-prefill-worker"] == raw.headers["x-kvroute-worker"] == "up-1"
+        assert raw.headers["content-type"].startswith("text/event-stream")
+        chunks = list(raw.parse())
+        assert chunks and all(c.usage is None for c in chunks)
+        assert fleet["up-1"].bodies[0]["stream_options"] == {"include_usage": True}
+        idle(gw)
+    fleet.close()
+    assert fleet.exchange.errors == []
+
+
 def test_short_uncached_parts_stay_on_the_decode_worker():
     """vLLM, threshold 64 tokens: the first turn is split; the next turn, which the decode worker
     holds but for a few tokens, is prefilled there (no prefill request)."""
