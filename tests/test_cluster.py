@@ -380,7 +380,8 @@ def test_engine_metrics_become_router_load():
 
 
 def test_the_scraper_names_an_engine_block_size_once(caplog):
-    """An engine whose KV blocks are not the router's size is logged once per worker, and again
+    """An engine's KV block size reaches the router (which then counts the worker's prefixes in
+    whole engine blocks); one that is not the router's size is logged once per worker, and again
     only when its size changes (a restarted engine); equal sizes log nothing."""
     import asyncio
 
@@ -397,10 +398,13 @@ def test_the_scraper_names_an_engine_block_size_once(caplog):
         return PlainTextResponse(page["text"])
 
     engine = ServerThread(Starlette(routes=[Route("/metrics", metrics)]))
-    caplog.set_level(logging.WARNING, logger="kvroute.cluster")
+    caplog.set_level(logging.INFO, logger="kvroute.cluster")
 
     def told() -> list[str]:
         return [r.getMessage() for r in caplog.records if r.name == "kvroute.cluster"]
+
+    def levels() -> list[int]:
+        return [r.levelno for r in caplog.records if r.name == "kvroute.cluster"]
 
     async def scraped(scraper: EngineScraper, n: int) -> EngineScraper:
         for _ in range(n):  # one round each: the loop scrapes, then sleeps for the interval
@@ -421,17 +425,24 @@ def test_the_scraper_names_an_engine_block_size_once(caplog):
     try:
         s = rounds(scraper(16), 3)
         assert told() == [
-            "worker e: the engine's KV blocks are 32 tokens and the router's 16: cached prefixes "
-            "are counted in blocks the engine does not keep. Set the router's block_size to 32 "
-            "(vLLM >= 0.34 defaults to 64 on GPU)."
+            "worker e: the engine's KV blocks are 32 tokens and the router's 16: the router "
+            "counts this worker's cached prefixes in whole engine blocks. Set the router's "
+            "block_size to 32 to index the engine's own blocks (vLLM >= 0.34 defaults to 64 on "
+            "GPU)."
         ]
+        assert levels() == [logging.INFO]  # a multiple: exact
         assert s.describe()["e"]["block_size"] == 32
-        page["text"] = VLLM_METRICS.replace('block_size="32"', 'block_size="64"')
+        assert s.router.engine_block_size("e") == 32
+        page["text"] = VLLM_METRICS.replace('block_size="32"', 'block_size="64.0"')
         rounds(s, 2)  # the same scraper: told again, once, of the new size
         assert len(told()) == 2 and "are 64 tokens and the router's 16" in told()[1]
+        assert s.router.engine_block_size("e") == 64
         caplog.clear()
         rounds(scraper(64), 2)
         assert told() == []
+        s = rounds(scraper(48), 1)  # 64 is not a multiple of 48: rounded down, a warning
+        assert levels() == [logging.WARNING] and ", rounded down to its own." in told()[0]
+        assert s.router.engine_block_size("e") == 64
     finally:
         engine.stop()
     with pytest.raises(ValueError, match="openai"):

@@ -2,7 +2,8 @@
 
 vLLM >= 0.34 stores 64-token blocks on GPU by default (16 before), so a router left at 16 tokens
 meets engines it cannot follow: in direct mode every store is skipped, in rehash mode they are
-indexed at the router's finer size. Real ZMQ sockets on 127.0.0.1 (support/events_engine.py);
+indexed at the router's finer size (a router counts whole engine blocks, an index read directly
+does not). Real ZMQ sockets on 127.0.0.1 (support/events_engine.py);
 payloads built from the spec (support/events_payloads.py).
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from kvroute import PrefixIndex
+from kvroute import PrefixIndex, Router
 from kvroute.events import KvEventSubscriber
 from support import events_payloads as P
 from support.events_engine import own
@@ -95,9 +96,33 @@ def test_rehash_mode_warns_that_a_multiple_is_indexed_at_the_router_size(engines
     assert record.levelno == logging.WARNING
     assert record.getMessage() == (
         "worker w: the engine's KV blocks are 64 tokens and the router's 16: its stores are "
-        "indexed as 16-token blocks, so a request is predicted to find up to 48 tokens more "
-        "cached than the engine's whole blocks hold. Set the router's block_size to 64 for exact "
-        "predictions."
+        "indexed as 16-token blocks, so a match read from this index counts up to 48 tokens more "
+        "than the engine's whole blocks hold (a Router fed by its event_applier counts whole "
+        "engine blocks). Set block_size to 64 for exact matches."
+    )
+
+
+def test_a_router_counts_a_multiple_in_whole_engine_blocks(engines, caplog):
+    """The same engine feeding a router: an info line, and the router's prediction for a prompt
+    sharing 100 tokens with the stored 128 is the engine's one whole 64-token block."""
+    caplog.set_level(logging.INFO, logger="kvroute.events")
+    engine = engines(replay=False)
+    router = Router(["w", "x"], index="events")
+    tokens = list(range(128))
+    with KvEventSubscriber(router, {"w": engine.endpoint}) as sub:
+        engine.wait_subscriber()
+        engine.publish(store([51, 52], tokens, 64))
+        published(sub, 0)
+    assert router.engine_block_size("w") == 64
+    assert router.engine_block_size("x") is None
+    d = router.route(tokens[:100] + [7] * 28, exclude=["x"])
+    assert (d.worker, d.cached_blocks) == ("w", 4)
+    (record,) = records(caplog)
+    assert record.levelno == logging.INFO
+    assert record.getMessage() == (
+        "worker w: the engine's KV blocks are 64 tokens and the router's 16: each is indexed as "
+        "4 router blocks, and the router counts this worker's matches in whole 64-token blocks "
+        "(block_size 64 would index 4 times fewer blocks)."
     )
 
 

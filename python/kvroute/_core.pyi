@@ -610,6 +610,14 @@ class Router:
         """The engine's own load figures (this router's requests included): the rest is kept as
         the others' load, added to this router's own until the next report."""
 
+    def set_engine_block_size(self, worker: str, tokens: int) -> None:
+        """The worker's engine caches blocks of ``tokens`` tokens (e.g. its
+        ``cache_config_info``): its matches count whole engine blocks only. In events mode the
+        router's ``event_applier`` sets it from each engine's stores."""
+
+    def engine_block_size(self, worker: str) -> int | None:
+        """The worker's engine block size in tokens, None while unknown."""
+
     def take_updates(self, max_bytes: int | None = None) -> bytes:
         """``updates=True``: the load and (approx) model updates since the last call, as one
         batch for other replicas (``b""`` when there is none), at most ``max_bytes`` long but

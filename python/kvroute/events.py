@@ -32,9 +32,11 @@ messages and restarts:
 - **Block sizes.** The first store of each engine (and again after every reset) is checked against
   the router's block size: one the applier cannot use (direct mode: not equal; rehash: not a
   multiple) is logged as an error naming both sizes — every store of that engine is skipped, its
-  index stays empty — and a multiple in rehash mode as a warning (the index matches at the
-  router's finer blocks, so predicted cached tokens may exceed the engine's by less than one engine
-  block). vLLM ≥ 0.34 uses 64-token blocks on GPU by default (16 before).
+  index stays empty. A multiple in rehash mode is indexed in the router's finer blocks: a router
+  fed by its own ``event_applier`` learns each engine's size and counts the worker's matches in
+  whole engine blocks (logged at info); an index read directly does not (a warning: its matches
+  may exceed the engine's by less than one engine block). vLLM ≥ 0.34 uses 64-token blocks on
+  GPU by default (16 before).
 - **Malformed input** — wrong frame count, a sequence frame that is not 8 bytes, a payload the
   decoder refuses — is counted and skipped; nothing crashes and nothing else changes.
 
@@ -250,6 +252,10 @@ class KvEventSubscriber:
             group_idx=group_idx,
             hash_algo=hash_algo,
             vllm_version=vllm_version,
+        )
+        # A router fed by its own applier counts each worker's matches in whole engine blocks.
+        self._router_counts_engine_blocks = isinstance(
+            getattr(target, "event_applier", None), KvEventApplier
         )
         if freshness is None and hasattr(target, "mark_stale") and hasattr(target, "mark_fresh"):
             freshness = target
@@ -581,7 +587,8 @@ class KvEventSubscriber:
 
     def _check_block_size(self, w: _Worker) -> None:
         """Once the worker's engine has stored a block, logs a block size the router cannot use
-        (error) or uses only at its own finer granularity (warning); see the module docs."""
+        (error) or indexes at its own finer size (info for a router, which counts the worker's
+        matches in whole engine blocks; a warning for an index read directly, which does not)."""
         if not isinstance(self.applier, KvEventApplier):
             w.block_size_checked = True  # an event sink (the relay's outbox): no sizes to compare
             return
@@ -608,12 +615,26 @@ class KvEventSubscriber:
                 engine,
                 router,
             )
+        elif self._router_counts_engine_blocks:
+            log.info(
+                "worker %s: the engine's KV blocks are %d tokens and the router's %d: each is "
+                "indexed as %d router blocks, and the router counts this worker's matches in "
+                "whole %d-token blocks (block_size %d would index %d times fewer blocks).",
+                w.name,
+                engine,
+                router,
+                engine // router,
+                engine,
+                engine,
+                engine // router,
+            )
         else:
             log.warning(
                 "worker %s: the engine's KV blocks are %d tokens and the router's %d: its stores "
-                "are indexed as %d-token blocks, so a request is predicted to find up to %d "
-                "tokens more cached than the engine's whole blocks hold. Set the router's "
-                "block_size to %d for exact predictions.",
+                "are indexed as %d-token blocks, so a match read from this index counts up to %d "
+                "tokens more than the engine's whole blocks hold (a Router fed by its "
+                "event_applier counts whole engine blocks). Set block_size to %d for exact "
+                "matches.",
                 w.name,
                 engine,
                 router,

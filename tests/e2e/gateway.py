@@ -46,10 +46,12 @@ def config_text(
     endpoints: tuple[str, ...] = (),
     roles: dict[str, str] | None = None,
     pd: dict[str, Any] | None = None,
+    router_block_size: int | None = None,
 ) -> str:
     """The gateway's TOML for one scenario: events (direct/rehash) or approx index; ``roles``
-    (worker name to role) and ``pd`` (the ``[pd]`` table) for a prefill/decode fleet."""
-    block_size = engines[0].block_size
+    (worker name to role) and ``pd`` (the ``[pd]`` table) for a prefill/decode fleet. The
+    router's block size is the engines' unless ``router_block_size`` says otherwise."""
+    block_size = router_block_size or engines[0].block_size
     direct = index == "events" and mode == "direct"
     router: dict[str, Any] = {
         "policy": policy,

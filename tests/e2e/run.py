@@ -177,12 +177,18 @@ def main() -> int:
         for seed, name, kw in [
             (1, "events_direct_sha256", dict(index="events", mode="direct", hash_algo="sha256")),
             (2, "events_rehash", dict(index="events", mode="rehash")),
+            # The router's blocks half the engine's: each worker's match in whole engine blocks.
+            (
+                4,
+                "events_rehash_finer",
+                dict(index="events", mode="rehash", router_block_size=e0.block_size // 2),
+            ),
             (3, "approx", dict(index="approx")),
         ]:
             fleet.reset()
             results = scenario_accuracy(tmp, name, fleet.engines, args, seed=seed, **kw)
             sc.setdefault("accuracy", {})[name] = summarize(results)
-        for name in ("events_direct_sha256", "events_rehash"):
+        for name in ("events_direct_sha256", "events_rehash", "events_rehash_finer"):
             s = sc["accuracy"][name]
             check(f"accuracy_{name}", (s["exact_rate"] or 0) >= 0.99 and not s["errors"], s)
 

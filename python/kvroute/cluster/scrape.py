@@ -17,11 +17,12 @@ the engine's figures, which it keeps as a baseline for its own changes until the
   from vLLM's ``vllm:request_prompt_tokens`` histogram (``_sum``/``_count``), less the prefix
   cache's hit ratio (``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries``); SGLang's
   ``sglang:prompt_tokens_total`` / ``sglang:num_requests_total`` less ``sglang:cache_hit_rate``.
-- ``block_size`` = the engine's KV block size (vLLM's ``cache_config_info`` label). One that
-  differs from the router's is logged once per worker (a warning naming both): the router then
-  counts cached prefixes in blocks the engine does not keep (vLLM >= 0.34 uses 64-token blocks on
-  GPU by default, 16 before), and in events mode may skip the engine's stores (``kvroute.events``
-  says which).
+- ``block_size`` = the engine's KV block size (vLLM's ``cache_config_info`` label), given to
+  ``Router.set_engine_block_size``: the router counts the worker's cached prefixes in whole
+  engine blocks, as the engine serves them. One that differs from the router's is logged once
+  per worker (info when a multiple of the router's, which is then exact; else a warning: the
+  count is rounded down to router blocks). vLLM >= 0.34 uses 64-token blocks on GPU by default,
+  16 before; in events mode the engine's stores may be skipped (``kvroute.events`` says which).
 
 A figure an engine does not publish is left as it was (``None``); series with several label sets
 (data-parallel engines) are summed. A scrape that fails or times out changes nothing and is
@@ -95,8 +96,9 @@ def parse_engine_metrics(text: str, kind: str, block_size: int) -> EngineLoad:
         sizes = set()
         for labels, _ in s.get("vllm:cache_config_info", []):
             with contextlib.suppress(KeyError, ValueError):
-                sizes.add(int(labels["block_size"]))
-                capacity += float(labels["num_gpu_blocks"]) * float(labels["block_size"])
+                size = float(labels["block_size"])
+                capacity += float(labels["num_gpu_blocks"]) * size
+                sizes.add(int(size) if size.is_integer() and size >= 1 else None)
         engine_block_size = sizes.pop() if len(sizes) == 1 else None
         used = usage * capacity if usage is not None and capacity else None
         if usage is not None and len(s.get("vllm:cache_config_info", [])) > 1:
@@ -177,6 +179,7 @@ class EngineScraper:
         self.workers = [w for w in workers if w[2] in SCRAPED_KINDS]
         names = {w[0] for w in self.workers}
         self.last = {n: load for n, load in self.last.items() if n in names}
+        self._sizes_told = {n: size for n, size in self._sizes_told.items() if n in names}
         if self._started:
             self._ensure_task()
 
@@ -232,19 +235,22 @@ class EngineScraper:
         self.last[name] = load
         self.outcomes.inc(name, "ok")
         engine = load.block_size
-        if (
-            engine is not None
-            and engine != self.block_size
-            and self._sizes_told.get(name) != engine
-        ):
+        if engine is None:
+            return
+        with contextlib.suppress(KeyError):  # the worker left the router meanwhile
+            self.router.set_engine_block_size(name, engine)
+        if engine != self.block_size and self._sizes_told.get(name) != engine:
             self._sizes_told[name] = engine
-            log.warning(
-                "worker %s: the engine's KV blocks are %d tokens and the router's %d: cached "
-                "prefixes are counted in blocks the engine does not keep. Set the router's "
-                "block_size to %d (vLLM >= 0.34 defaults to 64 on GPU).",
+            exact = engine % self.block_size == 0
+            (log.info if exact else log.warning)(
+                "worker %s: the engine's KV blocks are %d tokens and the router's %d: the router "
+                "counts this worker's cached prefixes in whole engine blocks%s. Set the router's "
+                "block_size to %d to index the engine's own blocks (vLLM >= 0.34 defaults to 64 "
+                "on GPU).",
                 name,
                 engine,
                 self.block_size,
+                "" if exact else ", rounded down to its own",
                 engine,
             )
 

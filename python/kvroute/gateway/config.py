@@ -51,7 +51,10 @@ Example (every key shown; only ``[[workers]]`` is required)::
     [router]                         # kvroute.Router(...); a key left out takes the Router's
                                      # default (shown here; Router.config has those in effect)
     policy = "kv_aware"
-    block_size = 16                  # the engines' KV block size (vLLM >= 0.34 on GPU: 64)
+    block_size = 16                  # the engines' KV block size (vLLM >= 0.34 on GPU: 64), or
+                                     # a divisor of each (its cached prefixes are then counted
+                                     # in whole blocks of its own size, learnt from events or
+                                     # [cluster]'s scrape)
     hash_profile = "native"
     index = "approx"                 # "events": fed by the workers' KV events
     options = { }                    # more keyword arguments for kvroute.Router, e.g.

@@ -8,6 +8,7 @@ use hashbrown::{Equivalent, HashMap};
 use parking_lot::RwLock;
 
 use super::decode::{Batch, Decoder, Event, EventKind};
+use super::sizes::EngineBlockSizes;
 use crate::blocks::{BlockHasher, ChainState, Options, Profile};
 use crate::error::{Error, Result};
 use crate::index::{PrefixIndex, SharedPrefixIndex, WorkerId};
@@ -206,6 +207,8 @@ pub struct Applier {
     indexes: Vec<(Arc<str>, SharedPrefixIndex)>,
     /// The same non-GPU tiers, for readers outside the applier's lock.
     registry: TierRegistry,
+    /// Each worker's engine block size, for readers outside the applier's lock.
+    sizes: Arc<EngineBlockSizes>,
     workers: HashMap<String, WorkerState>,
     decoder: Decoder,
     batch: Batch,
@@ -242,6 +245,7 @@ impl Applier {
             gpu: index.clone(),
             indexes: vec![(Arc::from(GPU), index)],
             registry: TierRegistry::default(),
+            sizes: Arc::default(),
             workers: HashMap::new(),
             decoder: Decoder::new(),
             batch: Batch::default(),
@@ -275,6 +279,12 @@ impl Applier {
         self.registry.clone()
     }
 
+    /// Records each worker's engine block size, from its next store on, in `sizes` (shared with
+    /// a reader such as the router; an applier has its own until then).
+    pub fn share_engine_block_sizes(&mut self, sizes: Arc<EngineBlockSizes>) {
+        self.sizes = sizes;
+    }
+
     /// Names of the non-GPU tiers seen so far, in order of appearance.
     pub fn tiers(&self) -> Vec<Arc<str>> {
         self.indexes
@@ -305,6 +315,7 @@ impl Applier {
             namespaces,
             indexes,
             registry,
+            sizes,
             workers,
             batch,
             scratch,
@@ -316,6 +327,7 @@ impl Applier {
             namespaces,
             indexes,
             registry,
+            sizes,
             name: worker,
             state: worker_state(workers, worker),
             scratch,
@@ -427,6 +439,7 @@ struct Ctx<'s> {
     namespaces: &'s mut HashMap<Namespace, BlockHasher>,
     indexes: &'s mut Vec<(Arc<str>, SharedPrefixIndex)>,
     registry: &'s TierRegistry,
+    sizes: &'s EngineBlockSizes,
     name: &'s str,
     state: &'s mut WorkerState,
     scratch: &'s mut Scratch,
@@ -503,7 +516,11 @@ impl Ctx<'_> {
         if n == 0 {
             return;
         }
-        counters.engine_block_size = ev.block_size;
+        if counters.engine_block_size != ev.block_size {
+            counters.engine_block_size = ev.block_size;
+            self.sizes
+                .set(self.name, u32::try_from(ev.block_size).unwrap_or(0));
+        }
         let router = self.config.block_size;
         let engine = usize::try_from(ev.block_size).unwrap_or(usize::MAX);
         if engine == 0 || n.checked_mul(engine) != Some(ev.token_ids.len()) || engine < router {

@@ -54,11 +54,14 @@
 //!   of them and so all `k`). Lossless.
 //! - `E < R` cannot be told apart from a partial block and is skipped (`skipped_partial`);
 //!   `E` not a multiple of `R` (or, in direct mode, `E != R`) is skipped (`skipped_block_size`).
-//!   Choose `R` equal to the engine's block size (vLLM's GPU default: 16 up to 0.33, 64 from
-//!   0.34; 128 on CPU; SGLang: its `page_size`). A divisor also works in rehash mode, but then a
-//!   match counts router blocks the engine holds only as part of a whole engine block, so a
-//!   request's cached prefix is predicted up to `E - R` tokens longer than the engine's.
-//!   [`WorkerCounters::engine_block_size`] is the size of each engine's last store.
+//!   A divisor works in rehash mode, but the index then matches router blocks the engine holds
+//!   only as part of a whole engine block: the applier records each engine's `E` in
+//!   [`EngineBlockSizes`] (shared with the router that built it), and the router counts each
+//!   worker's match in whole blocks of its engine's size — what the engine serves. Read directly,
+//!   the index may count up to `E - R` tokens more. Choosing `R` equal to the engine's block size
+//!   (vLLM's GPU default: 16 up to 0.33, 64 from 0.34; 128 on CPU; SGLang: its `page_size`)
+//!   keeps the index smallest. [`WorkerCounters::engine_block_size`] is the size of each
+//!   engine's last store.
 //! - In rehash mode with `E = k·R`, a vLLM partial window whose length is a multiple of `R` is
 //!   stored as whole router blocks, which is what the engine holds for those tokens.
 //!
@@ -76,12 +79,14 @@ pub mod decode;
 mod extra;
 mod keys;
 mod reader;
+mod sizes;
 
 pub use apply::{
     Applier, BatchOutcome, Config, Mode, TierRegistry, WorkerCounters, GPU, MAX_TIERS,
 };
 pub use decode::{Batch, Decoder, Event, EventKind};
 pub use extra::{ExtraKeys, ExtraSummary};
+pub use sizes::EngineBlockSizes;
 
 #[cfg(test)]
 mod tests;

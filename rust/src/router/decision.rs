@@ -98,10 +98,11 @@ pub struct Decision {
     /// Full blocks of the prompt.
     pub prompt_blocks: usize,
     /// Leading prompt blocks the chosen worker is expected to serve from its cache: the blocks it
-    /// holds per the index (raw, before freshness), capped as the engine caps its hit
-    /// ([`engine_hit_blocks`]).
+    /// holds per the index (raw, before freshness; whole blocks of its engine's size once known),
+    /// capped as the engine caps its hit ([`engine_hit_blocks`]).
     pub cached_blocks: usize,
-    /// Leading prompt blocks the chosen worker holds per the index, uncapped.
+    /// Leading prompt blocks the chosen worker holds per the index (in whole engine blocks once
+    /// its engine's size is known), uncapped.
     pub(super) matched_blocks: usize,
     /// Events mode: leading prompt blocks held by the requests in flight on the chosen worker
     /// when routed (begun, not finished); a worker serving its queue in order will hold
@@ -212,17 +213,39 @@ impl Decision {
 /// block of a fully cached prompt) and SGLang (`max_prefix_len = input_len - 1`, rounded down to
 /// its page) always compute at least the prompt's last token for its logits, so a fully cached
 /// prompt whose length is a multiple of the block size gets one block fewer:
-/// `min(held, (prompt_tokens - 1) / block_size)`. Other profiles: `held`.
+/// `min(held, (prompt_tokens - 1) / block_size)`. Other profiles: `held`. With the engine's own
+/// block size known (`engine`, tokens), both are counted in whole engine blocks first
+/// ([`whole_engine_blocks`]).
 pub(super) fn engine_hit_blocks(
     profile: Profile,
     prompt_tokens: usize,
     block_size: usize,
+    engine: Option<u32>,
     held: usize,
 ) -> usize {
+    let held = whole_engine_blocks(held as u64, block_size, engine) as usize;
     match profile {
         Profile::Vllm(_) | Profile::Sglang => {
-            held.min(prompt_tokens.saturating_sub(1) / block_size.max(1))
+            let last = prompt_tokens.saturating_sub(1) as u128;
+            held.min(engine_tokens_in_blocks(last, block_size, engine) as usize)
         }
         Profile::Native => held,
     }
+}
+
+/// Of `blocks` leading router blocks (`block_size` tokens each), those an engine caching blocks
+/// of `engine` tokens can hold: the whole engine blocks within them, in router blocks (rounded
+/// down). An engine caches and hits whole blocks of its own size only, so with router blocks of
+/// 16 and engine blocks of 64 a prefix of 7 router blocks is 4 (one engine block); a worker whose
+/// engine block size is not known (`None`) is taken at its word: `blocks`.
+pub(super) fn whole_engine_blocks(blocks: u64, block_size: usize, engine: Option<u32>) -> u64 {
+    let tokens = u128::from(blocks) * block_size as u128;
+    engine_tokens_in_blocks(tokens, block_size, engine)
+}
+
+/// The whole engine blocks within `tokens` tokens, in router blocks (rounded down).
+fn engine_tokens_in_blocks(tokens: u128, block_size: usize, engine: Option<u32>) -> u64 {
+    let router = (block_size as u128).max(1);
+    let engine = engine.map_or(router, |e| u128::from(e.max(1)));
+    u64::try_from(tokens / engine * engine / router).unwrap_or(u64::MAX)
 }

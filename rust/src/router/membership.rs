@@ -38,6 +38,7 @@ impl Router {
         if let Some(w) = self.workers.get_mut(slot) {
             w.cache = cache;
             w.index_id = index_id;
+            w.engine_block_size = self.engine_sizes.get(name);
         }
         self.roster_stale = true;
         let resort = uniform != self.workers.uniform();

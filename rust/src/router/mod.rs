@@ -37,6 +37,12 @@
 //!   found only in a slower tier (the applier's tier indexes: `"CPU"`, disk, …) at that tier's
 //!   weight. In both modes a worker's overlap credit is scaled by its freshness
 //!   ([`workers`]), so a worker whose event stream is stale is trusted less and less.
+//! - **Whole engine blocks.** An engine caches and serves whole blocks of its own size `E`; the
+//!   router's blocks may be finer (rehash mode with `R | E`, a fleet of mixed engines). Once a
+//!   worker's `E` is known — from its KV events through [`Router::new_event_applier`]'s applier,
+//!   or [`Router::set_engine_block_size`] — its overlap (GPU, every tier, in flight) counts only
+//!   the whole engine blocks within it, and a decision's cached blocks are capped at the last
+//!   whole engine block before the prompt's last token (vLLM, SGLang).
 //! - **Tier credit.** With per-tier overlaps `o_t` (leading blocks held in tier `t`, GPU included
 //!   with weight 1) the credit is `Σ_{i < max o_t} max{ w_t : o_t > i }`: each block counts at the
 //!   weight of the best tier holding it, as far as some tier holds the whole prefix.
@@ -95,7 +101,7 @@ use parking_lot::RwLock;
 
 use crate::blocks::{BlockHasher, Options, Profile};
 use crate::error::{Error, Result};
-use crate::events::{Applier, Mode, TierRegistry};
+use crate::events::{Applier, EngineBlockSizes, Mode, TierRegistry};
 use crate::hashing::{BoundedLoad, Key};
 use crate::index::{PrefixIndex, SharedPrefixIndex, WorkerId};
 use crate::{key_err, value_err};
@@ -238,6 +244,10 @@ pub struct Router {
     endpoints: HashMap<Arc<str>, Endpoint>,
     index: SharedPrefixIndex,
     tiers: Option<TierRegistry>,
+    /// Each worker's engine block size, written by the event appliers and
+    /// [`Router::set_engine_block_size`]; copied to the workers when its version moves.
+    engine_sizes: Arc<EngineBlockSizes>,
+    engine_sizes_seen: u64,
     model: Option<Model>,
     /// Events mode: the prompt blocks of the requests begun and not finished, per worker.
     inflight: Option<InFlight>,
@@ -334,6 +344,8 @@ impl Router {
             endpoints: HashMap::new(),
             index: Arc::new(RwLock::new(PrefixIndex::new(None)?)),
             tiers: None,
+            engine_sizes: Arc::default(),
+            engine_sizes_seen: 0,
             model,
             inflight,
             bound,
@@ -379,7 +391,7 @@ impl Router {
         if self.config.mode != IndexMode::Events {
             return value_err!("an event applier needs index='events'");
         }
-        let applier = Applier::new(
+        let mut applier = Applier::new(
             self.index.clone(),
             crate::events::Config {
                 mode: self.config.event_mode,
@@ -390,6 +402,7 @@ impl Router {
             },
         )?;
         self.tiers = Some(applier.tier_registry());
+        applier.share_engine_block_sizes(self.engine_sizes.clone());
         Ok(applier)
     }
 
@@ -476,6 +489,44 @@ impl Router {
             w.others.decode_blocks = d.saturating_sub(w.decode_blocks);
         }
         Ok(())
+    }
+
+    /// Worker `name`'s engine caches blocks of `tokens` tokens (e.g. read from its
+    /// `cache_config_info` metric): from the next route on, its matches count whole engine
+    /// blocks only. An event applier of this router sets it from each engine's stores.
+    ///
+    /// Errors: an unknown worker (`Key`), `tokens` 0 or over `u32::MAX` (`Value`).
+    pub fn set_engine_block_size(&mut self, name: &str, tokens: u64) -> Result<()> {
+        self.workers.require(name)?;
+        match u32::try_from(tokens) {
+            Ok(t) if t > 0 => {
+                self.engine_sizes.set(name, t);
+                Ok(())
+            }
+            _ => value_err!(
+                "engine block size of worker {name:?} must be 1..=4294967295 tokens, got {tokens}"
+            ),
+        }
+    }
+
+    /// Worker `name`'s engine block size (tokens), once known.
+    ///
+    /// Errors: an unknown worker (`Key`).
+    pub fn engine_block_size(&self, name: &str) -> Result<Option<u32>> {
+        self.workers.require(name)?;
+        Ok(self.engine_sizes.get(name))
+    }
+
+    /// Copies the engine block sizes to the workers when they changed since the last copy.
+    pub(super) fn sync_engine_block_sizes(&mut self) {
+        let version = self.engine_sizes.version();
+        if version == self.engine_sizes_seen {
+            return;
+        }
+        for w in self.workers.iter_mut() {
+            w.engine_block_size = self.engine_sizes.get(&w.name);
+        }
+        self.engine_sizes_seen = version;
     }
 
     /// The request's prefill is done (first token): its blocks leave the worker's prefill queue.
@@ -637,6 +688,8 @@ fn reserved_partition<'a>(
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_engine_blocks;
 #[cfg(test)]
 mod tests_model;
 #[cfg(test)]

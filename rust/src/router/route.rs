@@ -13,7 +13,7 @@ use crate::index::{PrefixIndex, WorkerId};
 use crate::value_err;
 
 use super::approx::Model;
-use super::decision::{engine_hit_blocks, Decision, Half};
+use super::decision::{engine_hit_blocks, whole_engine_blocks, Decision, Half};
 use super::endpoints::Endpoint;
 use super::pd::Phase;
 use super::policy::{self, Pick, Reason, View};
@@ -234,11 +234,16 @@ impl Router {
         let matched_blocks = self.scratch.overlap.get(made.slot as usize).copied();
         let matched_blocks = matched_blocks.unwrap_or(0) as usize;
         let inflight_blocks = self.scratch.inflight.get(made.slot as usize).copied();
+        let engine = self
+            .workers
+            .get(made.slot)
+            .and_then(|w| w.engine_block_size);
         let engine_hit = |held: usize| {
             engine_hit_blocks(
                 self.config.profile,
                 prompt_tokens,
                 self.config.block_size,
+                engine,
                 held,
             )
         };
@@ -300,17 +305,25 @@ impl Router {
     /// mode `scratch.inflight` (the prefix held by each worker's in-flight requests, which it
     /// will have computed when it reaches this one) and the credit raised to it.
     pub(super) fn credit(&mut self, index: &PrefixIndex, hashes: &[u64], now: f64) {
+        self.sync_engine_block_sizes();
         let scratch = &mut self.scratch;
         let n = self.workers.slot_count();
+        let block_size = self.config.block_size;
+        let workers = &self.workers;
+        // A worker holds whole blocks of its engine's size (see `whole_engine_blocks`).
+        let whole = |slot: u32, blocks: u32| {
+            let engine = workers.get(slot).and_then(|w| w.engine_block_size);
+            whole_engine_blocks(u64::from(blocks), block_size, engine) as u32
+        };
         scratch.overlap.clear();
         scratch.overlap.resize(n, 0);
         scratch.inflight.clear();
         scratch.inflight.resize(n, 0);
         index.match_into(hashes, &mut scratch.matches);
         for &(id, blocks) in &scratch.matches {
-            if let Some(slot) = slot_of_index_worker(&mut self.id_cache, &self.workers, index, id) {
+            if let Some(slot) = slot_of_index_worker(&mut self.id_cache, workers, index, id) {
                 if let Some(o) = scratch.overlap.get_mut(slot as usize) {
-                    *o = blocks;
+                    *o = whole(slot, blocks);
                 }
             }
         }
@@ -322,13 +335,14 @@ impl Router {
             add_tier_credit(
                 tiers,
                 &self.config.tier_weights,
-                &self.workers,
+                workers,
                 hashes,
                 scratch,
+                whole,
             );
         }
         let half_life = self.config.stale_half_life;
-        for (slot, w) in self.workers.iter_slots() {
+        for (slot, w) in workers.iter_slots() {
             if !matches!(w.freshness, Freshness::Fresh) {
                 if let Some(credit) = scratch.credit.get_mut(slot as usize) {
                     *credit *= w.freshness_at(now, half_life);
@@ -341,10 +355,11 @@ impl Router {
         let index = inflight.index();
         index.match_into(hashes, &mut scratch.matches);
         for &(id, blocks) in &scratch.matches {
-            let Some(slot) = slot_of_index_worker(&mut self.inflight_ids, &self.workers, index, id)
+            let Some(slot) = slot_of_index_worker(&mut self.inflight_ids, workers, index, id)
             else {
                 continue;
             };
+            let blocks = whole(slot, blocks);
             if let Some(o) = scratch.inflight.get_mut(slot as usize) {
                 *o = blocks;
             }
@@ -500,6 +515,7 @@ fn add_tier_credit(
     workers: &WorkerTable,
     query: &[u64],
     scratch: &mut Scratch,
+    whole: impl Fn(u32, u32) -> u32,
 ) {
     let tiers = tiers.read();
     if tiers.is_empty() || query.is_empty() {
@@ -517,7 +533,7 @@ fn add_tier_credit(
         index.match_into(query, &mut scratch.matches);
         for &(id, blocks) in &scratch.matches {
             if let Some(slot) = index.worker_name(id).and_then(|n| workers.slot(n)) {
-                hits.push((slot, blocks, weight));
+                hits.push((slot, whole(slot, blocks), weight));
             }
         }
     }

@@ -327,13 +327,13 @@ mod engine_hit {
     fn engines_compute_at_least_the_last_token() {
         let vllm = Profile::Vllm(Default::default());
         // 32 tokens of 16, both blocks held: vLLM and SGLang serve 31 tokens, so one block.
-        assert_eq!(engine_hit_blocks(vllm, 32, 16, 2), 1);
-        assert_eq!(engine_hit_blocks(Profile::Sglang, 32, 16, 2), 1);
-        assert_eq!(engine_hit_blocks(Profile::Native, 32, 16, 2), 2);
+        assert_eq!(engine_hit_blocks(vllm, 32, 16, None, 2), 1);
+        assert_eq!(engine_hit_blocks(Profile::Sglang, 32, 16, None, 2), 1);
+        assert_eq!(engine_hit_blocks(Profile::Native, 32, 16, None, 2), 2);
         // 33 tokens: the partial last block is computed anyway; both full blocks are hits.
-        assert_eq!(engine_hit_blocks(vllm, 33, 16, 2), 2);
-        assert_eq!(engine_hit_blocks(vllm, 32, 16, 1), 1);
-        assert_eq!(engine_hit_blocks(vllm, 0, 16, 0), 0);
+        assert_eq!(engine_hit_blocks(vllm, 33, 16, None, 2), 2);
+        assert_eq!(engine_hit_blocks(vllm, 32, 16, None, 1), 1);
+        assert_eq!(engine_hit_blocks(vllm, 0, 16, None, 0), 0);
     }
 
     #[test]

@@ -89,6 +89,9 @@ pub struct Worker {
     pub(super) idle_deadline: f64,
     /// Approx mode: the worker's id in the router's index.
     pub(super) index_id: Option<WorkerId>,
+    /// The block size (tokens) the worker's engine caches in, once known (its KV events, or
+    /// [`super::Router::set_engine_block_size`]): matches count only its whole blocks.
+    pub engine_block_size: Option<u32>,
 }
 
 /// A worker's load counters (see the module docs), as another replica's requests add them.
@@ -343,6 +346,7 @@ impl WorkerTable {
             cache: None,
             idle_deadline: f64::INFINITY,
             index_id: None,
+            engine_block_size: None,
         }));
         self.by_name.insert(name, slot);
         self.healthy += 1;

@@ -421,6 +421,25 @@ impl PyRouter {
         })?)
     }
 
+    /// Worker `worker`'s engine caches blocks of `tokens` tokens: its matches count whole
+    /// engine blocks only (an event applier of this router sets it from the engine's stores).
+    fn set_engine_block_size(
+        &self,
+        py: Python<'_>,
+        worker: Name<'_>,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let tokens = u64_from_int(tokens, "tokens", None)?;
+        let name = &*worker;
+        Ok(self.run(py, true, |r| r.set_engine_block_size(name, tokens))?)
+    }
+
+    /// Worker `worker`'s engine block size (tokens), or None while unknown.
+    fn engine_block_size(&self, py: Python<'_>, worker: Name<'_>) -> PyResult<Option<u32>> {
+        let name = &*worker;
+        Ok(self.run(py, true, |r| r.engine_block_size(name))?)
+    }
+
     /// With `updates=True`: the updates made since the last call — load changes (`begin`,
     /// `prefilled`, `finish`) and, in approx mode, model changes (`route`, `finish`,
     /// `observe`) — as one batch for other replicas' `apply_updates` (`b""` when there is none).
