@@ -8,7 +8,7 @@ use super::*;
 
 /// `[ts, [BlockStored{prompt in blocks of engine tokens, engine hashes from first, medium}],
 /// dp_rank]`: the msgpack of vLLM's KVEventBatch.
-fn stored(prompt: &[u32], engine: u64, first: u64, medium: &str) -> Vec<u8> {
+pub(super) fn stored(prompt: &[u32], engine: u64, first: u64, medium: &str) -> Vec<u8> {
     use rmp::encode::{
         write_array_len, write_f64, write_map_len, write_nil, write_str, write_uint,
     };

@@ -247,34 +247,7 @@ fn slower_tier_cost_ratio(medium: &str, tier_weights: Vec<(String, f64)>) -> f64
 /// `[ts, [BlockStored{the 4-token blocks of prompt, medium}], dp_rank]`: the msgpack of vLLM's
 /// KVEventBatch.
 fn stored_in_tier(prompt: &[u32], medium: &str) -> Vec<u8> {
-    use rmp::encode::{
-        write_array_len, write_f64, write_map_len, write_nil, write_str, write_uint,
-    };
-    let mut p = Vec::new();
-    write_array_len(&mut p, 3).unwrap();
-    write_f64(&mut p, 1.0).unwrap();
-    write_array_len(&mut p, 1).unwrap();
-    write_map_len(&mut p, 6).unwrap();
-    write_str(&mut p, "type").unwrap();
-    write_str(&mut p, "BlockStored").unwrap();
-    write_str(&mut p, "block_hashes").unwrap();
-    write_array_len(&mut p, (prompt.len() / 4) as u32).unwrap();
-    for h in 1..=(prompt.len() / 4) as u64 {
-        write_uint(&mut p, h).unwrap();
-    }
-    write_str(&mut p, "parent_block_hash").unwrap();
-    write_nil(&mut p).unwrap();
-    write_str(&mut p, "token_ids").unwrap();
-    write_array_len(&mut p, prompt.len() as u32).unwrap();
-    for &t in prompt {
-        write_uint(&mut p, t.into()).unwrap();
-    }
-    write_str(&mut p, "block_size").unwrap();
-    write_uint(&mut p, 4).unwrap();
-    write_str(&mut p, "medium").unwrap();
-    write_str(&mut p, medium).unwrap();
-    write_nil(&mut p).unwrap();
-    p
+    super::tests_engine_blocks::stored(prompt, 4, 1, medium)
 }
 
 /// cargo-mutants survivor (shard 12/40): tier credit is per worker — two workers holding the
