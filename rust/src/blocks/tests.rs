@@ -698,3 +698,130 @@ mod vllm {
         }
     }
 }
+
+/// cargo-mutants survivor (shard 9/40): `key_format() == KeyFormat::Tagged` → `!=` in
+/// `Vllm::encode_pickle` swapped the two key formats of the extra keys in `sha256` pre-images:
+/// the Rust tests checked pickled pre-images without extra keys only (the Python tests hold the
+/// release vectors). For the class — every extra key (LoRA, multimodal items, cache salt) in
+/// both serializations and both key formats — from Rust: vLLM 0.30's and 0.31's own hashes of a
+/// salted LoRA request (`tests/data/vectors/vllm_block_hash_releases.json`, seed
+/// `vllm-none-hash`), and a salted LoRA request with two multimodal items (one across a block
+/// boundary, so a negative offset) at 0.30 and 0.33, against `vllm_ref_digests` of
+/// `tests/test_blocks.py` — the reference written from vLLM's definition (CPython's `pickle`,
+/// `cbor2`), which reproduces all 96 release vectors.
+#[test]
+fn every_extra_key_hashes_as_vllm_in_both_serializations_and_key_formats() {
+    let hash = |algo: &str, version: &str, tokens: &[u32], mm: &[MmItem]| {
+        let profile = Profile::Vllm(super::vllm::Flavor::default())
+            .with_vllm(Some(algo), Some(version))
+            .expect("profile");
+        let options = Options {
+            salt: Some("tenant-a".into()),
+            lora_name: Some("sql-lora".into()),
+            lora_path: Some("/adapters/sql-lora".into()),
+            seed: None,
+        };
+        let h = BlockHasher::new(16, profile, options).expect("hasher");
+        let mut out = Vec::new();
+        h.hash_into(tokens, &ChainState::Root, mm, &mut out)
+            .expect("hash");
+        out
+    };
+    let mut tokens: Vec<u32> = vec![0, 1, 255, 256, 65535, 65536, 2_147_483_647, 2_147_483_648];
+    tokens.extend(1000..1060);
+    for (algo, version, want) in [
+        (
+            "sha256",
+            "0.30.0",
+            [
+                8_446_703_477_354_562_732,
+                17_548_849_596_566_309_956,
+                18_317_912_316_962_850_676,
+                11_558_115_449_201_466_068,
+            ],
+        ),
+        (
+            "sha256_cbor",
+            "0.30.0",
+            [
+                8_273_309_827_470_117_350,
+                6_128_270_388_247_575_858,
+                424_125_285_866_178_896,
+                10_690_151_279_138_853_831,
+            ],
+        ),
+        (
+            "sha256",
+            "0.31.0",
+            [
+                17_722_552_420_169_070_352,
+                626_547_657_642_624_986,
+                1_727_238_274_264_983_542,
+                11_152_859_390_675_487_071,
+            ],
+        ),
+        (
+            "sha256_cbor",
+            "0.31.0",
+            [
+                11_706_183_036_709_738_224,
+                7_926_297_619_326_504_582,
+                1_945_037_339_742_152_554,
+                362_168_100_695_762_571,
+            ],
+        ),
+    ] {
+        assert_eq!(hash(algo, version, &tokens, &[]), want, "{algo} {version}");
+    }
+    let item = |identifier: &str, offset: i64, length: u64| MmItem {
+        identifier: identifier.into(),
+        offset,
+        length,
+    };
+    let mm = [item("img-3f2a", 4, 20), item("aud-77", 30, 5)];
+    let tokens: Vec<u32> = (1..=52).collect();
+    for (algo, version, want) in [
+        (
+            "sha256",
+            "0.30",
+            [
+                2_402_068_049_969_160_212,
+                15_125_973_163_831_853_315,
+                11_729_541_340_020_165_424,
+            ],
+        ),
+        (
+            "sha256",
+            "0.33",
+            [
+                275_324_035_831_640_318,
+                4_848_449_108_497_792_358,
+                4_190_501_896_439_082_855,
+            ],
+        ),
+        (
+            "sha256_cbor",
+            "0.30",
+            [
+                914_509_603_365_345_698,
+                27_490_859_193_946_628,
+                10_275_380_869_197_493_349,
+            ],
+        ),
+        (
+            "sha256_cbor",
+            "0.33",
+            [
+                10_073_182_777_582_204_704,
+                17_432_856_328_895_818_091,
+                9_411_854_845_026_516_853,
+            ],
+        ),
+    ] {
+        assert_eq!(
+            hash(algo, version, &tokens, &mm),
+            want,
+            "{algo} {version} mm"
+        );
+    }
+}

@@ -304,3 +304,41 @@ fn maglev_weighted_fill_takes_a_slot_at_an_exact_tie_as_envoy() {
     }
     assert!(ties > 1000, "only {ties} slots taken at a tie");
 }
+
+/// cargo-mutants survivor (shard 9/40): `filled == LANES` → `!=` in `KetamaLanes::push` hashed
+/// every key alone, at once (the final hashes are the same: `ketama_hash_many`'s twin is an
+/// accepted equivalent). But `KeyHasher::push` documents when `out` grows — ketama positions a
+/// whole group of `LANES` at a time, once the group is full; xxh3 one per key — and `finish` the
+/// rest, after which the hasher is empty. For the class of that bookkeeping (when a group is
+/// delivered, the partial group at `finish`, an empty hasher after it, reuse), `out`'s length is
+/// checked after every push, over three groups and a part, twice on one hasher, each hash
+/// against the scalar `key_hash`.
+#[test]
+fn key_hasher_appends_ketama_hashes_a_whole_group_at_a_time() {
+    use super::super::ketama::LANES;
+    let n = 3 * LANES + 5;
+    let keys: Vec<Key<'_>> = (0..n as u64).map(Key::Int).collect();
+    let ring = HashRing::new([("a", 1.0)], 4, RingHash::Ketama).unwrap();
+    let want: Vec<u64> = keys.iter().map(|&k| ring.key_hash(k)).collect();
+    for kind in [RingHash::Ketama, RingHash::Xxh3] {
+        let mut hasher = KeyHasher::new(kind);
+        for round in 0..2 {
+            let mut out = vec![];
+            for (i, &k) in keys.iter().enumerate() {
+                hasher.push(k, &mut out);
+                let len = match kind {
+                    RingHash::Ketama => (i + 1) / LANES * LANES,
+                    RingHash::Xxh3 => i + 1,
+                };
+                assert_eq!(out.len(), len, "{kind:?} round {round}, key {i}");
+            }
+            hasher.finish(&mut out);
+            assert_eq!(out.len(), n, "{kind:?} round {round}");
+            if kind == RingHash::Ketama {
+                assert_eq!(out, want, "round {round}");
+            }
+            hasher.finish(&mut out);
+            assert_eq!(out.len(), n, "{kind:?} round {round}: a second finish");
+        }
+    }
+}
