@@ -834,3 +834,7 @@ mod mutants;
 /// The decoder against every msgpack encoding of every field (`tests_encodings.rs`).
 #[path = "tests_encodings.rs"]
 mod encodings;
+
+/// Every per-worker counter, in each mode, read back whole (`tests_counters.rs`).
+#[path = "tests_counters.rs"]
+mod counters;

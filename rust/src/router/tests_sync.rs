@@ -349,3 +349,182 @@ fn names_in_updates_are_cut_to_65534_bytes_at_a_char_boundary() {
         );
     }
 }
+
+/// An update batch written by hand from the wire format in `sync`'s module docs.
+#[derive(Default)]
+struct Batch(Vec<u8>);
+
+impl Batch {
+    fn new() -> Self {
+        Batch(b"KVRU\x01".to_vec())
+    }
+
+    fn name(&mut self, worker: &str) {
+        self.0
+            .extend_from_slice(&(worker.len() as u16).to_le_bytes());
+        self.0.extend_from_slice(worker.as_bytes());
+    }
+
+    fn record(mut self, worker: &str, anchor: Option<u64>, blocks: &[u64]) -> Self {
+        self.0.push(1);
+        self.name(worker);
+        self.0.extend_from_slice(&u16::MAX.to_le_bytes()); // no partition
+        self.0.push(u8::from(anchor.is_some()));
+        self.0.extend_from_slice(&anchor.unwrap_or(0).to_le_bytes());
+        self.0
+            .extend_from_slice(&(blocks.len() as u32).to_le_bytes());
+        for b in blocks {
+            self.0.extend_from_slice(&b.to_le_bytes());
+        }
+        self
+    }
+
+    fn forget(mut self, worker: &str, block: u64) -> Self {
+        self.0.push(2);
+        self.name(worker);
+        self.0.extend_from_slice(&block.to_le_bytes());
+        self
+    }
+
+    fn load(mut self, worker: &str, delta: [i64; 5]) -> Self {
+        self.0.push(3);
+        self.name(worker);
+        for d in delta {
+            self.0.extend_from_slice(&d.to_le_bytes());
+        }
+        self
+    }
+}
+
+/// Router 18/40: `unanchored += 1` → `-=` passed every test — no test had a record skipped for
+/// its anchor and read the count. The class: every counter of `ApplyStats`, each reached at
+/// least twice by a batch written by hand, read back whole — in approx mode with and without
+/// loads, and in events mode (records and forgets of known workers are not counted there).
+#[test]
+fn apply_stats_count_every_outcome_of_every_update() {
+    let batch = Batch::new()
+        .record("a", None, &[1, 2]) // records 1
+        .record("a", Some(2), &[3]) // records 2: anchored at a block a holds
+        .record("b", Some(99), &[4]) // unanchored 1: held by no one
+        .record("b", Some(2), &[5]) // unanchored 2: held by a, not by b
+        .record("b", Some(1), &[]) // unanchored 3
+        .record("zz", None, &[8]) // unknown 1
+        .forget("zz", 1) // unknown 2
+        .load("zz", [1, 0, 0, 0, 0]) // unknown 3
+        .load("yy", [1, 0, 0, 0, 0]) // unknown 4
+        .record("c", None, &[7, 2]) // inconsistent 1: 2 follows 1 in the index
+        .record("c", None, &[6, 3]) // inconsistent 2: 3 follows 2
+        .forget("a", 3) // forgets 1
+        .forget("b", 77) // forgets 2: not held, still applied
+        .load("a", [1, 2, 3, 4, 5]) // loads 1
+        .load("b", [2, 0, 1, 0, 0]) // loads 2
+        .record("c", None, &[1]); // records 3
+    let mut r = replica(64);
+    let stats = r.apply_updates(&batch.0, 0.0, true).unwrap();
+    let want = ApplyStats {
+        records: 3,
+        forgets: 2,
+        loads: 2,
+        unanchored: 3,
+        unknown_workers: 4,
+        inconsistent: 2,
+    };
+    assert_eq!(stats, want);
+    r.check_model().unwrap();
+    let held = |r: &Router, w: &str| r.index.read().num_blocks(w).unwrap_or(0);
+    assert_eq!((held(&r, "a"), held(&r, "b"), held(&r, "c")), (2, 0, 1));
+    let others = |r: &Router, w: &str| r.workers().named(w).unwrap().others;
+    let load = |v: [u64; 5]| Load {
+        active: v[0],
+        queued: v[1],
+        prefill_blocks: v[2],
+        decode_blocks: v[3],
+        written_blocks: v[4],
+    };
+    assert_eq!(others(&r, "a"), load([1, 2, 3, 4, 5]));
+    assert_eq!(others(&r, "b"), load([2, 0, 1, 0, 0]));
+    // Without loads: skipped uncounted, but a load for an unknown worker is still unknown.
+    let mut r = replica(64);
+    let stats = r.apply_updates(&batch.0, 0.0, false).unwrap();
+    assert_eq!(stats, ApplyStats { loads: 0, ..want });
+    assert_eq!(others(&r, "a"), Load::default());
+    // Events mode: only loads and unknown workers.
+    let events = Config {
+        mode: IndexMode::Events,
+        ..Config::default()
+    };
+    let mut e = Router::new([("a", 1.0), ("b", 1.0), ("c", 1.0)], events).unwrap();
+    let stats = e.apply_updates(&batch.0, 0.0, true).unwrap();
+    let only = ApplyStats {
+        loads: 2,
+        unknown_workers: 4,
+        ..ApplyStats::default()
+    };
+    assert_eq!(stats, only);
+}
+
+/// Each worker's blocks of a snapshot (`snapshot`'s module docs), rewritten by `edit`, with a
+/// new checksum.
+fn reorder_snapshot(image: &[u8], mut edit: impl FnMut(&mut Vec<[u8; 19]>)) -> Vec<u8> {
+    let body = &image[..image.len() - 8];
+    let u16_at = |at: usize| usize::from(u16::from_le_bytes([body[at], body[at + 1]]));
+    let u32_at = |at: usize| u32::from_le_bytes(body[at..at + 4].try_into().unwrap()) as usize;
+    let mut out = body[..16].to_vec();
+    let mut at = 16;
+    for _ in 0..u32_at(12) {
+        let start = at;
+        at += 4 + u32_at(at); // name
+        let parts = u16_at(at);
+        at += 2;
+        for _ in 0..parts {
+            at += 2 + u16_at(at);
+        }
+        let n = u32_at(at);
+        at += 4;
+        out.extend_from_slice(&body[start..at]);
+        let mut blocks: Vec<[u8; 19]> = body[at..at + 19 * n]
+            .chunks_exact(19)
+            .map(|b| b.try_into().unwrap())
+            .collect();
+        at += 19 * n;
+        edit(&mut blocks);
+        out.extend(blocks.iter().flatten());
+    }
+    assert_eq!(at, body.len());
+    let sum = xxhash_rust::xxh3::xxh3_64(&out);
+    out.extend_from_slice(&sum.to_le_bytes());
+    out
+}
+
+/// Router 18/40: `parents_first`'s depth below a known one, `d + 1` → `d * 1`, passed every
+/// test — every snapshot loaded in the tests was a dump, where a block's parent is never less
+/// recently touched. The class: a snapshot's blocks in any order (the load places parents
+/// first): reversed, and shuffled, every block of each worker is loaded, in the recorded order.
+#[test]
+fn a_snapshot_loads_whole_whatever_the_order_of_its_blocks() {
+    let mut a = replica(4096);
+    a.add_endpoint("ep", reserved_endpoint()).unwrap();
+    let mut rng = SplitMix64(11);
+    for step in 0..120u32 {
+        let t = prompt((rng.next_u64() % 5) as u32, step % 40);
+        let ep = (step % 3 == 0).then_some("ep");
+        let _ = a.route_tokens(&t, None, ep, f64::from(step)).unwrap();
+    }
+    let image = a.dump_model().unwrap();
+    let mut orders = vec![reorder_snapshot(&image, |b| b.reverse())];
+    for _ in 0..20 {
+        orders.push(reorder_snapshot(&image, |b| {
+            for i in (1..b.len()).rev() {
+                b.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+            }
+        }));
+    }
+    for (k, edited) in orders.iter().enumerate() {
+        assert_ne!(edited, &image);
+        let mut b = replica(4096);
+        b.add_endpoint("ep", reserved_endpoint()).unwrap();
+        b.load_model(edited, 500.0).unwrap();
+        b.check_model().unwrap();
+        assert!(b.dump_model().unwrap() == *edited, "order {k}");
+    }
+}

@@ -1,0 +1,234 @@
+//! Every per-worker counter of the applier (`WorkerCounters`), read back whole. A child module
+//! of `tests`, so it shares its payload writer and helpers.
+
+use super::*;
+
+/// A `BlockStored` map event with the fields the counters depend on; `extra` writes more
+/// (key, value) pairs and returns how many.
+fn store(w: &mut W, e: &Ev<'_>, group: u64, extra: impl FnOnce(&mut W) -> usize) {
+    let mut more = W::default();
+    let n = extra(&mut more);
+    w.map(7 + n).s("type").s("BlockStored");
+    w.s("block_hashes").ints(e.hashes);
+    w.s("parent_block_hash");
+    match e.parent {
+        Some(p) => w.u(p),
+        None => w.nil(),
+    };
+    w.s("token_ids").ints(e.tokens);
+    w.s("block_size").u(e.block_size);
+    w.s("medium");
+    match e.medium {
+        Some(m) => w.s(m),
+        None => w.nil(),
+    };
+    w.s("group_idx").u(group);
+    w.0.extend_from_slice(&more.0);
+}
+
+fn ev<'a>(hashes: &'a [u64], parent: Option<u64>, tokens: &'a [u64], block_size: u64) -> Ev<'a> {
+    Ev {
+        hashes,
+        parent,
+        tokens,
+        block_size,
+        medium: None,
+    }
+}
+
+fn none(_: &mut W) -> usize {
+    0
+}
+
+fn unknown_type(w: &mut W) {
+    w.map(2).s("type").s("BlockMoved");
+    w.s("block_hashes").ints(&[1]);
+}
+
+fn removed_in(w: &mut W, hashes: &[u64], group: u64) {
+    w.map(3).s("type").s("BlockRemoved");
+    w.s("block_hashes").ints(hashes);
+    w.s("group_idx").u(group);
+}
+
+fn cleared(w: &mut W) {
+    w.map(1).s("type").s("AllBlocksCleared");
+}
+
+/// Stores to `MAX_TIERS + 1` media: the last is one tier too many (unsupported).
+fn tiers(w: &mut W, tokens: &[u64]) -> usize {
+    for t in 0..=MAX_TIERS {
+        let medium = format!("TIER{t}");
+        let e = Ev {
+            medium: Some(&medium),
+            ..ev(&[], None, &tokens[..16], 16)
+        };
+        let hash = [100 + t as u64];
+        store(w, &Ev { hashes: &hash, ..e }, 0, none);
+    }
+    MAX_TIERS + 1
+}
+
+/// Drives every counter of one worker, in each mode, through each place that counts it (each
+/// skip reason of each mode; every counting site of `apply.rs`), and reads them back whole
+/// against the counts by hand. Events 18/40: direct mode's `skipped_unknown_parent += 1` →
+/// `-=` passed every test — no test had a direct-mode store with an unknown parent.
+#[test]
+fn every_counter_counts_each_of_its_events_in_each_mode() {
+    let tokens: Vec<u64> = (0..64).collect();
+    let mut wide = tokens.clone();
+    wide[3] = 1 << 33;
+    let truncated = |p: &[u8]| p[..p.len() - 2].to_vec();
+
+    // Rehash mode (blocks of 16).
+    let index = shared();
+    let mut a = Applier::new(index.clone(), Config::default()).expect("applier");
+    let p1 = batch(|w| {
+        store(w, &ev(&[1, 2], None, &tokens[..32], 16), 0, none); // 2 stored
+        store(w, &ev(&[3], Some(2), &tokens[32..48], 16), 0, none); // 1 stored
+        store(w, &ev(&[9], Some(98), &tokens[..16], 16), 0, none); // unknown parent
+        store(w, &ev(&[10], Some(97), &tokens[..16], 16), 0, none); // unknown parent
+        store(w, &ev(&[11], None, &tokens[..20], 16), 0, none); // partial: 20 ≠ 16
+        store(w, &ev(&[12], None, &tokens[..8], 8), 0, none); // partial: 8 < 16
+        store(w, &ev(&[13], None, &tokens[..24], 24), 0, none); // block size
+        store(w, &ev(&[14], None, &tokens[..40], 40), 0, none); // block size
+        store(w, &ev(&[15], None, &wide[..16], 16), 0, none); // unsupported: > 32 bits
+        store(w, &ev(&[16], Some(3), &tokens[48..], 16), 0, |m| {
+            m.s("extra_keys").arr(1).arr(1).arr(2).s("img-1").u(0); // unsupported: an image
+            1
+        });
+        store(w, &ev(&[17], None, &tokens[..16], 16), 1, none); // other group
+        removed_in(w, &[3], 1); // other group
+        removed_in(w, &[3, 2], 0); // 2 removed
+        unknown_type(w);
+        unknown_type(w);
+        15 + tiers(w, &tokens) // 8 stored, 1 unsupported
+    });
+    a.apply("w", &p1).expect("apply");
+    for _ in 0..2 {
+        assert!(a.apply("w", &truncated(&p1)).is_err());
+    }
+    // The index refuses a child of a block it no longer holds for the worker (and the worker
+    // starts again empty: its next child is of a new root).
+    for (root, child) in [(20, 21), (22, 23)] {
+        a.apply("w", &stored_batch(&[root], None, &tokens[..16]))
+            .expect("apply");
+        index.write().remove_worker("w").expect("known");
+        a.apply("w", &stored_batch(&[child], Some(root), &tokens[16..32]))
+            .expect("apply");
+    }
+    a.apply(
+        "w",
+        &batch(|w| {
+            cleared(w);
+            cleared(w);
+            store(w, &ev(&[30], None, &tokens[..32], 32), 0, none); // 1 stored, size 32
+            3
+        }),
+    )
+    .expect("apply");
+    a.clear_worker("w");
+    a.clear_worker("w");
+    let rehash = WorkerCounters {
+        batches: 6,
+        malformed: 2,
+        events: 15 + (MAX_TIERS as u64 + 1) + 4 + 3,
+        stored_events: 11 + (MAX_TIERS as u64 + 1) + 4 + 1,
+        removed_events: 2,
+        cleared_events: 2,
+        blocks_stored: 3 + MAX_TIERS as u64 + 2 + 1,
+        blocks_removed: 2,
+        skipped_unknown_parent: 2,
+        skipped_partial: 2,
+        skipped_block_size: 2,
+        skipped_unsupported: 3,
+        skipped_other_group: 2,
+        skipped_unknown_type: 2,
+        index_rejected: 2,
+        resets: 2,
+        engine_block_size: 32,
+    };
+    assert_eq!(a.counters("w").expect("counters"), rehash);
+
+    // A store the SGLang profile cannot hash (an adapter): unsupported, once per store.
+    let config = Config {
+        profile: Profile::Sglang,
+        ..Config::default()
+    };
+    let mut s = Applier::new(shared(), config).expect("applier");
+    let lora = batch(|w| {
+        for h in [1, 2] {
+            store(w, &ev(&[h], None, &tokens[..16], 16), 0, |m| {
+                m.s("lora_name").s("sql-lora");
+                1
+            });
+        }
+        2
+    });
+    s.apply("w", &lora).expect("apply");
+    let sglang = WorkerCounters {
+        batches: 1,
+        events: 2,
+        stored_events: 2,
+        skipped_unsupported: 2,
+        engine_block_size: 16,
+        ..WorkerCounters::default()
+    };
+    assert_eq!(s.counters("w").expect("counters"), sglang);
+
+    // Direct mode (the engine's hashes, blocks of 16).
+    let config = Config {
+        mode: Mode::Direct,
+        ..Config::default()
+    };
+    let mut d = Applier::new(shared(), config).expect("applier");
+    let p = batch(|w| {
+        store(w, &ev(&[1, 2], None, &tokens[..32], 16), 0, none); // 2 stored
+        store(w, &ev(&[3], Some(2), &tokens[32..48], 16), 0, none); // 1 stored
+        store(w, &ev(&[5], Some(98), &tokens[..16], 16), 0, none); // unknown parent
+        store(w, &ev(&[6], Some(97), &tokens[..16], 16), 0, none); // unknown parent
+        store(w, &ev(&[2], None, &tokens[..16], 16), 0, none); // rejected: 2 follows 1
+        store(w, &ev(&[3], Some(1), &tokens[..16], 16), 0, none); // rejected: 3 follows 2
+        store(w, &ev(&[7], None, &tokens[..32], 32), 0, none); // block size: 32 ≠ 16
+        store(w, &ev(&[8], None, &tokens[..48], 48), 0, none); // block size
+        store(w, &ev(&[11], None, &tokens[..20], 16), 0, none); // partial
+        store(w, &ev(&[12], None, &tokens[..8], 8), 0, none); // partial
+        store(w, &ev(&[13], None, &wide[..16], 16), 0, none); // 1 stored: hashes are the engine's
+        store(w, &ev(&[17], None, &tokens[..16], 1), 1, none); // other group
+        removed_in(w, &[3], 1); // other group
+        removed_in(w, &[3, 13, 99], 0); // 3 removed
+        unknown_type(w);
+        15 + tiers(w, &tokens)
+    });
+    d.apply("w", &p).expect("apply");
+    assert!(d.apply("w", &truncated(&p)).is_err());
+    d.apply(
+        "w",
+        &batch(|w| {
+            cleared(w);
+            1
+        }),
+    )
+    .expect("apply");
+    d.clear_worker("w");
+    let direct = WorkerCounters {
+        batches: 2,
+        malformed: 1,
+        events: 15 + (MAX_TIERS as u64 + 1) + 1,
+        stored_events: 12 + (MAX_TIERS as u64 + 1),
+        removed_events: 2,
+        cleared_events: 1,
+        blocks_stored: 4 + MAX_TIERS as u64,
+        blocks_removed: 3,
+        skipped_unknown_parent: 2,
+        skipped_partial: 2,
+        skipped_block_size: 2,
+        skipped_unsupported: 1,
+        skipped_other_group: 2,
+        skipped_unknown_type: 1,
+        index_rejected: 2,
+        resets: 1,
+        engine_block_size: 16,
+    };
+    assert_eq!(d.counters("w").expect("counters"), direct);
+}
