@@ -579,10 +579,11 @@ def test_rcvhwm_and_its_default_reach_the_sub_socket(engines):
             assert sub._workers["w"].sub.getsockopt(zmq.RCVHWM) == expected
 
 
-def test_the_poll_waits_until_the_earliest_replay_deadline():
+def test_the_poll_waits_until_the_earliest_replay_deadline(monkeypatch):
     """The poll thread's wait: a second when no replay runs; else until the earliest replay
-    deadline, rounded up to the next millisecond (so it never wakes before it), and 0 once a
-    deadline has passed. Bounds from the test's own readings of the same monotonic clock."""
+    deadline, rounded up to the next millisecond (so it never wakes before it, nor more than
+    1 ms after), and 0 once a deadline has passed. Bounds from the test's own readings of the
+    same monotonic clock, then exact on a clock that stands still, at distances up to an hour."""
     sub = KvEventSubscriber(PrefixIndex(), {"a": "tcp://127.0.0.1:1", "b": "tcp://127.0.0.1:2"})
     a, b = sub._workers["a"], sub._workers["b"]
     assert sub._poll_timeout() == 1000
@@ -598,6 +599,12 @@ def test_the_poll_waits_until_the_earliest_replay_deadline():
         assert int((first - after) * 1000) + 1 <= waited <= int((first - before) * 1000) + 1
     a.replay_deadline = time.monotonic() - 0.5  # passed
     assert sub._poll_timeout() == 0
+    now = 1000.0
+    monkeypatch.setattr(time, "monotonic", lambda: now)
+    for soon in (0.0005, 0.25, 0.2505, 5.0, 7.4999, 60.0, 3600.0):
+        a.replay_deadline, b.replay_deadline = now + soon + 1.0, now + soon
+        ms = (b.replay_deadline - now) * 1000
+        assert ms <= sub._poll_timeout() <= ms + 1, soon
 
 
 def test_stats_over_an_event_sink_are_the_subscribers_own(engines):
