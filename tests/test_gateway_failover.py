@@ -35,16 +35,37 @@ from test_gateway_faults import fleet_config
 ROUTE = "/v1/chat/completions"
 
 
-# name -> (script, streamed, (status, error code, message, type) of the give-up answer or None
-# for the upstream's own answer, the failure's kind, its logged detail, retried, health)
+# name -> (script, streamed, (status, error code, message, type) of the give-up answer or
+# (status, body, content type) of the upstream's own, the failure's kind, its logged detail,
+# retried, health)
 # health: "count" (charged when the request is over), "down" (ejected at once), "none".
-FAILURES: dict[str, tuple[Any, bool, tuple[int, str, str, str] | None, str, str, bool, str]] = {
+FAILURES: dict[str, tuple[Any, bool, tuple, str, str, bool, str]] = {
     "5xx": (
         lambda body: [reply(503, b'{"error": "busy"}')],
         False,
-        None,
+        (503, b'{"error": "busy"}', "application/json"),
         "status_5xx",
         "status 503",
+        True,
+        "count",
+    ),
+    # A 5xx answer whose body breaks is still a 5xx answer, passed on as far as it was read
+    # (here: nothing); a 4xx answer is passed on only whole, so a broken one failed mid-response.
+    "5xx cut mid-body": (
+        lambda body: [reply(503, b'{"error": "busy"}' + b" " * 1000)[:-900], 0.05],
+        False,
+        (503, b"", "application/json"),
+        "status_5xx",
+        "status 503",
+        True,
+        "count",
+    ),
+    "4xx cut mid-body": (
+        lambda body: [reply(400, b'{"error": "no"}' + b" " * 1000)[:-900], 0.05],
+        False,
+        (502, "upstream_broken", "upstream w-0 failed mid-response", "upstream_error"),
+        "protocol",
+        "the upstream closed the connection",
         True,
         "count",
     ),
@@ -184,12 +205,8 @@ def test_each_failure_on_the_only_worker_is_answered_logged_and_counted(servers,
             r = post(gw, "rq-1", stream)
         assert r.headers["x-request-id"] == "rq-1"
         assert "x-kvroute-worker" not in r.headers
-        if error is None:  # the upstream's own answer, whole
-            assert (r.status_code, r.content, r.headers["content-type"]) == (
-                503,
-                b'{"error": "busy"}',
-                "application/json",
-            )
+        if isinstance(error[1], bytes):  # the upstream's own answer
+            assert (r.status_code, r.content, r.headers["content-type"]) == error
         else:
             status, code, message, kind_name = error
             assert (r.status_code, r.headers["content-type"]) == (status, "application/json")
@@ -266,7 +283,6 @@ def test_each_failure_is_retried_on_another_worker_or_answered(servers, name, ca
                     assert charged == []
                 assert samples(gw, "time_to_first_byte_seconds_count") == {(("route", ROUTE),): 1}
             else:
-                assert error is not None
                 assert (r.status_code, r.json()["error"]["code"]) == error[:2]
                 assert good.upstreams[0].records == []
                 assert samples(gw, "retries_total") == {}

@@ -111,6 +111,41 @@ PREFILL_FAULTS: dict[str, tuple[tuple[str, ...], Any, tuple, str | None, str, st
         "the upstream closed the connection",
         "count",
     ),
+    # A 5xx or 4xx answer whose body breaks before its end: vLLM's prefill reply is read whole
+    # before its status is looked at, so it failed mid-response; SGLang's answer is passed on or
+    # charged as far as it was read (here: nothing).
+    "5xx cut mid-body": (
+        ("vllm",),
+        lambda body: [reply(503, b'{"error": "busy"}' + b" " * 1000)[:-900], 0.05],
+        (502, "upstream_broken", "upstream up-0 failed mid-response"),
+        "protocol",
+        "the upstream closed the connection",
+        "count",
+    ),
+    "4xx cut mid-body": (
+        ("vllm",),
+        lambda body: [reply(400, REFUSAL + b" " * 1000)[:-900], 0.05],
+        (502, "upstream_broken", "upstream up-0 failed mid-response"),
+        "protocol",
+        "the upstream closed the connection",
+        "count",
+    ),
+    "5xx cut mid-body, drained": (
+        ("sglang",),
+        lambda body: [reply(503, b'{"error": "busy"}' + b" " * 1000)[:-900], 0.05],
+        (503, b"", "application/json"),
+        "status_5xx",
+        "prefill status 503",
+        "count",
+    ),
+    "4xx cut mid-body, drained": (
+        ("sglang",),
+        lambda body: [reply(400, REFUSAL + b" " * 1000)[:-900], 0.05],
+        (400, b"", "application/json"),
+        None,
+        "",
+        "none",
+    ),
     # SGLang's prefill reply is drained, never parsed nor bounded: these are no failures there.
     "reply too large": (
         ("vllm",),
@@ -503,5 +538,35 @@ def test_a_vllm_prefill_without_usable_transfer_params_hands_over_out_of_band(pa
             idle(gw)
     finally:
         prefill.stop()
+        fleet.close()
+    assert fleet.exchange.errors == []
+
+
+def test_an_sglang_prefill_reply_still_streaming_is_drained_in_the_background():
+    """The SGLang decode answers while the prefill's own (streamed) reply is held after its first
+    chunk: the client has its answer, and the gateway keeps the prefill's drain — in
+    ``PdForwarder.background``, which ``stop`` cancels — until the reply ends, then finishes the
+    prefill's flight."""
+    fleet = PdFleet("sglang", 1, 1)
+    prefill = fleet["up-0"]
+    prefill.gate_after_first = True  # its stream holds after the first content chunk
+    try:
+        with GatewayServer(fleet.config()) as gw:
+            pd_ = gw.gateway.pd
+            assert pd_ is not None
+            text, headers = ask(gw, "Hold the prefill?", stream=True, rid="pq-9")
+            assert text.startswith("up-1 pq-9")
+            assert (headers["x-kvroute-prefill-worker"], headers["x-kvroute-worker"]) == (
+                "up-0",
+                "up-1",
+            )
+            assert gw.active() == {"up-0": 1, "up-1": 0}  # the prefill is still being read
+            (task,) = pd_.background
+            assert not task.done()
+            prefill.gate.set()
+            wait_for(lambda: not pd_.background, "the prefill's drain to end")
+            idle(gw)
+            assert len(prefill.streams_completed) == 1 and prefill.streams_ended_early == []
+    finally:
         fleet.close()
     assert fleet.exchange.errors == []

@@ -74,6 +74,11 @@ class Reference:
             self.take_out(worker, now)
         return True
 
+    def readmit(self, worker: str) -> None:
+        """An ejected worker comes back with no failures; one that is in is left as it is."""
+        if self.out_since.pop(worker, None) is not None:
+            self.in_a_row[worker] = 0
+
     def probe_due(self, now: float, answers: dict[str, str]) -> list[str]:
         """The ejected workers probed now; those answering come back with no failures."""
         due = [w for w, t in self.out_since.items() if now - t >= self.eject_seconds]
@@ -183,6 +188,13 @@ class HealthMachine(RuleBasedStateMachine):
         assert not self.health._probes  # a finished probe is not kept
         probed = self.ref.suspect(worker, self.now, self.answers[worker])
         assert self.probed == ([worker] if probed else [])
+        self.expect_calls(before)
+
+    @rule(data=st.data())
+    def readmit(self, data):
+        worker, before = self.worker(data), set(self.ref.out_since)
+        self.health.readmit(worker)
+        self.ref.readmit(worker)
         self.expect_calls(before)
 
     @rule()
