@@ -698,3 +698,5 @@ mod tests_mutants;
 mod tests_policies;
 #[cfg(test)]
 mod tests_sync;
+#[cfg(test)]
+mod tests_ties;

@@ -195,3 +195,153 @@ fn every_lifecycle_refusal_names_the_decision_and_why() {
     );
     assert_eq!(err.to_string(), removed);
 }
+
+/// Router 19/40: `no_worker`'s `able < workers.len()` → `>` never named the phase. The class:
+/// every shape of the "no worker" error, whole, as `no_worker`'s doc and format give it — the
+/// fleet's size and health, the workers able to do the phase (only when some are not), the
+/// endpoint's pool of that phase, the workers excluded — from `route` and from `route_pd`.
+#[test]
+fn every_no_worker_error_says_why_whole() {
+    let pd = |roles: &[(&str, Role)]| {
+        let mut r = router(
+            Policy::KvAware,
+            &roles.iter().map(|x| x.0).collect::<Vec<_>>(),
+        );
+        for &(n, role) in roles {
+            r.set_role(n, role).unwrap();
+        }
+        r
+    };
+    let ep = EndpointSpec {
+        pool_size: 1,
+        ..EndpointSpec::default()
+    };
+    let fail = |r: &mut Router, endpoint: Option<&str>, exclude: &[&str]| {
+        let mut req = r
+            .tokens_request(&tokens(1, 8), None, endpoint, 0.0)
+            .unwrap();
+        req.exclude = exclude;
+        r.route(req).unwrap_err().to_string()
+    };
+    let head = "no worker to route to: ";
+
+    let mut r = router(Policy::KvAware, &["a", "b", "c"]);
+    r.add_endpoint("ep", ep).unwrap();
+    for w in ["a", "b", "c"] {
+        r.set_healthy(w, false).unwrap();
+    }
+    assert_eq!(
+        fail(&mut r, None, &[]),
+        format!("{head}3 workers, 0 healthy")
+    );
+    assert_eq!(
+        fail(&mut r, Some("ep"), &[]),
+        format!("{head}3 workers, 0 healthy, endpoint \"ep\" with 0 in its pool")
+    );
+
+    let mut r = router(Policy::KvAware, &["a", "b"]);
+    assert_eq!(
+        fail(&mut r, None, &["b", "a"]),
+        format!("{head}2 workers, 2 healthy, 2 excluded")
+    );
+
+    // Roles: a prefills only, b and c do both and are unhealthy.
+    let mut r = pd(&[("a", Role::Prefill), ("b", Role::Both), ("c", Role::Both)]);
+    r.add_endpoint("ep", ep).unwrap();
+    r.set_healthy("b", false).unwrap();
+    r.set_healthy("c", false).unwrap();
+    let why = "3 workers, 1 healthy, 2 able to decode";
+    assert_eq!(fail(&mut r, None, &[]), format!("{head}{why}"));
+    assert_eq!(
+        fail(&mut r, Some("ep"), &[]),
+        format!("{head}{why}, endpoint \"ep\" with 0 in its decode pool")
+    );
+    assert_eq!(
+        fail(&mut r, Some("ep"), &["a"]),
+        format!("{head}{why}, endpoint \"ep\" with 0 in its decode pool, 1 excluded")
+    );
+    let err = r.route_pd_tokens(&tokens(1, 8), None, 0.0).unwrap_err();
+    assert_eq!(err.to_string(), format!("{head}{why}"));
+    let err = r
+        .route_pd_tokens(&tokens(1, 8), Some("ep"), 0.0)
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!("{head}{why}, endpoint \"ep\" with 0 in its decode pool")
+    );
+}
+
+/// Router 19/40: power-of-two's second draw guarded by `n > 1` → `n >= 1` drew from an empty
+/// range (`n - 2` overflows) when one candidate was left. The class: every policy with a lone
+/// candidate — a fleet of one, the others unhealthy, the others excluded — picks it, and scores
+/// no other worker.
+#[test]
+fn every_policy_picks_a_lone_candidate() {
+    for policy in Policy::ALL {
+        let mut one = router(policy, &["a"]);
+        let mut sick = router(policy, &["a", "b", "c"]);
+        sick.set_healthy("a", false).unwrap();
+        sick.set_healthy("c", false).unwrap();
+        let mut rest = router(policy, &["a", "b", "c"]);
+        for (r, only, exclude) in [
+            (&mut one, "a", &[][..]),
+            (&mut sick, "b", &[][..]),
+            (&mut rest, "c", &["a", "b"][..]),
+        ] {
+            for t in 0..4 {
+                let key = Key::Bytes(b"k");
+                let mut req = r
+                    .tokens_request(&tokens(t, 8), Some(key), None, 0.0)
+                    .unwrap();
+                req.exclude = exclude;
+                let d = r.route(req).unwrap();
+                assert_eq!(&*d.worker, only, "{policy:?}");
+                assert!(d.scores().all(|(w, _)| &**w == only), "{policy:?}");
+            }
+        }
+    }
+}
+
+/// Router 19/40: the saturation test `remote > saturation × local` → `saturation + local` passed
+/// the one saturated case tested (a cost ratio of 1.35 against a factor of 1). The class: the
+/// rule on each side of its bound, for factors from 0 to infinity. The prefill worker p0 reports
+/// one queued request with 100 blocks to prefill; a 100-block prompt then costs, by `kv_cost`'s
+/// formula, 100 (queue) + (1 + 2) × 100 (each block delays one request plus the one queued at
+/// the least busy prefill candidate) = 400 there, and (1 + 2) × 100 = 300 on an idle decode
+/// worker: saturated exactly when the factor is below 400 / 300.
+#[test]
+fn the_prefill_side_is_saturated_past_its_factor_times_the_decode_cost() {
+    for (saturation, saturated) in [
+        (0.0, true),
+        (0.5, true),
+        (1.0, true),
+        (1.33, true),
+        (1.34, false),
+        (2.0, false),
+        (300.0, false),
+        (f64::INFINITY, false),
+    ] {
+        let config = Config {
+            block_size: 4,
+            capacity_blocks: 64,
+            pd: PdConfig {
+                threshold: 0,
+                saturation: Some(saturation),
+                ..PdConfig::default()
+            },
+            ..Config::default()
+        };
+        let mut r = Router::new([("p0", 1.0), ("d0", 1.0), ("d1", 1.0)], config).unwrap();
+        r.set_role("p0", Role::Prefill).unwrap();
+        r.set_role("d0", Role::Decode).unwrap();
+        r.set_role("d1", Role::Decode).unwrap();
+        r.set_load("p0", Some(1), Some(1), Some(100), None).unwrap();
+        let d = r.route_pd_tokens(&tokens(11, 400), None, 1.0).unwrap();
+        let want = if saturated {
+            PdReason::Saturated
+        } else {
+            PdReason::Remote
+        };
+        assert_eq!(d.reason, want, "saturation {saturation}");
+    }
+}
