@@ -671,6 +671,8 @@ def test_health_and_models_endpoints(fleet, gw):
     assert h.json() == {
         "status": "ok",
         "workers": {u.name: True for u in fleet.upstreams},
+        # The test upstreams publish no /metrics: no engine block size is known.
+        "engine_block_sizes": {u.name: None for u in fleet.upstreams},
         # The byte-level fallback routes: not the engine's tokens, and it says so.
         "tokenizer": {"name": "bytes", "exact": False, "bytes_per_token": 4},
     }

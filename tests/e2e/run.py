@@ -174,6 +174,7 @@ def main() -> int:
         sc["two_calls"] = two
         check("two_calls", two["ok"], {k: two[k] for k in ("first_hit", "second_hit", "system")})
 
+        sizes: dict[str, Any] = {}
         for seed, name, kw in [
             (1, "events_direct_sha256", dict(index="events", mode="direct", hash_algo="sha256")),
             (2, "events_rehash", dict(index="events", mode="rehash")),
@@ -186,8 +187,15 @@ def main() -> int:
             (3, "approx", dict(index="approx")),
         ]:
             fleet.reset()
-            results = scenario_accuracy(tmp, name, fleet.engines, args, seed=seed, **kw)
+            health: dict[str, Any] = {}
+            results = scenario_accuracy(
+                tmp, name, fleet.engines, args, seed=seed, health=health, **kw
+            )
             sc.setdefault("accuracy", {})[name] = summarize(results)
+            sizes[name] = health.get("engine_block_sizes")
+        # Each engine's block size reached the router: from its KV events, or (approx) /metrics.
+        want = {e.name: e.block_size for e in fleet.engines}
+        check("engine_block_sizes", all(s == want for s in sizes.values()), sizes)
         for name in ("events_direct_sha256", "events_rehash", "events_rehash_finer"):
             s = sc["accuracy"][name]
             check(f"accuracy_{name}", (s["exact_rate"] or 0) >= 0.99 and not s["errors"], s)

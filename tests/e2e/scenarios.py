@@ -284,13 +284,24 @@ def scenario_two_calls(tmp: Path, engines: list[Engine], model: str, root: Path)
 
 
 def scenario_accuracy(
-    tmp: Path, name: str, engines: list[Engine], args: Any, *, seed: int, **kw: Any
+    tmp: Path,
+    name: str,
+    engines: list[Engine],
+    args: Any,
+    *,
+    seed: int,
+    health: dict[str, Any] | None = None,
+    **kw: Any,
 ) -> list[Result]:
-    """Predicted vs reported cached tokens, request by request."""
+    """Predicted vs reported cached tokens, request by request; ``health`` gets the gateway's
+    ``/health`` after the last request."""
     g = start_gateway(tmp, name, engines, model_dir=args.model, **kw)
     try:
         reqs = requests(args.requests, args.tenants, seed)
-        return _run(g.url, reqs, settle=Settle(g, engines[0].block_size))
+        out = _run(g.url, reqs, settle=Settle(g, engines[0].block_size))
+        if health is not None:
+            health.update(g.health())
+        return out
     finally:
         g.stop()
 

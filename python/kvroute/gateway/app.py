@@ -88,6 +88,7 @@ from .admission import Admission, Shed
 from .auth import Access, Auth, Target
 from .client import BodyTooLarge, UpstreamError
 from .config import GatewayConfig, WorkerConfig
+from .engine_sizes import EngineBlockSizes
 from .errors import (
     BAD_STATUS,
     EMPTY_STREAM,
@@ -268,6 +269,14 @@ class Gateway:
         )
         self.subscriber: Any = None
         self.cluster: Any = None
+        self.engine_sizes: EngineBlockSizes | None = None
+        if config.cluster is None:  # else its scraper reads them with the load
+            self.engine_sizes = EngineBlockSizes(
+                self.router,
+                {w.name: w.kind for w in config.workers},
+                self.upstreams.fetch,
+                config.health.interval,
+            )
         if config.cluster is not None:
             from kvroute.cluster import Cluster
 
@@ -367,6 +376,8 @@ class Gateway:
         self.health.start()
         if self.cluster is not None:
             self.cluster.start()
+        if self.engine_sizes is not None:
+            self.engine_sizes.start()
         if not self.server.admin_port and not self.auth.admin:
             log.info("/metrics is off: set gateway.admin_port or gateway.admin_api_keys")
         c = self.config
@@ -378,6 +389,8 @@ class Gateway:
     async def stop(self) -> None:
         if self.cluster is not None:
             await self.cluster.stop()
+        if self.engine_sizes is not None:
+            await self.engine_sizes.stop()
         await self.health.stop()
         if self.pd is not None:
             await self.pd.stop()
@@ -422,6 +435,8 @@ class Gateway:
             {
                 "status": "ok" if ok else "unavailable",
                 "workers": workers,
+                # Each engine's KV block size once known (events, /metrics; None before).
+                "engine_block_sizes": {w: self.router.engine_block_size(w) for w in workers},
                 "tokenizer": self.tokenizer.describe(),
                 **self._events_health(),
                 **({"cluster": self.cluster.describe()} if self.cluster is not None else {}),

@@ -492,12 +492,16 @@ class Pool:
 
     async def get(self, path: str) -> int:
         """The status of ``GET path`` (the body is read and dropped)."""
+        return (await self.fetch(path))[0]
+
+    async def fetch(self, path: str, limit: int = 1 << 20) -> tuple[int, bytes]:
+        """The status and body of ``GET path`` (a body over ``limit`` bytes raises)."""
         response = await self.request("GET", path)
         try:
-            await response.read(1 << 20)
+            body = await response.read(limit)
         finally:
             await response.aclose()
-        return response.status_code
+        return response.status_code, body
 
     async def aclose(self) -> None:
         self.closed = True

@@ -54,7 +54,7 @@ Example (every key shown; only ``[[workers]]`` is required)::
     block_size = 16                  # the engines' KV block size (vLLM >= 0.34 on GPU: 64), or
                                      # a divisor of each (its cached prefixes are then counted
                                      # in whole blocks of its own size, learnt from events or
-                                     # [cluster]'s scrape)
+                                     # each vLLM worker's /metrics)
     hash_profile = "native"
     index = "approx"                 # "events": fed by the workers' KV events
     options = { }                    # more keyword arguments for kvroute.Router, e.g.

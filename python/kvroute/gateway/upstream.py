@@ -139,6 +139,19 @@ class Upstreams:
         else:
             self.full.discard(worker)
 
+    async def fetch(self, worker: str, path: str) -> bytes | None:
+        """The body of ``GET path`` on the worker when it answers 200 within the read timeout."""
+        pool = self.pools.get(worker)
+        if pool is None:
+            return None
+        try:
+            status, body = await asyncio.wait_for(
+                pool.fetch(path, 16 << 20), self.server.read_timeout
+            )
+        except (UpstreamError, asyncio.TimeoutError):
+            return None
+        return body if status == 200 else None
+
     async def probe(self, worker: str, path: str) -> bool:
         """Whether ``GET path`` on the worker answers 200 (within the connect timeout)."""
         pool = self.pools.get(worker)
