@@ -171,6 +171,12 @@ def test_a_router_like_target_lends_its_index_block_size_and_profile():
     assert target.index.match(own(tokens, block_size=32)) == {"w": 2}
     assert target.index.match(own(tokens)) == {}  # not 16-token blocks
 
+    class IndexOnly:  # neither attribute: the applier's defaults, as for a bare PrefixIndex
+        index = PrefixIndex()
+
+    applier = KvEventSubscriber(IndexOnly(), {"w": "tcp://127.0.0.1:1"}).applier
+    assert (applier.mode, applier.block_size, applier.hash_profile) == ("rehash", 16, "native")
+
 
 def test_stop_is_clean_and_restartable(engines):
     engine = engines(replay=False)
