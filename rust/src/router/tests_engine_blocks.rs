@@ -214,3 +214,24 @@ fn an_engine_block_size_is_refused_for_an_unknown_worker_or_out_of_range() {
     r.set_engine_block_size("a", u64::from(u32::MAX)).unwrap();
     assert_eq!(r.engine_block_size("a").unwrap(), Some(u32::MAX));
 }
+
+/// `EngineBlockSizes` (the applier → router channel): a size is never 0 (an event claiming 0
+/// tokens, or more than `u32::MAX`, leaves the last real size), and its version moves exactly
+/// when a size changes (a reader re-reads only then).
+#[test]
+fn engine_block_sizes_change_only_on_a_new_nonzero_size() {
+    let sizes = crate::events::EngineBlockSizes::default();
+    let v0 = sizes.version();
+    sizes.set("a", 64);
+    let v1 = sizes.version();
+    assert!(v1 != v0);
+    sizes.set("a", 0);
+    sizes.set("a", 64);
+    assert_eq!((sizes.get("a"), sizes.version()), (Some(64), v1));
+    sizes.set("a", 32);
+    assert_eq!(sizes.get("a"), Some(32));
+    assert!(sizes.version() != v1);
+    assert_eq!(sizes.get("b"), None);
+    sizes.set("b", 0);
+    assert_eq!(sizes.get("b"), None);
+}
