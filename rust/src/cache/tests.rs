@@ -790,3 +790,57 @@ mod touch_mark {
         assert_eq!(c.touched_since(2, mark), None);
     }
 }
+
+/// cargo-mutants survivor (shard 10/40): after an eviction `insert_into` probes the table again
+/// for the hash it stores (the eviction shifted later slots of a run back); `e.hash == h` → `!=`
+/// in that probe's check took a resident hash with the same 32-bit tag for the new one, so the new
+/// hash went to the slot found before the eviction, past the hole the eviction left: stored, then
+/// never found. No test had two resident hashes sharing a tag. For the class — every probe
+/// meeting a tag twin (lookups, the inserts before and after an eviction, removal) — hashes `a`
+/// and `b` with one tag and `v` with the same home in any table of up to 2^16 slots, inserted in
+/// each order into caches of 2 and 3 blocks, each answer read back after every step.
+#[test]
+fn hashes_sharing_a_tag_are_told_apart_by_every_probe() {
+    let tag = super::table::tag;
+    let mut seen: StdMap<u32, u64> = StdMap::new();
+    let (a, b) = (1u64..)
+        .map(|x| x.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+        .find_map(|h| seen.insert(tag(h), h).map(|twin| (twin, h)))
+        .expect("a tag collision");
+    assert_eq!(tag(a), tag(b));
+    let v = (1u64..)
+        .find(|&h| tag(h) >> 16 == tag(a) >> 16 && tag(h) != tag(a))
+        .expect("a hash of the same home");
+    let s = PartitionId::SHARED;
+    for (x, y) in [(a, b), (b, a)] {
+        // Full: `v`, the oldest leaf, is evicted for `y`, shifting `x` back into the home slot.
+        let mut c = BlockCache::new(2).unwrap();
+        c.insert(&[v], s, None, 1.0).unwrap();
+        c.insert(&[x], s, None, 2.0).unwrap();
+        assert!(c.contains(x) && !c.contains(y), "{x:x} {y:x}");
+        assert_eq!(c.insert(&[y], s, None, 3.0).unwrap(), (1, vec![v]));
+        assert!(
+            c.contains(y) && c.contains(x) && !c.contains(v),
+            "{x:x} {y:x}"
+        );
+        assert_eq!(
+            (c.peek_prefix(&[y]), c.peek_prefix(&[x]), c.len()),
+            (1, 1, 2)
+        );
+        // Not full: both twins stored side by side, then one removed.
+        let mut c = BlockCache::new(3).unwrap();
+        c.insert(&[v], s, None, 1.0).unwrap();
+        c.insert(&[x], s, None, 2.0).unwrap();
+        assert_eq!(c.insert(&[y], s, None, 3.0).unwrap(), (1, vec![]));
+        assert!(c.contains(v) && c.contains(x) && c.contains(y));
+        let mut removed = Vec::new();
+        assert_eq!(c.remove_into(&[x], &mut removed).unwrap(), 1);
+        assert_eq!(removed, [x]);
+        assert!(
+            c.contains(v) && !c.contains(x) && c.contains(y),
+            "{x:x} {y:x}"
+        );
+        assert_eq!(c.insert(&[x], s, None, 4.0).unwrap(), (1, vec![]));
+        assert!(c.contains(x) && c.contains(y) && c.len() == 3);
+    }
+}

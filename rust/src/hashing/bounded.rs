@@ -6,7 +6,8 @@
 //!   its capacity `ceil(c * (T + 1) * s_i)`, where `s_i` is its share (`1/n`, or `w_i / sum(w)`
 //!   with weights) and `T + 1` counts the incoming request, as in the paper. Capacities are at least
 //!   1, so an idle node always qualifies. (`c * (T + 1) * s_i` is a float; a product within 1e-9
-//!   relative of an integer is taken as that integer, so 1.1 x 10 gives 11, not 12.)
+//!   relative of an integer is taken as that integer, so 1.1 x 50, 55.00000000000001 in f64,
+//!   gives 55, not 56.)
 //! - [`BoundedLoad::pick`] walks a preference order (a hasher's `preference`) and returns the first
 //!   node under capacity. When the order lists every node and `c >= 1`, one always is: the
 //!   capacities sum to at least `T + 1`, more than the `T` requests in flight.

@@ -52,8 +52,9 @@ mod bounded {
         let b = BoundedLoad::default();
         // 4 nodes, 7 in flight: mean with the new request is 2, times 1.25 = 2.5 -> 3.
         assert_eq!(b.capacity(7, 0.25), 3);
-        // Exact products stay exact despite float rounding: 1.1 * 10 = 11.000000000000002.
-        assert_eq!(BoundedLoad::new(1.1).unwrap().capacity(9, 1.0), 11);
+        // Exact products stay exact despite float rounding: 1.1 * 50 = 55.00000000000001 in f64
+        // (1.1 * 10 rounds to 11.0 exactly).
+        assert_eq!(BoundedLoad::new(1.1).unwrap().capacity(49, 1.0), 55);
         // An idle fleet still admits the first request.
         assert_eq!(b.capacity(0, 0.001), 1);
     }

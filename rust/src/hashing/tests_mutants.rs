@@ -342,3 +342,45 @@ fn key_hasher_appends_ketama_hashes_a_whole_group_at_a_time() {
         }
     }
 }
+
+/// cargo-mutants survivor (shard 10/40): `x - (cap - 1.0)` → `x + …` in `BoundedLoad::capacity`
+/// dropped the rule that a product within 1e-9 relative above an integer is that integer — the
+/// example tested before, `1.1 × 10`, is exactly 11.0 in f64 and never needed it (`1.1 × 50` is
+/// 55.00000000000001). For the class — every capacity whose float product rounds above an exact
+/// integer — capacities over a grid of factors given as decimals (`c = num / den`), loads in
+/// flight and shares `k / m` (a weight over a total, as `pick` divides them) against the exact
+/// ceiling in integers, `max(1, ceil(num (T + 1) k / (den m)))`; the grid holds products that
+/// round above (counted, so the test cannot pass without reaching them).
+#[test]
+fn bounded_load_capacity_is_the_exact_ceiling_despite_float_rounding() {
+    let mut above = 0;
+    for (num, den) in [
+        (11u64, 10u64),
+        (6, 5),
+        (13, 10),
+        (21, 20),
+        (5, 4),
+        (3, 2),
+        (2, 1),
+        (1, 1),
+        (101, 100),
+        (7, 5),
+    ] {
+        let c = num as f64 / den as f64;
+        let b = BoundedLoad::new(c).unwrap();
+        for t in 0..200u64 {
+            for m in 1..=8u64 {
+                for k in 1..=m {
+                    let share = k as f64 / m as f64;
+                    let want = (num * (t + 1) * k).div_ceil(den * m).max(1);
+                    assert_eq!(b.capacity(t, share), want, "c {c}, T {t}, share {k}/{m}");
+                    above += usize::from((c * (t as f64 + 1.0) * share).ceil() as u64 > want);
+                }
+            }
+        }
+    }
+    assert!(
+        above >= 100,
+        "only {above} products rounded above their integer"
+    );
+}
