@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 import httpx
@@ -497,3 +498,64 @@ def test_a_retry_that_finds_every_other_worker_full_sheds_nothing():
     finally:
         for s in made:
             s.stop()
+
+
+def test_attempts_to_spare_after_every_worker_failed_answer_the_last_failure(caplog):
+    """Both workers of the endpoint answer 500 and a third attempt is allowed: the router has no
+    worker left, in the pool or past it (``NoWorkerError`` on the spill-over route), so the
+    caller gets the last worker's own answer — not an error of the gateway's."""
+    fleet = Fleet(2)
+    try:
+        for u in fleet.upstreams:
+            u.fail(500)
+        cfg = config_dict(fleet, gateway={"max_attempts": 3, "eject_after": 1000})
+        with GatewayServer(cfg) as gw:
+            with caplog.at_level(logging.INFO):
+                r = httpx.post(
+                    gw.url + ROUTE,
+                    json={"model": "ep-acme", "messages": messages("q")},
+                    headers={"authorization": "Bearer sk-acme", "x-request-id": "rq-5"},
+                    trust_env=False,
+                    timeout=20,
+                )
+            assert all(len(u.records) == 1 for u in fleet.upstreams)
+            last = r.json()["error"]["message"].split()[0]
+            assert (r.status_code, r.headers["x-request-id"]) == (500, "rq-5")
+            assert r.json() == {"error": {"message": f"{last} failing", "type": "server_error"}}
+            assert sorted(lines(caplog, "kvroute.gateway")) == [
+                "request rq-5 failed on 2 workers: charged to none (its content, most likely); "
+                "probing them",
+                *(f"upstream {u.name}: status_5xx: status 500" for u in fleet.upstreams),
+            ]
+            assert samples(gw, "retries_total") == {(): 1}
+            assert samples(gw, "shed_total") == {}
+    finally:
+        fleet.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_durations_are_the_seconds_since_the_request_arrived(stream):
+    """``time_to_first_byte_seconds`` and ``request_duration_seconds`` observe the time since
+    the request arrived: within the wall time the caller measured around it, first byte first."""
+    fleet = Fleet(2)
+    try:
+        with GatewayServer(config_dict(fleet)) as gw:
+            began = time.perf_counter()
+            r = httpx.post(
+                gw.url + ROUTE,
+                json={"model": "ep-acme", "messages": messages("q"), "stream": stream},
+                headers={"authorization": "Bearer sk-acme"},
+                trust_env=False,
+                timeout=20,
+            )
+            assert r.status_code == 200 and r.content
+            wait_for(lambda: samples(gw, "in_flight") == {}, "the request to finish")
+            elapsed = time.perf_counter() - began
+            route = (("route", ROUTE),)
+            assert samples(gw, "time_to_first_byte_seconds_count") == {route: 1}
+            assert samples(gw, "request_duration_seconds_count") == {route: 1}
+            first = samples(gw, "time_to_first_byte_seconds_sum")[route]
+            whole = samples(gw, "request_duration_seconds_sum")[route]
+            assert 0 < first <= whole <= elapsed
+    finally:
+        fleet.close()
