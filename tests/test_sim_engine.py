@@ -117,6 +117,27 @@ def test_cached_prefix_is_decided_at_admission_not_at_routing():
     assert r["prefill_start"][1] == pytest.approx(0.8)
 
 
+def test_at_one_instant_events_come_before_an_arrival():
+    """A request finishing at the instant another arrives has finished when the policy routes
+    the newcomer (and a prefill ending then has ended): events at time t before arrivals at t.
+    Times are exact in binary: 0.5 s overhead + 1 token at 2 tokens/s = 1.0 s, one output token."""
+    model = FleetModel(workers=1, capacity_blocks=10, prefill_rate=2.0, prefill_overhead=0.5)
+    w = make_workload([(0.0, [1], 1, 1), (1.0, [2], 1, 1)])
+    p = Fixed([0, 0])
+    run(w, p, model)
+    assert [c[:2] for c in p.calls] == [
+        ("route", 0),
+        ("start", 0),
+        ("first", 0),
+        ("finish", 0),
+        ("route", 1),
+        ("start", 1),
+        ("first", 1),
+        ("finish", 1),
+    ]
+    assert [c[-1] for c in p.calls] == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 2.0, 2.0]
+
+
 def test_memory_gates_admission():
     # Capacity 4 blocks. Request 0 holds 3 blocks while decoding until t = 0.4 + 10 = 10.4;
     # request 1 needs 2 new blocks: 3 + 2 > 4, so it waits for request 0 to finish.
