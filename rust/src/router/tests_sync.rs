@@ -528,3 +528,50 @@ fn a_snapshot_loads_whole_whatever_the_order_of_its_blocks() {
         assert!(b.dump_model().unwrap() == *edited, "order {k}");
     }
 }
+
+/// Router 20/40: the forget a withdrawal publishes named `hashes[matched + k]` → `[matched × k]`
+/// unnoticed — the one withdrawal tested had neither a known prefix nor a block touched since.
+/// The class: a withdrawal's published forget names the first block it drops, for each shape —
+/// blocks known before the route (`matched`), blocks another request touched since (`k`), both,
+/// neither: a replica applying every update holds the publisher's model after each.
+#[test]
+fn a_withdrawal_publishes_the_first_block_it_drops() {
+    let t = tokens(7, 32); // 8 blocks of 4
+    for (matched, touched) in [(0, 0), (0, 2), (2, 0), (2, 1), (3, 3)] {
+        let mut a = replica_of(&["w"], 64, true, Policy::KvAware);
+        let mut b = replica_of(&["w"], 64, false, Policy::KvAware);
+        let sync = |a: &mut Router, b: &mut Router| {
+            b.apply_updates(&a.take_updates(None), 0.0, false).unwrap();
+            assert!(a.dump_model().unwrap() == b.dump_model().unwrap());
+        };
+        if matched > 0 {
+            let d = a.route_tokens(&t[..4 * matched], None, None, 0.0).unwrap();
+            a.begin(&d).unwrap();
+            a.finish(&d, 0.0).unwrap();
+            sync(&mut a, &mut b);
+        }
+        let d = a.route_tokens(&t, None, None, 1.0).unwrap();
+        assert_eq!(d.matched_blocks, matched);
+        sync(&mut a, &mut b);
+        if touched > 0 {
+            let _ = a.route_tokens(&t[..4 * (matched + touched)], None, None, 2.0);
+            sync(&mut a, &mut b);
+        }
+        let batch_start = a.take_updates(None);
+        assert!(batch_start.is_empty());
+        assert!(a.withdraw(&d).unwrap());
+        let batch = a.take_updates(None);
+        // The forget: tag 2, the worker "w", the first block dropped.
+        let mut forget = vec![2u8, 1, 0, b'w'];
+        forget.extend_from_slice(&d.hashes[matched + touched].to_le_bytes());
+        assert!(
+            batch.windows(forget.len()).any(|x| x == forget),
+            "matched {matched}, touched {touched}"
+        );
+        b.apply_updates(&batch, 0.0, false).unwrap();
+        assert!(
+            a.dump_model().unwrap() == b.dump_model().unwrap(),
+            "matched {matched}, touched {touched}"
+        );
+    }
+}
