@@ -377,6 +377,11 @@ def test_engine_metrics_become_router_load():
 
     assert parse_engine_metrics(with_second_engine("64"), "vllm", 16).block_size is None
     assert parse_engine_metrics(with_second_engine("32"), "vllm", 16).block_size == 32
+    # No usable GPU block count (a CPU engine's "None", or none at all): the block size stands.
+    for blocks in ('num_gpu_blocks="None"', 'cpu="1"'):
+        page = VLLM_METRICS.replace('num_gpu_blocks="1000"', blocks)
+        v = parse_engine_metrics(page, "vllm", 16)
+        assert (v.block_size, v.decode_blocks) == (32, None)
 
 
 def test_the_scraper_names_an_engine_block_size_once(caplog):

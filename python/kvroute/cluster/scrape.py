@@ -97,8 +97,9 @@ def parse_engine_metrics(text: str, kind: str, block_size: int) -> EngineLoad:
         for labels, _ in s.get("vllm:cache_config_info", []):
             with contextlib.suppress(KeyError, ValueError):
                 size = float(labels["block_size"])
-                capacity += float(labels["num_gpu_blocks"]) * size
                 sizes.add(int(size) if size.is_integer() and size >= 1 else None)
+                # A CPU engine (or one still sizing its cache) may give no GPU block count.
+                capacity += float(labels["num_gpu_blocks"]) * size
         engine_block_size = sizes.pop() if len(sizes) == 1 else None
         used = usage * capacity if usage is not None and capacity else None
         if usage is not None and len(s.get("vllm:cache_config_info", [])) > 1:
