@@ -560,7 +560,10 @@ def test_an_sglang_prefill_reply_still_streaming_is_drained_in_the_background():
                 "up-0",
                 "up-1",
             )
-            assert gw.active() == {"up-0": 1, "up-1": 0}  # the prefill is still being read
+            # The decode's flight closes just after its last byte went out; the prefill is
+            # still being read.
+            wait_for(lambda: gw.active()["up-1"] == 0, "the decode's flight to close")
+            assert gw.active() == {"up-0": 1, "up-1": 0}
             (task,) = pd_.background
             assert not task.done()
             prefill.gate.set()
