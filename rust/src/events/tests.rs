@@ -105,7 +105,15 @@ struct Ev<'a> {
 }
 
 fn stored(w: &mut W, e: &Ev<'_>) {
-    w.map(6).s("type").s("BlockStored");
+    stored_with(w, e, |_| 0);
+}
+
+/// A `BlockStored` map event; `extra` writes more (key, value) pairs after the usual six and
+/// returns how many.
+fn stored_with(w: &mut W, e: &Ev<'_>, extra: impl FnOnce(&mut W) -> usize) {
+    let mut more = W::default();
+    let n = extra(&mut more);
+    w.map(6 + n).s("type").s("BlockStored");
     w.s("block_hashes").ints(e.hashes);
     w.s("parent_block_hash");
     match e.parent {
@@ -119,6 +127,7 @@ fn stored(w: &mut W, e: &Ev<'_>) {
         Some(m) => w.s(m),
         None => w.nil(),
     };
+    w.0.extend_from_slice(&more.0);
 }
 
 fn removed(w: &mut W, hashes: &[u64], medium: Option<&str>) {

@@ -6,24 +6,10 @@ use super::*;
 /// A `BlockStored` map event with the fields the counters depend on; `extra` writes more
 /// (key, value) pairs and returns how many.
 fn store(w: &mut W, e: &Ev<'_>, group: u64, extra: impl FnOnce(&mut W) -> usize) {
-    let mut more = W::default();
-    let n = extra(&mut more);
-    w.map(7 + n).s("type").s("BlockStored");
-    w.s("block_hashes").ints(e.hashes);
-    w.s("parent_block_hash");
-    match e.parent {
-        Some(p) => w.u(p),
-        None => w.nil(),
-    };
-    w.s("token_ids").ints(e.tokens);
-    w.s("block_size").u(e.block_size);
-    w.s("medium");
-    match e.medium {
-        Some(m) => w.s(m),
-        None => w.nil(),
-    };
-    w.s("group_idx").u(group);
-    w.0.extend_from_slice(&more.0);
+    stored_with(w, e, |more| {
+        more.s("group_idx").u(group);
+        1 + extra(more)
+    });
 }
 
 fn ev<'a>(hashes: &'a [u64], parent: Option<u64>, tokens: &'a [u64], block_size: u64) -> Ev<'a> {
