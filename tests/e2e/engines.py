@@ -150,11 +150,9 @@ class Engine:
             "--kv-events-config",
             json.dumps(events),
             "--enforce-eager",
-            *(
-                ["--kv-transfer-config", json.dumps(self.kv_transfer)]
-                if self.kv_transfer
-                else ["--disable-log-stats"]
-            ),
+            # Stats stay on: approx mode reads each engine's block size from its /metrics
+            # (vllm:cache_config_info), which --disable-log-stats would leave out.
+            *(["--kv-transfer-config", json.dumps(self.kv_transfer)] if self.kv_transfer else []),
         ]
 
     def start(self) -> None:
