@@ -3,7 +3,8 @@ show on demand: a status of 600, a stream that closes before its first event or 
 bad chunked encoding, an SSE stream without event boundaries, a reply of many megabytes.
 
 ``FaultServer(script)`` listens on 127.0.0.1 (ephemeral port) in a thread with its own event
-loop. ``GET /health`` is answered 200 and ``GET /metrics`` 404 (no block size to read). Every
+loop. ``GET /health`` is answered 200, and the gateway's reads of an engine's block size 404
+(``GET /metrics``, an SGLang worker's ``GET /server_info`` and ``/get_server_info``). Every
 other request is read whole (headers, then ``Content-Length`` bytes), recorded, and answered by
 ``script(request)``: a list whose ``bytes`` items are written as they are and whose ``float``
 items are pauses (seconds); then the connection is closed.
@@ -86,7 +87,7 @@ class FaultServer:
             body = await reader.readexactly(length)
             if head.startswith(b"GET /health"):
                 writer.write(reply(200, b"{}", "OK"))
-            elif head.startswith(b"GET /metrics"):  # the gateway's read of a block size: none
+            elif head.startswith((b"GET /metrics", b"GET /server_info", b"GET /get_server_info")):
                 writer.write(reply(404, b"{}", "Not Found"))
             else:
                 self.requests.append(body)

@@ -269,14 +269,14 @@ class Gateway:
         )
         self.subscriber: Any = None
         self.cluster: Any = None
-        self.engine_sizes: EngineBlockSizes | None = None
-        if config.cluster is None:  # else its scraper reads them with the load
-            self.engine_sizes = EngineBlockSizes(
-                self.router,
-                {w.name: w.kind for w in config.workers},
-                self.upstreams.fetch,
-                config.health.interval,
-            )
+        # vLLM's with the load by [cluster]'s scraper when there is one; SGLang's always here.
+        self.engine_sizes = EngineBlockSizes(
+            self.router,
+            {w.name: w.kind for w in config.workers},
+            self.upstreams.fetch,
+            config.health.interval,
+            kinds=("vllm", "sglang") if config.cluster is None else ("sglang",),
+        )
         if config.cluster is not None:
             from kvroute.cluster import Cluster
 
@@ -376,8 +376,7 @@ class Gateway:
         self.health.start()
         if self.cluster is not None:
             self.cluster.start()
-        if self.engine_sizes is not None:
-            self.engine_sizes.start()
+        self.engine_sizes.start()
         if not self.server.admin_port and not self.auth.admin:
             log.info("/metrics is off: set gateway.admin_port or gateway.admin_api_keys")
         c = self.config
@@ -389,8 +388,7 @@ class Gateway:
     async def stop(self) -> None:
         if self.cluster is not None:
             await self.cluster.stop()
-        if self.engine_sizes is not None:
-            await self.engine_sizes.stop()
+        await self.engine_sizes.stop()
         await self.health.stop()
         if self.pd is not None:
             await self.pd.stop()
