@@ -451,7 +451,10 @@ def build_parser() -> argparse.ArgumentParser:
             "claude-code = four real agent sessions from kv-cache-tester)"
         ),
     )
-    src.add_argument("--trace", help="Mooncake JSONL or kv-cache-tester JSON file/directory")
+    src.add_argument(
+        "--trace",
+        help="Mooncake or Qwen-Bailian JSONL, or kv-cache-tester JSON file/directory",
+    )
     sim.add_argument(
         "--workers",
         type=int,

@@ -13,7 +13,8 @@
 
 - :mod:`.workloads` — :class:`Request` / :class:`Workload` (prefix-chained ``uint64`` block hashes
   in one buffer), :func:`chain_block_ids`;
-- :mod:`.traces` — :func:`load_trace` (Mooncake JSONL, kv-cache-tester JSON, directories),
+- :mod:`.traces` — :func:`load_trace` (Mooncake and Qwen-Bailian JSONL, kv-cache-tester JSON,
+  directories),
   :func:`mooncake_conversation` (the bundled FAST'25 conversation trace),
   :func:`claude_code_sessions` (four bundled kv-cache-tester agent sessions);
 - :mod:`.sweep` — :func:`~.sweep.sweep`: every policy at several offered loads (``--sweep``);
@@ -55,6 +56,7 @@ from .traces import (
     bundled_claude_code_dir,
     bundled_mooncake_path,
     claude_code_sessions,
+    load_bailian,
     load_kv_cache_tester,
     load_mooncake,
     load_trace,
@@ -93,6 +95,7 @@ __all__ = [
     "empty_results",
     "endpoint_scenario",
     "infinite_cache",
+    "load_bailian",
     "load_kv_cache_tester",
     "load_mooncake",
     "load_trace",

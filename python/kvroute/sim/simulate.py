@@ -61,9 +61,9 @@ def load_workload(
     duration: float | None = None,
     block_size: int | None = None,
 ) -> Workload:
-    """The workload of a scenario name or a trace file (Mooncake JSONL or kv-cache-tester JSON,
-    detected). ``duration`` and ``block_size`` apply to the synthetic scenarios (and
-    ``block_size`` to Mooncake-format files)."""
+    """The workload of a scenario name or a trace file (Mooncake or Qwen-Bailian JSONL,
+    kv-cache-tester JSON; detected). ``duration`` and ``block_size`` apply to the synthetic
+    scenarios (and ``block_size`` to Mooncake and Qwen-Bailian files)."""
     if trace is not None:
         if block_size is None:
             return load_trace(trace)
@@ -71,7 +71,7 @@ def load_workload(
             return load_trace(trace, block_size=block_size)
         except TypeError:  # the kv-cache-tester loader takes no block size
             raise ValueError(
-                f"{trace}: a block size applies to Mooncake-format traces only "
+                f"{trace}: a block size applies to Mooncake and Qwen-Bailian traces only "
                 "(kv-cache-tester files carry their own)"
             ) from None
     if scenario == "mooncake":

@@ -1,10 +1,14 @@
-"""Trace loaders: Mooncake JSONL and kv-cache-tester JSON, detected by :func:`load_trace`.
+"""Trace loaders: Mooncake and Qwen-Bailian JSONL, kv-cache-tester JSON, detected by
+:func:`load_trace`.
 
-Formats (both carry block ids, never tokens):
+Formats (all carry block ids, never tokens):
 
 - **Mooncake** (FAST'25 release, JSON Lines): one object per line with ``timestamp`` (ms since the
   trace start), ``input_length``, ``output_length`` (tokens) and ``hash_ids`` — one id per
   512-token block *including the final partial block*. ``block_size`` defaults to 512.
+- **Qwen-Bailian** (JSON Lines, :func:`~.trace_jsonl.load_bailian`): Mooncake's four fields with
+  ``timestamp`` in *seconds*, 16-token blocks (or the file name's ``blksz_<N>``), and ``chat_id``
+  / ``parent_chat_id``: each request's session is its conversation's root chat.
 - **kv-cache-tester** (one JSON document per conversation): top-level ``block_size`` (64) and
   ``requests[]`` with ``t`` (s since the conversation start), ``in``, ``out`` and ``hash_ids`` of
   *full* blocks only; entries with ``type == "subagent"`` nest their own ``requests`` whose ``t``
@@ -16,7 +20,8 @@ Guarantees:
   (:func:`~kvroute.sim.workloads.chain_block_ids`): one file's chains never meet another file's,
   and in kv-cache-tester files each model (the parent's, a sub-agent's) gets its own namespace,
   since different models never share KV blocks.
-- A trace's block size is honoured (read from the file, or given for Mooncake).
+- A trace's block size is honoured (read from the file or its name, or given for Mooncake and
+  Qwen-Bailian).
 - Bad input raises ``ValueError`` naming the file and the line (JSONL) or JSON path (JSON) and
   the offending value; nothing is returned half-loaded. Rows out of time order are sorted (stably).
 - A directory of kv-cache-tester files is many conversations merged by time; conversation ``k``
@@ -27,16 +32,23 @@ Guarantees:
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
+from .trace_io import PathLike, check_ids, is_int, is_number, open_text, plain_name
+from .trace_jsonl import (
+    BAILIAN_BLOCK_SIZE,
+    MOONCAKE_BLOCK_SIZE,
+    bailian_block_size,
+    load_bailian,
+    load_mooncake,
+)
 from .workloads import (
     Workload,
     chain_block_ids,
@@ -46,129 +58,20 @@ from .workloads import (
 )
 
 __all__ = [
+    "BAILIAN_BLOCK_SIZE",
     "MOONCAKE_BLOCK_SIZE",
+    "bailian_block_size",
     "bundled_claude_code_dir",
     "bundled_mooncake_path",
     "claude_code_sessions",
     "conversation_starts",
+    "load_bailian",
     "load_kv_cache_tester",
     "load_mooncake",
     "load_trace",
     "mooncake_conversation",
     "write_mooncake",
 ]
-
-PathLike = Union[str, "os.PathLike[str]"]
-
-MOONCAKE_BLOCK_SIZE = 512
-_U64_LIMIT = 1 << 64
-
-
-def _open_text(path: Path) -> io.TextIOBase:
-    if path.suffix == ".gz":
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-    return open(path, encoding="utf-8")
-
-
-def _plain_name(path: Path) -> str:
-    """The file name without a ``.gz`` suffix: a compressed copy loads with the same hashes."""
-    return path.name[:-3] if path.name.endswith(".gz") else path.name
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x: Any) -> bool:
-    return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
-
-
-def _check_ids(ids: Any, where: str) -> None:
-    if not isinstance(ids, list):
-        raise ValueError(f"{where}: hash_ids must be a list of integers, got {ids!r:.80}")
-    for k, h in enumerate(ids):
-        if not _is_int(h) or not 0 <= h < _U64_LIMIT:
-            raise ValueError(f"{where}: hash_ids[{k}] must be an integer in [0, 2^64), got {h!r}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Mooncake
-# ---------------------------------------------------------------------------------------------
-def _mooncake_row(row: Any, where: str, block_size: int) -> tuple[float, int, int, list[int]]:
-    if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    for key in ("timestamp", "input_length", "output_length", "hash_ids"):
-        if key not in row:
-            raise ValueError(f"{where}: missing field {key!r}")
-    ts, n_in, n_out, ids = (
-        row["timestamp"],
-        row["input_length"],
-        row["output_length"],
-        row["hash_ids"],
-    )
-    if not _is_number(ts) or ts < 0:
-        raise ValueError(f"{where}: timestamp must be a finite number >= 0 (ms), got {ts!r}")
-    if not _is_int(n_in) or n_in < 1:
-        raise ValueError(f"{where}: input_length must be an integer >= 1, got {n_in!r}")
-    if not _is_int(n_out) or n_out < 0:
-        raise ValueError(f"{where}: output_length must be an integer >= 0, got {n_out!r}")
-    _check_ids(ids, where)
-    most = -(-n_in // block_size)
-    if len(ids) > most:
-        raise ValueError(
-            f"{where}: {len(ids)} hash_ids but input_length {n_in} fills at most {most} blocks "
-            f"of {block_size} tokens (is the block size right?)"
-        )
-    return float(ts) / 1000.0, n_in, n_out, ids
-
-
-def load_mooncake(
-    path: PathLike,
-    *,
-    block_size: int = MOONCAKE_BLOCK_SIZE,
-    namespace: str | None = None,
-    name: str | None = None,
-) -> Workload:
-    """Load a Mooncake-format JSONL trace (``timestamp`` ms, ``input_length``, ``output_length``,
-    ``hash_ids``). ``len(hash_ids)`` may not exceed ``ceil(input_length / block_size)``; fewer ids
-    leave the prompt's tail without blocks (never cached)."""
-    path = Path(path)
-    arrival: list[float] = []
-    n_in: list[int] = []
-    n_out: list[int] = []
-    ids: list[int] = []
-    lengths: list[int] = []
-    with _open_text(path) as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-            t, i, o, h = _mooncake_row(row, where, block_size)
-            arrival.append(t)
-            n_in.append(i)
-            n_out.append(o)
-            ids.extend(h)
-            lengths.append(len(h))
-    if not arrival:
-        raise ValueError(f"{path}: no requests")
-    offsets = offsets_from_lengths(lengths)
-    label = namespace if namespace is not None else f"mooncake:{_plain_name(path)}"
-    hashes = chain_block_ids(np.array(ids, dtype=np.uint64), offsets, namespace_seed(label))
-    return Workload(
-        arrival=arrival,
-        input_tokens=n_in,
-        output_tokens=n_out,
-        hashes=hashes,
-        offsets=offsets,
-        block_size=block_size,
-        name=name or path.name,
-        description=f"Mooncake-format trace {path.name} ({block_size}-token blocks)",
-        meta={"format": "mooncake", "source": str(path)},
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,7 +99,7 @@ def _walk_kv_cache_tester(
         if not isinstance(r, dict):
             raise ValueError(f"{here}: expected a JSON object, got {type(r).__name__}")
         t = r.get("t")
-        if not _is_number(t) or t < 0:
+        if not is_number(t) or t < 0:
             raise ValueError(f"{here}: t must be a finite number >= 0 (s), got {t!r}")
         if r.get("type") == "subagent":
             agent = r.get("agent_id", f"subagent{k}")
@@ -211,11 +114,11 @@ def _walk_kv_cache_tester(
             )
             continue
         n_in, n_out, ids = r.get("in"), r.get("out"), r.get("hash_ids")
-        if not _is_int(n_in) or n_in < 1:
+        if not is_int(n_in) or n_in < 1:
             raise ValueError(f"{here}: 'in' must be an integer >= 1, got {n_in!r}")
-        if not _is_int(n_out) or n_out < 0:
+        if not is_int(n_out) or n_out < 0:
             raise ValueError(f"{here}: 'out' must be an integer >= 0, got {n_out!r}")
-        _check_ids(ids, here)
+        check_ids(ids, here)
         full = n_in // block_size
         if len(ids) > -(-n_in // block_size) or (strict and len(ids) != full):
             raise ValueError(
@@ -231,7 +134,7 @@ def _walk_kv_cache_tester(
 
 
 def _read_kv_cache_tester(path: Path) -> tuple[dict[str, Any], int]:
-    with _open_text(path) as f:
+    with open_text(path) as f:
         try:
             doc = json.load(f)
         except json.JSONDecodeError as e:
@@ -239,7 +142,7 @@ def _read_kv_cache_tester(path: Path) -> tuple[dict[str, Any], int]:
     if not isinstance(doc, dict) or "requests" not in doc:
         raise ValueError(f"{path}: not a kv-cache-tester trace (no top-level 'requests')")
     block_size = doc.get("block_size")
-    if not _is_int(block_size) or block_size < 1:
+    if not is_int(block_size) or block_size < 1:
         raise ValueError(f"{path}: block_size must be an integer >= 1, got {block_size!r}")
     return doc, block_size
 
@@ -305,7 +208,7 @@ def load_kv_cache_tester(
         _walk_kv_cache_tester(
             doc["requests"], f"{path}: requests", float(offs[k]), conv, bs, flat, strict
         )
-        namespaces.extend(f"kvct:{k}:{_plain_name(path)}:{m}" for m in flat.models[before:])
+        namespaces.extend(f"kvct:{k}:{plain_name(path)}:{m}" for m in flat.models[before:])
     if not flat.arrival or block_size is None:
         raise ValueError(f"{', '.join(map(str, files))}: no requests")
     lengths = np.fromiter((len(p) for p in flat.id_parts), dtype=np.int64, count=len(flat.id_parts))
@@ -365,7 +268,7 @@ def _expand(paths: PathLike | Sequence[PathLike]) -> list[Path]:
 # Detection
 # ---------------------------------------------------------------------------------------------
 def _detect(path: Path) -> str:
-    with _open_text(path) as f:
+    with open_text(path) as f:
         head = f.read(1 << 16)
     stripped = head.lstrip()
     if not stripped:
@@ -376,12 +279,15 @@ def _detect(path: Path) -> str:
     except json.JSONDecodeError:
         row = None
     if isinstance(row, dict) and "hash_ids" in row and "timestamp" in row:
+        if "chat_id" in row and "parent_chat_id" in row:
+            return "bailian"
         return "mooncake"
     if stripped.startswith("{") and '"requests"' in head:
         return "kv-cache-tester"
     raise ValueError(
         f"{path}: unknown trace format (expected Mooncake JSONL rows with 'timestamp' and "
-        "'hash_ids', or a kv-cache-tester JSON document with 'block_size' and 'requests')"
+        "'hash_ids' (Qwen-Bailian: also 'chat_id' and 'parent_chat_id'), or a kv-cache-tester "
+        "JSON document with 'block_size' and 'requests')"
     )
 
 
@@ -389,7 +295,7 @@ def load_trace(path: PathLike, **options: Any) -> Workload:
     """Load a trace file or directory, detecting the format.
 
     A directory is a set of kv-cache-tester conversations. Keyword options go to the loader:
-    :func:`load_mooncake` (``block_size``, ``namespace``, ``name``) or
+    :func:`load_mooncake` or :func:`load_bailian` (``block_size``, ``namespace``, ``name``) or
     :func:`load_kv_cache_tester` (``starts``, ``mean_gap``, ``seed``, ``strict``, ``name``).
     """
     p = Path(path)
@@ -400,6 +306,8 @@ def load_trace(path: PathLike, **options: Any) -> Workload:
     fmt = _detect(p)
     if fmt == "mooncake":
         return load_mooncake(p, **options)
+    if fmt == "bailian":
+        return load_bailian(p, **options)
     return load_kv_cache_tester(p, **options)
 
 
