@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 from kvroute.cli import main
-from kvroute.sim import load_bailian, load_trace
+from kvroute.sim import load_bailian, load_mooncake, load_trace
+from kvroute.sim.trace_jsonl import block_size_range
 
 
 def _jsonl(path: Path, rows: list) -> Path:
@@ -122,3 +123,76 @@ def test_bailian_trace_through_the_cli(tmp_path, capsys):
     assert doc["policies"]["kv_aware"]["requests"] == 6
     # 6 requests, 304 prompt tokens, 75.5 s apart at most: not compressed into 75 ms.
     assert doc["policies"]["kv_aware"]["makespan_s"] > 75.5
+
+
+# -- block sizes checked against the data ---------------------------------------------------------
+def _mooncake(n_in: int, ids: list[int], ts: float = 0.0) -> dict:
+    return {"timestamp": ts, "input_length": n_in, "output_length": 1, "hash_ids": ids}
+
+
+def _ids(count: int, first: int) -> list[int]:
+    return list(range(first, first + count))
+
+
+# One id per 1024-token block, the final partial block included: only 1024 fits every row.
+ROWS_1024 = [(3000, 3), (1500, 2), (5000, 5), (700, 1), (4097, 5), (2048, 2)]
+
+
+def test_mooncake_rows_of_another_block_size_are_refused(tmp_path):
+    path = _jsonl(
+        tmp_path / "t.jsonl",
+        [_mooncake(n, _ids(k, 10 * r), ts=r) for r, (n, k) in enumerate(ROWS_1024)],
+    )
+    # Read as 512-token blocks every row would have half its ids: its prompt's second half never
+    # cached, silently, before.
+    with pytest.raises(ValueError) as e:
+        load_trace(path)
+    assert str(e.value) == (
+        f"{path}:1: 3 hash_ids but input_length 3000 fills 6 blocks of 512 tokens (one id each, "
+        "the final partial block included; 5 full blocks); is the block size right? every row "
+        "fits block size 1024: pass it with --block-size (block_size=)"
+    )
+    assert load_trace(path, block_size=1024).num_blocks.tolist() == [3, 2, 5, 1, 5, 2]
+    with pytest.raises(ValueError, match="3000 fills at most 2 blocks of 2048"):
+        load_trace(path, block_size=2048)
+    # Through the CLI: the same message, exit status 2; --block-size 1024 runs.
+    assert main(["simulate", "--quiet", "--trace", str(path), "--policies", "random"]) == 2
+    out = tmp_path / "o.json"
+    args = ["--block-size", "1024", "--policies", "random", "--json", str(out)]
+    assert main(["simulate", "--quiet", "--trace", str(path), *args]) == 0
+
+
+def test_full_block_traces_load_and_cut_short_rows_are_refused(tmp_path):
+    # floor(input_length / 100) ids on every row (full blocks only, as kv-cache-tester and
+    # kvroute's own exports write them): loads, its tails uncached.
+    rows = [_mooncake(250, [1, 2]), _mooncake(199, [1]), _mooncake(300, [1, 2, 3])]
+    w = load_mooncake(_jsonl(tmp_path / "full.jsonl", rows), block_size=100)
+    assert w.num_blocks.tolist() == [2, 1, 3]
+    with pytest.raises(ValueError, match=r"fits block size 100 \(full blocks only\): pass"):
+        load_mooncake(tmp_path / "full.jsonl")
+    # A row whose ids stop short of both conventions: refused, whatever the block size.
+    rows.append(_mooncake(1000, [1, 2, 3], ts=1))
+    path = _jsonl(tmp_path / "cut.jsonl", rows)
+    with pytest.raises(ValueError, match=r"t.jsonl:4: .*no single block size fits every row"):
+        load_mooncake(path, block_size=100)
+
+
+@pytest.mark.parametrize(
+    ("rows", "full", "expected"),
+    [
+        (ROWS_1024, False, (1024, 1024)),
+        ([(1100, 3), (600, 2), (512, 1)], False, (512, 549)),
+        ([(5, 1)], False, (5, None)),  # one block of any size >= 5
+        ([(5, 0)], False, (1, 0)),  # no id: no block size puts a partial block in none
+        ([(250, 2), (199, 1), (300, 3)], True, (100, 100)),
+        ([(5, 0)], True, (6, None)),
+    ],
+)
+def test_block_size_range_against_brute_force(rows, full, expected):
+    n, k = zip(*rows, strict=True)
+    assert block_size_range(n, k, full_blocks_only=full) == expected
+    lo, hi = expected
+    for bs in range(1, 3000):
+        blocks = [(x // bs) if full else -(-x // bs) for x in n]
+        fits = blocks == list(k)
+        assert fits == (lo <= bs and (hi is None or bs <= hi)), bs

@@ -197,10 +197,12 @@ def test_mooncake_loader_on_a_fixture(tmp_path):
     # Namespaces: the same ids in another file never share hashes unless asked to.
     other = load_mooncake(tmp_path / "t.jsonl", namespace="elsewhere")
     assert not set(other.hashes.tolist()) & set(w.hashes.tolist())
-    # A different block size is honoured.
-    assert load_mooncake(tmp_path / "t.jsonl", block_size=256).block_size == 256
-    with pytest.raises(ValueError, match="fills at most 2 blocks of 1024"):
+    # A different block size that fits the rows is honoured; one that does not is refused.
+    assert load_mooncake(tmp_path / "t.jsonl", block_size=540).block_size == 540
+    with pytest.raises(ValueError, match=r"fills at most 2 blocks of 1024.*sizes 512\.\.549"):
         load_mooncake(tmp_path / "t.jsonl", block_size=1024)
+    with pytest.raises(ValueError, match=r"fills 5 blocks of 256.*sizes 512\.\.549"):
+        load_mooncake(tmp_path / "t.jsonl", block_size=256)
 
 
 @pytest.mark.parametrize(

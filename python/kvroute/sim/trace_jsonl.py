@@ -12,15 +12,20 @@
   stands for the root. ``type`` and ``turn`` are not read (requests carry no such field).
 
 Ids are turned into prefix-chained hashes under one namespace per file
-(:func:`~kvroute.sim.workloads.chain_block_ids`). Bad rows raise ``ValueError`` naming the file,
-the line and the value; nothing is returned half-loaded.
+(:func:`~kvroute.sim.workloads.chain_block_ids`). The block size is checked against the data
+(:func:`check_block_size`): one id per block on every row, the final partial block included
+(``len(hash_ids) == ceil(input_length / block_size)``, as in every row of both published Mooncake
+traces), or full blocks only on every row (``floor``: kv-cache-tester's convention, and kvroute's
+exports of such workloads); anything else is refused, naming the block sizes that fit every row.
+Bad rows raise ``ValueError`` naming the file, the line and the value; nothing is returned
+half-loaded.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +38,8 @@ __all__ = [
     "BAILIAN_BLOCK_SIZE",
     "MOONCAKE_BLOCK_SIZE",
     "bailian_block_size",
+    "block_size_range",
+    "check_block_size",
     "load_bailian",
     "load_mooncake",
 ]
@@ -51,8 +58,10 @@ class _Columns:
         self.n_out: list[int] = []
         self.ids: list[int] = []
         self.lengths: list[int] = []
+        self.lines: list[int] = []
 
-    def add(self, t: float, n_in: int, n_out: int, ids: list[int]) -> None:
+    def add(self, line: int, t: float, n_in: int, n_out: int, ids: list[int]) -> None:
+        self.lines.append(line)
         self.arrival.append(t)
         self.n_in.append(n_in)
         self.n_out.append(n_out)
@@ -65,8 +74,8 @@ class _Columns:
         return chain_block_ids(ids, offsets, namespace_seed(label)), offsets
 
 
-def _rows(path: Path) -> Iterator[tuple[str, Any]]:
-    """``(where, row)`` for every non-blank line: ``where`` is ``path:line``."""
+def _rows(path: Path) -> Iterator[tuple[int, str, Any]]:
+    """``(line, where, row)`` for every non-blank line: ``where`` is ``path:line``."""
     with open_text(path) as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -78,12 +87,10 @@ def _rows(path: Path) -> Iterator[tuple[str, Any]]:
                 raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            yield where, row
+            yield lineno, where, row
 
 
-def _request(
-    row: dict[str, Any], where: str, block_size: int, unit: str
-) -> tuple[float, int, int, list[int]]:
+def _request(row: dict[str, Any], where: str, unit: str) -> tuple[float, int, int, list[int]]:
     """The four request fields of a row (``timestamp`` as given, in ``unit``)."""
     for key in ("timestamp", "input_length", "output_length", "hash_ids"):
         if key not in row:
@@ -101,12 +108,6 @@ def _request(
     if not is_int(n_out) or n_out < 0:
         raise ValueError(f"{where}: output_length must be an integer >= 0, got {n_out!r}")
     check_ids(ids, where)
-    most = -(-n_in // block_size)
-    if len(ids) > most:
-        raise ValueError(
-            f"{where}: {len(ids)} hash_ids but input_length {n_in} fills at most {most} blocks "
-            f"of {block_size} tokens (is the block size right?)"
-        )
     return float(ts), n_in, n_out, ids
 
 
@@ -119,14 +120,84 @@ def _read(
     if not is_int(block_size) or block_size < 1:
         raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
     cols = _Columns()
-    for where, row in _rows(path):
-        t, i, o, h = _request(row, where, block_size, unit)
+    for line, where, row in _rows(path):
+        t, i, o, h = _request(row, where, unit)
         if extra is not None:
             extra(row, where)
-        cols.add(t, i, o, h)
+        cols.add(line, t, i, o, h)
     if not cols.arrival:
         raise ValueError(f"{path}: no requests")
+    check_block_size(path, cols.n_in, cols.lengths, cols.lines, block_size)
     return cols
+
+
+def block_size_range(
+    input_tokens: Sequence[int], num_ids: Sequence[int], *, full_blocks_only: bool = False
+) -> tuple[int, int | None]:
+    """``(lo, hi)``: the block sizes ``bs`` with ``len(hash_ids) == ceil(input_length / bs)`` on
+    every row (``floor`` with ``full_blocks_only``); ``hi`` is None for no upper bound, and the
+    range is empty when ``lo > hi``."""
+    n = np.asarray(input_tokens, dtype=np.int64)
+    k = np.asarray(num_ids, dtype=np.int64)
+    if full_blocks_only:  # k*bs <= n < (k+1)*bs
+        lo = int(np.max(n // (k + 1) + 1))
+        some = k >= 1
+        hi = int(np.min(n[some] // k[some])) if some.any() else None
+    else:  # (k-1)*bs < n <= k*bs
+        if np.any(k == 0):
+            return 1, 0
+        lo = int(np.max(-(-n // k)))
+        some = k >= 2
+        hi = int(np.min((n[some] - 1) // (k[some] - 1))) if some.any() else None
+    return lo, hi
+
+
+def _describe(lo: int, hi: int | None) -> str:
+    if hi is None:
+        return f"block sizes >= {lo}"
+    return f"block size {lo}" if lo == hi else f"block sizes {lo}..{hi}"
+
+
+def check_block_size(
+    path: Path, input_tokens: list[int], num_ids: list[int], lines: list[int], block_size: int
+) -> None:
+    """Raises ``ValueError`` unless every row has one id per ``block_size``-token block: the final
+    partial block included (``ceil``, as Mooncake and Qwen-Bailian traces are written) or full
+    blocks only (``floor``, as kv-cache-tester traces and synthetic workloads are), the same on
+    every row. The message names the first row that does not fit and the block sizes that fit
+    every row."""
+    n = np.asarray(input_tokens, dtype=np.int64)
+    k = np.asarray(num_ids, dtype=np.int64)
+    ceil = -(-n // block_size)
+    floor = n // block_size
+    fits_ceil, fits_floor = k == ceil, k == floor
+    if fits_ceil.all() or fits_floor.all():
+        return
+    misfit = ~(fits_ceil | fits_floor)
+    r = int(np.argmax(misfit)) if misfit.any() else int(np.argmin(fits_ceil))
+    if k[r] > ceil[r]:
+        what = f"fills at most {ceil[r]} blocks of {block_size} tokens"
+    else:
+        what = (
+            f"fills {ceil[r]} blocks of {block_size} tokens (one id each, the final partial "
+            f"block included; {floor[r]} full blocks)"
+        )
+    lo, hi = block_size_range(n, k)
+    if hi is None or lo <= hi:
+        fit = f"every row fits {_describe(lo, hi)}: pass it with --block-size (block_size=)"
+    else:
+        lo, hi = block_size_range(n, k, full_blocks_only=True)
+        if hi is None or lo <= hi:
+            fit = (
+                f"every row fits {_describe(lo, hi)} (full blocks only): pass it with "
+                "--block-size (block_size=)"
+            )
+        else:
+            fit = "no single block size fits every row (are some rows' hash_ids cut short?)"
+    raise ValueError(
+        f"{path}:{lines[r]}: {k[r]} hash_ids but input_length {n[r]} {what}; is the block size "
+        f"right? {fit}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,8 +211,9 @@ def load_mooncake(
     name: str | None = None,
 ) -> Workload:
     """Load a Mooncake-format JSONL trace (``timestamp`` ms, ``input_length``, ``output_length``,
-    ``hash_ids``). ``len(hash_ids)`` may not exceed ``ceil(input_length / block_size)``; fewer ids
-    leave the prompt's tail without blocks (never cached)."""
+    ``hash_ids``). Every row must have ``ceil(input_length / block_size)`` ids (the final partial
+    block included), or every row ``floor(...)`` (full blocks only: the tail is never cached), as
+    :func:`check_block_size` checks: a wrong block size is refused, naming the ones that fit."""
     path = Path(path)
     cols = _read(path, block_size, "ms")
     label = namespace if namespace is not None else f"mooncake:{plain_name(path)}"
