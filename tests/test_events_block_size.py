@@ -138,3 +138,25 @@ def test_equal_sizes_log_nothing(engines, caplog, mode):
         s = published(sub, 0)
     assert (s["skipped_block_size"], s["blocks_stored"], s["engine_block_size"]) == (0, 1, 16)
     assert records(caplog) == []
+
+
+@pytest.mark.parametrize("mode", ["rehash", "direct"])
+def test_engine_pages_smaller_than_the_routers_blocks_are_named(engines, caplog, mode):
+    """SGLang's default page is 1 token: with a router at 16, each store is shorter than one
+    router block, which the applier skips as partial — the log says so, with SGLang's flag."""
+    caplog.set_level(logging.WARNING, logger="kvroute.events")
+    engine = engines(replay=False)
+    sub = KvEventSubscriber(PrefixIndex(), {"w": engine.endpoint}, mode=mode, hash_profile="sglang")
+    with sub:
+        engine.wait_subscriber()
+        engine.publish(P.batch([P.map16(P.stored_fields([31], None, [7], 1))]))
+        s = published(sub, 0)
+    assert (s["skipped_partial"], s["skipped_block_size"], s["engine_block_size"]) == (1, 0, 1)
+    (record,) = records(caplog)
+    assert record.levelno == logging.ERROR
+    assert record.getMessage() == (
+        "worker w: the engine's KV blocks (pages) are 1 tokens, fewer than the router's 16, so "
+        "every store of this engine is skipped (stats: skipped_partial) and it is never credited "
+        "with a cached prefix. Set the router's block_size to 1, or start the engine with blocks "
+        "of 16 tokens (vLLM: --block-size, SGLang: --page-size)."
+    )

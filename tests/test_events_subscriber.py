@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import sys
 import threading
@@ -105,7 +106,11 @@ def test_restart_clears_the_worker(engines):
     assert index.match(own(tokens[32:])) == {"w": 1}
 
 
-def test_malformed_frames_are_counted_and_skipped(engines):
+def test_malformed_frames_are_counted_and_skipped(engines, caplog):
+    """Each refusal is counted; the first of each worker is logged as a warning naming what was
+    refused (an engine whose every message is refused would be seen in no log otherwise), the
+    rest at debug, the payload's with the decoder's reason."""
+    caplog.set_level(logging.DEBUG, logger="kvroute.events")
     engine = engines(replay=False)
     index = PrefixIndex()
     tokens = list(range(16 * 2))
@@ -124,6 +129,21 @@ def test_malformed_frames_are_counted_and_skipped(engines):
     assert (s["malformed_frames"], s["malformed_payloads"], s["malformed"]) == (2, 1, 3)
     assert (s["gaps"], s["resets"], s["errors"]) == (0, 0, 0)
     assert index.match(own(tokens)) == {"w": 2, "v": 2}
+    refusals = [
+        (r.levelno, r.getMessage())
+        for r in caplog.records
+        if r.name == "kvroute.events" and "refused" in r.getMessage()
+    ]
+    for name in ("w", "v"):
+        mine = [(level, m) for level, m in refusals if m.startswith(f"worker {name}: ")]
+        assert [level for level, _ in mine] == [logging.WARNING, logging.DEBUG, logging.DEBUG]
+        assert mine[0][1] == (
+            f"worker {name}: refused a live message of frames [0, 8] bytes long (engines send 3: "
+            "topic, 8-byte sequence, payload); nothing of it applied (stats: malformed)"
+        )
+        assert "frames [0, 7, " in mine[1][1]
+        assert mine[2][1].startswith(f"worker {name}: refused the payload of message 1: ")
+        assert "malformed KV event payload" in mine[2][1]
 
 
 def test_several_engines_feed_one_router(engines):

@@ -178,6 +178,7 @@ class _Worker:
         self.last_seq: int | None = None
         self.last_message: float | None = None
         self.block_size_checked = False  # the engine's block size compared since the last reset
+        self.refusal_logged = False  # a refused frame or payload logged since the last reset
 
 
 class KvEventSubscriber:
@@ -536,6 +537,11 @@ class KvEventSubscriber:
         if len(frames) != 3 or len(frames[1]) != 8:
             with self._lock:
                 w.malformed_frames += 1
+            self._refused(
+                w,
+                f"a live message of frames {[len(f) for f in frames]} bytes long (engines send 3: "
+                "topic, 8-byte sequence, payload)",
+            )
             return
         seq = int.from_bytes(frames[1], "big")
         w.live_seq = seq
@@ -576,8 +582,8 @@ class KvEventSubscriber:
         w.expected = seq + 1
         try:
             self.applier.apply(w.name, payload)
-        except ValueError:
-            pass  # counted by the applier as a malformed payload; it changed nothing
+        except ValueError as e:  # counted by the applier as a malformed payload
+            self._refused(w, f"the payload of message {seq}: {e}")
         finally:  # after the batch: a reader seeing ``last_seq`` sees its blocks in the index
             with self._lock:
                 w.last_seq = seq
@@ -599,7 +605,21 @@ class KvEventSubscriber:
         router, mode = self.applier.block_size, self.applier.mode
         if engine == router:
             return
-        if mode == "direct" or engine % router:
+        if engine < router:
+            # Fewer tokens than a router block: the applier cannot tell such a store from a
+            # partial block (e.g. SGLang's default page of 1 token).
+            log.error(
+                "worker %s: the engine's KV blocks (pages) are %d tokens, fewer than the router's "
+                "%d, so every store of this engine is skipped (stats: skipped_partial) and it is "
+                "never credited with a cached prefix. Set the router's block_size to %d, or start "
+                "the engine with blocks of %d tokens (vLLM: --block-size, SGLang: --page-size).",
+                w.name,
+                engine,
+                router,
+                engine,
+                router,
+            )
+        elif mode == "direct" or engine % router:
             need = "equal" if mode == "direct" else "a multiple of the router's"
             log.error(
                 "worker %s: the engine's KV blocks are %d tokens and the router's %d: %s mode "
@@ -643,11 +663,23 @@ class KvEventSubscriber:
                 engine,
             )
 
+    def _refused(self, w: _Worker, what: str) -> None:
+        """Logs a frame or payload refused (counted in ``malformed``; nothing of it applied): the
+        first since the worker's last reset as a warning — an engine whose every message is
+        refused (a format this version cannot read) is otherwise seen only in the counters —
+        later ones at debug."""
+        level = logging.DEBUG if w.refusal_logged else logging.WARNING
+        w.refusal_logged = True
+        log.log(
+            level, "worker %s: refused %s; nothing of it applied (stats: malformed)", w.name, what
+        )
+
     def _reset(self, w: _Worker) -> None:
         """Forgets the worker's blocks and its numbering (history lost)."""
         self.applier.clear(w.name)
         w.expected = None
         w.block_size_checked = False  # a restarted engine may run with another block size
+        w.refusal_logged = False
         with self._lock:
             w.resets += 1
 
@@ -684,6 +716,11 @@ class KvEventSubscriber:
         if len(seq_frame) != 8:
             with self._lock:
                 w.malformed_frames += 1
+            self._refused(
+                w,
+                f"a replay reply of frames {[len(f) for f in frames]} bytes long (engines send "
+                "3: empty, 8-byte sequence, payload)",
+            )
             return
         if not w.replaying:
             return  # a reply to a request given up on (the dealer is replaced then; be safe)

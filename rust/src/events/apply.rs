@@ -131,8 +131,9 @@ pub struct WorkerCounters {
     pub index_rejected: u64,
     /// Resets requested by the caller ([`Applier::clear_worker`]: gap, restart).
     pub resets: u64,
-    /// Not a count: the engine's block size in the last `BlockStored` of the followed group (0
-    /// before the first), so that a size the router cannot use can be named.
+    /// Not a count: the engine's block size, the largest in the GPU `BlockStored` events of the
+    /// followed group since the worker was last cleared ([`Applier::clear_worker`]; 0 before the
+    /// first), so that a size the router cannot use can be named.
     pub engine_block_size: u64,
 }
 
@@ -379,6 +380,8 @@ impl Applier {
     pub fn clear_worker(&mut self, worker: &str) {
         let (mut ctx, _) = self.context(worker);
         ctx.state.counters.resets += 1;
+        // A restarted engine may store blocks of another size: its next GPU store names it.
+        ctx.state.counters.engine_block_size = 0;
         ctx.clear();
     }
 
@@ -516,7 +519,11 @@ impl Ctx<'_> {
         if n == 0 {
             return;
         }
-        if counters.engine_block_size != ev.block_size {
+        // The engine's block size: the largest of its GPU stores since it was last cleared. A
+        // vLLM 0.33 partial-window entry names the window's length (less than the block), and a
+        // KV connector's other tier (CPU, storage) its own block size, not the GPU's.
+        let on_gpu = ev.medium.is_none_or(|m| m == GPU);
+        if on_gpu && ev.block_size > counters.engine_block_size {
             counters.engine_block_size = ev.block_size;
             self.sizes
                 .set(self.name, u32::try_from(ev.block_size).unwrap_or(0));

@@ -60,8 +60,10 @@
 //!   worker's match in whole blocks of its engine's size — what the engine serves. Read directly,
 //!   the index may count up to `E - R` tokens more. Choosing `R` equal to the engine's block size
 //!   (vLLM's GPU default: 16 up to 0.33, 64 from 0.34; 128 on CPU; SGLang: its `page_size`)
-//!   keeps the index smallest. [`WorkerCounters::engine_block_size`] is the size of each
-//!   engine's last store.
+//!   keeps the index smallest. An engine's `E` ([`WorkerCounters::engine_block_size`]) is the
+//!   largest block size of its GPU stores since it was last cleared: a vLLM 0.33 partial-window
+//!   entry names its window's length and a KV connector's CPU or storage tier its own size,
+//!   neither of which is the GPU's block.
 //! - In rehash mode with `E = k·R`, a vLLM partial window whose length is a multiple of `R` is
 //!   stored as whole router blocks, which is what the engine holds for those tokens.
 //!

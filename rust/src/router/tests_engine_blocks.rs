@@ -35,7 +35,10 @@ pub(super) fn stored(prompt: &[u32], engine: u64, first: u64, medium: &str) -> V
     write_str(&mut p, "block_size").unwrap();
     write_uint(&mut p, engine).unwrap();
     write_str(&mut p, "medium").unwrap();
-    write_str(&mut p, medium).unwrap();
+    match medium {
+        "" => write_nil(&mut p).unwrap(), // vLLM before 0.9 names no medium: the GPU
+        m => write_str(&mut p, m).unwrap(),
+    }
     write_nil(&mut p).unwrap();
     p
 }
@@ -107,13 +110,19 @@ fn events_mode_counts_each_workers_prefix_in_its_engines_blocks() {
 }
 
 /// A prefix held only in a slower tier is credited in whole engine blocks too: `a` (engine
-/// blocks of 8) and `b` (of 4) hold the same 6 router blocks in `"CPU"`; a request sharing 5 of
-/// them earns `a` credit for 4 and `b` for 5, so `b` costs less.
+/// blocks of 8, as its GPU stores say) and `b` (of 4) hold the same 6 router blocks in `"CPU"`;
+/// a request sharing 5 of them earns `a` credit for 4 and `b` for 5, so `b` costs less.
 #[test]
 fn tier_credit_counts_whole_engine_blocks() {
     let mut r = events_router(4, &["a", "b"]);
     let mut applier = r.new_event_applier().unwrap();
     let prompt = tokens(2, 24);
+    applier
+        .apply("a", &stored(&tokens(5, 8), 8, 100, "GPU"))
+        .unwrap();
+    applier
+        .apply("b", &stored(&tokens(5, 8), 4, 100, "GPU"))
+        .unwrap();
     applier.apply("a", &stored(&prompt, 8, 1, "CPU")).unwrap();
     applier.apply("b", &stored(&prompt, 4, 1, "CPU")).unwrap();
     let d = r
@@ -234,4 +243,49 @@ fn engine_block_sizes_change_only_on_a_new_nonzero_size() {
     assert_eq!(sizes.get("b"), None);
     sizes.set("b", 0);
     assert_eq!(sizes.get("b"), None);
+}
+
+/// An engine's block size is the largest of its GPU stores since it was last cleared: a store
+/// in another tier (a KV connector's CPU or storage blocks, of their own size) or a vLLM 0.33
+/// partial-window entry (its `block_size` the window's length) changes neither the size nor the
+/// prediction; a GPU store without a medium counts as GPU; after a clear (a restart, a gap) the
+/// next GPU store names the size again, smaller or not.
+#[test]
+fn the_engine_block_size_comes_from_whole_gpu_stores_only() {
+    let mut r = events_router(16, &["a"]);
+    let mut applier = r.new_event_applier().unwrap();
+    let prompt = tokens(6, 128);
+    let size = |r: &Router, applier: &crate::events::Applier| {
+        let counted = applier.counters("a").map(|c| c.engine_block_size);
+        (r.engine_block_size("a").unwrap(), counted)
+    };
+    applier
+        .apply("a", &stored(&prompt[..112], 16, 1, ""))
+        .unwrap();
+    assert_eq!(size(&r, &applier), (Some(16), Some(16)));
+    applier.apply("a", &stored(&prompt, 64, 50, "GPU")).unwrap();
+    assert_eq!(size(&r, &applier), (Some(64), Some(64)));
+    for medium in ["CPU", "STORAGE", "CPU_PINNED"] {
+        applier
+            .apply("a", &stored(&prompt, 128, 200, medium))
+            .unwrap();
+        applier
+            .apply("a", &stored(&prompt, 16, 300, medium))
+            .unwrap();
+    }
+    applier
+        .apply("a", &stored(&prompt[..32], 32, 400, "GPU"))
+        .unwrap(); // a partial window
+    assert_eq!(size(&r, &applier), (Some(64), Some(64)));
+    // 100 tokens shared: one whole 64-token block on the GPU (4 router blocks), not 96 tokens.
+    let d = r
+        .route_tokens(&diverging(&prompt[..100], 28), None, None, 0.0)
+        .unwrap();
+    assert_eq!(d.cached_blocks, 4);
+    applier.clear_worker("a");
+    assert_eq!(size(&r, &applier), (Some(64), Some(0))); // until the next store names it
+    applier
+        .apply("a", &stored(&prompt, 16, 500, "GPU"))
+        .unwrap();
+    assert_eq!(size(&r, &applier), (Some(16), Some(16)));
 }
