@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from kvroute.cli import main
-from kvroute.sim import load_bailian, load_mooncake, load_trace
+from kvroute.sim import infinite_cache, load_bailian, load_mooncake, load_trace
 from kvroute.sim.trace_jsonl import block_size_range
 
 
@@ -196,3 +196,56 @@ def test_block_size_range_against_brute_force(rows, full, expected):
         blocks = [(x // bs) if full else -(-x // bs) for x in n]
         fits = blocks == list(k)
         assert fits == (lo <= bs and (hi is None or bs <= hi)), bs
+
+
+# -- kv-cache-tester hash_id_scope ----------------------------------------------------------------
+def _kvct(path: Path, conv: str, scope: str | None, ids: list[int], model: str = "m") -> Path:
+    reqs = [
+        {
+            "t": 10.0 * i,
+            "type": "n",
+            "model": model,
+            "in": 4 * len(ids) + 1,
+            "out": 1,
+            "hash_ids": ids,
+        }
+        for i in range(2)
+    ]
+    doc = {"id": conv, "models": [model], "block_size": 4, "requests": reqs}
+    if scope is not None:
+        doc["hash_id_scope"] = scope
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@pytest.mark.parametrize("scope", [None, "local", "per_context"])
+def test_kv_cache_tester_local_ids_stay_in_their_file(tmp_path, scope):
+    _kvct(tmp_path / "a.json", "a", scope, [1, 2, 3])
+    _kvct(tmp_path / "b.json", "b", scope, [1, 2, 3])
+    w = load_trace(tmp_path, starts="uniform", mean_gap=100.0)
+    assert w.session == ["a", "a", "b", "b"]
+    assert not set(w.block_hashes(0).tolist()) & set(w.block_hashes(2).tolist())
+    assert infinite_cache(w).cached_blocks.tolist() == [0, 3, 0, 3]  # each file's repeat only
+
+
+def test_kv_cache_tester_global_ids_are_shared_across_files(tmp_path):
+    # The doc (trace_replay_tester.md): with hash_id_scope "global", equal ids in different
+    # files are the same blocks (sub-agents sharing tool definitions get matching ids).
+    _kvct(tmp_path / "a.json", "a", "global", [1, 2, 3])
+    _kvct(tmp_path / "b.json", "b", "global", [1, 2, 7])
+    _kvct(tmp_path / "c.json", "c", "global", [1, 2, 3], model="other")
+    _kvct(tmp_path / "d.json", "d", "local", [1, 2, 3])
+    w = load_trace(tmp_path, starts="uniform", mean_gap=100.0)
+    assert w.session == ["a", "a", "b", "b", "c", "c", "d", "d"]
+    h = [w.block_hashes(i).tolist() for i in range(len(w))]
+    assert h[2][:2] == h[0][:2] and h[2][2] != h[0][2]  # b continues a's [1, 2], then differs
+    assert not set(h[4]) & set(h[0])  # another model: never the same blocks
+    assert not set(h[6]) & set(h[0])  # a local file keeps its own namespace
+    # b's first request finds a's [1, 2]; c and d only their own repeats.
+    assert infinite_cache(w).cached_blocks.tolist() == [0, 3, 2, 3, 0, 3, 0, 3]
+
+
+def test_kv_cache_tester_unknown_id_scope_is_refused(tmp_path):
+    path = _kvct(tmp_path / "a.json", "a", "shared", [1])
+    with pytest.raises(ValueError, match=r"a.json: hash_id_scope must be .* got 'shared'"):
+        load_trace(path)

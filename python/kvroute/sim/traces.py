@@ -12,14 +12,16 @@ Formats (all carry block ids, never tokens):
 - **kv-cache-tester** (one JSON document per conversation): top-level ``block_size`` (64) and
   ``requests[]`` with ``t`` (s since the conversation start), ``in``, ``out`` and ``hash_ids`` of
   *full* blocks only; entries with ``type == "subagent"`` nest their own ``requests`` whose ``t``
-  counts from the sub-agent's own ``t``. Ids are local to the file.
+  counts from the sub-agent's own ``t``. Ids are local to the file, unless the document declares
+  ``"hash_id_scope": "global"``: then they name the same blocks in every such file.
 
 Guarantees:
 
 - Ids become prefix-chained block hashes under a per-trace namespace
-  (:func:`~kvroute.sim.workloads.chain_block_ids`): one file's chains never meet another file's,
-  and in kv-cache-tester files each model (the parent's, a sub-agent's) gets its own namespace,
-  since different models never share KV blocks.
+  (:func:`~kvroute.sim.workloads.chain_block_ids`): one file's chains never meet another file's
+  (kv-cache-tester files of global id scope excepted: they share one namespace), and in
+  kv-cache-tester files each model (the parent's, a sub-agent's) gets its own namespace, since
+  different models never share KV blocks.
 - A trace's block size is honoured (read from the file or its name, or given for Mooncake and
   Qwen-Bailian).
 - Bad input raises ``ValueError`` naming the file and the line (JSONL) or JSON path (JSON) and
@@ -144,7 +146,26 @@ def _read_kv_cache_tester(path: Path) -> tuple[dict[str, Any], int]:
     block_size = doc.get("block_size")
     if not is_int(block_size) or block_size < 1:
         raise ValueError(f"{path}: block_size must be an integer >= 1, got {block_size!r}")
+    scope = doc.get("hash_id_scope")
+    if scope not in _ID_SCOPES:
+        raise ValueError(
+            f"{path}: hash_id_scope must be 'local' (ids meaningful within the file; also "
+            f"'per_context' or absent) or 'global' (shared by every file), got {scope!r}"
+        )
     return doc, block_size
+
+
+#: ``hash_id_scope`` values: ``"global"`` ids mean the same blocks in every file declaring it;
+#: the others (kv-cache-tester's ``trace_replay_tester.py`` defaults to ``"per_context"``) are
+#: meaningful within the file only.
+_ID_SCOPES = (None, "local", "per_context", "global")
+
+
+def _id_namespace(doc: dict[str, Any], k: int, path: Path, model: str) -> str:
+    """The namespace of ``model``'s ids in file ``k``: shared by every ``"global"`` file."""
+    if doc.get("hash_id_scope") == "global":
+        return f"kvct:global:{model}"
+    return f"kvct:{k}:{plain_name(path)}:{model}"
 
 
 def conversation_starts(
@@ -208,7 +229,7 @@ def load_kv_cache_tester(
         _walk_kv_cache_tester(
             doc["requests"], f"{path}: requests", float(offs[k]), conv, bs, flat, strict
         )
-        namespaces.extend(f"kvct:{k}:{plain_name(path)}:{m}" for m in flat.models[before:])
+        namespaces.extend(_id_namespace(doc, k, path, m) for m in flat.models[before:])
     if not flat.arrival or block_size is None:
         raise ValueError(f"{', '.join(map(str, files))}: no requests")
     lengths = np.fromiter((len(p) for p in flat.id_parts), dtype=np.int64, count=len(flat.id_parts))
