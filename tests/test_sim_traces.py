@@ -249,3 +249,80 @@ def test_kv_cache_tester_unknown_id_scope_is_refused(tmp_path):
     path = _kvct(tmp_path / "a.json", "a", "shared", [1])
     with pytest.raises(ValueError, match=r"a.json: hash_id_scope must be .* got 'shared'"):
         load_trace(path)
+
+
+# -- encodings, CLI conflicts, exports ------------------------------------------------------------
+BOM = "\ufeff"
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_row(tmp_path):
+    rows = [_mooncake(600, [1, 2]), _mooncake(512, [1], ts=5)]
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(text)
+    ref = load_trace(plain, namespace="x").hashes.tolist()
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes((BOM + text).encode("utf-8"))
+    assert load_trace(bom, namespace="x").hashes.tolist() == ref
+    gz = tmp_path / "bom.jsonl.gz"
+    gz.write_bytes(gzip.compress((BOM + text).encode("utf-8")))
+    assert load_trace(gz, namespace="x").hashes.tolist() == ref
+    bailian = tmp_path / "b.jsonl"
+    bailian.write_bytes((BOM + json.dumps(_chat(0, -1, 0.0, 16, [1])) + "\n").encode("utf-8"))
+    assert load_trace(bailian).meta["format"] == "bailian"
+    conv = tmp_path / "conv.json"
+    doc = {
+        "id": "c",
+        "block_size": 4,
+        "requests": [{"t": 0, "in": 9, "out": 1, "hash_ids": [1, 2]}],
+    }
+    conv.write_bytes((BOM + json.dumps(doc)).encode("utf-8"))
+    assert load_trace(conv).num_blocks.tolist() == [2]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--trace", "T", "--duration", "30"], "--duration applies to the synthetic scenarios"),
+        (["--scenario", "mooncake", "--duration", "30"], "not to --scenario mooncake"),
+        (["--scenario", "claude-code", "--duration", "30"], "not to --scenario claude-code"),
+        (["--scenario", "mooncake", "--block-size", "64"], "(recorded in 512-token blocks)"),
+        (["--scenario", "claude-code", "--block-size", "16"], "(recorded in 64-token blocks)"),
+        (["--scenario", "mooncake", "--block-size", "64", "--pd", "1:1"], "--block-size applies"),
+    ],
+)
+def test_options_that_do_not_apply_are_refused(tmp_path, capsys, args, message):
+    trace = _jsonl(tmp_path / "t.jsonl", [_mooncake(600, [1, 2])])
+    args = [str(trace) if a == "T" else a for a in args]
+    if "--pd" not in args:
+        args += ["--policies", "random"]
+    assert main(["simulate", "--quiet", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvroute simulate: ") and message in err
+
+
+def test_an_export_carries_its_block_size(tmp_path, capsys):
+    # A 64-token synthetic workload (full blocks only) exported, then replayed with no
+    # --block-size: the same requests, blocks and sharing.
+    path = tmp_path / "rag.jsonl"
+    first = tmp_path / "first.json"
+    args = ["simulate", "--quiet", "--policies", "random,round_robin", "--workers", "2"]
+    rag = ["--scenario", "rag", "--duration", "10", "--block-size", "64"]
+    assert main([*args, *rag, "--export-trace", str(path), "--json", str(first)]) == 0
+    assert {json.loads(line)["block_size"] for line in path.read_text().splitlines()} == {64}
+    again = tmp_path / "again.json"
+    assert main([*args, "--trace", str(path), "--json", str(again)]) == 0
+    a, b = json.loads(first.read_text()), json.loads(again.read_text())
+    assert a["oracles"] == b["oracles"]
+    assert (
+        a["policies"]["round_robin"]["cached_tokens"]
+        == b["policies"]["round_robin"]["cached_tokens"]
+    )
+    w = load_mooncake(path)
+    assert w.block_size == 64 and w.num_blocks.sum() == a["oracles"]["infinite"]["block_refs"]
+    # Rows that disagree on their block size are refused.
+    rows = path.read_text().splitlines()
+    rows[1] = rows[1].replace('"block_size":64', '"block_size":32')
+    bad = _jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: block_size .*\(earlier rows: 64\), got 32"):
+        load_mooncake(bad)

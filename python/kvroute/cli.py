@@ -529,7 +529,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="seconds of synthetic traffic (default: 1800 for endpoint, 300 for rag and agent)",
     )
-    sim.add_argument("--block-size", type=int, help="block size of a synthetic scenario")
+    sim.add_argument(
+        "--block-size",
+        type=int,
+        help="block size of a synthetic scenario, or of a Mooncake or Qwen-Bailian trace "
+        "(default: 512, 16 or the file's own; checked against the trace's rows)",
+    )
     sim.add_argument("--requests", type=int, help="replay only the first N requests")
     sim.add_argument(
         "--time-scale", type=float, default=1.0, help="multiply arrival times (0.5 = 2x load)"
@@ -592,7 +597,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--json", metavar="FILE", help="write the report as JSON")
     sim.add_argument("--plot", metavar="FILE.png", help="plot hit rate and TTFT (matplotlib)")
     sim.add_argument(
-        "--export-trace", metavar="FILE", help="also write the workload as Mooncake JSONL"
+        "--export-trace",
+        metavar="FILE",
+        help="also write the workload as Mooncake JSONL (each row with its block_size: "
+        "--trace FILE replays it as it is)",
     )
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
     sim.set_defaults(func=_simulate)

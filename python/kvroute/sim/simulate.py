@@ -53,6 +53,10 @@ SCENARIO_WORKERS = {
 }
 
 
+#: The bundled traces' block sizes: they were recorded in them.
+_RECORDED = {"mooncake": 512, "claude-code": 64}
+
+
 def load_workload(
     scenario: str = "endpoint",
     *,
@@ -63,7 +67,18 @@ def load_workload(
 ) -> Workload:
     """The workload of a scenario name or a trace file (Mooncake or Qwen-Bailian JSONL,
     kv-cache-tester JSON; detected). ``duration`` and ``block_size`` apply to the synthetic
-    scenarios (and ``block_size`` to Mooncake and Qwen-Bailian files)."""
+    scenarios (and ``block_size`` to Mooncake and Qwen-Bailian files); given where they do not
+    apply, they are refused (``ValueError``), not ignored."""
+    if duration is not None and (trace is not None or scenario in _RECORDED):
+        raise ValueError(
+            f"--duration applies to the synthetic scenarios ({', '.join(SCENARIOS)}), not to "
+            f"{'--trace' if trace is not None else f'--scenario {scenario}'}"
+        )
+    if block_size is not None and trace is None and scenario in _RECORDED:
+        raise ValueError(
+            f"--block-size applies to the synthetic scenarios and to Mooncake or Qwen-Bailian "
+            f"traces, not to --scenario {scenario} (recorded in {_RECORDED[scenario]}-token blocks)"
+        )
     if trace is not None:
         if block_size is None:
             return load_trace(trace)

@@ -1,6 +1,7 @@
 """Reading trace files: what every trace loader of :mod:`.traces` shares.
 
-- Files are UTF-8; ``.gz`` files are read transparently.
+- Files are UTF-8, read with ``utf-8-sig``: a byte-order mark at the start (as some Windows tools
+  write) is dropped, not taken for part of the first row. ``.gz`` files are read transparently.
 - Checks of single values (integers, finite numbers, ``hash_ids`` lists) raise ``ValueError``
   naming where the value was (``where``: file and line, or JSON path) and the value.
 """
@@ -22,10 +23,10 @@ _U64_LIMIT = 1 << 64
 
 
 def open_text(path: Path) -> io.TextIOBase:
-    """``path`` opened for reading text (gunzipped when it ends in ``.gz``)."""
+    """``path`` opened for reading text (gunzipped when it ends in ``.gz``; a BOM is dropped)."""
     if path.suffix == ".gz":
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-    return open(path, encoding="utf-8")
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8-sig")
+    return open(path, encoding="utf-8-sig")
 
 
 def plain_name(path: Path) -> str:

@@ -68,6 +68,12 @@ class _Columns:
         self.ids.extend(ids)
         self.lengths.append(len(ids))
 
+    def check(self, path: Path, block_size: Any) -> None:
+        """Raises ``ValueError`` unless ``block_size`` fits the rows (:func:`check_block_size`)."""
+        if not is_int(block_size) or block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        check_block_size(path, self.n_in, self.lengths, self.lines, block_size)
+
     def hashes(self, label: str) -> tuple[np.ndarray, np.ndarray]:
         offsets = offsets_from_lengths(self.lengths)
         ids = np.array(self.ids, dtype=np.uint64)
@@ -112,13 +118,8 @@ def _request(row: dict[str, Any], where: str, unit: str) -> tuple[float, int, in
 
 
 def _read(
-    path: Path,
-    block_size: int,
-    unit: str,
-    extra: Callable[[dict[str, Any], str], None] | None = None,
+    path: Path, unit: str, extra: Callable[[dict[str, Any], str], None] | None = None
 ) -> _Columns:
-    if not is_int(block_size) or block_size < 1:
-        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
     cols = _Columns()
     for line, where, row in _rows(path):
         t, i, o, h = _request(row, where, unit)
@@ -127,7 +128,6 @@ def _read(
         cols.add(line, t, i, o, h)
     if not cols.arrival:
         raise ValueError(f"{path}: no requests")
-    check_block_size(path, cols.n_in, cols.lengths, cols.lines, block_size)
     return cols
 
 
@@ -206,16 +206,33 @@ def check_block_size(
 def load_mooncake(
     path: PathLike,
     *,
-    block_size: int = MOONCAKE_BLOCK_SIZE,
+    block_size: int | None = None,
     namespace: str | None = None,
     name: str | None = None,
 ) -> Workload:
     """Load a Mooncake-format JSONL trace (``timestamp`` ms, ``input_length``, ``output_length``,
     ``hash_ids``). Every row must have ``ceil(input_length / block_size)`` ids (the final partial
     block included), or every row ``floor(...)`` (full blocks only: the tail is never cached), as
-    :func:`check_block_size` checks: a wrong block size is refused, naming the ones that fit."""
+    :func:`check_block_size` checks: a wrong block size is refused, naming the ones that fit.
+    ``block_size`` defaults to the rows' own ``block_size`` (which :func:`~.traces.write_mooncake`
+    writes; the same on every row), else 512."""
     path = Path(path)
-    cols = _read(path, block_size, "ms")
+    declared: list[int] = []
+
+    def own_block_size(row: dict[str, Any], where: str) -> None:
+        if "block_size" not in row:
+            return
+        bs = row["block_size"]
+        if not is_int(bs) or bs < 1 or (declared and bs != declared[0]):
+            first = f" (earlier rows: {declared[0]})" if declared else ""
+            raise ValueError(f"{where}: block_size must be an integer >= 1{first}, got {bs!r}")
+        if not declared:
+            declared.append(bs)
+
+    cols = _read(path, "ms", own_block_size)
+    if block_size is None:
+        block_size = declared[0] if declared else MOONCAKE_BLOCK_SIZE
+    cols.check(path, block_size)
     label = namespace if namespace is not None else f"mooncake:{plain_name(path)}"
     hashes, offsets = cols.hashes(label)
     return Workload(
@@ -302,7 +319,8 @@ def load_bailian(
         first_seen.setdefault(cid, where)
         chats.append(cid)
 
-    cols = _read(path, bs, "s", chat)
+    cols = _read(path, "s", chat)
+    cols.check(path, bs)
     root = _session_roots(parent, first_seen)
     session = [f"chat-{root[c]}" for c in chats]
     label = namespace if namespace is not None else f"bailian:{plain_name(path)}"

@@ -375,9 +375,11 @@ def write_mooncake(workload: Workload, path: PathLike) -> None:
     """Write ``workload`` as a Mooncake-format JSONL trace (``.gz`` compresses).
 
     Block hashes become dense ids in order of first appearance (as in the released traces), so
-    :func:`load_mooncake` with ``block_size=workload.block_size`` gives back the same requests
-    with the same sharing structure: equal ids exactly where the hashes were equal. Timestamps are
-    written in ms (rounded to µs). Tenants and sessions are not part of the format and are lost.
+    :func:`load_mooncake` gives back the same requests with the same sharing structure: equal ids
+    exactly where the hashes were equal. Every row carries the workload's ``block_size`` (a key
+    Mooncake's own rows lack; readers of the format ignore it), which :func:`load_mooncake` takes
+    as the file's block size. Timestamps are written in ms (rounded to µs). Tenants and sessions
+    are not part of the format and are lost.
     """
     _, first, inverse = np.unique(workload.hashes, return_index=True, return_inverse=True)
     rank = np.empty(first.shape[0], dtype=np.int64)
@@ -393,5 +395,6 @@ def write_mooncake(workload: Workload, path: PathLike) -> None:
                 "input_length": int(workload.input_tokens[i]),
                 "output_length": int(workload.output_tokens[i]),
                 "hash_ids": ids[off[i] : off[i + 1]],
+                "block_size": workload.block_size,
             }
             f.write(json.dumps(row, separators=(",", ":")) + "\n")
