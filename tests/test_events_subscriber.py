@@ -662,6 +662,7 @@ def test_stats_over_an_event_sink_are_the_subscribers_own(engines):
         **{"endpoint": engine.endpoint, "replay_endpoint": None, "last_seq": 0},
         **{"gaps": 1, "replays": 0, "replay_failures": 0, "resets": 2, "restarts": 1},
         **{"disconnects": 0, "errors": 0, "pending": 0, "pending_bytes": 0},
+        **{"replay_socket_failures": 0},
         **{"malformed": 1, "malformed_frames": 1, "malformed_payloads": 0},
     }
 

@@ -37,6 +37,11 @@ messages and restarts:
   whole engine blocks (logged at info); an index read directly does not (a warning: its matches
   may exceed the engine's by less than one engine block). vLLM ≥ 0.34 uses 64-token blocks on
   GPU by default (16 before).
+- **Replay socket failures.** When ZMQ cannot make a worker's new replay DEALER mid-run (out of
+  sockets or file descriptors), the worker goes on without replay — a gap clears it, as for an
+  engine without a replay endpoint, and it is never left stale — and a new DEALER is tried every
+  second until one is made; each failure is counted (``replay_socket_failures``), the first of
+  a run logged as an error and the recovery at info.
 - **Malformed input** — wrong frame count, a sequence frame that is not 8 bytes, a payload the
   decoder refuses — is counted and skipped; nothing crashes and nothing else changes.
 
@@ -75,6 +80,9 @@ log = logging.getLogger("kvroute.events")
 END_SEQ = b"\xff" * 8
 
 _ids = itertools.count()
+
+#: Seconds between attempts to make a worker's replay DEALER again after ZMQ failed to.
+_DEALER_RETRY = 1.0
 
 
 class Freshness(Protocol):
@@ -158,6 +166,7 @@ class _Worker:
         self.replay_endpoint = replay
         self.sub: Any = None
         self.dealer: Any = None
+        self.dealer_retry: float | None = None  # when to try again to make a DEALER ZMQ refused
         self.monitor: Any = None
         self.disconnects = 0
         self.expected: int | None = None  # next sequence number expected
@@ -171,6 +180,7 @@ class _Worker:
         self.gaps = 0
         self.replays = 0
         self.replay_failures = 0
+        self.replay_socket_failures = 0
         self.resets = 0
         self.restarts = 0
         self.malformed_frames = 0
@@ -362,12 +372,12 @@ class KvEventSubscriber:
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per worker: the applier's counters (batches, events, blocks_stored, blocks_removed,
         skipped_*, …, and engine_block_size: the block size of the engine's last store) plus gaps,
-        replays, replay_failures, resets (clears for lost history: unrecoverable gaps, restarts and
-        disconnects), restarts, disconnects, malformed (frames and payloads), errors (exceptions
-        caught in the poll thread, the freshness sink's included), last_seq (the last batch
-        applied: its blocks are in the index once it shows), stale, pending and
-        pending_bytes (live messages buffered during a replay) and seconds_since_event (``None``
-        before the first message)."""
+        replays, replay_failures, replay_socket_failures (replay DEALERs ZMQ failed to make),
+        resets (clears for lost history: unrecoverable gaps, restarts and disconnects), restarts,
+        disconnects, malformed (frames and payloads), errors (exceptions caught in the poll
+        thread, the freshness sink's included), last_seq (the last batch applied: its blocks are
+        in the index once it shows), stale, pending and pending_bytes (live messages buffered
+        during a replay) and seconds_since_event (``None`` before the first message)."""
         now = time.monotonic()
         applied = self.applier.stats()
         out: dict[str, dict[str, Any]] = {}
@@ -381,6 +391,7 @@ class KvEventSubscriber:
                     gaps=w.gaps,
                     replays=w.replays,
                     replay_failures=w.replay_failures,
+                    replay_socket_failures=w.replay_socket_failures,
                     resets=w.resets,
                     restarts=w.restarts,
                     disconnects=w.disconnects,
@@ -456,6 +467,8 @@ class KvEventSubscriber:
                 for w in self._workers.values():
                     if w.replaying and now >= w.replay_deadline:
                         self._guarded(self._replay_failed, w)
+                    if w.dealer_retry is not None and now >= w.dealer_retry:
+                        self._guarded(self._replace_dealer, w)
         finally:
             self._close_all(stop)
 
@@ -467,13 +480,15 @@ class KvEventSubscriber:
                 if s is not None:
                     s.close(linger=0)
             w.sub = w.dealer = w.monitor = None
+            w.dealer_retry = None
         if stop is not None:
             stop.close(linger=0)
         self._owner = {}
 
     def _new_dealer(self, w: _Worker) -> None:
         """(Re)creates the worker's replay DEALER; replacing it drops late replies to an
-        abandoned request along with the old socket."""
+        abandoned request along with the old socket. A ``zmq.ZMQError`` (no socket made, or not
+        connected) leaves the worker without one."""
         zmq = self._zmq
         old = w.dealer
         if old is not None:
@@ -482,14 +497,43 @@ class KvEventSubscriber:
             old.close(linger=0)
             w.dealer = None
         dealer = self._ctx.socket(zmq.DEALER)
+        try:
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(w.replay_endpoint)
+        except BaseException:
+            dealer.close(linger=0)
+            raise
         w.dealer = dealer
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(w.replay_endpoint)
         self._poller.register(dealer, zmq.POLLIN)
         self._owner[dealer] = (w, self._on_replay_frames)
 
+    def _replace_dealer(self, w: _Worker) -> None:
+        """A new replay DEALER mid-run (``_new_dealer``). When ZMQ cannot make one, the worker
+        goes on without (a gap clears it) and another is tried ``_DEALER_RETRY`` seconds later:
+        the callers finish their work either way, so the worker is never left stale."""
+        try:
+            self._new_dealer(w)
+        except self._zmq.ZMQError as e:
+            if w.dealer_retry is None:
+                log.error(
+                    "worker %s: cannot make its replay socket (%s): until one is made, a gap "
+                    "in its events clears it instead of being replayed; retrying every %g s",
+                    w.name,
+                    e,
+                    _DEALER_RETRY,
+                )
+            w.dealer_retry = time.monotonic() + _DEALER_RETRY
+            with self._lock:
+                w.replay_socket_failures += 1
+            return
+        if w.dealer_retry is not None:
+            w.dealer_retry = None
+            log.info("worker %s: its replay socket is made again", w.name)
+
     def _poll_timeout(self) -> int:
-        deadlines = [w.replay_deadline for w in self._workers.values() if w.replaying]
+        workers = self._workers.values()
+        deadlines = [w.replay_deadline for w in workers if w.replaying]
+        deadlines += [w.dealer_retry for w in workers if w.dealer_retry is not None]
         if not deadlines:
             return 1000
         return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
@@ -529,7 +573,7 @@ class KvEventSubscriber:
         if w.replaying:
             w.replaying = False
             self._take_pending(w)
-            self._new_dealer(w)
+            self._replace_dealer(w)
             self._notify(w, False)
         self._reset(w)
 
@@ -759,7 +803,7 @@ class KvEventSubscriber:
             self._replay_failed(w, counted=w.replay_lost)
             return
         if drop_rest:
-            self._new_dealer(w)
+            self._replace_dealer(w)
         w.replaying = False
         pending = self._take_pending(w)
         previous = -1
@@ -789,7 +833,7 @@ class KvEventSubscriber:
             with self._lock:
                 w.replay_failures += 1
         if w.dealer is not None:
-            self._new_dealer(w)
+            self._replace_dealer(w)
         self._reset(w)
         pending = self._take_pending(w)
         for seq, payload in pending:

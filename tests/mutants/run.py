@@ -55,6 +55,7 @@ PYTHON: dict[str, tuple[list[str], list[str], list[str]]] = {
             "tests/test_events_subscriber.py",
             "tests/test_events_block_size.py",  # the engine's block size checked
             "tests/test_events_lifecycle.py",  # stop's timeout, a start failing part-way
+            "tests/test_events_replay_socket.py",  # a replay DEALER ZMQ cannot make
         ],
         [],
     ),
