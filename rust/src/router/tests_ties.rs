@@ -7,7 +7,7 @@ use super::*;
 use crate::hashing::{hash_key, Rendezvous, RendezvousScore};
 
 /// The inverse of `x * a` modulo 2^64 (`a` odd), by Newton's iteration.
-fn inverse(a: u64) -> u64 {
+pub(super) fn inverse(a: u64) -> u64 {
     let mut x = a; // correct to 3 bits
     for _ in 0..6 {
         x = x.wrapping_mul(2u64.wrapping_sub(a.wrapping_mul(x)));
