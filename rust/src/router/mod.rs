@@ -697,6 +697,8 @@ mod tests_model;
 #[cfg(test)]
 mod tests_mutants;
 #[cfg(test)]
+mod tests_names;
+#[cfg(test)]
 mod tests_policies;
 #[cfg(test)]
 mod tests_sync;
