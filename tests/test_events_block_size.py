@@ -134,9 +134,12 @@ def test_equal_sizes_log_nothing(engines, caplog, mode):
     sub = KvEventSubscriber(PrefixIndex(), {"w": engine.endpoint}, mode=mode, hash_profile=profile)
     with sub:
         engine.wait_subscriber()
-        engine.publish(store([41], list(range(16)), 16))
+        # Direct mode: the engine's own hash of the block (else it would be named as foreign).
+        hashes = own(list(range(16)), profile="vllm") if mode == "direct" else [41]
+        engine.publish(store(hashes, list(range(16)), 16))
         s = published(sub, 0)
     assert (s["skipped_block_size"], s["blocks_stored"], s["engine_block_size"]) == (0, 1, 16)
+    assert s["foreign_hashes"] == 0
     assert records(caplog) == []
 
 
@@ -160,3 +163,36 @@ def test_engine_pages_smaller_than_the_routers_blocks_are_named(engines, caplog,
         "with a cached prefix. Set the router's block_size to 1, or start the engine with blocks "
         "of 16 tokens (vLLM: --block-size, SGLang: --page-size)."
     )
+
+
+def test_direct_mode_names_an_engine_hashing_otherwise(engines, caplog):
+    """Roots stored under hashes that are not the router's hash of their tokens (an engine on
+    another --prefix-caching-hash-algo or seed) can never match: logged once per engine run."""
+    caplog.set_level(logging.WARNING, logger="kvroute.events")
+    engine = engines(replay=False)
+    tokens = list(range(64))
+    sub = KvEventSubscriber(
+        PrefixIndex(), {"w": engine.endpoint}, mode="direct", hash_profile="vllm"
+    )
+    with sub:
+        engine.wait_subscriber()
+        engine.publish(store([41], tokens[:16], 16))
+        engine.publish(store([42], tokens[16:32], 16))
+        s = published(sub, 1)
+        assert (s["foreign_hashes"], s["blocks_stored"]) == (2, 2)
+        (record,) = records(caplog)
+        assert record.levelno == logging.ERROR
+        assert record.getMessage() == (
+            "worker w: the engine's block hashes are not the router's (1 root stores so far; "
+            "direct mode, hash_profile 'vllm'): nothing it stores can match a request. Hash as "
+            "the engine does (vLLM: its --prefix-caching-hash-algo, sha256 by default, and "
+            "PYTHONHASHSEED; SGLang: hash_profile 'sglang'), or use mode 'rehash', which needs no "
+            "common hash."
+        )
+        # The engine's own hashes (vLLM 0.33's sha256_cbor of the same tokens) are not counted.
+        engine.publish(store(own(tokens[32:48], profile="vllm"), tokens[32:48], 16))
+        assert published(sub, 2)["foreign_hashes"] == 2
+        engine.restart()  # numbering from 0 again: the worker is reset and checked afresh
+        engine.publish(store([43], tokens[48:], 16))
+        wait_for(lambda: len(records(caplog)) == 2, "the second engine run's check")
+        assert sub.stats()["w"]["errors"] == 0

@@ -208,6 +208,31 @@ def test_direct_mode_with_the_vllm_profile_stores_the_engines_hashes():
     assert index.match(own(tokens, profile="vllm", salt="tenant-a")) == {"w": 3}
 
 
+@pytest.mark.parametrize(
+    "hashing, foreign",
+    [
+        ({"hash_profile": "vllm"}, 0),  # vLLM 0.33's own: sha256_cbor, as published
+        ({"hash_profile": "vllm", "hash_algo": "sha256_cbor"}, 0),
+        ({"hash_profile": "vllm", "hash_algo": "sha256"}, 1),  # pickle: another hash
+        ({"hash_profile": "vllm", "seed": "7"}, 1),  # another first-block seed
+        ({"hash_profile": "vllm", "vllm_version": "0.30"}, 0),  # same plain hash; salt differs
+        ({"hash_profile": "native"}, 1),
+        ({"hash_profile": "sglang"}, 1),
+    ],
+)
+def test_direct_mode_counts_root_stores_hashed_otherwise(hashing, foreign):
+    """The published 0.33 stores (a root of 2 blocks, its child; a salted root, a LoRA root):
+    only the plain root's first block is compared with the router's own hash of its tokens — a
+    child has no first block to hash alone, a salted or LoRA root hashes in its namespace."""
+    applier = KvEventApplier(PrefixIndex(), mode="direct", **hashing)
+    for name in ("batch_stored_stored", "batch_salted_store", "batch_lora_store"):
+        applier.apply("w", payload(name))
+    assert applier.stats("w")["foreign_hashes"] == foreign
+    assert applier.stats("w")["blocks_stored"] == 9  # stored as they are, either way
+    applier.clear("w")  # a counter: a reset keeps it
+    assert applier.stats("w")["foreign_hashes"] == foreign
+
+
 def test_rehash_mode_stores_the_routers_own_hashes():
     index = PrefixIndex()
     applier = KvEventApplier(index)  # rehash, native, 16

@@ -189,6 +189,7 @@ class _Worker:
         self.last_message: float | None = None
         self.block_size_checked = False  # the engine's block size compared since the last reset
         self.refusal_logged = False  # a refused frame or payload logged since the last reset
+        self.foreign_logged = False  # direct mode: foreign block hashes logged since the reset
 
 
 class KvEventSubscriber:
@@ -264,6 +265,8 @@ class KvEventSubscriber:
             hash_algo=hash_algo,
             vllm_version=vllm_version,
         )
+        # Direct mode stores the engine's hashes: the applier counts roots hashed otherwise.
+        self._direct = isinstance(self.applier, KvEventApplier) and self.applier.mode == "direct"
         # A router fed by its own applier counts each worker's matches in whole engine blocks.
         self._router_counts_engine_blocks = isinstance(
             getattr(target, "event_applier", None), KvEventApplier
@@ -371,13 +374,14 @@ class KvEventSubscriber:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per worker: the applier's counters (batches, events, blocks_stored, blocks_removed,
-        skipped_*, …, and engine_block_size: the block size of the engine's last store) plus gaps,
-        replays, replay_failures, replay_socket_failures (replay DEALERs ZMQ failed to make),
-        resets (clears for lost history: unrecoverable gaps, restarts and disconnects), restarts,
-        disconnects, malformed (frames and payloads), errors (exceptions caught in the poll
-        thread, the freshness sink's included), last_seq (the last batch applied: its blocks are
-        in the index once it shows), stale, pending and pending_bytes (live messages buffered
-        during a replay) and seconds_since_event (``None`` before the first message)."""
+        skipped_*, …, foreign_hashes (direct mode) and engine_block_size: the largest block size of
+        the engine's GPU stores since its last reset) plus gaps, replays, replay_failures,
+        replay_socket_failures (replay DEALERs ZMQ failed to make), resets (clears for lost
+        history: unrecoverable gaps, restarts and disconnects), restarts, disconnects, malformed
+        (frames and payloads), errors (exceptions caught in the poll thread, the freshness sink's
+        included), last_seq (the last batch applied: its blocks are in the index once it shows),
+        stale, pending and pending_bytes (live messages buffered during a replay) and
+        seconds_since_event (``None`` before the first message)."""
         now = time.monotonic()
         applied = self.applier.stats()
         out: dict[str, dict[str, Any]] = {}
@@ -634,6 +638,26 @@ class KvEventSubscriber:
                 w.last_message = time.monotonic()
         if not w.block_size_checked:
             self._check_block_size(w)
+        if not w.foreign_logged and self._direct:
+            self._check_hashes(w)
+
+    def _check_hashes(self, w: _Worker) -> None:
+        """Direct mode: logs (once per engine run) an engine whose block hashes are not the
+        router's, counted by the applier on root stores (``foreign_hashes``)."""
+        foreign = self.applier.stats(w.name)["foreign_hashes"]
+        if not foreign:
+            return
+        w.foreign_logged = True
+        log.error(
+            "worker %s: the engine's block hashes are not the router's (%d root stores so far; "
+            "direct mode, hash_profile %r): nothing it stores can match a request. Hash as the "
+            "engine does (vLLM: its --prefix-caching-hash-algo, sha256 by default, and "
+            "PYTHONHASHSEED; SGLang: hash_profile 'sglang'), or use mode 'rehash', which needs "
+            "no common hash.",
+            w.name,
+            foreign,
+            self.applier.hash_profile,
+        )
 
     def _check_block_size(self, w: _Worker) -> None:
         """Once the worker's engine has stored a block, logs a block size the router cannot use
@@ -724,6 +748,7 @@ class KvEventSubscriber:
         w.expected = None
         w.block_size_checked = False  # a restarted engine may run with another block size
         w.refusal_logged = False
+        w.foreign_logged = False
         with self._lock:
             w.resets += 1
 

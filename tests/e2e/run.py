@@ -175,6 +175,7 @@ def main() -> int:
         check("two_calls", two["ok"], {k: two[k] for k in ("first_hit", "second_hit", "system")})
 
         sizes: dict[str, Any] = {}
+        events: dict[str, Any] = {}
         for seed, name, kw in [
             (1, "events_direct_sha256", dict(index="events", mode="direct", hash_algo="sha256")),
             (2, "events_rehash", dict(index="events", mode="rehash")),
@@ -193,10 +194,21 @@ def main() -> int:
             )
             sc.setdefault("accuracy", {})[name] = summarize(results)
             sizes[name] = health.get("engine_block_sizes")
+            events[name] = health.get("events", {})
         # Each engine's block size reached the router: from its KV events (events modes) or from
         # its /metrics page's vllm:cache_config_info (approx mode, the gateway's own read).
         want = {e.name: e.block_size for e in fleet.engines}
         check("engine_block_sizes", all(s == want for s in sizes.values()), sizes)
+        # Direct mode: every root the engines stored hashes as the router does (sha256 pickle).
+        direct = {
+            w: (e.get("foreign_hashes"), e.get("blocks_stored"))
+            for w, e in events.get("events_direct_sha256", {}).items()
+        }
+        check(
+            "direct_hashes_are_the_routers",
+            len(direct) == len(want) and all(f == 0 and b for f, b in direct.values()),
+            direct,
+        )
         for name in ("events_direct_sha256", "events_rehash", "events_rehash_finer"):
             s = sc["accuracy"][name]
             check(f"accuracy_{name}", (s["exact_rate"] or 0) >= 0.99 and not s["errors"], s)

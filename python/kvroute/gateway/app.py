@@ -418,7 +418,7 @@ class Gateway:
         if sub is None:
             return {}
         keys = ("last_seq", "stale", "gaps", "restarts", "disconnects", "resets", "blocks_stored")
-        keys += ("skipped_block_size", "engine_block_size")
+        keys += ("skipped_block_size", "foreign_hashes", "engine_block_size")
         index = self.router.index
         out = {}
         for w, row in sub.stats().items():

@@ -131,6 +131,10 @@ pub struct WorkerCounters {
     pub index_rejected: u64,
     /// Resets requested by the caller ([`Applier::clear_worker`]: gap, restart).
     pub resets: u64,
+    /// Direct mode: root stores whose first block's hash is not the router's hash of its tokens
+    /// (an engine hashing with another algorithm, seed or block size: nothing it stores can
+    /// match a request). Stores with a salt, LoRA or extra keys are not compared.
+    pub foreign_hashes: u64,
     /// Not a count: the engine's block size, the largest in the GPU `BlockStored` events of the
     /// followed group since the worker was last cleared ([`Applier::clear_worker`]; 0 before the
     /// first), so that a size the router cannot use can be named.
@@ -553,6 +557,9 @@ impl Ctx<'_> {
     }
 
     fn store_direct(&mut self, ev: &Event<'_>, tier: usize) {
+        if ev.parent.is_none() && !self.own_first_hash(ev) {
+            self.state.counters.foreign_hashes += 1;
+        }
         let Some(state) = self.state.tiers.get_mut(tier) else {
             return;
         };
@@ -569,6 +576,32 @@ impl Ctx<'_> {
             Err(Error::Key(_)) => counters.skipped_unknown_parent += 1,
             Err(_) => counters.index_rejected += 1,
         }
+    }
+
+    /// Whether a root store's first block hash is the router's own hash of its tokens (true
+    /// when it cannot be compared: a salt, LoRA, extra keys, lookahead or wide tokens).
+    fn own_first_hash(&self, ev: &Event<'_>) -> bool {
+        let plain = ev.extra_keys.summary(ev.lora_name);
+        let namespaced = plain.salt.is_some() || ev.cache_salt.is_some_and(|s| !s.is_empty());
+        if plain.unsupported || namespaced || ev.lora_name.is_some_and(|l| !l.is_empty()) {
+            return true;
+        }
+        if !ev.tokens_fit_u32 || ev.has_lookahead {
+            return true;
+        }
+        let (Some(&engine), Some(first)) = (
+            ev.block_hashes.first(),
+            ev.token_ids.get(..self.config.block_size),
+        ) else {
+            return true;
+        };
+        let mut own = None;
+        let hashed = self
+            .hasher
+            .hash_each(first, &ChainState::Root, &[], |value, _| {
+                own.get_or_insert(value);
+            });
+        hashed.is_err() || own.is_none_or(|h| h == engine)
     }
 
     fn store_rehash(&mut self, ev: &Event<'_>, tier: usize, per_block: usize) {

@@ -134,6 +134,7 @@ fn every_counter_counts_each_of_its_events_in_each_mode() {
         skipped_unknown_type: 2,
         index_rejected: 2,
         resets: 2,
+        foreign_hashes: 0,    // rehash mode compares nothing
         engine_block_size: 0, // cleared: unknown until the next GPU store names it
     };
     assert_eq!(a.counters("w").expect("counters"), rehash);
@@ -216,6 +217,9 @@ fn every_counter_counts_each_of_its_events_in_each_mode() {
         skipped_unknown_type: 1,
         index_rejected: 2,
         resets: 1,
+        // Roots whose first hash is not the profile's own: [1, 2], [2] and one per tier store
+        // ([13]'s wide tokens cannot be compared; the last tier store is refused first).
+        foreign_hashes: 2 + MAX_TIERS as u64,
         engine_block_size: 0, // cleared: unknown until the next GPU store names it
     };
     assert_eq!(d.counters("w").expect("counters"), direct);

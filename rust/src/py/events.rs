@@ -40,6 +40,7 @@ fn counters_dict<'py>(py: Python<'py>, c: &WorkerCounters) -> PyResult<Bound<'py
         skipped_unknown_type,
         index_rejected,
         resets,
+        foreign_hashes,
         engine_block_size,
     } = *c;
     for (k, v) in [
@@ -59,6 +60,7 @@ fn counters_dict<'py>(py: Python<'py>, c: &WorkerCounters) -> PyResult<Bound<'py
         ("skipped_unknown_type", skipped_unknown_type),
         ("index_rejected", index_rejected),
         ("resets", resets),
+        ("foreign_hashes", foreign_hashes),
         ("engine_block_size", engine_block_size),
     ] {
         d.set_item(k, v)?;
