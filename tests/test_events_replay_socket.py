@@ -14,8 +14,10 @@ from __future__ import annotations
 import errno
 import logging
 import threading
+import time
 
 import zmq
+from kvroute import PrefixIndex
 from kvroute.events import KvEventSubscriber
 from support.events_engine import own
 from support.helpers import wait_for
@@ -59,7 +61,8 @@ def refuse_dealers(sub: KvEventSubscriber, refusals: int) -> RefusingDealers:
 
 
 def replays_again(sub, engine, payloads, ctx: RefusingDealers, caplog) -> dict:
-    """After two refused DEALERs: the retry makes one, logged once each way, and the next gap is
+    """After three refused DEALERs (the first refused where one was replaced, two retries): the
+    third retry makes one, the first failure and the recovery logged, and the next gap is
     replayed over it; returns the stats at the end."""
     wait_for(lambda: ctx.made == 1, "the retry's DEALER")
     wait_for(lambda: sub._workers["w"].dealer is not None, "the DEALER in use")
@@ -72,7 +75,7 @@ def replays_again(sub, engine, payloads, ctx: RefusingDealers, caplog) -> dict:
         ),
         (logging.INFO, "worker w: its replay socket is made again"),
     ]
-    assert sub.stats()["w"]["replay_socket_failures"] == 2
+    assert sub.stats()["w"]["replay_socket_failures"] == 3
     seq = engine.publish(payloads[engine.seq], send=False)  # lost: a gap
     engine.publish(payloads[engine.seq])
     identity, start = engine.take_replay_request()
@@ -87,7 +90,7 @@ def test_a_replay_timed_out_goes_on_without_a_dealer_zmq_refuses(engines, caplog
     caplog.set_level(logging.INFO, logger="kvroute.events")
     engine, router, tokens, payloads = chain(engines, 6)
     with subscriber(router, engine, replay_timeout=0.2) as sub:
-        ctx = refuse_dealers(sub, 2)
+        ctx = refuse_dealers(sub, 3)
         open_gap(sub, engine, payloads, sent=2)  # 1 lost; 2 shows the gap, 3 buffered
         engine.take_replay_request()  # never answered: the replay times out
         wait_for(lambda: sub.stats()["w"]["replay_failures"] == 1, "the replay to time out")
@@ -100,7 +103,7 @@ def test_a_replay_timed_out_goes_on_without_a_dealer_zmq_refuses(engines, caplog
         sub._replay_timeout = 60.0  # the next replay is answered, however loaded the machine
         s = replays_again(sub, engine, payloads, ctx, caplog)
     assert counters(s) == (2, 2, 1, 1, 0)
-    assert (s["stale"], s["errors"], s["replay_socket_failures"]) == (False, 0, 2)
+    assert (s["stale"], s["errors"], s["replay_socket_failures"]) == (False, 0, 3)
     assert freshness(router, "w") == 1.0
 
 
@@ -108,7 +111,7 @@ def test_a_replay_past_the_live_head_goes_on_without_a_dealer_zmq_refuses(engine
     caplog.set_level(logging.INFO, logger="kvroute.events")
     engine, router, tokens, payloads = chain(engines, 6)
     with subscriber(router, engine) as sub:
-        ctx = refuse_dealers(sub, 2)
+        ctx = refuse_dealers(sub, 3)
         open_gap(sub, engine, payloads, sent=1)  # 1 lost, 2 shows the gap: live head 2
         identity, start = engine.take_replay_request()
         engine.publish(payloads[3], send=False)  # published, not yet delivered live
@@ -131,7 +134,7 @@ def test_a_disconnect_during_a_replay_goes_on_without_a_dealer_zmq_refuses(engin
     caplog.set_level(logging.INFO, logger="kvroute.events")
     engine, router, tokens, payloads = chain(engines, 6)
     with subscriber(router, engine) as sub:
-        ctx = refuse_dealers(sub, 2)
+        ctx = refuse_dealers(sub, 3)
         open_gap(sub, engine, payloads)
         engine.take_replay_request()
         wait_for(lambda: sub.stats()["w"]["pending"] == 4, "the buffered batches")
@@ -149,3 +152,52 @@ def test_a_disconnect_during_a_replay_goes_on_without_a_dealer_zmq_refuses(engin
     assert counters(s) == (2, 2, 0, 1, 0)
     assert (s["stale"], s["errors"]) == (False, 0)
     assert router.index.match(own(tokens)) == {"w": 3}  # the new engine's 0-2, 1 replayed
+
+
+def test_a_refused_dealer_is_tried_again_a_second_later(monkeypatch):
+    """Each refusal sets the next try ``_DEALER_RETRY`` (1 s) ahead, and the poll wakes for it;
+    once made, no try is pending. On a clock that stands still, without the poll thread."""
+    now = 1000.0
+    monkeypatch.setattr(time, "monotonic", lambda: now)
+    sub = KvEventSubscriber(
+        PrefixIndex(), {"w": "tcp://127.0.0.1:1"}, replay={"w": "tcp://127.0.0.1:2"}
+    )
+    sub._ctx = RefusingDealers(zmq.Context(), 2)
+    sub._poller = zmq.Poller()
+    w = sub._workers["w"]
+    try:
+        for failures in (1, 2):
+            sub._replace_dealer(w)
+            assert (w.dealer, w.dealer_retry) == (None, now + 1.0)
+            assert sub.stats()["w"]["replay_socket_failures"] == failures
+            assert sub._poll_timeout() == 1001  # until the try, rounded up to the next ms
+            now += 0.25
+        sub._replace_dealer(w)
+        assert w.dealer is not None and w.dealer_retry is None
+        assert sub._poll_timeout() == 1000  # nothing to wait for
+    finally:
+        if w.dealer is not None:
+            w.dealer.close(linger=0)
+        sub._ctx.term()
+
+
+def test_a_start_whose_replay_endpoint_is_refused_raises_and_leaves_no_socket():
+    """A DEALER made but refused its endpoint is closed before the error reaches ``start``: a
+    socket left open would make the context's ``term`` in ``start``'s clean-up wait forever."""
+    sub = KvEventSubscriber(
+        PrefixIndex(), {"w": "tcp://127.0.0.1:1"}, replay={"w": "not-a-transport://x"}
+    )
+    raised: list[BaseException] = []
+
+    def start():
+        try:
+            sub.start()
+        except BaseException as e:
+            raised.append(e)
+
+    starter = threading.Thread(target=start, daemon=True)
+    starter.start()
+    starter.join(10)
+    assert not starter.is_alive()  # start returned
+    assert [type(e) for e in raised] == [zmq.ZMQError] and not sub.running
+    assert (sub._workers["w"].dealer, sub._owner) == (None, {})
