@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -175,6 +176,32 @@ def test_full_block_traces_load_and_cut_short_rows_are_refused(tmp_path):
     path = _jsonl(tmp_path / "cut.jsonl", rows)
     with pytest.raises(ValueError, match=r"t.jsonl:4: .*no single block size fits every row"):
         load_mooncake(path, block_size=100)
+
+
+def test_a_few_short_rows_load_with_a_warning(tmp_path, caplog):
+    """A real trace's odd row (ids cut short) does not refuse the trace: up to SHORT_ROWS of the
+    rows may have fewer ids than blocks, logged; a wrong block size fits few rows and is still
+    refused, as is a row with more ids than blocks."""
+    rows = [_mooncake(1100, _ids(3, 10 * r), ts=r) for r in range(40)]  # ceil(1100 / 512) = 3
+    rows[7] = _mooncake(1100, _ids(1, 999), ts=7)  # 1 id for 3 blocks: cut short
+    path = _jsonl(tmp_path / "t.jsonl", rows)
+    with caplog.at_level(logging.WARNING, logger="kvroute.sim"):
+        w = load_trace(path)
+    assert w.num_blocks.tolist() == [3] * 7 + [1] + [3] * 32
+    (record,) = [r for r in caplog.records if r.name == "kvroute.sim"]
+    assert record.getMessage() == (
+        f"{path}: 1 of 40 rows have fewer hash_ids than their 512-token blocks (the first: line "
+        "8, 1 ids for 1100 tokens): their prompts' tails count as never cached"
+    )
+    rows[9] = _mooncake(1100, _ids(2, 888), ts=9)  # 2 of 40 = 5%: still tolerated
+    load_trace(_jsonl(tmp_path / "t2.jsonl", rows))
+    rows[11] = _mooncake(1100, _ids(2, 777), ts=11)  # 3 of 40: refused
+    with pytest.raises(ValueError, match=r"t3.jsonl:8: 1 hash_ids but input_length 1100"):
+        load_trace(_jsonl(tmp_path / "t3.jsonl", rows))
+    rows[9:12] = rows[8:9] * 3
+    rows[20] = _mooncake(1100, _ids(4, 555), ts=20)  # more ids than blocks: refused
+    with pytest.raises(ValueError, match=r"t4.jsonl:21: 4 hash_ids .* fills at most 3 blocks"):
+        load_trace(_jsonl(tmp_path / "t4.jsonl", rows))
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,10 @@ Ids are turned into prefix-chained hashes under one namespace per file
 (:func:`check_block_size`): one id per block on every row, the final partial block included
 (``len(hash_ids) == ceil(input_length / block_size)``, as in every row of both published Mooncake
 traces), or full blocks only on every row (``floor``: kv-cache-tester's convention, and kvroute's
-exports of such workloads); anything else is refused, naming the block sizes that fit every row.
+exports of such workloads). Up to :data:`SHORT_ROWS` of the rows may have fewer ids than that
+(a real trace's odd rows: a prompt whose ids were cut short; their tails count as never cached):
+they are logged as a warning, naming the first. A row with more ids than blocks, or more short
+rows, is refused, naming the block sizes that fit every row.
 Bad rows raise ``ValueError`` naming the file, the line and the value; nothing is returned
 half-loaded.
 """
@@ -24,6 +27,7 @@ half-loaded.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -34,9 +38,15 @@ import numpy as np
 from .trace_io import PathLike, check_ids, is_int, is_number, open_text, plain_name
 from .workloads import Workload, chain_block_ids, namespace_seed, offsets_from_lengths
 
+log = logging.getLogger("kvroute.sim")
+
+#: The largest share of a trace's rows that may have fewer ids than blocks (module docs).
+SHORT_ROWS = 0.05
+
 __all__ = [
     "BAILIAN_BLOCK_SIZE",
     "MOONCAKE_BLOCK_SIZE",
+    "SHORT_ROWS",
     "bailian_block_size",
     "block_size_range",
     "check_block_size",
@@ -164,8 +174,8 @@ def check_block_size(
     """Raises ``ValueError`` unless every row has one id per ``block_size``-token block: the final
     partial block included (``ceil``, as Mooncake and Qwen-Bailian traces are written) or full
     blocks only (``floor``, as kv-cache-tester traces and synthetic workloads are), the same on
-    every row. The message names the first row that does not fit and the block sizes that fit
-    every row."""
+    every row — but for at most :data:`SHORT_ROWS` of the rows with fewer ids (logged). The
+    message names the first row that does not fit and the block sizes that fit every row."""
     n = np.asarray(input_tokens, dtype=np.int64)
     k = np.asarray(num_ids, dtype=np.int64)
     ceil = -(-n // block_size)
@@ -173,7 +183,26 @@ def check_block_size(
     fits_ceil, fits_floor = k == ceil, k == floor
     if fits_ceil.all() or fits_floor.all():
         return
+    # The convention most rows follow; the others may be short (fewer ids), a few of them.
+    fits = fits_ceil if fits_ceil.sum() >= fits_floor.sum() else fits_floor
+    short = ~fits & (k < ceil)
+    if not (k > ceil).any() and short.sum() <= SHORT_ROWS * len(k):
+        r = int(np.argmax(short))
+        log.warning(
+            "%s: %d of %d rows have fewer hash_ids than their %d-token blocks (the first: line "
+            "%d, %d ids for %d tokens): their prompts' tails count as never cached",
+            path,
+            int(short.sum()),
+            len(k),
+            block_size,
+            lines[r],
+            k[r],
+            n[r],
+        )
+        return
     misfit = ~(fits_ceil | fits_floor)
+    if (k > ceil).any():  # more ids than blocks: named first, as no tolerance covers it
+        misfit = k > ceil
     r = int(np.argmax(misfit)) if misfit.any() else int(np.argmin(fits_ceil))
     if k[r] > ceil[r]:
         what = f"fills at most {ceil[r]} blocks of {block_size} tokens"
