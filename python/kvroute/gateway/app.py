@@ -417,8 +417,8 @@ class Gateway:
             sub = self.cluster.follower
         if sub is None:
             return {}
-        keys = ("last_seq", "stale", "gaps", "restarts", "disconnects", "resets", "blocks_stored")
-        keys += ("skipped_block_size", "foreign_hashes", "engine_block_size")
+        keys = ("last_seq", "stale", "gaps", "restarts", "disconnects", "resets", "malformed")
+        keys += ("blocks_stored", "skipped_block_size", "foreign_hashes", "engine_block_size")
         index = self.router.index
         out = {}
         for w, row in sub.stats().items():
