@@ -555,6 +555,12 @@ fn every_msgpack_encoding_of_every_field_decodes_to_its_value() {
             assert_eq!(e.lora_name, w.lora_name.as_deref(), "{at}");
             assert_eq!(e.cache_salt, w.cache_salt.as_deref(), "{at}");
             assert_eq!(e.extra_keys.raw(), w.extra.as_deref(), "{at}");
+            // `is_none`: the field absent, or its one value a msgpack nil (as rmp reads it).
+            let nil = w
+                .extra
+                .as_deref()
+                .is_none_or(|b| rmp::decode::read_nil(&mut &b[..]).is_ok());
+            assert_eq!(e.extra_keys.is_none(), nil, "{at}");
             assert_eq!(e.group_idx, w.group_idx, "{at}");
             assert_eq!(e.has_lookahead, w.lookahead, "{at}");
             shapes.insert((payload.len() / 64, e.kind as u8));
