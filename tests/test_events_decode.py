@@ -334,8 +334,13 @@ def test_sglang_payloads_rehash_into_the_sglang_profile():
     applier.apply("w", P.batch(events))
     assert index.match(engine) == {"w": 4}
     direct = PrefixIndex()
-    KvEventApplier(direct, mode="direct", hash_profile="sglang").apply("w", P.batch(events))
+    d = KvEventApplier(direct, mode="direct", hash_profile="sglang")
+    d.apply("w", P.batch(events))
     assert direct.match(engine) == {"w": 4}
+    assert d.stats("w")["foreign_hashes"] == 0  # the root page hashes as the profile does
+    vllm = KvEventApplier(PrefixIndex(), mode="direct", hash_profile="vllm")
+    vllm.apply("w", P.batch(events))
+    assert vllm.stats("w")["foreign_hashes"] == 1
     # A salted SGLang chain rehashes into the salted namespace.
     salted = PrefixIndex()
     KvEventApplier(salted, hash_profile="sglang").apply(
