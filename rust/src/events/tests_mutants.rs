@@ -563,3 +563,35 @@ fn an_engine_block_stored_again_at_one_router_block_is_removed_whole() {
         "the block 7 stands for now"
     );
 }
+
+/// Found beside events shard 20/40 (whose `m & 0xf0` → `m | 0xf0` in the same check is
+/// equivalent): the fast path of `block_hashes` reads a fixarray to the count its marker gives
+/// (`m & 0x0f`), as the fixstr test above for strings. Another count shows only when `uint64`
+/// values follow the array, 9 bytes apart — the batch's rank and trailing elements (skipped) may
+/// be; with them a count of 159 (`m | 0x0f`) took them as hashes and the batch was refused. Each
+/// length a fixarray can have (0 to 15), as the last field of the last event.
+#[test]
+fn a_fast_path_hash_array_ends_where_its_marker_says_before_uint64_values() {
+    for k in 0..=15u64 {
+        let hashes: Vec<u64> = (0..k).map(|i| (1 << 40) + i).collect();
+        let mut w = W::default();
+        w.arr(3 + 200).f(1.0).arr(1).map(2);
+        w.fs("type").fs("BlockRemoved").fs("block_hashes");
+        w.arr(hashes.len());
+        for &h in &hashes {
+            w.u(h); // uint64 (0xcf): the fast path's encoding
+        }
+        w.u(1 << 33); // the rank, a uint64
+        for i in 0..200 {
+            w.u((1 << 35) + i);
+        }
+        let mut b = Batch::default();
+        Decoder::new()
+            .decode(&w.0, &mut b)
+            .unwrap_or_else(|e| panic!("{k} hashes: {e}"));
+        let events: Vec<Event<'_>> = b.events(&w.0).collect();
+        assert_eq!(events.len(), 1, "{k} hashes");
+        assert_eq!(events[0].block_hashes, &hashes[..], "{k} hashes");
+        assert_eq!(b.dp_rank, Some(1 << 33), "{k} hashes");
+    }
+}
