@@ -146,6 +146,33 @@ def test_malformed_frames_are_counted_and_skipped(engines, caplog):
         assert "malformed KV event payload" in mine[2][1]
 
 
+def test_the_first_refusal_after_a_reset_is_a_warning_again(engines, caplog):
+    """A reset starts a new engine run (here the engine restarts: its numbering goes back): its
+    first refused message is logged as a warning again, the later ones at debug."""
+    caplog.set_level(logging.DEBUG, logger="kvroute.events")
+    engine = engines(replay=False)
+    a, b = chain_payloads(list(range(16 * 2)), 2)
+    with KvEventSubscriber(PrefixIndex(), {"w": engine.endpoint}) as sub:
+        engine.wait_subscriber()
+        for restart in (False, True):
+            if restart:
+                engine.restart()  # numbering from 0 again: a restart, the worker reset
+            engine.publish(a)
+            engine.send_raw([b"", b"\x00" * 8])  # two frames: refused
+            engine.send_raw([b"", b"\x00" * 8])
+            engine.publish(b)
+        wait_for(lambda: sub.stats()["w"]["malformed"] == 4, "four refusals")
+        wait_for(lambda: sub.stats()["w"]["batches"] == 4, "four batches")
+        s = sub.stats()["w"]
+    assert (s["restarts"], s["resets"], s["errors"]) == (1, 1, 0)
+    levels = [
+        r.levelno
+        for r in caplog.records
+        if r.name == "kvroute.events" and "refused" in r.getMessage()
+    ]
+    assert levels == [logging.WARNING, logging.DEBUG, logging.WARNING, logging.DEBUG]
+
+
 def test_several_engines_feed_one_router(engines):
     router = Router(["a", "b"], index="events")
     e1, e2 = engines(), engines()
