@@ -535,3 +535,5 @@ impl BlockHasher {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_pickle;

@@ -201,3 +201,53 @@ fn the_trees_memory_counts_each_part_at_its_size() {
     assert_eq!(d, node * (t.nodes.capacity() - cap));
     assert_eq!(grown(&mut t, &|t| t.heap_bytes += 1000), 1000);
 }
+
+/// cargo-mutants survivor (shard 12/40): `heap != heap_bytes || live != live_nodes` → `&&` in
+/// `Tree::check` reported the accounting only when both counts were wrong. For the class — each
+/// invariant the checker states, broken alone on a valid tree — every kind reachable through the
+/// tree's fields is reported with its own message: the heap count, the live-node count, an empty
+/// worker set, workers outside the parent's, a child newer than its parent, a wrong child count, a
+/// wrong parent link.
+#[test]
+fn the_checker_reports_each_invariant_broken_alone() {
+    use std::sync::atomic::Ordering;
+    let build = || {
+        let mut ix = PrefixIndex::new(None).unwrap();
+        ix.store("a", &[1, 2], None).unwrap();
+        ix.store("b", &[1, 3], None).unwrap();
+        ix.store("b", &[4], None).unwrap();
+        ix.check_invariants().unwrap();
+        ix
+    };
+    let ix = build();
+    let node_of = |ix: &PrefixIndex, h: u64| ix.tree.find(h).expect("stored").0 as usize;
+    type Break = fn(&mut PrefixIndex, usize, usize);
+    let cases: [(&str, Break); 7] = [
+        ("accounting: heap", |ix, _, _| ix.tree.heap_bytes += 1),
+        ("accounting: heap", |ix, _, _| ix.tree.live_nodes += 1),
+        ("empty run or worker set", |ix, _, leaf| {
+            ix.tree.nodes[leaf].workers = Default::default()
+        }),
+        ("workers not within parent's", |ix, _, leaf| {
+            ix.tree.nodes[leaf].workers.insert(7)
+        }),
+        ("newer than its parent", |ix, shared, leaf| {
+            let t = ix.tree.nodes[shared].tick();
+            ix.tree.nodes[leaf]
+                .last_used
+                .store(t + 1, Ordering::Relaxed)
+        }),
+        ("child count", |ix, shared, _| {
+            ix.tree.nodes[shared].num_children += 1
+        }),
+        ("bad links", |ix, _, leaf| ix.tree.nodes[leaf].parent = 0),
+    ];
+    let (shared, leaf) = (node_of(&ix, 1), node_of(&ix, 2));
+    assert_ne!(shared, leaf);
+    for (want, f) in cases {
+        let mut ix = build();
+        f(&mut ix, shared, leaf);
+        let err = ix.check_invariants().unwrap_err();
+        assert!(err.contains(want), "{want}: {err}");
+    }
+}
