@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvroute.server.metrics import Counter, Registry
+from kvroute.server.tasks import cancel_tasks
 
 __all__ = ["EngineLoad", "EngineScraper", "parse_engine_metrics"]
 
@@ -199,10 +200,7 @@ class EngineScraper:
     async def stop(self) -> None:
         self._started = False
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_tasks(task)
         if self._client is not None:
             await self._client.aclose()
             self._client = None

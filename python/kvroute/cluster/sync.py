@@ -49,6 +49,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvroute.server.metrics import Counter, Gauge, Registry
+from kvroute.server.tasks import cancel_tasks
 
 from .bus import StreamConsumer, connect, ensure_stream
 from .config import ClusterConfig
@@ -175,10 +176,7 @@ class ReplicaSync(StreamConsumer):
         """Publishes what it can within a second, then disconnects."""
         task, self._task = self._task, None
         drainer, self._drainer = self._drainer, None
-        if drainer is not None:
-            drainer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await drainer
+        await cancel_tasks(drainer)
         if task is not None:
             self._drain()
             if self.connected:

@@ -17,11 +17,12 @@ kinds publish no block size.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
 import json
 import logging
 from typing import Any
+
+from kvroute.server.tasks import cancel_tasks
 
 log = logging.getLogger("kvroute.gateway")
 
@@ -64,10 +65,7 @@ class EngineBlockSizes:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_tasks(task)
 
     def unknown(self) -> list[str]:
         return [n for n in self.names if self.router.engine_block_size(n) is None]

@@ -6,7 +6,8 @@
   worker is left;
 - ``health`` — the health model: ejection on failures, readmission by probing;
 - ``events`` — the KV-event subscriber of a server in events mode;
-- ``metrics`` — Prometheus counters, gauges and histograms on one registry.
+- ``metrics`` — Prometheus counters, gauges and histograms on one registry;
+- ``tasks`` — background tasks cancelled and awaited when a server stops.
 
 Nothing here imports an HTTP, gRPC or NATS library (zmq only when events mode starts): a server
 brings its own transport.

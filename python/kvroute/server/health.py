@@ -24,12 +24,12 @@ State changes happen on the server's event loop; the router is told through ``se
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 
 from .config import HealthConfig
+from .tasks import cancel_tasks
 
 __all__ = ["Health"]
 
@@ -159,10 +159,5 @@ class Health:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="kvroute-health")
 
     async def stop(self) -> None:
-        tasks = [*self._probes, *([self._task] if self._task is not None else [])]
-        self._task = None
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        task, self._task = self._task, None
+        await cancel_tasks(*self._probes, task)
