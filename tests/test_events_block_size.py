@@ -143,13 +143,15 @@ def test_equal_sizes_log_nothing(engines, caplog, mode):
     assert records(caplog) == []
 
 
-@pytest.mark.parametrize("mode", ["rehash", "direct"])
-def test_engine_pages_smaller_than_the_routers_blocks_are_named(engines, caplog, mode):
-    """SGLang's default page is 1 token: with a router at 16, each store is shorter than one
-    router block, which the applier skips as partial — the log says so, with SGLang's flag."""
+def test_engine_pages_smaller_than_the_routers_blocks_are_named_in_direct_mode(engines, caplog):
+    """Direct mode keys the index by the engine's hashes, so pages shorter than a router block
+    (SGLang's default page is 1 token) cannot be gathered: skipped as partial, and the log says
+    so, with SGLang's flag."""
     caplog.set_level(logging.WARNING, logger="kvroute.events")
     engine = engines(replay=False)
-    sub = KvEventSubscriber(PrefixIndex(), {"w": engine.endpoint}, mode=mode, hash_profile="sglang")
+    sub = KvEventSubscriber(
+        PrefixIndex(), {"w": engine.endpoint}, mode="direct", hash_profile="sglang"
+    )
     with sub:
         engine.wait_subscriber()
         engine.publish(P.batch([P.map16(P.stored_fields([31], None, [7], 1))]))
@@ -162,6 +164,62 @@ def test_engine_pages_smaller_than_the_routers_blocks_are_named(engines, caplog,
         "every store of this engine is skipped (stats: skipped_partial) and it is never credited "
         "with a cached prefix. Set the router's block_size to 1, or start the engine with blocks "
         "of 16 tokens (vLLM: --block-size, SGLang: --page-size)."
+    )
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_sglang_pages_are_gathered_into_router_blocks_in_rehash_mode(engines, caplog, page):
+    """SGLang's events as its radix cache sends them — one ``BlockStored`` per page, each
+    chained on the page before, ``block_size`` the page's length — for 40 tokens: the router
+    indexes its own two 16-token blocks, and only once every page of each is held."""
+    caplog.set_level(logging.INFO, logger="kvroute.events")
+    engine = engines(replay=False)
+    index = PrefixIndex()
+    tokens = [(7 * t) % 101 for t in range(40)]
+    pages = own(tokens, page, profile="sglang")  # SGLang's page hashes (signed int64)
+
+    def stores(first: int, last: int) -> bytes:
+        return P.batch(
+            [
+                P.map16(
+                    P.stored_fields(
+                        [pages[i]],
+                        pages[i - 1] if i else None,
+                        tokens[i * page : (i + 1) * page],
+                        page,
+                    )
+                )
+                for i in range(first, last)
+            ]
+        )
+
+    sub = KvEventSubscriber(index, {"w": engine.endpoint}, hash_profile="sglang")
+    routers = own(tokens, 16, profile="sglang")
+    with sub:
+        engine.wait_subscriber()
+        engine.publish(stores(0, 24 // page))  # 24 tokens: one router block and a half
+        s = published(sub, 0)
+        assert (s["blocks_stored"], s["skipped_partial"], s["engine_block_size"]) == (
+            24 // page,
+            0,
+            page,
+        )
+        assert index.match(routers) == {"w": 1}
+        engine.publish(stores(24 // page, 40 // page))
+        published(sub, 1)
+        assert index.match(routers) == {"w": 2}
+        # Evicted leaf first, as SGLang's radix cache does: the second block goes with its
+        # last page, the first stays.
+        engine.publish(P.batch([P.map16(P.removed_fields(pages[::-1][: 16 // page]))]))
+        published(sub, 2)
+        assert index.match(routers) == {"w": 1}
+    (record,) = records(caplog)
+    assert record.levelno == logging.INFO
+    assert record.getMessage() == (
+        f"worker w: the engine's KV blocks (pages) are {page} tokens and the router's 16: each "
+        f"router block is indexed once the engine holds all {16 // page} of its pages "
+        f"(block_size {page} would credit up to {16 - page} more tokens per request, with "
+        f"{16 // page} times more blocks to index)."
     )
 
 

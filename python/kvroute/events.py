@@ -661,8 +661,9 @@ class KvEventSubscriber:
 
     def _check_block_size(self, w: _Worker) -> None:
         """Once the worker's engine has stored a block, logs a block size the router cannot use
-        (error) or indexes at its own finer size (info for a router, which counts the worker's
-        matches in whole engine blocks; a warning for an index read directly, which does not)."""
+        (error), gathers into its own larger blocks (info: SGLang's pages) or indexes at its own
+        finer size (info for a router, which counts the worker's matches in whole engine blocks;
+        a warning for an index read directly, which does not)."""
         if not isinstance(self.applier, KvEventApplier):
             w.block_size_checked = True  # an event sink (the relay's outbox): no sizes to compare
             return
@@ -673,9 +674,24 @@ class KvEventSubscriber:
         router, mode = self.applier.block_size, self.applier.mode
         if engine == router:
             return
-        if engine < router:
-            # Fewer tokens than a router block: the applier cannot tell such a store from a
-            # partial block (e.g. SGLang's default page of 1 token).
+        if engine < router and mode == "rehash" and not router % engine:
+            # Pages (e.g. SGLang's default of 1 token) gathered into router blocks.
+            log.info(
+                "worker %s: the engine's KV blocks (pages) are %d tokens and the router's %d: "
+                "each router block is indexed once the engine holds all %d of its pages "
+                "(block_size %d would credit up to %d more tokens per request, with %d times "
+                "more blocks to index).",
+                w.name,
+                engine,
+                router,
+                router // engine,
+                engine,
+                router - engine,
+                router // engine,
+            )
+        elif engine < router:
+            # Fewer tokens than a router block, and not gathered (direct mode, or not a divisor
+            # of the router's block): skipped as partial blocks.
             log.error(
                 "worker %s: the engine's KV blocks (pages) are %d tokens, fewer than the router's "
                 "%d, so every store of this engine is skipped (stats: skipped_partial) and it is "

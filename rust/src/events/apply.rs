@@ -8,6 +8,7 @@ use hashbrown::{Equivalent, HashMap};
 use parking_lot::RwLock;
 
 use super::decode::{Batch, Decoder, Event, EventKind};
+use super::pages::Pages;
 use super::sizes::EngineBlockSizes;
 use crate::blocks::{BlockHasher, ChainState, Options, Profile};
 use crate::error::{Error, Result};
@@ -154,18 +155,20 @@ pub struct BatchOutcome {
 
 /// One worker's view of one tier's index.
 #[derive(Default)]
-struct TierState {
+pub(super) struct TierState {
     /// The worker's id in the tier's index and the name `Arc` the index held for it, to notice
     /// when the worker was removed from the index by someone else (ids are reused).
-    registered: Option<(WorkerId, Arc<str>)>,
+    pub(super) registered: Option<(WorkerId, Arc<str>)>,
     /// Rehash mode: engine hash → the last router block inside it (the parent of what follows;
     /// for the `native` profile also the chain state). 16-byte entries, the hot map.
-    links: HashMap<u64, u64>,
+    pub(super) links: HashMap<u64, u64>,
     /// Engine hash → the first router block inside it (what a removal drops), only for engine
     /// blocks of more than one router block (otherwise it is the `links` value).
-    firsts: HashMap<u64, u64>,
+    pub(super) firsts: HashMap<u64, u64>,
     /// Engine hash → SHA-256 chain state after its last router block (digest profiles only).
-    digests: HashMap<u64, [u8; 32]>,
+    pub(super) digests: HashMap<u64, [u8; 32]>,
+    /// Engine blocks smaller than the router's that do not complete one (see `pages`).
+    pub(super) pages: Pages,
 }
 
 impl TierState {
@@ -173,14 +176,15 @@ impl TierState {
         self.links.clear();
         self.firsts.clear();
         self.digests.clear();
+        self.pages.clear();
     }
 }
 
 #[derive(Default)]
-struct WorkerState {
-    counters: WorkerCounters,
+pub(super) struct WorkerState {
+    pub(super) counters: WorkerCounters,
     /// Indexed like [`Applier::indexes`]: 0 = GPU.
-    tiers: Vec<TierState>,
+    pub(super) tiers: Vec<TierState>,
 }
 
 #[derive(Hash, PartialEq, Eq)]
@@ -221,7 +225,9 @@ pub struct Applier {
 }
 
 #[derive(Default)]
-struct Scratch {
+pub(super) struct Scratch {
+    /// The tokens of one router block gathered from engine pages (see `pages`).
+    pub(super) tokens: Vec<u32>,
     own: Vec<u64>,
     ends: Vec<[u8; 32]>,
     /// Engine hashes of consecutive `BlockRemoved` events, not yet applied.
@@ -426,7 +432,11 @@ fn valid_id(index: &PrefixIndex, tier: &TierState) -> Option<WorkerId> {
 
 /// The worker's id in `index`, registering it when new (or when the index forgot it, in which
 /// case whatever the tier remembered about its blocks is dropped too).
-fn ensure_id(index: &mut PrefixIndex, tier: &mut TierState, name: &str) -> Result<WorkerId> {
+pub(super) fn ensure_id(
+    index: &mut PrefixIndex,
+    tier: &mut TierState,
+    name: &str,
+) -> Result<WorkerId> {
     if let Some(id) = valid_id(index, tier) {
         return Ok(id);
     }
@@ -440,16 +450,16 @@ fn ensure_id(index: &mut PrefixIndex, tier: &mut TierState, name: &str) -> Resul
 }
 
 /// Borrowed parts of the applier while one worker's events are applied.
-struct Ctx<'s> {
-    config: &'s Config,
+pub(super) struct Ctx<'s> {
+    pub(super) config: &'s Config,
     hasher: &'s BlockHasher,
     namespaces: &'s mut HashMap<Namespace, BlockHasher>,
-    indexes: &'s mut Vec<(Arc<str>, SharedPrefixIndex)>,
+    pub(super) indexes: &'s mut Vec<(Arc<str>, SharedPrefixIndex)>,
     registry: &'s TierRegistry,
     sizes: &'s EngineBlockSizes,
-    name: &'s str,
-    state: &'s mut WorkerState,
-    scratch: &'s mut Scratch,
+    pub(super) name: &'s str,
+    pub(super) state: &'s mut WorkerState,
+    pub(super) scratch: &'s mut Scratch,
     /// The tier of the removals gathered in `scratch.removed`, not yet applied.
     pending_tier: Option<usize>,
 }
@@ -481,7 +491,11 @@ impl Ctx<'_> {
     }
 
     /// The hasher for a chain in namespace (`salt`, `lora`).
-    fn hasher(&mut self, salt: Option<&str>, lora: Option<&str>) -> Result<&BlockHasher> {
+    pub(super) fn hasher(
+        &mut self,
+        salt: Option<&str>,
+        lora: Option<&str>,
+    ) -> Result<&BlockHasher> {
         if salt.is_none() && lora.is_none() {
             return Ok(self.hasher);
         }
@@ -534,12 +548,23 @@ impl Ctx<'_> {
         }
         let router = self.config.block_size;
         let engine = usize::try_from(ev.block_size).unwrap_or(usize::MAX);
-        if engine == 0 || n.checked_mul(engine) != Some(ev.token_ids.len()) || engine < router {
+        // Pages of fewer tokens than a router block are gathered into router blocks (rehash
+        // mode, a divisor of the router's size, and on the GPU the engine's block size: a
+        // smaller store there is a partial window or an SGLang short last page).
+        let pages = engine < router
+            && self.config.mode == Mode::Rehash
+            && engine > 0
+            && router.is_multiple_of(engine)
+            && !(on_gpu && engine < counters.engine_block_size as usize);
+        if engine == 0
+            || n.checked_mul(engine) != Some(ev.token_ids.len())
+            || (engine < router && !pages)
+        {
             counters.skipped_partial += 1;
             return;
         }
         let fits = match self.config.mode {
-            Mode::Rehash => engine % router == 0,
+            Mode::Rehash => pages || engine % router == 0,
             Mode::Direct => engine == router,
         };
         if !fits {
@@ -551,6 +576,7 @@ impl Ctx<'_> {
             return;
         };
         match self.config.mode {
+            Mode::Rehash if pages => self.store_pages(ev, tier, engine),
             Mode::Rehash => self.store_rehash(ev, tier, engine / router),
             Mode::Direct => self.store_direct(ev, tier),
         }
@@ -604,10 +630,15 @@ impl Ctx<'_> {
         hashed.is_err() || own.is_none_or(|h| h == engine)
     }
 
-    fn store_rehash(&mut self, ev: &Event<'_>, tier: usize, per_block: usize) {
+    /// The (salt, LoRA name) a rehashed store's chain starts in: the salt only for a root store
+    /// (`None` on a child). `None` (outer) when the router cannot rehash the store: tokens wider
+    /// than 32 bits, lookahead tokens, multimodal or embedding extra keys, a salt on a child.
+    pub(super) fn rehash_namespace<'e>(
+        &self,
+        ev: &Event<'e>,
+    ) -> Option<(Option<&'e str>, Option<&'e str>)> {
         if !ev.tokens_fit_u32 || ev.has_lookahead {
-            self.state.counters.skipped_unsupported += 1;
-            return;
+            return None;
         }
         let extra = ev.extra_keys.summary(ev.lora_name);
         let salt = match ev.parent {
@@ -616,11 +647,17 @@ impl Ctx<'_> {
             Some(_) => extra.salt,
         };
         if extra.unsupported || (ev.parent.is_some() && salt.is_some()) {
-            self.state.counters.skipped_unsupported += 1;
-            return;
+            return None;
         }
         let salt = salt.filter(|s| !s.is_empty());
-        let lora = ev.lora_name.filter(|s| !s.is_empty());
+        Some((salt, ev.lora_name.filter(|s| !s.is_empty())))
+    }
+
+    fn store_rehash(&mut self, ev: &Event<'_>, tier: usize, per_block: usize) {
+        let Some((salt, lora)) = self.rehash_namespace(ev) else {
+            self.state.counters.skipped_unsupported += 1;
+            return;
+        };
         let digest_chain = self.config.profile.chains_on_digest();
         let (parent, start) = match ev.parent {
             None => (None, ChainState::Root),
@@ -751,6 +788,10 @@ impl Ctx<'_> {
                                 false => state.firsts.remove(h),
                             };
                             removed.push(first.unwrap_or(last));
+                        } else if !state.pages.is_empty() {
+                            // A page inside a router block: its block, if completed, went with
+                            // the later page that completed it (engines evict leaf first).
+                            state.pages.remove(*h);
                         }
                         if !state.digests.is_empty() {
                             state.digests.remove(h);

@@ -18,9 +18,9 @@
 //!     (and in rehash mode its hashes cannot even be computed without the parent's chain state).
 //!     Such chains come back when the engine stores them again from the start (vLLM 0.33 re-emits
 //!     prefix-cache hits from block 0);
-//!   - a partial block (token count below the router's block size, or
-//!     `len(token_ids) != len(block_hashes) * block_size`, e.g. vLLM 0.33 partial windows or
-//!     SGLang's short last page) is skipped;
+//!   - a partial block (`len(token_ids) != len(block_hashes) * block_size`, or on the GPU a
+//!     store smaller than both the router's block and the engine's, e.g. vLLM 0.33 partial
+//!     windows or SGLang's short last page) is skipped;
 //!   - only KV-cache group `group_idx` (default 0) is followed: in hybrid models a sliding-window
 //!     group evicts blocks the full-attention group still holds;
 //!   - in rehash mode, keys the router cannot reproduce from the event (multimodal items, prompt
@@ -52,8 +52,12 @@
 //! - `E == R`: one router block per engine block.
 //! - Rehash, `E = k·R`: each engine block becomes `k` router blocks (its removal drops the first
 //!   of them and so all `k`). Lossless.
-//! - `E < R` cannot be told apart from a partial block and is skipped (`skipped_partial`);
-//!   `E` not a multiple of `R` (or, in direct mode, `E != R`) is skipped (`skipped_block_size`).
+//! - Rehash, `E < R` dividing `R` (SGLang's default page of 1 token): pages are gathered into
+//!   router blocks, each indexed once the engine has reported all its pages in one chain (see
+//!   `pages`). On the GPU a store smaller than the engine's block size (the largest since the
+//!   worker was last cleared) is a partial block, skipped (`skipped_partial`), as is any other
+//!   `E < R` (direct mode, or not a divisor). `E > R` not a multiple of `R` (or, in direct mode,
+//!   `E != R`) is skipped (`skipped_block_size`).
 //!   A divisor works in rehash mode, but the index then matches router blocks the engine holds
 //!   only as part of a whole engine block: the applier records each engine's `E` in
 //!   [`EngineBlockSizes`] (shared with the router that built it), and the router counts each
@@ -80,6 +84,7 @@ mod apply;
 pub mod decode;
 mod extra;
 mod keys;
+mod pages;
 mod reader;
 mod sizes;
 

@@ -847,3 +847,8 @@ mod encodings;
 /// Every per-worker counter, in each mode, read back whole (`tests_counters.rs`).
 #[path = "tests_counters.rs"]
 mod counters;
+
+/// Engine pages smaller than the router's block, against an engine emitting SGLang's events
+/// (`tests_pages.rs`).
+#[path = "tests_pages.rs"]
+mod pages;

@@ -1,0 +1,403 @@
+//! Engine pages smaller than the router's block (`pages`), against a reference: an engine that
+//! emits events as SGLang's radix cache does (one `BlockStored` per page, `block_size` the
+//! page's length, each page's parent the one before; removals leaf first), and the rule that the
+//! index holds a request's first `m` router blocks exactly when the engine holds every page of
+//! them. A child module of `tests`, sharing its payload writer.
+
+use std::collections::hash_map::Entry;
+use std::collections::{HashMap, HashSet};
+
+use super::*;
+
+/// SplitMix64: the tests' deterministic draws.
+struct Draw(u64);
+
+impl Draw {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+fn hashes(tokens: &[u64], block: usize, profile: Profile, salt: Option<&str>) -> Vec<u64> {
+    let options = Options {
+        salt: salt.map(str::to_owned),
+        ..Options::default()
+    };
+    let h = BlockHasher::new(block, profile, options).expect("hasher");
+    let mut out = Vec::new();
+    h.hash_into(tokens, &ChainState::Root, &[], &mut out)
+        .expect("hash");
+    out
+}
+
+/// An engine holding pages of `page` tokens, SGLang's way: page hashes chained per salt, a
+/// page's parent the page before it, eviction of leaf pages only.
+struct Engine {
+    page: usize,
+    /// Held page → (its parent, how many held pages have it as parent).
+    held: HashMap<u64, (Option<u64>, usize)>,
+}
+
+impl Engine {
+    /// The events of caching `tokens` (cut to whole pages): one `BlockStored` per new page.
+    fn insert(&mut self, w: &mut W, tokens: &[u64], salt: Option<&str>) -> usize {
+        let pages = hashes(tokens, self.page, Profile::Sglang, salt);
+        let mut events = 0;
+        let mut parent = None;
+        for (i, &h) in pages.iter().enumerate() {
+            if let Entry::Vacant(slot) = self.held.entry(h) {
+                slot.insert((parent, 0));
+                if let Some(p) = parent {
+                    self.held.get_mut(&p).expect("parent held").1 += 1;
+                }
+                let page = &tokens[i * self.page..(i + 1) * self.page];
+                let e = Ev {
+                    hashes: &[h],
+                    parent,
+                    tokens: page,
+                    block_size: self.page as u64,
+                    medium: None,
+                };
+                match salt {
+                    // SGLang names a salted request's salt on each of its stores.
+                    Some(s) => stored_with(w, &e, |more| {
+                        more.s("cache_salt").s(s);
+                        1
+                    }),
+                    None => stored(w, &e),
+                }
+                events += 1;
+            }
+            parent = Some(h);
+        }
+        events
+    }
+
+    /// Evicts up to `n` leaf pages (one `BlockRemoved` naming them); returns the events written.
+    fn evict(&mut self, w: &mut W, n: usize, draw: &mut Draw) -> usize {
+        let mut gone = Vec::new();
+        for _ in 0..n {
+            let mut leaves: Vec<u64> = self
+                .held
+                .iter()
+                .filter(|(_, &(_, children))| children == 0)
+                .map(|(&h, _)| h)
+                .collect();
+            if leaves.is_empty() {
+                break;
+            }
+            leaves.sort_unstable();
+            let h = leaves[draw.below(leaves.len())];
+            let (parent, _) = self.held.remove(&h).expect("leaf");
+            if let Some(p) = parent {
+                self.held.get_mut(&p).expect("parent").1 -= 1;
+            }
+            gone.push(h);
+        }
+        if gone.is_empty() {
+            return 0;
+        }
+        removed(w, &gone, None);
+        1
+    }
+
+    /// Tokens of `tokens`' longest prefix whose every page is held.
+    fn held_prefix(&self, tokens: &[u64], salt: Option<&str>) -> usize {
+        let pages = hashes(tokens, self.page, Profile::Sglang, salt);
+        pages
+            .iter()
+            .take_while(|h| self.held.contains_key(h))
+            .count()
+            * self.page
+    }
+}
+
+/// Requests drawn from a few shared prefixes (system prompts, documents) and random tails, some
+/// salted; after each insertion or eviction every request seen is matched against the rule.
+fn follow_engine(page: usize, router: usize, profile: Profile, seed: u64) {
+    let mut draw = Draw(seed);
+    let index = shared();
+    let config = Config {
+        block_size: router,
+        profile,
+        ..Config::default()
+    };
+    let mut a = Applier::new(index.clone(), config).expect("applier");
+    let mut engine = Engine {
+        page,
+        held: HashMap::new(),
+    };
+    let prefixes: Vec<Vec<u64>> = (0..3)
+        .map(|p| (0..(5 + 13 * p)).map(|t| (t * 7 + p) as u64 % 11).collect())
+        .collect();
+    let mut seen: Vec<(Vec<u64>, Option<&str>)> = Vec::new();
+    for step in 0..60 {
+        let payload = if step % 3 == 2 {
+            batch(|w| engine.evict(w, 1 + draw.below(12), &mut draw))
+        } else {
+            let mut tokens = prefixes[draw.below(prefixes.len())].clone();
+            let tail = draw.below(40);
+            tokens.extend((0..tail).map(|_| draw.below(5) as u64));
+            let salt = (draw.below(4) == 0).then_some("tenant-a");
+            let tokens = tokens[..tokens.len() / page * page].to_vec();
+            seen.push((tokens.clone(), salt));
+            batch(|w| engine.insert(w, &tokens, salt))
+        };
+        a.apply("w", &payload).expect("apply");
+        for (tokens, salt) in &seen {
+            let own = hashes(tokens, router, profile, *salt);
+            let want = (engine.held_prefix(tokens, *salt) / router) as u32;
+            assert_eq!(
+                matched(&index, &own, "w"),
+                want,
+                "page {page}, router {router}, {profile:?}, step {step}, salt {salt:?}: {tokens:?} {:?}",
+                a.counters("w")
+            );
+        }
+    }
+    let c = a.counters("w").expect("counters");
+    assert_eq!(
+        (
+            c.skipped_partial,
+            c.skipped_unknown_parent,
+            c.skipped_unsupported
+        ),
+        (0, 0, 0)
+    );
+    assert_eq!(c.index_rejected, 0);
+    assert_eq!(c.engine_block_size, page as u64);
+}
+
+#[test]
+fn pages_smaller_than_the_router_block_index_exactly_the_blocks_the_engine_holds() {
+    for (page, router) in [(1, 16), (2, 16), (4, 16), (8, 16), (1, 4), (16, 64)] {
+        let vllm = Profile::Vllm(Default::default());
+        for profile in [Profile::Native, Profile::Sglang, vllm] {
+            for seed in 0..3 {
+                follow_engine(page, router, profile, seed);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_page_shorter_than_the_engines_is_a_partial_block() {
+    let tokens: Vec<u64> = (0..16).collect();
+    let index = shared();
+    let mut a = Applier::new(index.clone(), Config::default()).expect("applier");
+    // Pages of 4: three whole ones, then SGLang's short last page (2 tokens, `block_size` 2):
+    // skipped, and the chain never completes a router block.
+    let p = batch(|w| {
+        for (i, chunk) in tokens[..14].chunks(4).enumerate() {
+            let parent = i.checked_sub(1).map(|p| p as u64 + 100);
+            let e = Ev {
+                hashes: &[i as u64 + 100],
+                parent,
+                tokens: chunk,
+                block_size: chunk.len() as u64,
+                medium: None,
+            };
+            stored(w, &e);
+        }
+        4
+    });
+    a.apply("w", &p).expect("apply");
+    let c = a.counters("w").expect("counters");
+    assert_eq!((c.blocks_stored, c.skipped_partial), (3, 1));
+    assert_eq!(matched(&index, &own_hashes(&tokens, 16), "w"), 0);
+    // The last whole page completes the block.
+    let p = batch(|w| {
+        let e = Ev {
+            hashes: &[103],
+            parent: Some(102),
+            tokens: &tokens[12..],
+            block_size: 4,
+            medium: None,
+        };
+        stored(w, &e);
+        1
+    });
+    a.apply("w", &p).expect("apply");
+    assert_eq!(matched(&index, &own_hashes(&tokens, 16), "w"), 1);
+    // Removing a page inside the block forgets it: a child of it has an unknown parent.
+    a.apply(
+        "w",
+        &batch(|w| {
+            removed(w, &[103], None);
+            removed(w, &[102], None);
+            2
+        }),
+    )
+    .expect("apply");
+    assert_eq!(matched(&index, &own_hashes(&tokens, 16), "w"), 0);
+    let p = batch(|w| {
+        let e = Ev {
+            hashes: &[103],
+            parent: Some(102),
+            tokens: &tokens[12..],
+            block_size: 4,
+            medium: None,
+        };
+        stored(w, &e);
+        1
+    });
+    a.apply("w", &p).expect("apply");
+    let c = a.counters("w").expect("counters");
+    assert_eq!((c.blocks_stored, c.skipped_unknown_parent), (4, 1));
+    assert_eq!(matched(&index, &own_hashes(&tokens, 16), "w"), 0);
+}
+
+#[test]
+fn pages_in_direct_mode_or_not_dividing_the_router_block_are_skipped() {
+    let tokens: Vec<u64> = (0..16).collect();
+    for (mode, page) in [(Mode::Direct, 4usize), (Mode::Rehash, 3), (Mode::Rehash, 5)] {
+        let index = shared();
+        let config = Config {
+            mode,
+            ..Config::default()
+        };
+        let mut a = Applier::new(index.clone(), config).expect("applier");
+        let n = 16 / page;
+        let p = batch(|w| {
+            for i in 0..n {
+                let e = Ev {
+                    hashes: &[i as u64 + 1],
+                    parent: i.checked_sub(1).map(|p| p as u64 + 1),
+                    tokens: &tokens[i * page..(i + 1) * page],
+                    block_size: page as u64,
+                    medium: None,
+                };
+                stored(w, &e);
+            }
+            n
+        });
+        a.apply("w", &p).expect("apply");
+        let c = a.counters("w").expect("counters");
+        assert_eq!(
+            (c.blocks_stored, c.skipped_partial),
+            (0, n as u64),
+            "{mode} {page}"
+        );
+        assert!(index.read().is_empty(), "{mode} {page}");
+    }
+}
+
+#[test]
+fn a_salted_chain_needs_its_salt_where_its_first_block_completes() {
+    let tokens: Vec<u64> = (0..32).collect();
+    let salted = hashes(&tokens, 16, Profile::Native, Some("s"));
+    // vLLM's way: the salt on the root store's extra keys only; the block completes in a later
+    // payload whose store does not name it, so the chain's first block is skipped.
+    let index = shared();
+    let mut a = Applier::new(index.clone(), Config::default()).expect("applier");
+    let root = batch(|w| {
+        let e = Ev {
+            hashes: &[1],
+            parent: None,
+            tokens: &tokens[..8],
+            block_size: 8,
+            medium: None,
+        };
+        stored_with(w, &e, |more| {
+            more.s("extra_keys").arr(1).arr(1).s("s");
+            1
+        });
+        1
+    });
+    a.apply("w", &root).expect("apply");
+    let next = batch(|w| {
+        let e = Ev {
+            hashes: &[2],
+            parent: Some(1),
+            tokens: &tokens[8..16],
+            block_size: 8,
+            medium: None,
+        };
+        stored(w, &e);
+        1
+    });
+    a.apply("w", &next).expect("apply");
+    let c = a.counters("w").expect("counters");
+    assert_eq!((c.blocks_stored, c.skipped_unsupported), (1, 1));
+    assert_eq!(matched(&index, &salted, "w"), 0);
+    // The same chain stored whole by its root: the salt seeds the block it completes.
+    let whole = batch(|w| {
+        let e = Ev {
+            hashes: &[1, 2, 3, 4],
+            parent: None,
+            tokens: &tokens,
+            block_size: 8,
+            medium: None,
+        };
+        stored_with(w, &e, |more| {
+            more.s("extra_keys").arr(4).arr(1).s("s").nil().nil().nil();
+            1
+        });
+        1
+    });
+    a.apply("w", &whole).expect("apply");
+    assert_eq!(matched(&index, &salted, "w"), 2);
+    let plain = hashes(&tokens, 16, Profile::Native, None);
+    assert_eq!(
+        matched(&index, &plain, "w"),
+        0,
+        "a salted chain is not the plain one"
+    );
+}
+
+#[test]
+fn a_clear_forgets_pages_and_the_arena_survives_many_removals() {
+    let mut draw = Draw(7);
+    let index = shared();
+    let mut a = Applier::new(index.clone(), Config::default()).expect("applier");
+    let mut engine = Engine {
+        page: 1,
+        held: HashMap::new(),
+    };
+    let mut all = HashSet::new();
+    // Many short chains stored and evicted: the arena is compacted along the way, and every
+    // chain still held matches as the rule says.
+    for round in 0..40 {
+        let tokens: Vec<u64> = (0..(16 + draw.below(40)))
+            .map(|_| draw.below(3) as u64)
+            .collect();
+        all.insert(tokens.clone());
+        a.apply("w", &batch(|w| engine.insert(w, &tokens, None)))
+            .expect("apply");
+        if round % 2 == 1 {
+            a.apply("w", &batch(|w| engine.evict(w, 200, &mut draw)))
+                .expect("apply");
+        }
+        for t in &all {
+            let want = (engine.held_prefix(t, None) / 16) as u32;
+            assert_eq!(matched(&index, &own_hashes(t, 16), "w"), want, "{t:?}");
+        }
+    }
+    a.clear_worker("w");
+    for t in &all {
+        assert_eq!(matched(&index, &own_hashes(t, 16), "w"), 0);
+    }
+    // After a clear, a child of a page held before it has an unknown parent.
+    let some = all.iter().next().expect("a chain").clone();
+    let pages = hashes(&some, 1, Profile::Sglang, None);
+    let p = batch(|w| {
+        let e = Ev {
+            hashes: &[pages[1]],
+            parent: Some(pages[0]),
+            tokens: &some[1..2],
+            block_size: 1,
+            medium: None,
+        };
+        stored(w, &e);
+        1
+    });
+    a.apply("w", &p).expect("apply");
+    assert_eq!(a.counters("w").expect("c").skipped_unknown_parent, 1);
+}
