@@ -144,6 +144,28 @@ def test_direct_model_is_open_and_unsalted(fleet, gw):
     assert models == {"base-model", "ep-acme"}
 
 
+def test_a_caller_cannot_name_an_endpoints_engine_cache_partition(fleet, gw):
+    """An endpoint's salt partitions the engines' prefix caches; SGLang keys its partitions by
+    ``cache_salt`` and ``extra_key`` joined, so a caller's ``extra_key`` naming the salt (or its
+    tail, after another endpoint's salt) would land in that partition and read its hits back in
+    ``cached_tokens``: neither field of a caller is forwarded."""
+    acme = gw.client("sk-acme")
+    question = LONG_SYSTEM + " The same question, twice."
+    chat(acme, "ep-acme", question)
+    salt = gw.gateway.router.endpoint_salt("ep-acme")
+    for client, model, extra_key in [
+        (gw.client(None), "base-model", salt),
+        (gw.client("sk-globex"), "ep-globex", salt),
+    ]:
+        resp = client.chat.completions.create(
+            model=model,
+            messages=messages(question),
+            extra_body={"extra_key": extra_key, "cache_salt": salt},
+        )
+        assert resp.usage.prompt_tokens_details.cached_tokens == 0, model
+    assert all(r["extra_key"] is None for r in fleet.records())
+
+
 def test_endpoints_are_isolated(fleet, gw):
     """Two tenants with the same prompt never share cached blocks (router or engine)."""
     acme, globex = gw.client("sk-acme"), gw.client("sk-globex")

@@ -199,6 +199,11 @@ class Upstream:
         prefixed = _PREFIXED_ID.fullmatch(upstream_id)
         rid = prefixed.group(1) if prefixed else upstream_id
         salt = body.get("cache_salt")
+        # SGLang keys its radix cache by the salt and its own `extra_key` joined
+        # (`"".join([cache_salt, extra_key])`): either names a partition.
+        extra_key = body.get("extra_key")
+        if isinstance(extra_key, str) and extra_key:
+            salt = (salt or "") + extra_key
         stream = body.get("stream") is True
         record = {
             "seq": next(_ARRIVALS),
@@ -206,7 +211,8 @@ class Upstream:
             "upstream_id": upstream_id,
             "path": request.url.path,
             "model": body.get("model"),
-            "cache_salt": salt,
+            "cache_salt": body.get("cache_salt"),
+            "extra_key": extra_key,
             "priority": body.get("priority"),
             "stream": stream,
             "stream_options": body.get("stream_options"),

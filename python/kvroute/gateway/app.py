@@ -19,8 +19,9 @@ Request path (``POST /v1/chat/completions``, ``POST /v1/completions``):
    upstream with ``model`` replaced by the real model name. For an endpoint with ``cache_salt =
    true`` and a ``vllm``/``sglang`` worker, ``cache_salt`` is set to the router's salt of that
    endpoint (``Router.endpoint_salt``), so the engine's prefix cache is partitioned per endpoint
-   exactly as the router's block hashes are. A ``cache_salt`` sent by the caller is never
-   forwarded: it would let one tenant name another's cache partition and probe it by timing.
+   exactly as the router's block hashes are. A ``cache_salt`` or SGLang ``extra_key`` sent by
+   the caller is never forwarded (SGLang partitions its cache by the two joined): either would
+   let one tenant name another's cache partition and read its hits (``cached_tokens``, timing).
    An endpoint's ``priority`` (``Router.add_endpoint(..., priority=)``) goes to ``vllm`` /
    ``sglang`` workers in each engine's own direction (``kvroute.server.config.engine_fields``);
    a caller's ``priority`` is never forwarded either: it would let anyone jump the queues.
@@ -113,7 +114,7 @@ from .stream import (
     first_events,
     wait_disconnect,
 )
-from .upstream import Flight, UpstreamBody, Upstreams, release_now
+from .upstream import CACHE_KEY_FIELDS, Flight, UpstreamBody, Upstreams, release_now
 from .usage import with_cache_fields_body
 
 __all__ = ["Gateway"]
@@ -699,7 +700,8 @@ class Gateway:
     ) -> UpstreamBody:
         body = dict(payload)
         body["model"] = target.upstream_model
-        body.pop("cache_salt", None)
+        for name in CACHE_KEY_FIELDS:  # a caller never names an engine's cache partition
+            body.pop(name, None)
         body.pop("priority", None)
         for name in HANDOVER_FIELDS:  # only the gateway may point an engine at another's KV
             body.pop(name, None)

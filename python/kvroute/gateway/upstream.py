@@ -34,6 +34,10 @@ from .metrics import GatewayMetrics
 from .rawjson import RawObject, dumps
 from .usage import routed_cached_tokens
 
+#: A caller's fields that name an engine's prefix-cache partition — vLLM's ``cache_salt``;
+#: SGLang's ``cache_salt`` and ``extra_key``, which it joins — never forwarded.
+CACHE_KEY_FIELDS = ("cache_salt", "extra_key")
+
 __all__ = ["Flight", "UpstreamBody", "Upstreams", "release", "release_now"]
 
 log = logging.getLogger("kvroute.gateway")
