@@ -5,6 +5,7 @@ of the test upstreams (a vLLM-like prefix cache each, reporting ``cached_tokens`
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -236,6 +237,47 @@ def test_nats_down_mid_run_fails_nothing_and_replicas_converge(nats_server):
         assert 'kvroute_cluster_bus_errors_total{op="bus"}' in gws[0].metrics() or (
             'kvroute_cluster_bus_errors_total{op="connect"}' in gws[0].metrics()
         )
+    finally:
+        for g in gws:
+            g.stop()
+        fleet.close()
+
+
+def test_nats_restarted_without_its_store_replicas_keep_syncing(nats_server):
+    """NATS comes back with an empty JetStream store (a pod without a persistent volume): the
+    stream starts again at sequence 1. Each replica notices it is not the stream it consumed
+    and consumes the new one from its start: every replica again predicts the same for every
+    prompt sent after the restart (with the old position kept, the new stream's batches were all
+    taken for duplicates of the old one's)."""
+    fleet = upstreams()
+    gws = [
+        gateway(fleet, cluster_section(nats_server, f"w{k}"), capacity_blocks=100_000)
+        for k in range(2)
+    ]
+    try:
+        wait_synced(gws)
+        run = Run([g.url for g in gws], threads=4)
+        run.run(workload(80, seed=3))
+        wait_synced(gws)
+        assert gws[0].get("/health").json()["cluster"]["stream_seq"] > 20
+        nats_server.kill()
+        shutil.rmtree(nats_server.store)
+        nats_server.start()
+        after = workload(30, seed=4)
+        run.run(after, start=80)
+        assert run.failures == []
+        wait_for(
+            lambda: all(
+                'kvroute_cluster_skipped_total{reason="stream_reset"} 1' in g.metrics()
+                for g in gws
+            ),
+            "both replicas to consume the new stream",
+            20,
+        )
+        wait_synced(gws, timeout=30)
+        first, second = predictions(gws, after)
+        assert first == second
+        assert any(first), "the replicas know the prompts sent after the restart"
     finally:
         for g in gws:
             g.stop()

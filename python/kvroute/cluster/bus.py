@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -13,6 +14,8 @@ from kvroute.server.metrics import Counter
 from .config import ClusterConfig
 
 __all__ = ["StreamConsumer", "connect", "ensure_stream", "keep_connected"]
+
+log = logging.getLogger("kvroute.cluster")
 
 
 async def connect(config: ClusterConfig, name: str, error_cb: Any = None) -> Any:
@@ -90,10 +93,41 @@ async def keep_connected(
 class StreamConsumer:
     """Takes one stream's messages once each, in stream order: a message at or below the last
     stream sequence handled (redelivered after a reconnect) is dropped and counted as a
-    ``duplicate`` in ``skipped``; the others go to ``apply(headers, data)``."""
+    ``duplicate`` in ``skipped``; the others go to ``apply(headers, data)``.
+
+    A consumer resumes after the last sequence it handled (:meth:`resume_from`) — unless the
+    stream is not the one it consumed: made anew (NATS restarted without its store, the stream
+    deleted) or ending before that sequence. It then starts from the new stream's beginning, so
+    that nothing published there is taken for a duplicate (counted as a ``stream_reset``)."""
 
     stream_seq: int
     skipped: Counter
+    #: The creation time of the stream instance consumed (``None`` before the first connection).
+    stream_created: str | None = None
+
+    async def resume_from(self, js: Any, stream: str) -> int:
+        """The stream sequence to consume ``stream`` from (see the class docs)."""
+        info = await js.stream_info(stream)
+        created, last = info.created, info.state.last_seq
+        known = self.stream_created
+        if self.stream_seq and ((known is not None and created != known) or last < self.stream_seq):
+            log.warning(
+                "cluster: stream %s is not the one consumed up to sequence %d (created %s, was "
+                "%s; its last sequence %d): consuming it from its start",
+                stream,
+                self.stream_seq,
+                created,
+                known,
+                last,
+            )
+            self.skipped.inc("stream_reset")
+            self.stream_seq = 0
+            self.on_stream_reset()
+        self.stream_created = created
+        return self.stream_seq + 1
+
+    def on_stream_reset(self) -> None:
+        """Called when the stream consumed was made anew (before consuming the new one)."""
 
     async def _on_msg(self, msg: Any) -> None:
         seq = msg.metadata.sequence.stream

@@ -284,7 +284,8 @@ class EventFollower(StreamConsumer):
             Counter(
                 "kvroute_cluster_events_skipped_total",
                 "Relay messages not applied or history lost: duplicate, malformed, gap "
-                "(worker cleared), relay_restart (worker cleared).",
+                "(worker cleared), relay_restart (worker cleared), stream_reset (the stream was "
+                "made anew: consumed from its start).",
                 ("reason",),
             )
         )
@@ -336,14 +337,14 @@ class EventFollower(StreamConsumer):
         cfg = self.config
         js = nc.jetstream(timeout=cfg.connect_timeout)
         await ensure_stream(js, cfg.events_stream, cfg.events_subject, cfg)
+        start = await self.resume_from(js, cfg.events_stream)
         await js.subscribe(
             cfg.events_subject,
             stream=cfg.events_stream,
             cb=self._on_msg,
             ordered_consumer=True,
             config=api.ConsumerConfig(
-                deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-                opt_start_seq=self.stream_seq + 1,
+                deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start
             ),
         )
         self.connected = True

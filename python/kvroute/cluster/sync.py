@@ -74,11 +74,14 @@ class _Publisher:
     starts its numbering (its earlier ones are in the snapshot, or gone with the stream's age).
     """
 
-    __slots__ = ("held", "upto")
+    __slots__ = ("held", "resync", "upto")
 
     def __init__(self) -> None:
         self.upto = -1
         self.held: dict[int, bytes] = {}
+        #: The stream was made anew: batches it lost never come, so the next batch after
+        #: ``upto`` is taken at once (a gap), not held for a missing one.
+        self.resync = False
 
 
 #: Batches held back per publisher waiting for a missing one; past this the gap is given up.
@@ -123,7 +126,8 @@ class ReplicaSync(StreamConsumer):
             Counter(
                 P + "skipped_total",
                 "Batches or updates not applied: duplicate, malformed, gap (batches given up), "
-                "unanchored, unknown_worker, inconsistent.",
+                "unanchored, unknown_worker, inconsistent; stream_reset (the stream was made "
+                "anew: consumed from its start).",
                 ("reason",),
             )
         )
@@ -249,7 +253,7 @@ class ReplicaSync(StreamConsumer):
         if not self._started:
             await self._load_snapshot()
             self._started = True
-        start = self.stream_seq + 1
+        start = await self.resume_from(js, cfg.stream)
         self._sub = await js.subscribe(
             cfg.subject,
             stream=cfg.stream,
@@ -340,6 +344,11 @@ class ReplicaSync(StreamConsumer):
         if n <= pub.upto or n in pub.held:
             self.skipped.inc("duplicate")
             return
+        if pub.resync:
+            pub.resync = False
+            if n != pub.upto + 1:
+                self.skipped.inc("gap")
+                pub.upto = n - 1
         pub.held[n] = data
         if n != pub.upto + 1 and len(pub.held) <= MAX_HELD:
             return  # ahead of a missing batch: wait for it
@@ -349,6 +358,10 @@ class ReplicaSync(StreamConsumer):
         while pub.upto + 1 in pub.held:
             pub.upto += 1
             self._apply_batch(publisher, pub.upto, pub.held.pop(pub.upto))
+
+    def on_stream_reset(self) -> None:
+        for pub in self._seen.values():
+            pub.resync = True
 
     def _apply_batch(self, publisher: str, n: int, data: bytes) -> None:
         own = publisher == self.replica
