@@ -268,8 +268,7 @@ def test_nats_restarted_without_its_store_replicas_keep_syncing(nats_server):
         assert run.failures == []
         wait_for(
             lambda: all(
-                'kvroute_cluster_skipped_total{reason="stream_reset"} 1' in g.metrics()
-                for g in gws
+                'kvroute_cluster_skipped_total{reason="stream_reset"} 1' in g.metrics() for g in gws
             ),
             "both replicas to consume the new stream",
             20,

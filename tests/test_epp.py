@@ -501,3 +501,38 @@ def test_requests_naming_no_model_are_direct_access(fresh):
         assert keyed.status == 200 and keyed.json["data"][0]["id"] == "m"
         assert "authorization" not in keyed.upstream_headers  # the caller's key stays here
         assert epp.router.load(worker_of(epp, keyed.picked))["active"] == 0
+
+
+def test_subset_hint_entries_are_compared_as_addresses():
+    """A subset hint names endpoints as the data plane spells them: an IPv6 address with or
+    without brackets, in any valid spelling (RFC 5952's canonical one or not, any case), with a
+    port or bare (every port of it). Each names the member at that address, as Python's
+    ``ipaddress`` reads it; anything else names nothing."""
+    from kvroute.epp.config import parse_config
+    from kvroute.epp.picker import Picker
+
+    workers = [("p0", "http://[fd00::1]:8000"), ("p1", "http://10.0.0.2:8000")]
+    workers.append(("p2", "http://[fd00::1]:8001"))
+    config = parse_config(
+        {"workers": [{"name": n, "url": u, "kind": "vllm"} for n, u in workers], "epp": {}}
+    )
+    picker = Picker(config)
+    cases = {
+        "[fd00::1]:8000": {"p0"},
+        "[fd00:0:0::1]:8000": {"p0"},
+        "[FD00:0000::0001]:8000": {"p0"},
+        "fd00::1": {"p0", "p2"},
+        "[fd00::1]": {"p0", "p2"},
+        "10.0.0.2": {"p1"},
+        "10.0.0.2:8000": {"p1"},
+        " 10.0.0.2:8000 ": {"p1"},
+        "10.0.0.2:9": set(),
+        "fd00::1:8000": set(),  # a bare IPv6 address: fd00::1:8000, not fd00::1 port 8000
+        "[fd00::1": set(),
+        "[fd00::1]x": set(),
+        "10.0.0.2:http": set(),
+        "pod-a:8000": set(),
+    }
+    for hint, want in cases.items():
+        assert picker._allowed([hint]) == want, hint
+    assert picker._allowed(["[fd00::1]:8001", "10.0.0.2"]) == {"p1", "p2"}

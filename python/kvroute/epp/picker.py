@@ -73,6 +73,30 @@ log = logging.getLogger("kvroute.epp")
 _EMPTY = np.zeros(0, dtype=np.uint32)
 
 
+def endpoint_key(address: str) -> tuple[str, int | None] | None:
+    """An endpoint as a data plane may spell it — ``ip:port``, ``[ipv6]:port``, or a bare ``ip``,
+    ``ipv6`` or ``[ipv6]`` (every port of it) — as (the IP in its canonical text, the port or
+    None); None when it names no IP address. ``[fd00:0:0::1]:8000`` and ``[fd00::1]:8000`` are
+    one endpoint."""
+    text, port = address.strip(), None
+    if text.startswith("["):
+        host, closed, rest = text[1:].partition("]")
+        if not closed or (rest and not (rest[:1] == ":" and rest[1:].isdigit())):
+            return None
+        port = int(rest[1:]) if rest else None
+    elif text.count(":") == 1:
+        host, _, digits = text.partition(":")
+        if not digits.isdigit():
+            return None
+        port = int(digits)
+    else:
+        host = text
+    try:
+        return str(ipaddress.ip_address(host)), port
+    except ValueError:
+        return None
+
+
 def address_of(worker: WorkerConfig) -> str:
     """A configured worker's ``ip:port`` (what the data plane's original-destination routing
     dials), from its ``url``; the host must be an IP address."""
@@ -157,6 +181,9 @@ class Picker:
         self.auth = Auth(config)  # type: ignore[arg-type]  # endpoints, server.models/key_digests
         self.members: dict[str, Member] = {}
         self.by_address: dict[str, Member] = {}
+        #: Members by (IP, port) and by IP (see `endpoint_key`).
+        self.by_key: dict[tuple[str, int | None], Member] = {}
+        self.by_ip: dict[str, list[Member]] = {}
         self.in_flight: dict[str, int] = {}
         self.salts: dict[str, str | None] = {}
         self.observer: Any = None  # called as observer(worker, predicted, reported, prompt)
@@ -184,6 +211,12 @@ class Picker:
             self.members[name] = m
             self.in_flight.setdefault(name, 0)
         self.by_address = {m.address: m for m in self.members.values()}
+        self.by_key, self.by_ip = {}, {}
+        for m in self.members.values():
+            key = endpoint_key(m.address)
+            if key is not None:
+                self.by_key[key] = m
+                self.by_ip.setdefault(key[0], []).append(m)
         healthy = sum(self.router.is_healthy(n) for n in self.members)
         present = set(self.router.endpoints)
         for ep in self.config.endpoints:
@@ -332,14 +365,15 @@ class Picker:
             return set(self.members)
         allowed = set()
         for entry in subset:
-            m = self.by_address.get(entry)
-            if m is not None:
-                allowed.add(m.name)
+            key = endpoint_key(entry)
+            if key is None:
                 continue
-            host = entry.strip("[]")  # a bare IP allows each of its ports
-            allowed.update(
-                m.name for m in self.members.values() if m.address.rsplit(":", 1)[0] == host
-            )
+            if key[1] is not None:
+                m = self.by_key.get(key)
+                if m is not None:
+                    allowed.add(m.name)
+            else:  # a bare IP allows each of its ports
+                allowed.update(m.name for m in self.by_ip.get(key[0], ()))
         return allowed
 
     def _saturated(self, allowed: set[str], endpoint: str | None) -> bool:
@@ -425,7 +459,8 @@ class Lease:
     def served(self, address: str | None) -> None:
         """The data plane says ``address`` served the request: move it there if it differs."""
         p = self.picker
-        member = p.by_address.get(address) if address else None
+        key = endpoint_key(address) if address else None
+        member = p.by_key.get(key) if key is not None else None
         if self.closed or member is None or member.name == self.worker:
             return
         target = self.request.target
