@@ -86,6 +86,34 @@ def test_a_connection_the_server_closed_is_not_reused():
         server.stop()
 
 
+def test_a_reused_connection_lost_before_any_answer_byte_is_sent_again():
+    """vLLM's API server meets an exception in its handler: a complete 500 without
+    ``connection: close``, then uvicorn closes the socket (``gateway_upstream.Crash``). The next
+    request reused that connection and was lost unanswered: it is sent again, once, on a new
+    connection — and the 500's connection, closed by the server, is not kept."""
+    u = Upstream("up-c")
+    u.crash = "boom"
+    server = ServerThread(u.app)
+    crash = json.dumps({"model": "m", "messages": [{"role": "user", "content": "boom"}]})
+
+    async def main():
+        p = pool(server.url)
+        r = await p.request("POST", "/v1/chat/completions", JSON, crash.encode())
+        assert (r.status_code, await r.read()) == (500, b"Internal Server Error")
+        assert r.keep_alive  # the server did not say it would close
+        await r.aclose()
+        assert (p.total, len(p.idle)) == (1, 1)
+        assert await p.get("/health") == 200  # sent on the 500's connection, then again
+        assert u.health_checks == 1  # the first never reached the handler
+        assert p.total == 1
+        await p.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop()
+
+
 def test_chunked_body_is_decoded_and_bounded():
     body = chunk(b'{"a": ') + chunk(b"1}") + b"0\r\n\r\n"
     head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"

@@ -52,6 +52,9 @@ class Reference:
             return True
         if self.count(worker) < self.eject_after:
             return False
+        return self.take_out_within_fraction(worker, now)
+
+    def take_out_within_fraction(self, worker: str, now: float) -> bool:
         # Never more than the fraction of the fleet out (counting those already out).
         if (len(self.out_since) + 1) > self.fraction * len(self.workers):
             return False
@@ -70,8 +73,8 @@ class Reference:
         if last is not None and now - last < self.interval:
             return False
         self.last_suspected[worker] = now
-        if answer != "ok":
-            self.take_out(worker, now)
+        if answer != "ok":  # a failed probe is a failure: within the fraction too
+            self.take_out_within_fraction(worker, now)
         return True
 
     def readmit(self, worker: str) -> None:
@@ -301,7 +304,11 @@ def test_every_log_line_names_the_worker_and_why(caplog):
         ("WARNING", "ejecting upstream a: 2 failures in a row"),
         ("WARNING", "upstream b failed (reset, 1 in a row)"),
         ("WARNING", "upstream b failed (reset, 2 in a row)"),
-        ("WARNING", "not ejecting b: 1 of 2 workers are out already (max_ejected_fraction 0.50)"),
+        (
+            "WARNING",
+            "not ejecting b (2 failures in a row): 1 of 2 workers are out already "
+            "(max_ejected_fraction 0.50)",
+        ),
         ("INFO", "upstream a is healthy again"),
         ("WARNING", "ejecting upstream b: a 5xx, and its health probe failed"),
         ("WARNING", "ejecting upstream a: connection refused"),

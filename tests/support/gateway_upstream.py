@@ -11,9 +11,10 @@ at most the blocks before the prompt's last token, which vLLM always recomputes)
 Each upstream records every request it receives (the ``x-request-id`` header as ``upstream_id``,
 and as ``id`` the caller's id in it — the gateway sends ``<16 hex digits>-<caller's id>`` — path,
 salt, model, whether it streamed) and which streams ended early (the client went away), and can be
-told to fail with a status (always, or for prompts containing ``poison``), to stall before
-answering, or to stream slowly. The reply's content is ``"<upstream name> <caller's request id>"``
-so a caller can check it got its own answer.
+told to fail with a status (always, or for prompts containing ``poison``), to crash on prompts
+containing ``crash`` (an exception in the handler, answered as uvicorn does: ``Crash``), to
+stall before answering, or to stream slowly. The reply's content is
+``"<upstream name> <caller's request id>"`` so a caller can check it got its own answer.
 
 Run as a script it serves N upstreams in one process and prints their ports as JSON
 (``python tests/support/gateway_upstream.py 4``), with ``/_test/records`` for the load test.
@@ -122,6 +123,9 @@ class Upstream:
             self.fail_status: int | None = None
             self.fail_times = 0  # < 0: always
             self.poison: str | None = None  # prompts containing it are answered 500
+            self.crash: str | None = None  # prompts containing it raise in the handler
+            self.crash_hold = 0.5  # seconds between a crash's 500 and its connection's close
+            self.health_checks = 0
             self.report_cached = True  # usage.prompt_tokens_details.cached_tokens (vLLM's flag)
             self.stall = 0.0
             self.chunks = 3
@@ -154,6 +158,8 @@ class Upstream:
     # ---- handlers ----------------------------------------------------------------------------
 
     async def _health(self, request: Request) -> Response:
+        with self.lock:
+            self.health_checks += 1
         return Response(status_code=self.health_status)
 
     async def _models(self, request: Request) -> Response:
@@ -221,6 +227,8 @@ class Upstream:
         }
         with self.lock:
             self.records.append(record)
+        if self.crash is not None and self.crash in (text or ""):
+            return Crash(self.crash_hold)
         status = self._failing()
         if self.poison is not None and self.poison in (text or ""):
             status = 500
@@ -325,6 +333,28 @@ class Upstream:
         finally:
             with self.lock:
                 (self.streams_completed if done else self.streams_ended_early).append(rid)
+
+
+class Crash(Response):
+    """An exception in the engine's handler, as vLLM's API server (FastAPI under uvicorn) meets
+    it: Starlette's ``ServerErrorMiddleware`` answers a complete 500 (``content-length``, no
+    ``connection: close``) and raises again, and uvicorn then closes the connection
+    (``run_asgi``: the response had started). A real server's close follows the answer at once,
+    and a request the client sends on the connection just then is lost unanswered — when the
+    client is quicker than the close. Here ``hold`` seconds pass between the two, with the
+    answer's bytes (the whole 500: ``content-length`` and body) on the wire but its end not yet
+    told to uvicorn (``more_body``), so a request sent in that time waits in uvicorn's pipeline
+    queue and is lost with the connection every time."""
+
+    def __init__(self, hold: float) -> None:
+        super().__init__("Internal Server Error", status_code=500, media_type="text/plain")
+        self.hold = hold
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 500, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.body, "more_body": True})
+        await asyncio.sleep(self.hold)
+        raise RuntimeError("the engine's handler failed")
 
 
 class ServerThread:

@@ -16,7 +16,14 @@ Guarantees:
   ``UpstreamError``; the first three (``NOT_SENT``) only before a connection was had, so no
   byte of the request left. A connection is reused only after a response was read to its end
   and the server did not ask to close it; an idle connection older than ``keepalive`` seconds,
-  or one the server closed, is never used.
+  or one the server closed (or is closing), is never used.
+- A request sent on a reused connection that is lost before any byte of the response arrived is
+  sent once more, on a new connection: a server may close a keep-alive connection just as a
+  request goes out on it — the keep-alive timeout's race, or uvicorn closing the socket after
+  the complete 500 it answered an application's exception with (no ``connection: close``), whose
+  close the pool cannot have seen yet. Such a server did not answer; it may have read the
+  request (a server that crashes on reading it fails the same way): the same request sent again
+  is at worst computed twice, which completions, having no side effects, allow.
 - Interim answers (1xx: ``100 Continue``, ``103 Early Hints``) are read and dropped, headers
   and all: ``status_code`` is the final answer's (a ``101`` switch is a ``ProtocolError``).
 - Backpressure: a response whose body is not being consumed stops reading from its socket past
@@ -103,6 +110,7 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.idle_since = 0.0
+        self.requests = 0  # sent on it: a reused connection has sent one before
         self.response: Response | None = None
         self._name = b""
         # Of the next byte, when one is awaited: one lazy timer per connection, so arming it
@@ -120,6 +128,7 @@ class _Connection(asyncio.Protocol):
         if self.response is None:  # bytes nobody asked for: the connection is unusable
             self._fail(ProtocolError("unsolicited bytes from the upstream"))
             return
+        self.response.answered = True
         self._arm()
         try:
             self.parser.feed_data(data)
@@ -216,6 +225,11 @@ class _Connection(asyncio.Protocol):
             self._arm()
             self.transport.resume_reading()
 
+    def usable(self) -> bool:
+        """Open, and not being closed by either side."""
+        t = self.transport
+        return not self.closed and t is not None and not t.is_closing()
+
     def close(self) -> None:
         self._read.cancel()
         if not self.closed:
@@ -228,6 +242,7 @@ class Response:
     """An upstream response: status and headers at once, the body as it arrives."""
 
     __slots__ = (
+        "answered",
         "buffered",
         "chunks",
         "complete",
@@ -253,6 +268,7 @@ class Response:
         self.error: UpstreamError | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.released = False
+        self.answered = False  # a byte of the answer arrived
 
     # ---- fed by the connection ---------------------------------------------------------------
 
@@ -337,7 +353,7 @@ class Response:
         self.released = True
         conn = self.conn
         conn.response = None
-        if self.complete and self.error is None and self.keep_alive and not conn.closed:
+        if self.complete and self.error is None and self.keep_alive and conn.usable():
             conn.pool._release(conn)
         else:
             conn.close()
@@ -435,14 +451,15 @@ class Pool:
         now = time.monotonic()
         while self.idle:
             conn = self.idle.pop()  # the most recently used: the least likely to be closed
-            if not conn.closed and now - conn.idle_since < self.keepalive:
+            if conn.usable() and now - conn.idle_since < self.keepalive:
                 return conn
             conn.close()
             self.total -= 1
         return None
 
-    async def _acquire(self) -> _Connection:
-        """A new connection, or one another request hands over, when none is idle."""
+    async def _acquire(self, fresh: bool = False) -> _Connection:
+        """A new connection, or one another request hands over, when none is idle (``fresh``:
+        never one that was used; one handed over is closed and its place taken by a new one)."""
         if self.total < self.max_connections:
             self.total += 1
             return await self._open()
@@ -458,7 +475,9 @@ class Pool:
             if waiter.done() and not waiter.cancelled():
                 self._release(waiter.result())  # what was handed over: passed on
             raise
-        if conn is None:
+        if conn is None or fresh or not conn.usable():
+            if conn is not None:
+                conn.close()  # its place in the pool is this request's
             return await self._open()
         return conn
 
@@ -467,14 +486,35 @@ class Pool:
     async def request(
         self, method: str, path: str, headers: str = "", body: bytes = b""
     ) -> Response:
-        """Sends one request; returns once the response's status and headers arrived.
+        """Sends one request; returns once the response's status and headers arrived (sent
+        again on a new connection if a reused one was lost before any byte of the answer).
         ``headers`` is preformatted (``"name: value\\r\\n"`` lines)."""
         conn = self._idle() or await self._acquire()  # an idle one: no coroutine to await
-        response = conn.response = Response(conn)
         head = (
             f"{method} {self.prefix}{path} HTTP/1.1\r\nhost: {self.authority}\r\n{self.fixed}"
             f"{headers}content-length: {len(body)}\r\n\r\n"
         ).encode("latin-1")
+        if conn.requests:
+            response = await self._send(conn, head, body, again=True)
+            if response is not None:
+                return response
+            try:
+                conn = await self._acquire(fresh=True)
+            except NOT_SENT as e:  # the request did leave, on the lost connection
+                raise ConnectionLost(
+                    f"the upstream closed the connection, and a new one failed: {e}"
+                ) from None
+        response = await self._send(conn, head, body, again=False)
+        assert response is not None
+        return response
+
+    async def _send(
+        self, conn: _Connection, head: bytes, body: bytes, again: bool
+    ) -> Response | None:
+        """One request on ``conn``: its response once the head arrived; None (``again``) when
+        the connection was lost before any byte of the answer."""
+        conn.requests += 1
+        response = conn.response = Response(conn)
         try:
             if conn.closed or conn.transport is None:
                 raise ConnectionLost("the upstream closed the connection")
@@ -485,6 +525,11 @@ class Pool:
             if conn.transport.get_write_buffer_size():  # the upstream is slow to take it
                 self.loop.call_later(self.write_timeout, conn._write_check, response)
             await response.head
+        except ConnectionLost:
+            await response.aclose()
+            if again and not response.answered:
+                return None
+            raise
         except BaseException:
             await response.aclose()
             raise

@@ -145,10 +145,10 @@ STATUS_5XX = UpstreamFailure(
 Row = tuple[tuple[type[BaseException], ...], UpstreamFailure]
 
 #: Sending the request and reading the response head (``kvroute.gateway.client``'s errors). A
-#: reset before any response byte is retried although the upstream may have read the request (a
-#: keep-alive connection it closed at that moment, typically): completions have no side effects,
-#: so at worst it computed twice. Read timeouts are not retried: the upstream may still be
-#: computing.
+#: reset before any response byte is retried although the upstream may have read the request
+#: (the client already sent it again once when a reused keep-alive connection was lost so):
+#: completions have no side effects, so at worst it computed twice. Read timeouts are not
+#: retried: the upstream may still be computing.
 SEND_FAILURES: tuple[Row, ...] = (
     ((ConnectFailed, ConnectTimeout), CONNECT),
     ((PoolTimeout,), POOL_TIMEOUT),

@@ -14,7 +14,8 @@ It is ejected
 
 A worker under suspicion (``suspect``: it failed a request that also failed elsewhere, so the
 request's content may be the cause) is probed at once, at most once per ``interval``: it is
-ejected if its health endpoint does not answer, and left alone otherwise.
+ejected if its health endpoint does not answer — within ``max_ejected_fraction`` too — and left
+alone otherwise.
 
 An ejected worker is readmitted when, at least ``eject_seconds`` after its ejection, its health
 endpoint answers (``probe``, every ``interval`` seconds); its failure count starts again at 0.
@@ -81,17 +82,23 @@ class Health:
         log.warning("upstream %s failed (%s, %d in a row)", worker, why, count)
         if count < self.config.eject_after or worker in self.ejected:
             return worker in self.ejected
+        return self._eject_within_limit(worker, f"{count} failures in a row")
+
+    def _eject_within_limit(self, worker: str, why: str) -> bool:
+        """Ejects the worker unless ``max_ejected_fraction`` of the fleet is out already."""
         limit = int(self.config.max_ejected_fraction * len(self.workers))
         if len(self.ejected) >= limit:
             log.warning(
-                "not ejecting %s: %d of %d workers are out already (max_ejected_fraction %.2f)",
+                "not ejecting %s (%s): %d of %d workers are out already "
+                "(max_ejected_fraction %.2f)",
                 worker,
+                why,
                 len(self.ejected),
                 len(self.workers),
                 self.config.max_ejected_fraction,
             )
             return False
-        self.eject(worker, f"{count} failures in a row")
+        self.eject(worker, why)
         return True
 
     def down(self, worker: str, why: str) -> None:
@@ -117,8 +124,8 @@ class Health:
             ok = await self._probe(worker)
         except Exception:
             ok = False
-        if ok is not True:
-            self.eject(worker, f"{why}, and its health probe failed")
+        if ok is not True and worker not in self.ejected:
+            self._eject_within_limit(worker, f"{why}, and its health probe failed")
 
     def eject(self, worker: str, why: str) -> None:
         if worker not in self.ejected:
