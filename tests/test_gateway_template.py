@@ -72,10 +72,13 @@ def test_list_content_follows_the_templates_content_format(tmp_path):
     # The template prints content: vLLM's "string" format joins the text parts with newlines.
     assert render(tmp_path, "{{ messages[0]['content'] }}", body) == "a\nb"
     # The template loops over content: vLLM's "openai" format keeps the text parts as objects.
-    loop = "{% for p in messages[0].content %}[{{ p.type }}:{{ p.text }}]{% endfor %}"
+    loop = "{% for m in messages %}{% for p in m.content %}[{{ p.type }}:{{ p.text }}]"
+    loop += "{% endfor %}{% endfor %}"
     assert render(tmp_path, loop, body) == "[text:a][text:b]"
-    alias = "{% set c = messages[0]['content'] %}{% for p in c %}<{{ p.text }}>{% endfor %}"
-    assert render(tmp_path, alias, {"messages": [{"role": "user", "content": "x"}]}) == "<x>"
+    # A loop over a message's content through a macro parameter, as vLLM follows it.
+    macro = "{% macro r(c) %}{% for p in c %}<{{ p.text }}>{% endfor %}{% endmacro %}"
+    macro += "{% for m in messages %}{{ r(m.content) }}{% endfor %}"
+    assert render(tmp_path, macro, {"messages": [{"role": "user", "content": "x"}]}) == "<x>"
 
 
 def test_hugging_face_environment(tmp_path):

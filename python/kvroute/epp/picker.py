@@ -176,7 +176,10 @@ class Picker:
             )
         )
         self.tokenizer = tokenizer or load_tokenizer(
-            config.tokenizer.path, config.tokenizer.bytes_per_token, config.tokenizer.model_dir
+            config.tokenizer.path,
+            config.tokenizer.bytes_per_token,
+            config.tokenizer.model_dir,
+            config.tokenizer.exclude_tools_when_tool_choice_none,
         )
         self.auth = Auth(config)  # type: ignore[arg-type]  # endpoints, server.models/key_digests
         self.members: dict[str, Member] = {}

@@ -228,7 +228,10 @@ class Gateway:
                 )
         self.router = router
         self.tokenizer = tokenizer or load_tokenizer(
-            config.tokenizer.path, config.tokenizer.bytes_per_token, config.tokenizer.model_dir
+            config.tokenizer.path,
+            config.tokenizer.bytes_per_token,
+            config.tokenizer.model_dir,
+            config.tokenizer.exclude_tools_when_tool_choice_none,
         )
         self.workers: dict[str, WorkerConfig] = {w.name: w for w in config.workers}
         self.auth = Auth(config)

@@ -67,6 +67,7 @@ Example (every key shown; only ``[[workers]]`` is required)::
     path = "/models/llama-3-8b/tokenizer.json"   # or only an HF `tokenizers` file (not the
                                                  # engine's tokens); neither: byte-level
     bytes_per_token = 4                          # byte-level fallback's pseudo-token width
+    exclude_tools_when_tool_choice_none = false  # as the engines' vLLM flag of that name
 
     [events]                         # kvroute.events.KvEventSubscriber (index = "events")
     topic = ""

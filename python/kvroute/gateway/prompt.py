@@ -6,7 +6,7 @@ engine prefills, so exact (events) mode sees the same blocks the engine caches. 
 vLLM's ``/v1/chat/completions`` preprocessing without transformers or torch:
 
 - the model's chat template (``chat_template.jinja``, else ``tokenizer_config.json``'s
-  ``chat_template``; a named ``tool_use`` template when the request has tools) rendered with
+  ``chat_template``; a named ``tool_use`` template when tools are passed) rendered with
   jinja2's ``ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)`` and the
   ``loopcontrols`` extension as Hugging Face's ``apply_chat_template`` does, with HF's ``tojson``
   (``json.dumps``, non-ASCII kept, keys unsorted), ``raise_exception`` and ``strftime_now``, and a
@@ -14,12 +14,24 @@ vLLM's ``/v1/chat/completions`` preprocessing without transformers or torch:
 - the variables vLLM passes: ``messages``, ``tools``, ``add_generation_prompt`` (the request's,
   default true), ``continue_final_message``, every special token of the tokenizer config
   (``bos_token``, ``eos_token``, …) and the request's ``chat_template_kwargs``;
-- messages normalized as vLLM's ``parse_chat_messages`` does: content parts joined with ``"\n"``
-  (``"string"`` content format) or kept as ``[{"type": "text", "text": …}]`` when the template
-  loops over ``message.content`` (``"openai"`` format); ``name``, assistant ``tool_calls`` (their
-  JSON ``arguments`` parsed to objects, as vLLM does), ``reasoning``, tool ``tool_call_id`` kept;
-  ``developer`` messages become ``system`` ones when the template does not name that role;
-- tools as vLLM's request model dumps them: ``{"type", "function": {"name", "description",
+- messages normalized as vLLM's ``parse_chat_messages`` does: the text-like parts (``text``,
+  ``input_text``, ``output_text``, ``refusal``, ``thinking``, each by its own field; ``text`` /
+  ``refusal`` parts without it skipped) and tool references (their ``name``) joined with ``"\n"``
+  (``"string"`` content format) or kept as ``[{"type": "text", "text": …}]`` /
+  ``{"type": "tool_reference", "name": …}`` (``"openai"`` format); a tool message's parts are
+  joined unless one is not text. The format is vLLM's detection (``template.content_format``):
+  ``"openai"`` when the template loops over ``m.content`` / ``m['content']`` of a loop variable
+  ``m`` over ``messages`` (or over a name assigned from it), also through a filter, a test or a
+  slice; over a macro parameter that a call of the macro fills with such a content, by position
+  or keyword; or, outside every macro, over a name ``content``. ``name``, assistant
+  ``tool_calls`` (their JSON ``arguments`` parsed to objects, as vLLM does), ``reasoning``, tool
+  ``tool_call_id`` kept; ``developer`` messages become ``system`` ones when the template does not
+  name that role;
+- ``tools`` passed as vLLM passes them: ``None`` only when the request has no ``tools`` (or, with
+  ``[tokenizer] exclude_tools_when_tool_choice_none = true`` — vLLM's
+  ``--exclude-tools-when-tool-choice-none``, off by default — when ``tool_choice`` is ``"none"``);
+  ``"tools": []`` reaches the template as ``[]`` (and selects a named ``tool_use`` template);
+- each tool as vLLM's request model dumps it: ``{"type", "function": {"name", "description",
   "parameters"[, "strict"][, "defer_loading"]}}``;
 - the text tokenized by the model's ``tokenizer.json`` (HF ``tokenizers``) with
   ``add_special_tokens`` = the request's (chat default false, completions default true — vLLM's
@@ -267,8 +279,11 @@ class ModelTokenizer(Tokenizer):
     slow = True
     exact = True
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, exclude_tools_when_tool_choice_none: bool = False) -> None:
         from .template import ChatTemplate
+
+        #: vLLM's ``--exclude-tools-when-tool-choice-none`` (``[tokenizer]``'s key of that name).
+        self.exclude_tools = exclude_tools_when_tool_choice_none
 
         root = Path(model_dir)
         if not (root / "tokenizer.json").is_file():
@@ -320,11 +335,13 @@ class ModelTokenizer(Tokenizer):
 
     def render(self, payload: dict[str, Any]) -> str:
         """The chat request's prompt text, as the engine renders it."""
-        tools = payload.get("tools")
+        from .template import template_tools
+
         template = self.templates["default"]
-        if tools and "tool_use" in self.templates:
-            template = self.templates["tool_use"]
-        return template.render(payload)
+        # transformers picks the named tool_use template whenever tools are passed, [] too.
+        if template_tools(payload, self.exclude_tools) is not None:
+            template = self.templates.get("tool_use", template)
+        return template.render(payload, self.exclude_tools)
 
     def chat_tokens(self, payload: dict[str, Any]) -> np.ndarray:
         text = self.render(payload)
@@ -341,12 +358,15 @@ class ModelTokenizer(Tokenizer):
 
 
 def load_tokenizer(
-    path: str | None, bytes_per_token: int = 4, model_dir: str | None = None
+    path: str | None,
+    bytes_per_token: int = 4,
+    model_dir: str | None = None,
+    exclude_tools_when_tool_choice_none: bool = False,
 ) -> Tokenizer:
     """The tokenizer a config asks for: the model directory's, else a tokenizer file's, else the
     byte-level fallback."""
     if model_dir is not None:
-        return ModelTokenizer(model_dir)
+        return ModelTokenizer(model_dir, exclude_tools_when_tool_choice_none)
     return ByteTokenizer(bytes_per_token) if path is None else HFTokenizer(path)
 
 

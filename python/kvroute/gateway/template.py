@@ -15,7 +15,7 @@ from typing import Any
 
 from .prompt import RequestError
 
-__all__ = ["ChatTemplate", "content_format"]
+__all__ = ["ChatTemplate", "content_format", "template_tools"]
 
 #: transformers' marker for ``continue_final_message`` (appended, rendered, cut at).
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
@@ -73,54 +73,162 @@ def _environment() -> Any:
     return env
 
 
-def _is_content(node: Any, nodes: Any, aliases: set[str]) -> bool:
-    """``x['content']`` / ``x.content`` for any ``x``, or a name assigned from one."""
-    if isinstance(node, nodes.Getitem):
-        return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
-    if isinstance(node, nodes.Getattr):
-        return node.attr == "content"
-    if isinstance(node, nodes.Filter) and node.node is not None:
-        return _is_content(node.node, nodes, aliases)
-    return isinstance(node, nodes.Name) and node.name in aliases
+class _Unsupported(Exception):
+    """A loop or assignment target vLLM's walk requires to be a plain name and that is not."""
+
+
+def _names(target: Any, nodes: Any) -> str:
+    if not isinstance(target, nodes.Name):
+        raise _Unsupported
+    return str(target.name)
+
+
+def _reads(node: Any, nodes: Any, var: str, key: str | None = None) -> bool:
+    """``var`` (``key`` given: ``var.key`` / ``var['key']``), also under filters, tests and
+    slices — what vLLM counts as reading a variable or its elements."""
+    while True:
+        if isinstance(node, (nodes.Filter, nodes.Test)):
+            node = node.node
+        elif isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+            node = node.node
+        else:
+            break
+    if key is not None:
+        if isinstance(node, nodes.Getitem):
+            if not (isinstance(node.arg, nodes.Const) and node.arg.value == key):
+                return False
+        elif not (isinstance(node, nodes.Getattr) and node.attr == key):
+            return False
+        node = node.node
+    return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == var
+
+
+def _loops_over_content(ast: Any, nodes: Any) -> bool:
+    """vLLM's walk (``vllm/renderers/hf.py``, 0.32), re-implemented: the rules are in the
+    ``prompt`` module docs."""
+    lists = ["messages"]
+    for var in lists:
+        for a in ast.find_all(nodes.Assign):
+            if _reads(a.node, nodes, var):
+                name = _names(a.target, nodes)
+                if name not in lists:
+                    lists.append(name)
+    loops = list(ast.find_all(nodes.For))
+    messages = [
+        _names(f.target, nodes) for f in loops if any(_reads(f.iter, nodes, v) for v in lists)
+    ]
+
+    def is_content(node: Any) -> bool:
+        return any(_reads(node, nodes, m, "content") for m in messages)
+
+    bound: dict[int, set[str]] = {}
+    in_macro: set[int] = set()
+    calls = list(ast.find_all(nodes.Call))
+    for macro in ast.find_all(nodes.Macro):
+        params = [a.name for a in macro.args]
+        filled: set[str] = set()
+        for call in calls:
+            if isinstance(call.node, nodes.Name) and call.node.name == macro.name:
+                filled.update(
+                    params[i] for i, a in enumerate(call.args[: len(params)]) if is_content(a)
+                )
+                filled.update(k.key for k in call.kwargs if k.key in params and is_content(k.value))
+        for loop in macro.find_all(nodes.For):
+            in_macro.add(id(loop))
+            if filled:
+                bound[id(loop)] = filled
+    for loop in loops:
+        it = loop.iter
+        if is_content(it):
+            pass
+        elif isinstance(it, nodes.Name) and it.name in bound.get(id(loop), ()):
+            pass
+        elif not (isinstance(it, nodes.Name) and it.name == "content" and id(loop) not in in_macro):
+            continue
+        _names(loop.target, nodes)
+        return True
+    return False
 
 
 def content_format(env: Any, source: str) -> str:
     """vLLM's detection: ``"openai"`` when the template loops over a message's content (it
-    expects a list of parts), ``"string"`` otherwise."""
+    expects a list of parts), ``"string"`` otherwise — also for a template that does not parse
+    or whose walk meets a target that is not a plain name (vLLM's default)."""
     from jinja2 import nodes
 
     try:
-        ast = env.parse(source)
+        return "openai" if _loops_over_content(env.parse(source), nodes) else "string"
     except Exception:
         return "string"
-    aliases: set[str] = set()
-    for assign in ast.find_all(nodes.Assign):
-        if isinstance(assign.target, nodes.Name) and _is_content(assign.node, nodes, set()):
-            aliases.add(assign.target.name)
-    for loop in ast.find_all(nodes.For):
-        if _is_content(loop.iter, nodes, aliases):
-            return "openai"
-    return "string"
 
 
-def _text_parts(role: str, content: Any) -> list[str]:
+#: Content parts vLLM reads as text (``TEXT_PART_TYPES``), each by its field.
+_TEXT_FIELDS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+
+
+#: vLLM's media part types (a part without a ``type`` is one when it has such a key).
+_MEDIA = (
+    "image_url",
+    "input_image",
+    "image_pil",
+    "image_embeds",
+    "audio_embeds",
+    "video_embeds",
+    "prompt_embeds",
+    "audio_url",
+    "input_audio",
+    "video_url",
+)
+
+
+def _parts(role: str, content: Any) -> list[dict[str, Any]]:
+    """The text-like parts of a message as vLLM's "openai" format hands them to a template:
+    ``{"type": "text", "text": …}`` for every text-like part (``text``, ``input_text``,
+    ``output_text``, ``refusal``, ``thinking``; a ``text`` or ``refusal`` part without its
+    field is skipped, as vLLM skips it) and ``{"type": "tool_reference", "name": …}``."""
     if content is None:
         return []
     if isinstance(content, str):
-        return [content]
+        return [{"type": "text", "text": content}]
     if not isinstance(content, list):
         raise RequestError(f"{role} message content must be a string or a list of parts")
-    texts = []
+    out = []
     for part in content:
         if isinstance(part, str):
-            texts.append(part)
-        elif isinstance(part, dict) and part.get("type", "text") in ("text", "input_text"):
-            text = part.get("text")
+            out.append({"type": "text", "text": part})
+            continue
+        if not isinstance(part, dict):
+            raise RequestError(f"a content part of a {role} message is not an object")
+        kind = part.get("type")
+        if kind is None:
+            kind = next((k for k in _MEDIA if k in part), None)
+            if kind is None:
+                raise RequestError(f"a content part of a {role} message has no 'type'")
+        if kind in _TEXT_FIELDS:
+            text = part.get(_TEXT_FIELDS[kind])
+            if text is None and kind in ("text", "refusal"):
+                continue
             if not isinstance(text, str):
-                raise RequestError(f"a text part of a {role} message has no string 'text'")
-            texts.append(text)
-        # Non-text parts (images, audio …) become engine-specific placeholders: not routed.
-    return texts
+                raise RequestError(
+                    f"a {kind} part of a {role} message has no string {_TEXT_FIELDS[kind]!r}"
+                )
+            out.append({"type": "text", "text": text})
+        elif kind == "tool_reference":
+            if not isinstance(part.get("name"), str):
+                raise RequestError(
+                    f"a tool_reference part of a {role} message has no string 'name'"
+                )
+            out.append({"type": "tool_reference", "name": part["name"]})
+        elif kind not in _MEDIA:
+            raise RequestError(f"unsupported content part type {kind!r} in a {role} message")
+        # Media parts (images, audio …) become engine-specific placeholders: not routed.
+    return out
 
 
 def _tool_call(call: Any) -> Any:
@@ -149,12 +257,11 @@ def _message(m: Any, fmt: str, developer: bool) -> dict[str, Any]:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise RequestError("every message must be an object with a string 'role'")
     role = m["role"]
-    texts = _text_parts(role, m.get("content"))
+    parts = _parts(role, m.get("content"))
     out: dict[str, Any] = {"role": role}
-    if fmt == "openai":
-        out["content"] = [{"type": "text", "text": t} for t in texts]
-    else:
-        out["content"] = "\n".join(texts)
+    # "string" format: the texts (a tool reference's name among them) joined with newlines.
+    joined = "\n".join(p.get("text", p.get("name", "")) for p in parts)
+    out["content"] = parts if fmt == "openai" else joined
     if role == "assistant":
         calls = m.get("tool_calls")
         if isinstance(calls, list) and calls:
@@ -164,8 +271,9 @@ def _message(m: Any, fmt: str, developer: bool) -> dict[str, Any]:
     elif role == "tool":
         if "tool_call_id" in m:
             out["tool_call_id"] = m["tool_call_id"]
-        if isinstance(out["content"], list):
-            out["content"] = "\n".join(texts)
+        # vLLM joins a tool result's text parts into one string unless a part is not text.
+        if fmt == "openai" and all(p["type"] == "text" for p in parts):
+            out["content"] = "\n".join(p["text"] for p in parts)
     if isinstance(m.get("name"), str):
         out["name"] = m["name"]
     if role == "developer" and not developer:
@@ -198,6 +306,18 @@ def _tool(tool: Any) -> dict[str, Any]:
     return out
 
 
+def template_tools(payload: dict[str, Any], exclude_when_choice_none: bool) -> Any:
+    """The ``tools`` a template sees, as vLLM passes them: ``None`` when the request has none
+    (or with vLLM's ``--exclude-tools-when-tool-choice-none`` when ``tool_choice`` is
+    ``"none"``), else the list — an empty one included."""
+    tools = payload.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise RequestError("'tools' must be a list")
+    if tools is None or (exclude_when_choice_none and payload.get("tool_choice") == "none"):
+        return None
+    return [_tool(t) for t in tools]
+
+
 class ChatTemplate:
     """One compiled chat template and the tokenizer's special tokens."""
 
@@ -214,15 +334,14 @@ class ChatTemplate:
 
         self.variables = meta.find_undeclared_variables(env.parse(source))
 
-    def render(self, payload: dict[str, Any]) -> str:
+    def render(
+        self, payload: dict[str, Any], exclude_tools_when_tool_choice_none: bool = False
+    ) -> str:
         messages = payload.get("messages")
         if not isinstance(messages, list):
             raise RequestError(f"'messages' must be a list, got {type(messages).__name__}")
         conversation = [_message(m, self.content_format, self.developer_role) for m in messages]
-        tools = payload.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise RequestError("'tools' must be a list")
-        tool_dicts = [_tool(t) for t in tools] if tools else None
+        tool_dicts = template_tools(payload, exclude_tools_when_tool_choice_none)
         extra = payload.get("chat_template_kwargs")
         extra = {} if extra is None else extra
         if not isinstance(extra, dict):

@@ -136,6 +136,9 @@ class TokenizerConfig:
     #: The served model's directory: its chat template and tokenizer.json (engine-exact tokens).
     model_dir: str | None = None
     bytes_per_token: int = 4
+    #: vLLM's ``--exclude-tools-when-tool-choice-none`` (default off, as vLLM's): the engines
+    #: render ``tool_choice: "none"`` requests without their tools.
+    exclude_tools_when_tool_choice_none: bool = False
 
 
 @dataclass(frozen=True)
@@ -456,6 +459,9 @@ def parse_fleet(
         path=tk.get("path", str, None),
         model_dir=tk.get("model_dir", str, None),
         bytes_per_token=tk.positive("bytes_per_token", int, TokenizerConfig.bytes_per_token),
+        exclude_tools_when_tool_choice_none=tk.get(
+            "exclude_tools_when_tool_choice_none", bool, False
+        ),
     )
     tk.done()
     if tokenizer.bytes_per_token > 4:
