@@ -553,7 +553,6 @@ impl Ctx<'_> {
         // smaller store there is a partial window or an SGLang short last page).
         let pages = engine < router
             && self.config.mode == Mode::Rehash
-            && engine > 0
             && router.is_multiple_of(engine)
             && !(on_gpu && engine < counters.engine_block_size as usize);
         if engine == 0

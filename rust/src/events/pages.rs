@@ -324,3 +324,82 @@ enum Skip {
     Unsupported,
     Rejected,
 }
+
+#[cfg(test)]
+mod arena {
+    use std::collections::HashMap;
+
+    use super::{Cursor, Pages};
+
+    /// Pages stored and forgotten in bulk: every live page keeps its own tokens through the
+    /// compactions, the arena holds the live tokens plus the dead ones not yet compacted away, and
+    /// those never exceed the larger of 4,096 and the live ones.
+    #[test]
+    fn the_arena_keeps_each_pages_tokens_and_stays_bounded() {
+        let mut pages = Pages::default();
+        let mut live: HashMap<u64, Vec<u32>> = HashMap::new();
+        let mut compactions = 0;
+        for round in 0..60u64 {
+            for i in 0..100u64 {
+                let h = round * 1000 + i;
+                let tokens: Vec<u32> = (0..(1 + i % 4)).map(|k| (h * 7 + k) as u32).collect();
+                let at = Cursor {
+                    prev: None,
+                    filled: tokens.len(),
+                    salted: false,
+                };
+                assert!(pages.insert(h, at, &tokens));
+                live.insert(h, tokens);
+            }
+            let mut gone: Vec<u64> = live.keys().copied().filter(|h| h % 10 != 0).collect();
+            gone.sort_unstable();
+            for h in gone {
+                let before = pages.tokens.len();
+                assert!(pages.remove(h));
+                assert!(!pages.remove(h), "removed once");
+                compactions += usize::from(pages.tokens.len() < before);
+                live.remove(&h);
+                let held: usize = live.values().map(Vec::len).sum();
+                assert_eq!(pages.tokens.len(), held + pages.dead);
+                assert!(
+                    pages.dead <= held.max(4096),
+                    "{} dead, {held} live",
+                    pages.dead
+                );
+            }
+            for (h, tokens) in &live {
+                let page = pages.map[h];
+                let (at, len) = (page.at as usize, page.len as usize);
+                assert_eq!(&pages.tokens[at..at + len], &tokens[..], "page {h}");
+            }
+        }
+        assert!(compactions > 0);
+        // Then more live tokens than 4,096, most of them forgotten: compacted past 4,096 too.
+        for i in 0..4000u64 {
+            let h = 1_000_000 + i;
+            let tokens = vec![i as u32; 4];
+            let at = Cursor {
+                prev: None,
+                filled: 4,
+                salted: false,
+            };
+            assert!(pages.insert(h, at, &tokens));
+            live.insert(h, tokens);
+        }
+        for h in 1_000_000..1_003_000u64 {
+            assert!(pages.remove(h));
+            live.remove(&h);
+            let held: usize = live.values().map(Vec::len).sum();
+            assert_eq!(pages.tokens.len(), held + pages.dead);
+            assert!(
+                pages.dead <= held.max(4096),
+                "{} dead, {held} live",
+                pages.dead
+            );
+        }
+        for h in live.keys().copied().collect::<Vec<_>>() {
+            assert!(pages.remove(h));
+        }
+        assert!(pages.is_empty() && pages.tokens.is_empty() && pages.dead == 0);
+    }
+}
