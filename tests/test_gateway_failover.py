@@ -13,13 +13,17 @@ test upstreams.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from typing import Any
 
 import httpx
+import openai
 import pytest
+from kvroute.gateway.errors import EMPTY_STREAM, STREAM_ERROR
+from kvroute.gateway.stream import first_failure
 from support.gateway_faults import SSE_HEAD, FaultServer, chunk, delta, reply
 from support.gateway_fleet import (
     Fleet,
@@ -393,6 +397,122 @@ def test_a_request_that_crashes_every_engine_ejects_none():
                 assert post(gw, f"rq-{i}", stream=False).status_code == 200
     finally:
         fleet.close()
+
+
+ENGINE_ERROR = {
+    "message": "EngineCore encountered an issue. See stack trace for the root cause.",
+    "type": "InternalServerError",
+    "param": None,
+    "code": 500,
+}
+
+
+def test_a_stream_whose_first_event_is_the_engines_error_is_retried(caplog):
+    """vLLM answers a stream whose generation fails before any output with a 200, one error
+    event and ``data: [DONE]``. That is the worker's failure, as a 5xx would be: the request is
+    retried on the other worker, which serves it; the failure is counted and charged."""
+    fleet = Fleet(2)
+    try:
+        cfg = config_dict(fleet, gateway={"models": ["m"], "eject_after": 1000})
+        with GatewayServer(cfg) as gw:
+            # A non-streamed request first: the prompt's prefix is then cached on one worker,
+            # which the router chooses first for the same prompt.
+            first = post(gw, "rq-0", stream=False).headers["x-kvroute-worker"]
+            other = "up-1" if first == "up-0" else "up-0"
+            fleet[first].stream_error = "q"
+            with caplog.at_level(logging.INFO):
+                r = post(gw, "rq-1", stream=True)
+            assert (r.status_code, r.headers["x-kvroute-worker"]) == (200, other)
+            assert r.headers["x-kvroute-attempts"] == "2"
+            assert f"{other} rq-1" in r.text and r.text.endswith("data: [DONE]\n\n")
+            assert "error" not in r.text
+            assert [x["id"] for x in fleet[first].records] == ["rq-0", "rq-1"]
+            assert samples(gw, "upstream_errors_total") == {
+                (("kind", "stream_error"), ("worker", first)): 1
+            }
+            assert samples(gw, "retries_total") == {(): 1}
+            assert lines(caplog, "kvroute.gateway") == [
+                f"upstream {first}: stream_error: error event, code 500"
+            ]
+            assert lines(caplog, "kvroute.server.health") == [
+                f"upstream {first} failed (failed a request another worker then served, 1 in a row)"
+            ]
+    finally:
+        fleet.close()
+
+
+@pytest.mark.parametrize("code", [500, 503, 400])
+def test_a_stream_error_on_every_worker_is_answered_as_the_engines_error(code):
+    """Both workers' streams fail before any output. A 5xx error event is answered as the
+    gateway answers an upstream's 5xx when no attempt succeeds: the error object (the event's
+    data) with its code as the status, as JSON — the OpenAI SDK raises it before any chunk. An
+    error event with a 4xx code is the request's error: passed through, not retried."""
+    fleet = Fleet(2)
+    try:
+        for u in fleet.upstreams:
+            u.stream_error, u.stream_error_code = "q", code
+        cfg = config_dict(fleet, gateway={"models": ["m"], "eject_after": 1000})
+        with GatewayServer(cfg) as gw:
+            r = post(gw, "rq-1", stream=True)
+            error = {**ENGINE_ERROR, "code": code}
+            tried = [u.name for u in fleet.upstreams if u.records]
+            if code == 400:
+                error["type"] = "BadRequestError"
+                assert (r.status_code, r.headers["content-type"]) == (
+                    200,
+                    "text/event-stream; charset=utf-8",
+                )
+                assert r.text == f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n"
+                assert len(tried) == 1
+                assert samples(gw, "upstream_errors_total") == {}
+                return
+            assert (r.status_code, r.headers["content-type"]) == (code, "application/json")
+            assert (r.json(), r.headers["x-request-id"]) == ({"error": error}, "rq-1")
+            assert tried == ["up-0", "up-1"]
+            assert samples(gw, "upstream_errors_total") == {
+                (("kind", "stream_error"), ("worker", w)): 1 for w in tried
+            }
+            assert [dict(k)["status"] for k in samples(gw, "requests_total")] == [str(code)]
+            with pytest.raises(openai.InternalServerError) as e:
+                client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+                for _ in client.chat.completions.create(
+                    model="m", messages=messages("q"), stream=True
+                ):
+                    pass
+            assert e.value.status_code == code and e.value.body == error
+    finally:
+        fleet.close()
+
+
+@pytest.mark.parametrize(
+    "data, status",
+    [
+        # vLLM >= 0.10 and SGLang: ErrorResponse(error=ErrorInfo(...)) / {"error": ...}
+        ({"error": {"message": "m", "type": "t", "param": None, "code": 503}}, 503),
+        # older vLLM: {"error": ErrorResponse(object="error", ...)}
+        ({"error": {"object": "error", "message": "m", "type": "t", "code": 500}}, 500),
+        # a bare ErrorResponse (older vLLM's non-streamed shape)
+        ({"object": "error", "message": "m", "type": "t", "param": None, "code": 500}, 500),
+        ({"error": {"message": "m", "code": "overloaded"}}, 502),  # no status: 502
+        ({"error": {"message": "m", "code": 404}}, None),  # the request's: passed through
+        ({"object": "error", "message": "m", "code": 422}, None),
+        ({"error": "a string", "object": "chat.completion.chunk"}, None),  # not an error object
+        ({"id": "c", "choices": [{"delta": {"content": '"error"'}}]}, None),
+    ],
+)
+def test_which_first_events_are_engine_errors(data, status):
+    """``first_failure`` on each error shape engines send as a stream's first event."""
+    payload = json.dumps(data).encode()
+    failed = first_failure([b": comment\n\n", b"data: " + payload + b"\n\n"])
+    if status is None:
+        assert failed is None
+    else:
+        assert failed == (
+            STREAM_ERROR,
+            f"error event, code {data.get('code', data.get('error', {}).get('code'))!r}",
+            (status, payload, "application/json"),
+        )
+    assert first_failure([]) == (EMPTY_STREAM, "no event before the end", None)
 
 
 @pytest.mark.parametrize("stream", [False, True])

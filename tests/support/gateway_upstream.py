@@ -125,6 +125,10 @@ class Upstream:
             self.poison: str | None = None  # prompts containing it are answered 500
             self.crash: str | None = None  # prompts containing it raise in the handler
             self.crash_hold = 0.5  # seconds between a crash's 500 and its connection's close
+            # Streams of prompts containing it fail before any output, as vLLM's do: a 200
+            # with one error event (``ErrorResponse``, ``code`` this) and ``data: [DONE]``.
+            self.stream_error: str | None = None
+            self.stream_error_code = 500
             self.health_checks = 0
             self.report_cached = True  # usage.prompt_tokens_details.cached_tokens (vLLM's flag)
             self.stall = 0.0
@@ -285,6 +289,18 @@ class Upstream:
                 assert len(data) <= self.reply_bytes
                 return Response(data.ljust(self.reply_bytes), media_type="application/json")
             return JSONResponse(reply)
+        if self.stream_error is not None and self.stream_error in (text or ""):
+            error = {
+                "message": "EngineCore encountered an issue. See stack trace for the root cause.",
+                "type": "InternalServerError"
+                if self.stream_error_code >= 500
+                else "BadRequestError",
+                "param": None,
+                "code": self.stream_error_code,
+            }
+            events = [b"data: " + json.dumps({"error": error}).encode() + b"\n\n"]
+            events.append(b"data: [DONE]\n\n")
+            return StreamingResponse(iter(events), media_type="text/event-stream")
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return StreamingResponse(
             self._stream(rid, body.get("model"), content, usage, include_usage, chat),

@@ -44,8 +44,8 @@ them fail, most likely: no worker is charged, so one tenant's poison request can
 fleet, but each is health-probed at once and ejected if the probe fails), and to the one worker
 when only one was tried. ``eject_after`` charged failures in a row eject a worker.
 Nothing reaches the caller before the upstream's answer is known: a non-streamed reply is read
-whole (up to ``max_response_bytes``), a stream's first event is awaited, so a failure before
-either is retried or answered 502, never a 200 with an empty body. 4xx answers pass through.
+whole (up to ``max_response_bytes``), a stream's first event is awaited (the engine's error
+event is a failure): such failures are retried, never a 200 without output. 4xx answers pass.
 
 Replies carry ``x-request-id`` and, with ``routing_headers``, ``x-kvroute-worker``,
 ``x-kvroute-cached-tokens`` (predicted, routing tokens) and ``x-kvroute-attempts``. ``/metrics``
@@ -92,7 +92,6 @@ from .config import GatewayConfig, WorkerConfig
 from .engine_sizes import EngineBlockSizes
 from .errors import (
     BAD_STATUS,
-    EMPTY_STREAM,
     STATUS_5XX,
     TOO_LARGE,
     HTTPError,
@@ -112,6 +111,7 @@ from .stream import (
     SseScanner,
     WholeResponse,
     first_events,
+    first_failure,
     wait_disconnect,
 )
 from .upstream import CACHE_KEY_FIELDS, Flight, UpstreamBody, Upstreams, release_now
@@ -911,8 +911,8 @@ class Gateway:
                 scanner = SseScanner(self.server.max_event_bytes)
                 chunks = resp.__aiter__()
                 first = await first_events(chunks, scanner, flight.prefilled)
-                if not first:
-                    return EMPTY_STREAM, "no event before the end", None
+                if (failed := first_failure(first)) is not None:
+                    return failed
                 handed_over = True
                 return ProxyStream(
                     self.metrics,

@@ -34,6 +34,7 @@ __all__ = [
     "EMPTY_STREAM",
     "SEND_FAILURES",
     "STATUS_5XX",
+    "STREAM_ERROR",
     "TOO_LARGE",
     "Failed",
     "HTTPError",
@@ -115,6 +116,18 @@ EMPTY_STREAM = UpstreamFailure(
     502,
     "upstream_broken",
     "upstream {worker} ended its stream before any event",
+    True,
+    "count",
+)
+#: A stream whose first event is the engine's error (vLLM and SGLang answer 200 and send
+#: ``data: {"error": {...}}`` when generation fails before any output): retried like a 5xx; the
+#: error is passed on as a JSON answer (status its ``code`` when a 5xx, else 502) if no attempt
+#: succeeds.
+STREAM_ERROR = UpstreamFailure(
+    "stream_error",
+    502,
+    "upstream_error",
+    "upstream {worker} failed its stream before any output",
     True,
     "count",
 )

@@ -11,7 +11,7 @@ Series (``kvroute_gateway_`` prefix):
   ``prompt_tokens_total{worker}`` — in routing tokens, counted together when an upstream reports
   ``cached_tokens`` (so predicted/reported is the router's accuracy on reported requests).
 - ``upstream_errors_total{worker,kind}`` — kind ``connect``, ``pool_timeout``, ``reset``,
-  ``status_5xx``, ``timeout``, ``broken_stream``, ``protocol``.
+  ``status_5xx``, ``stream_error``, ``timeout``, ``broken_stream``, ``protocol``.
 - ``retries_total`` — upstream attempts after the first.
 - ``rejected_total{reason}`` — requests answered without reaching an upstream, by error code
   (``invalid_json``, ``request_timeout``, ``client_gone``, ``invalid_api_key`` …).

@@ -3,7 +3,10 @@
 
 The gateway commits the caller's 200 only once the upstream's **first complete event** has
 arrived (``first_events``): a stream that fails before it is an upstream failure like any other
-(retried on another worker, or answered 502). From then on each complete event (up to a blank
+(retried on another worker, or answered 502), and so is one whose first event is the engine's
+error (``first_failure``: vLLM's and SGLang's ``data: {"error": {...}}``, sent with a 200 when
+generation fails before any output; an error whose ``code`` is a 4xx is the request's and passes
+through). From then on each complete event (up to a blank
 line) is forwarded as soon as it arrives. The usage chunk gets the cache fields
 (``kvroute.gateway.usage``) and, when the gateway itself asked for it
 (``stream_options.include_usage`` added because the caller did not), is removed after its
@@ -34,16 +37,25 @@ from starlette.types import Receive, Scope, Send
 
 from .client import Response as UpstreamResponse
 from .client import UpstreamError
+from .errors import EMPTY_STREAM, STREAM_ERROR, Failed
 from .metrics import GatewayMetrics
 from .upstream import Flight, release
 from .usage import UsageEvent, usage_event, with_cache_fields
 
-__all__ = ["EventTooLarge", "ProxyStream", "SseScanner", "WholeResponse", "wait_disconnect"]
+__all__ = [
+    "EventTooLarge",
+    "ProxyStream",
+    "SseScanner",
+    "WholeResponse",
+    "first_failure",
+    "wait_disconnect",
+]
 
 log = logging.getLogger("kvroute.gateway")
 
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 _DONE = re.compile(rb"^data:\s*\[DONE\]", re.MULTILINE)
+_DATA = re.compile(rb"^data: ?(.*?)\r?$", re.MULTILINE)
 
 
 class WholeResponse(Response):
@@ -122,6 +134,40 @@ async def first_events(
         if events:
             return events
     return []
+
+
+def first_failure(first: list[bytes]) -> Failed | None:
+    """How a stream failed before its first output: ``EMPTY_STREAM`` when it ended before any
+    event; ``STREAM_ERROR`` when its first event with data is an error object — ``{"error":
+    {...}}`` (vLLM, SGLang) or ``{"object": "error", ...}`` (older vLLM's ``ErrorResponse``) —
+    whose ``code`` is not a 4xx, with that object as the answer to pass on (status: the ``code``
+    when a 5xx, else 502); None otherwise."""
+    if not first:
+        return EMPTY_STREAM, "no event before the end", None
+    for event in first:
+        data = b"\n".join(m.group(1) for m in _DATA.finditer(event))
+        if not data:
+            continue  # a comment or a field other than data
+        if b'"error"' not in data:
+            return None
+        try:
+            payload = json.loads(data)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(payload, dict):
+            return None
+        inner = payload.get("error")
+        if isinstance(inner, dict):
+            code = inner.get("code")
+        elif payload.get("object") == "error":
+            code = payload.get("code")
+        else:
+            return None
+        if type(code) is int and 400 <= code <= 499:
+            return None  # the request's error, as a 4xx answer would be: passed through
+        status = code if type(code) is int and 500 <= code <= 599 else 502
+        return STREAM_ERROR, f"error event, code {code!r}", (status, data, "application/json")
+    return None
 
 
 def error_event(message: str, code: str) -> bytes:
