@@ -73,6 +73,11 @@ def test_the_cases_cover_the_normalisation_rules():
         for p in m["content"]
     }
     assert {"refusal", "output_text", "thinking", "input_text", "tool_reference"} <= kinds
+    roles = [[m["role"] for m in r["messages"]] for r in requests]
+    assert ["system", "user", "developer"] in roles  # merged into one first system message
+    assert any(r[0] == "developer" for r in roles)  # converted, not merged
+    assert ["user", "developer"] in roles  # moved first
+    assert "x-anthropic-billing-header" in json.dumps(requests)
 
 
 @pytest.mark.parametrize(
@@ -154,3 +159,25 @@ def test_tool_results_are_joined_unless_a_part_is_not_text(tmp_path):
     assert ModelTokenizer(str(tmp_path)).render(body) == (
         "[text:a][text:b];S:a\nb;[text:a][tool_reference:f];"
     )
+
+
+@pytest.mark.parametrize(
+    ("template", "roles"),
+    [
+        (
+            "{# a developer may read this #}{% for m in messages %}{{ m.role }};{% endfor %}",
+            "system;",
+        ),
+        (
+            "{% for m in messages %}{{ m.role }}{{ m.role == 'developer' }};{% endfor %}",
+            "developerTrue;",
+        ),
+    ],
+)
+def test_the_developer_role_is_kept_only_when_the_template_quotes_it(tmp_path, template, roles):
+    """vLLM's test (``_detect_developer_role_support``): ``"developer"`` or ``'developer'``."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DATA / "tiny_llama" / name, tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text(template)
+    body = {"messages": [{"role": "developer", "content": "D"}]}
+    assert ModelTokenizer(str(tmp_path)).render(body) == roles

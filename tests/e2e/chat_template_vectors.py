@@ -14,7 +14,12 @@ import transformers
 import vllm
 from transformers import PreTrainedTokenizerFast
 from vllm.renderers.chat_utils import parse_chat_messages
-from vllm.renderers.hf import _detect_content_format
+from vllm.renderers.hf import (
+    _consolidate_system_messages,
+    _convert_developer_to_system,
+    _detect_content_format,
+    _detect_developer_role_support,
+)
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 T = str(DATA / "chat_templates") + "/"
@@ -116,11 +121,67 @@ CASES = [
         True,
     ),
 ]
+header = "x-anthropic-billing-header: cc_version=2.1.37; cc_entrypoint=cli; cch=3f2a1;"
+system_parts = [
+    {"type": "text", "text": header},
+    {"type": "text", "text": header + "\nYou are Claude Code."},
+    {"type": "text", "text": "Be brief."},
+]
+CASES += [
+    (
+        "Qwen-Qwen2.5-7B-Instruct.jinja",
+        {
+            "messages": [
+                {"role": "system", "content": system_parts},
+                {"role": "user", "content": "hi"},
+            ]
+        },
+        False,
+    ),
+    (
+        "Qwen3.5-4B.jinja",
+        {
+            "messages": [
+                {"role": "system", "content": header + "\nS"},
+                {"role": "user", "content": "hi"},
+            ]
+        },
+        False,
+    ),
+    (
+        "Qwen-Qwen2.5-7B-Instruct.jinja",
+        {
+            "messages": [
+                {"role": "system", "content": "S"},
+                {"role": "user", "content": "u"},
+                {"role": "developer", "content": "D"},
+            ]
+        },
+        False,
+    ),
+    (
+        "Qwen3.5-4B.jinja",
+        {
+            "messages": [
+                {"role": "developer", "content": [{"type": "text", "text": "D"}]},
+                {"role": "user", "content": "u"},
+            ]
+        },
+        False,
+    ),
+    (
+        "Qwen-Qwen2.5-7B-Instruct.jinja",
+        {"messages": [{"role": "user", "content": "u"}, {"role": "developer", "content": "D"}]},
+        False,
+    ),
+]
 cases = []
 for name, req, exclude in CASES:
     src = open(T + name).read()
     fmt = _detect_content_format(src, default="string")
     conv, _, _ = parse_chat_messages(req["messages"], cfg, fmt)
+    if any(m["role"] == "developer" for m in conv) and not _detect_developer_role_support(src):
+        conv = _consolidate_system_messages(_convert_developer_to_system(conv))
     tools = req.get("tools")
     if tools is None or (req.get("tool_choice") == "none" and exclude):
         tools = None

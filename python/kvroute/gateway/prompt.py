@@ -25,8 +25,11 @@ vLLM's ``/v1/chat/completions`` preprocessing without transformers or torch:
   slice; over a macro parameter that a call of the macro fills with such a content, by position
   or keyword; or, outside every macro, over a name ``content``. ``name``, assistant
   ``tool_calls`` (their JSON ``arguments`` parsed to objects, as vLLM does), ``reasoning``, tool
-  ``tool_call_id`` kept; ``developer`` messages become ``system`` ones when the template does not
-  name that role;
+  ``tool_call_id`` kept; a system message's text parts lose a first line starting with Claude
+  Code's ``x-anthropic-billing-header`` (a part with nothing else goes), as vLLM strips it; when
+  the template does not quote the role (``"developer"`` / ``'developer'``) ``developer`` messages
+  become ``system`` ones and, if a system message is then not first or not alone, all of them
+  merge into one first system message, their texts joined with ``"\n\n"``;
 - ``tools`` passed as vLLM passes them: ``None`` only when the request has no ``tools`` (or, with
   ``[tokenizer] exclude_tools_when_tool_choice_none = true`` — vLLM's
   ``--exclude-tools-when-tool-choice-none``, off by default — when ``tool_choice`` is ``"none"``);

@@ -253,11 +253,36 @@ def _tool_call(call: Any) -> Any:
     return {**call, "function": {**function, "arguments": parsed}}
 
 
-def _message(m: Any, fmt: str, developer: bool) -> dict[str, Any]:
+#: Claude Code's attribution line, which vLLM strips from system text parts (its ``cch`` value
+#: changes on every request).
+_BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def _without_billing_header(content: Any) -> Any:
+    """A system message's content without the text lines vLLM strips: a text part starting with
+    the billing header loses its first line (and goes when nothing is left)."""
+    if not isinstance(content, (str, list)):
+        return content
+    out = []
+    for part in [content] if isinstance(content, str) else content:
+        text = part if isinstance(part, str) else None
+        if isinstance(part, dict) and part.get("type") == "text":
+            text = part.get("text")
+        if not (isinstance(text, str) and text.startswith(_BILLING_HEADER)):
+            out.append(part)
+            continue
+        rest = text.partition("\n")[2]
+        if rest:
+            out.append(rest if isinstance(part, str) else {**part, "text": rest})
+    return out
+
+
+def _message(m: Any, fmt: str) -> dict[str, Any]:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise RequestError("every message must be an object with a string 'role'")
     role = m["role"]
-    parts = _parts(role, m.get("content"))
+    content = m.get("content")
+    parts = _parts(role, _without_billing_header(content) if role == "system" else content)
     out: dict[str, Any] = {"role": role}
     # "string" format: the texts (a tool reference's name among them) joined with newlines.
     joined = "\n".join(p.get("text", p.get("name", "")) for p in parts)
@@ -276,9 +301,36 @@ def _message(m: Any, fmt: str, developer: bool) -> dict[str, Any]:
             out["content"] = "\n".join(p["text"] for p in parts)
     if isinstance(m.get("name"), str):
         out["name"] = m["name"]
-    if role == "developer" and not developer:
-        out["role"] = "system"
+    if role == "developer":
+        out["tools"] = m.get("tools")
     return out
+
+
+def _developer_as_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM's fallback for a template that does not name the developer role: developer messages
+    become system ones, and when a system message is then not first (or not alone) all of them
+    merge into one first system message (texts joined with blank lines)."""
+    out: list[dict[str, Any]] = []
+    for m in conversation:
+        if m["role"] == "developer":
+            m = {k: v for k, v in m.items() if k != "tools"}
+            m["role"] = "system"
+        out.append(m)
+    texts: list[str] = []
+    merge = False
+    for i, m in enumerate(out):
+        if m["role"] == "system":
+            merge = merge or i > 0 or bool(texts)
+            content = m["content"]
+            if isinstance(content, list):
+                content = "\n".join(p["text"] for p in content if "text" in p)
+            if content:
+                texts.append(content)
+    if not merge:
+        return out
+    return [{"role": "system", "content": "\n\n".join(texts)}] + [
+        m for m in out if m["role"] != "system"
+    ]
 
 
 def _tool(tool: Any) -> dict[str, Any]:
@@ -329,7 +381,8 @@ class ChatTemplate:
             raise ValueError(f"the chat template does not compile: {e}") from e
         self.special_tokens = dict(special_tokens)
         self.content_format = content_format(env, source)
-        self.developer_role = "developer" in source
+        # vLLM's test: the role named as a quoted string.
+        self.developer_role = '"developer"' in source or "'developer'" in source
         from jinja2 import meta
 
         self.variables = meta.find_undeclared_variables(env.parse(source))
@@ -340,7 +393,9 @@ class ChatTemplate:
         messages = payload.get("messages")
         if not isinstance(messages, list):
             raise RequestError(f"'messages' must be a list, got {type(messages).__name__}")
-        conversation = [_message(m, self.content_format, self.developer_role) for m in messages]
+        conversation = [_message(m, self.content_format) for m in messages]
+        if not self.developer_role and any(m["role"] == "developer" for m in conversation):
+            conversation = _developer_as_system(conversation)
         tool_dicts = template_tools(payload, exclude_tools_when_tool_choice_none)
         extra = payload.get("chat_template_kwargs")
         extra = {} if extra is None else extra
