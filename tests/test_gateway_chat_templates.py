@@ -181,3 +181,17 @@ def test_the_developer_role_is_kept_only_when_the_template_quotes_it(tmp_path, t
     (tmp_path / "chat_template.jinja").write_text(template)
     body = {"messages": [{"role": "developer", "content": "D"}]}
     assert ModelTokenizer(str(tmp_path)).render(body) == roles
+
+
+def test_text_parts_keep_their_other_keys_in_the_openai_format(tmp_path):
+    """vLLM's ``_collect_extra_fields``: a text part handed to an "openai" template keeps the keys
+    no content part type defines (``cache_control`` …); the ones they define are dropped."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DATA / "tiny_llama" / name, tmp_path / name)
+    tpl = "{% for m in messages %}{% for p in m.content %}{{ p | tojson }}{% endfor %}{% endfor %}"
+    (tmp_path / "chat_template.jinja").write_text(tpl)
+    part = {"type": "refusal", "refusal": "r", "uuid": "u", "cache_control": {"type": "ephemeral"}}
+    body = {"messages": [{"role": "assistant", "content": [part]}]}
+    assert ModelTokenizer(str(tmp_path)).render(body) == (
+        '{"type": "text", "text": "r", "cache_control": {"type": "ephemeral"}}'
+    )

@@ -17,7 +17,8 @@ vLLM's ``/v1/chat/completions`` preprocessing without transformers or torch:
 - messages normalized as vLLM's ``parse_chat_messages`` does: the text-like parts (``text``,
   ``input_text``, ``output_text``, ``refusal``, ``thinking``, each by its own field; ``text`` /
   ``refusal`` parts without it skipped) and tool references (their ``name``) joined with ``"\n"``
-  (``"string"`` content format) or kept as ``[{"type": "text", "text": …}]`` /
+  (``"string"`` content format) or kept as ``[{"type": "text", "text": …}]`` (with the part's keys
+  no content part type defines, e.g. ``cache_control``) /
   ``{"type": "tool_reference", "name": …}`` (``"openai"`` format); a tool message's parts are
   joined unless one is not text. The format is vLLM's detection (``template.content_format``):
   ``"openai"`` when the template loops over ``m.content`` / ``m['content']`` of a loop variable

@@ -187,6 +187,14 @@ _MEDIA = (
 )
 
 
+#: The fields of vLLM's content part types; a text part keeps its other keys (``cache_control``
+#: …) in the "openai" format, as vLLM's ``_collect_extra_fields`` keeps them.
+_PART_FIELDS = frozenset(
+    "type text refusal thinking name uuid data file closed prompt_cache_breakpoint image_url "
+    "image_pil image_embeds audio_url input_audio audio_embeds video_url video_embeds".split()
+)
+
+
 def _parts(role: str, content: Any) -> list[dict[str, Any]]:
     """The text-like parts of a message as vLLM's "openai" format hands them to a template:
     ``{"type": "text", "text": …}`` for every text-like part (``text``, ``input_text``,
@@ -218,7 +226,8 @@ def _parts(role: str, content: Any) -> list[dict[str, Any]]:
                 raise RequestError(
                     f"a {kind} part of a {role} message has no string {_TEXT_FIELDS[kind]!r}"
                 )
-            out.append({"type": "text", "text": text})
+            extra = {k: v for k, v in part.items() if k not in _PART_FIELDS}
+            out.append({"type": "text", "text": text, **extra})
         elif kind == "tool_reference":
             if not isinstance(part.get("name"), str):
                 raise RequestError(
