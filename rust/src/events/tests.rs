@@ -852,3 +852,11 @@ mod counters;
 /// (`tests_pages.rs`).
 #[path = "tests_pages.rs"]
 mod pages;
+
+/// A batch's events apply as if each came in a batch of its own (`tests_batching.rs`).
+#[path = "tests_batching.rs"]
+mod batching;
+
+/// `ExtraKeys::summary` against its rule, on every shape of key list (`tests_extra.rs`).
+#[path = "tests_extra.rs"]
+mod extra;

@@ -595,3 +595,185 @@ fn a_fast_path_hash_array_ends_where_its_marker_says_before_uint64_values() {
         assert_eq!(b.dp_rank, Some(1 << 33), "{k} hashes");
     }
 }
+
+/// Events 7/40, 9/40 and 10/40 at a6570e8: `fields & field::HASHES == 0` → `fields ^ ...` (a
+/// `BlockStored` without `block_hashes`), `fields & field::TOKENS == 0` → `|` and `^` (one
+/// without `token_ids`) and the `BlockRemoved` check's `&` → `|` passed every events test: no
+/// test left a field out. For the class, each field of each event kind left out in turn (the
+/// always-present fields of `KV_EVENTS_SPEC.md` §2a, as vLLM 0.33 writes them), after 0 to 2
+/// other events so the offset moves: the fields the decoder needs (`type`, `block_hashes`,
+/// `token_ids`, `block_size` of a store; `type`, `block_hashes` of a removal) are refused with
+/// the whole message naming the event's first byte, and the others are read as absent. The
+/// legacy arrays (§2b) are refused by their length, at the byte after the array's marker.
+#[test]
+fn each_field_an_event_needs_is_refused_when_left_out() {
+    let tokens: Vec<u64> = (0..32).collect();
+    type Field<'a> = (&'a str, &'a dyn Fn(&mut W));
+    let stored_fields: [Field<'_>; 8] = [
+        ("type", &|w| {
+            w.fs("BlockStored");
+        }),
+        ("block_hashes", &|w| {
+            w.ints(&[1 << 40, 2]);
+        }),
+        ("parent_block_hash", &|w| {
+            w.u(7);
+        }),
+        ("token_ids", &|w| {
+            w.ints(&tokens);
+        }),
+        ("block_size", &|w| {
+            w.u(16);
+        }),
+        ("lora_id", &|w| {
+            w.u(3);
+        }),
+        ("medium", &|w| {
+            w.fs("CPU");
+        }),
+        ("lora_name", &|w| {
+            w.fs("ad");
+        }),
+    ];
+    let removed_fields: [Field<'_>; 3] = [
+        ("type", &|w| {
+            w.fs("BlockRemoved");
+        }),
+        ("block_hashes", &|w| {
+            w.ints(&[5]);
+        }),
+        ("medium", &|w| {
+            w.fs("CPU");
+        }),
+    ];
+    let needed = |kind: &str, name: &str| match (kind, name) {
+        (_, "type") => Some("\"type\""),
+        (_, "block_hashes") => Some("block_hashes"),
+        ("stored", "token_ids") => Some("token_ids"),
+        ("stored", "block_size") => Some("block_size"),
+        _ => None,
+    };
+    let mut b = Batch::default();
+    for (kind, fields) in [
+        ("stored", &stored_fields[..]),
+        ("removed", &removed_fields[..]),
+    ] {
+        for left_out in 0..fields.len() {
+            for before in 0..3 {
+                let mut w = W::default();
+                w.arr(3).f(1.0).arr(before + 1);
+                for _ in 0..before {
+                    w.map(2).fs("type").fs("BlockRemoved").fs("block_hashes");
+                    w.ints(&[9]);
+                }
+                let at = w.0.len();
+                w.map(fields.len() - 1);
+                for (i, (name, value)) in fields.iter().enumerate() {
+                    if i != left_out {
+                        w.fs(name);
+                        value(&mut w);
+                    }
+                }
+                w.nil();
+                let name = fields[left_out].0;
+                let got = Decoder::new().decode(&w.0, &mut b);
+                match needed(kind, name) {
+                    Some(what) => {
+                        let want = format!(
+                            "malformed KV event payload: the event at byte {at} has no {what}"
+                        );
+                        assert_eq!(
+                            got.map_err(|e| e.to_string()),
+                            Err(want),
+                            "{kind} without {name}"
+                        );
+                    }
+                    None => {
+                        got.unwrap_or_else(|e| panic!("{kind} without {name}: {e}"));
+                        let e = b.events(&w.0).last().expect("the event");
+                        let stored = kind == "stored";
+                        assert_eq!(
+                            (e.parent, e.lora_id, e.medium, e.lora_name),
+                            (
+                                (stored && name != "parent_block_hash").then_some(7),
+                                (stored && name != "lora_id").then_some(3),
+                                (name != "medium").then_some("CPU"),
+                                (stored && name != "lora_name").then_some("ad"),
+                            ),
+                            "{kind} without {name}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    // Legacy arrays: a store needs its first 4 fields after the tag, a removal its first.
+    for (tag, items, want) in [
+        ("BlockStored", 5, None),
+        (
+            "BlockStored",
+            4,
+            Some("a BlockStored array has 4 elements, fewer than 5"),
+        ),
+        (
+            "BlockStored",
+            3,
+            Some("a BlockStored array has 3 elements, fewer than 5"),
+        ),
+        (
+            "BlockStored",
+            2,
+            Some("a BlockStored array has 2 elements, fewer than 5"),
+        ),
+        (
+            "BlockStored",
+            1,
+            Some("a BlockStored array has 1 elements, fewer than 5"),
+        ),
+        ("BlockRemoved", 2, None),
+        (
+            "BlockRemoved",
+            1,
+            Some("a BlockRemoved array has no block_hashes"),
+        ),
+        ("", 0, Some("an event array is empty (no tag)")),
+    ] {
+        let mut w = W::default();
+        w.arr(3).f(1.0).arr(1).arr(items);
+        let at = w.0.len();
+        let values: [&dyn Fn(&mut W); 4] = [
+            &|w| {
+                w.ints(&[4]);
+            },
+            &|w| {
+                w.nil();
+            },
+            &|w| {
+                w.ints(&tokens[..16]);
+            },
+            &|w| {
+                w.u(16);
+            },
+        ];
+        if items > 0 {
+            w.fs(tag);
+        }
+        for value in values.iter().take(items.saturating_sub(1)) {
+            value(&mut w);
+        }
+        w.nil();
+        let got = Decoder::new().decode(&w.0, &mut b);
+        match want {
+            None => {
+                got.unwrap_or_else(|e| panic!("{tag} of {items}: {e}"));
+                let e = b.events(&w.0).next().expect("the event");
+                assert_eq!(e.block_hashes, &[4][..], "{tag} of {items}");
+            }
+            Some(what) => assert_eq!(
+                got.map_err(|e| e.to_string()),
+                Err(format!("malformed KV event payload at byte {at}: {what}")),
+                "{tag} of {items}"
+            ),
+        }
+    }
+}
