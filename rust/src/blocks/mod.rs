@@ -536,4 +536,6 @@ impl BlockHasher {
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_api;
+#[cfg(test)]
 mod tests_pickle;

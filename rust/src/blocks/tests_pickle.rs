@@ -168,3 +168,31 @@ fn blocks_larger_than_a_pickle_frame_hash_as_vllm() {
         assert_eq!(out, want, "salt {salt:?}, lora {lora_name:?}");
     }
 }
+
+/// ```python
+/// pickle.dumps((chr(255), chr(255), chr(256), chr(256), chr(0x20ac), chr(0x20ac),
+///               chr(0x1f600), chr(0x1f600)), protocol=5).hex()
+/// ```
+/// CPython's one-character singletons end at U+00FF (`chr` makes a new object for each call
+/// above it): `"ÿ"` again is `BINGET 0`, while `"Ā"`, `"€"` and `"😀"` — one character of 2, 3
+/// and 4 UTF-8 bytes — are written out again. cargo-mutants, the whole-module run at a6570e8:
+/// the singleton guard `u32::from(c) < 256` → `true` and → `<=` passed every Rust test (the
+/// singletons tested were `"a"`, `"é"` and `""`); here the bound is crossed at both sides.
+#[test]
+fn one_character_strings_are_singletons_up_to_u_00ff_only() {
+    let (mut out, mut memo) = (Vec::new(), Memo::default());
+    let mut p = Pickler::new(&mut out, &mut memo);
+    p.begin_tuple(8);
+    for s in [
+        "\u{ff}", "\u{ff}", "\u{100}", "\u{100}", "€", "€", "😀", "😀",
+    ] {
+        p.str(s, StrId::Value);
+    }
+    p.end_tuple(8);
+    let hex: String = p.finish().iter().map(|b| format!("{b:02x}")).collect();
+    assert_eq!(
+        hex,
+        "8005952f00000000000000288c02c3bf9468008c02c480948c02c480948c03e282ac948c03e282ac948c04f0\
+         9f9880948c04f09f98809474942e"
+    );
+}
