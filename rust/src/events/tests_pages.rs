@@ -401,3 +401,185 @@ fn a_clear_forgets_pages_and_the_arena_survives_many_removals() {
     a.apply("w", &p).expect("apply");
     assert_eq!(a.counters("w").expect("c").skipped_unknown_parent, 1);
 }
+
+/// Each way a page store is skipped, counted where it happens: a store the router cannot rehash
+/// (lookahead tokens), an index that cannot register the worker, a block whose earlier page went
+/// out of order (the walk back finds it gone).
+#[test]
+fn every_skip_of_the_pages_path_is_counted() {
+    let tokens: Vec<u64> = (0..16).collect();
+    let page = |w: &mut W, i: usize, lookahead: bool| {
+        let e = Ev {
+            hashes: &[i as u64 + 1],
+            parent: i.checked_sub(1).map(|p| p as u64 + 1),
+            tokens: &tokens[i * 4..(i + 1) * 4],
+            block_size: 4,
+            medium: None,
+        };
+        match lookahead {
+            true => stored_with(w, &e, |more| {
+                more.s("lookahead_token_ids").arr(1).ints(&[99]);
+                1
+            }),
+            false => stored(w, &e),
+        }
+    };
+    let index = shared();
+    let mut a = Applier::new(index.clone(), Config::default()).expect("applier");
+    a.apply(
+        "w",
+        &batch(|w| {
+            page(w, 0, false);
+            page(w, 1, true); // lookahead: skipped, its child has no parent
+            page(w, 2, false);
+            3
+        }),
+    )
+    .expect("apply");
+    let c = a.counters("w").expect("counters");
+    assert_eq!(
+        (
+            c.blocks_stored,
+            c.skipped_unsupported,
+            c.skipped_unknown_parent
+        ),
+        (1, 1, 1)
+    );
+    // Out of order: page 1 forgotten while page 2 stays; page 3 then finds the walk broken.
+    a.apply(
+        "w",
+        &batch(|w| {
+            page(w, 1, false);
+            page(w, 2, false);
+            removed(w, &[2], None);
+            page(w, 3, false);
+            4
+        }),
+    )
+    .expect("apply");
+    let c = a.counters("w").expect("counters");
+    assert_eq!((c.blocks_stored, c.skipped_unknown_parent), (3, 2));
+    assert_eq!(matched(&index, &own_hashes(&tokens, 16), "w"), 0);
+    // An index too small to register the worker refuses every store.
+    let tiny = Arc::new(RwLock::new(PrefixIndex::new(Some(440)).expect("index")));
+    let mut a = Applier::new(tiny, Config::default()).expect("applier");
+    a.apply(
+        "w",
+        &batch(|w| {
+            page(w, 0, false);
+            1
+        }),
+    )
+    .expect("apply");
+    let c = a.counters("w").expect("counters");
+    assert_eq!((c.blocks_stored, c.index_rejected), (0, 1));
+}
+
+/// An engine hash first stored as a block of two router blocks, then (other tokens, pages of
+/// 4) as the page completing a router block: its removal drops the block it now stands for.
+#[test]
+fn a_hash_reused_as_a_completing_page_is_removed_as_that_page() {
+    let old: Vec<u64> = (100..132).collect();
+    let new: Vec<u64> = (0..16).collect();
+    let index = shared();
+    let mut a = Applier::new(index, Config::default()).expect("applier");
+    let cpu = Some("CPU"); // no GPU block size: pages of 4 after a block of 32 are not partial
+    a.apply(
+        "w",
+        &batch(|w| {
+            let e = Ev {
+                hashes: &[7],
+                parent: None,
+                tokens: &old,
+                block_size: 32,
+                medium: cpu,
+            };
+            stored(w, &e);
+            for i in 0..4usize {
+                let e = Ev {
+                    hashes: &[if i == 3 { 7 } else { 50 + i as u64 }],
+                    parent: i.checked_sub(1).map(|p| 50 + p as u64),
+                    tokens: &new[i * 4..(i + 1) * 4],
+                    block_size: 4,
+                    medium: cpu,
+                };
+                stored(w, &e);
+            }
+            5
+        }),
+    )
+    .expect("apply");
+    let tier = a.tier_index("CPU").expect("CPU tier");
+    assert_eq!(matched(&tier, &own_hashes(&new, 16), "w"), 1);
+    assert_eq!(matched(&tier, &own_hashes(&old, 16), "w"), 2);
+    a.apply(
+        "w",
+        &batch(|w| {
+            removed(w, &[7], cpu);
+            1
+        }),
+    )
+    .expect("apply");
+    assert_eq!(matched(&tier, &own_hashes(&new, 16), "w"), 0);
+}
+
+/// A block whose parent the index has evicted under its memory budget is refused by the index:
+/// counted as `index_rejected`, the pages before it kept.
+#[test]
+fn a_block_whose_parent_the_index_evicted_is_counted_rejected() {
+    let index = Arc::new(RwLock::new(
+        PrefixIndex::new(Some(16 << 10)).expect("index"),
+    ));
+    let mut a = Applier::new(index.clone(), Config::default()).expect("applier");
+    let tokens: Vec<u64> = (0..32).collect();
+    let pages = |first: usize, last: usize| {
+        batch(|w| {
+            for i in first..last {
+                let e = Ev {
+                    hashes: &[i as u64 + 1],
+                    parent: i.checked_sub(1).map(|p| p as u64 + 1),
+                    tokens: &tokens[i * 4..(i + 1) * 4],
+                    block_size: 4,
+                    medium: None,
+                };
+                stored(w, &e);
+            }
+            last - first
+        })
+    };
+    a.apply("w", &pages(0, 7)).expect("apply"); // block 0, and 3 pages of block 1
+    assert_eq!(matched(&index, &own_hashes(&tokens, 16), "w"), 1);
+    // Other prompts' blocks until the index has evicted block 0.
+    let first = own_hashes(&tokens, 16)[0];
+    let mut n = 1000u64;
+    while index.read().contains(first) {
+        // A 16-token root of 4 pages of 4 (the engine's page size stays 4).
+        let other: Vec<u64> = (n..n + 16).collect();
+        let filler = batch(|w| {
+            for (i, chunk) in other.chunks(4).enumerate() {
+                let i = i as u64;
+                let e = Ev {
+                    hashes: &[n + i],
+                    parent: i.checked_sub(1).map(|p| n + p),
+                    tokens: chunk,
+                    block_size: 4,
+                    medium: None,
+                };
+                stored(w, &e);
+            }
+            4
+        });
+        a.apply("w", &filler).expect("apply");
+        n += 16;
+        assert!(n < 1_000_000, "the index never evicted block 0");
+    }
+    let before = a.counters("w").expect("counters");
+    a.apply("w", &pages(7, 8)).expect("apply");
+    let c = a.counters("w").expect("counters");
+    assert_eq!(
+        c.index_rejected,
+        before.index_rejected + 1,
+        "{before:?} {c:?}"
+    );
+    assert_eq!(c.blocks_stored, before.blocks_stored);
+}
