@@ -689,6 +689,8 @@ fn reserved_partition<'a>(
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_capacity;
+#[cfg(test)]
 mod tests_draws;
 #[cfg(test)]
 mod tests_engine_blocks;

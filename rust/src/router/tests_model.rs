@@ -448,3 +448,46 @@ fn endpoint_pools_are_their_rendezvous_orders_first_healthy_workers() {
     }
     assert!(short > 0, "no check with fewer healthy workers than a head");
 }
+
+/// Never-run router mutants (docs/mutants.md): `WorkerTable::compact`'s `vacant < MIN_VACANCIES`
+/// → `==` renumbered the workers while vacancies were fewer than 64. A worker's slot is public
+/// (`WorkerTable::slot`, the endpoints' pools, decisions' hints): the reference is the table's
+/// documented numbering — a new worker takes the next slot after the last, a removal leaves a
+/// vacancy, and when the vacancies number at least 64 and more than the workers, the workers are
+/// renumbered densely in their order. Joins and leaves of up to 150 workers, checked after each.
+#[test]
+fn worker_slots_follow_the_documented_numbering_through_joins_and_leaves() {
+    let mut r = router(Policy::KvAware, &["w0"]);
+    let mut model: Vec<Option<String>> = vec![Some("w0".into())];
+    let mut rng = SplitMix64(11);
+    let mut next = 1;
+    for step in 0..1500 {
+        let live: Vec<String> = model.iter().flatten().cloned().collect();
+        let join = live.len() < 2 || (rng.next_u64() % 100) < if step < 700 { 60 } else { 35 };
+        if join {
+            let name = format!("w{next}");
+            next += 1;
+            r.add_worker(&name, 1.0).unwrap();
+            model.push(Some(name));
+        } else {
+            let name = &live[(rng.next_u64() % live.len() as u64) as usize];
+            r.remove_worker(name).unwrap();
+            let at = model.iter().position(|n| n.as_ref() == Some(name)).unwrap();
+            model[at] = None;
+            let len = live.len() - 1;
+            let vacant = model.len() - len;
+            if vacant >= 64 && vacant > len {
+                model.retain(Option::is_some);
+            }
+        }
+        for (slot, name) in model.iter().enumerate() {
+            if let Some(name) = name {
+                assert_eq!(
+                    r.workers().slot(name),
+                    Some(slot as u32),
+                    "step {step}, {name}"
+                );
+            }
+        }
+    }
+}

@@ -345,3 +345,144 @@ fn the_prefill_side_is_saturated_past_its_factor_times_the_decode_cost() {
         assert_eq!(d.reason, want, "saturation {saturation}");
     }
 }
+
+/// Never-run router mutants (docs/mutants.md): `pick_hash`'s `if !picked.within_bound` → `if
+/// picked.within_bound` never walked past a full first choice — no Rust test loaded a `hash`
+/// worker to its bound. The class: the bounded walk whole, against the rule of
+/// `hashing/bounded.rs` (Mirrokni, Thorup & Zadimoghaddam) in integer arithmetic: with `T`
+/// requests in flight, worker `i` takes one while its load is below `ceil(c · (T + 1) · w_i / Σw)`
+/// (at least 1), `c` = 5/4; the key's rendezvous order is read from an idle fleet, each first
+/// choice excluded in turn. Each route's worker, its reason (`hash` when the first choice takes
+/// it, else `hash_bounded`) and its scores (each worker walked, with its load) are checked, for
+/// equal and unequal weights, as the requests pile up.
+#[test]
+fn hash_walks_the_keys_order_past_each_worker_at_its_load_bound() {
+    let names = ["a", "b", "c", "d"];
+    for weights in [[1u64, 1, 1, 1], [1, 3, 1, 2]] {
+        let fleet = || {
+            let config = Config {
+                policy: Policy::Hash,
+                block_size: 4,
+                ..Config::default()
+            };
+            let workers = names.iter().zip(weights).map(|(&n, w)| (n, w as f64));
+            Router::new(workers, config).unwrap()
+        };
+        let key = || Some(Key::Bytes(b"the key"));
+        let mut idle = fleet();
+        let mut order: Vec<usize> = Vec::new();
+        while order.len() < names.len() {
+            let excluded: Vec<&str> = order.iter().map(|&i| names[i]).collect();
+            let mut req = idle
+                .tokens_request(&tokens(1, 8), key(), None, 0.0)
+                .unwrap();
+            req.exclude = &excluded;
+            let d = idle.route(req).unwrap();
+            order.push(names.iter().position(|&n| n == &*d.worker).unwrap());
+        }
+        let mut r = fleet();
+        let mut load = [0u64; 4];
+        let mut deepest = 0;
+        let total_weight: u64 = weights.iter().sum();
+        for step in 0..60 {
+            let in_flight: u64 = load.iter().sum();
+            // ceil(5 (T + 1) w / (4 Σw)), at least 1.
+            let cap = |i: usize| {
+                let (num, den) = (5 * (in_flight + 1) * weights[i], 4 * total_weight);
+                num.div_ceil(den).max(1)
+            };
+            let walked = order.iter().position(|&i| load[i] < cap(i)).unwrap() + 1;
+            let want = order[walked - 1];
+            let d = r
+                .route_tokens(&tokens(2 + step, 8), key(), None, f64::from(step))
+                .unwrap();
+            let ctx = format!("weights {weights:?}, step {step}");
+            assert_eq!(&*d.worker, names[want], "{ctx}");
+            let reason = if walked == 1 {
+                Reason::Hash
+            } else {
+                Reason::HashBounded
+            };
+            assert_eq!(d.reason, reason, "{ctx}");
+            let scores: Vec<(String, f64)> = d.scores().map(|(w, v)| (w.to_string(), v)).collect();
+            let expected: Vec<(String, f64)> = order[..walked]
+                .iter()
+                .map(|&i| (names[i].to_string(), load[i] as f64))
+                .collect();
+            assert_eq!(scores, expected, "{ctx}");
+            r.begin(&d).unwrap();
+            load[want] += 1;
+            deepest = deepest.max(walked);
+        }
+        assert!(
+            deepest >= 3,
+            "the walk went past two full workers: {deepest}"
+        );
+    }
+}
+
+/// Never-run router mutants: `check_request`'s guard `t / bs != hashes.len()` → `false` let a
+/// request whose token count disagrees with its block hashes through. The class: the length
+/// check on each side of its bounds, for `route` and `route_pd` (both check the request): a
+/// prompt of `t` tokens in blocks of 4 has `⌊t / 4⌋` whole blocks, so 4 hashes go with 16 to 19
+/// tokens and with no other count; the refusal's message whole, and nothing changed by it.
+#[test]
+fn a_token_count_disagreeing_with_the_block_hashes_is_refused_by_route_and_route_pd() {
+    let mut r = router(Policy::KvAware, &["a", "b"]);
+    for t in 0..=30usize {
+        for pd in [false, true] {
+            let mut req = r.tokens_request(&tokens(1, 16), None, None, 0.0).unwrap();
+            assert_eq!(req.hashes.len(), 4);
+            req.prompt_tokens = Some(t);
+            let got = if pd {
+                r.route_pd(req).map(|p| p.decode.prompt_tokens)
+            } else {
+                r.route(req).map(|d| d.prompt_tokens)
+            };
+            if (16..20).contains(&t) {
+                assert_eq!(got.unwrap(), t, "{t} tokens, pd {pd}");
+            } else {
+                let msg = format!("4 block hashes given for a prompt of {t} tokens (blocks of 4)");
+                assert_eq!(got.unwrap_err().to_string(), msg, "pd {pd}");
+            }
+        }
+    }
+    // Nothing was begun: the accepted routes left no load either.
+    assert!(r.workers().iter().all(|w| w.total_active() == 0));
+}
+
+/// Never-run router mutants: `Worker::freshness_at`'s `half_life > 0.0` → `>= 0.0` gave a
+/// worker stale since `now` the freshness `0.5^(0 / 0)`, NaN, for a half-life of 0 (the router's
+/// own calls pass its configured half-life, > 0, but the method is public and documented in
+/// `[0, 1]`). The class: every form of freshness at ages before, at and after the mark, for
+/// half-lives 0 and > 0, against `0.5^(age / half_life)` (age clamped at 0; a half-life of 0
+/// trusts nothing stale), through the method and through `Router::freshness`.
+#[test]
+fn freshness_is_half_life_decay_from_the_stale_mark_in_every_form() {
+    let mut r = router(Policy::KvAware, &["a"]);
+    let at = |r: &Router, now: f64, h: f64| r.workers().named("a").unwrap().freshness_at(now, h);
+    for h in [0.0, 2.0, 5.0] {
+        assert_eq!(at(&r, 10.0, h), 1.0, "fresh, half-life {h}");
+    }
+    r.mark_stale("a", 10.0).unwrap();
+    for now in [7.0, 10.0, 11.0, 12.0, 20.0] {
+        let age: f64 = (now - 10.0f64).max(0.0);
+        assert_eq!(at(&r, now, 0.0), 0.0, "stale, half-life 0, now {now}");
+        for h in [2.0, 5.0] {
+            assert_eq!(
+                at(&r, now, h),
+                0.5f64.powf(age / h),
+                "half-life {h}, now {now}"
+            );
+        }
+        // The router's own half-life (Config::default: 5 s).
+        assert_eq!(r.freshness("a", now).unwrap(), 0.5f64.powf(age / 5.0));
+    }
+    assert_eq!(at(&r, 12.0, 2.0), 0.5);
+    r.set_freshness("a", 0.25).unwrap();
+    for h in [0.0, 5.0] {
+        assert_eq!(at(&r, 30.0, h), 0.25, "fixed, half-life {h}");
+    }
+    r.mark_fresh("a").unwrap();
+    assert_eq!(at(&r, 30.0, 0.0), 1.0);
+}

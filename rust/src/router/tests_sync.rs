@@ -575,3 +575,61 @@ fn a_withdrawal_publishes_the_first_block_it_drops() {
         );
     }
 }
+
+/// Never-run router mutants (docs/mutants.md): `Outbox::record`'s guard `!on || hashes.is_empty()`
+/// → `&&` published records when updates are off, and an empty record for a prompt without a
+/// whole block. The class: what every publishing call (`route`, `begin`, `prefilled`,
+/// `observe`, `finish`, `withdraw`) puts in the outbox — nothing at all with updates off, however
+/// much it changes; with updates on, for prompts without a whole block, only the load changes,
+/// one per call that changes a counter (`begin`, `prefilled`, `finish`; a withdrawal of a begun
+/// request), read back by a replica's `ApplyStats`; and for whole prompts the records too.
+#[test]
+fn updates_are_published_only_when_on_and_only_when_they_say_something() {
+    let lifecycle = |r: &mut Router, seed: u32, n: u32| {
+        for t in 0..4 {
+            let now = f64::from(t);
+            let d = r
+                .route_tokens(&tokens(seed + t, n), None, None, now)
+                .unwrap();
+            r.begin(&d).unwrap();
+            r.prefilled(&d).unwrap();
+            r.observe(&d, 0, now).unwrap();
+            r.finish(&d, now).unwrap();
+            let w = r
+                .route_tokens(&tokens(seed + 10 + t, n), None, None, now)
+                .unwrap();
+            r.begin(&w).unwrap();
+            assert!(r.withdraw(&w).unwrap());
+        }
+    };
+    for n in [3, 40] {
+        let mut off = replica_of(&["a", "b"], 64, false, Policy::KvAware);
+        lifecycle(&mut off, 1, n);
+        assert!(off.take_updates(None).is_empty(), "updates off, {n} tokens");
+    }
+    // 4 requests × (begin, prefilled, finish) and 4 withdrawn ones × (begin, withdraw).
+    let loads = 4 * 3 + 4 * 2;
+    let mut short = replica_of(&["a", "b"], 64, true, Policy::KvAware);
+    lifecycle(&mut short, 1, 3);
+    let mut replica = replica_of(&["a", "b"], 64, true, Policy::KvAware);
+    let stats = replica
+        .apply_updates(&short.take_updates(None), 0.0, true)
+        .unwrap();
+    let want = ApplyStats {
+        loads,
+        ..ApplyStats::default()
+    };
+    assert_eq!(stats, want, "prompts without a whole block");
+    let mut whole = replica_of(&["a", "b"], 64, true, Policy::KvAware);
+    lifecycle(&mut whole, 1, 40);
+    let mut replica = replica_of(&["a", "b"], 64, true, Policy::KvAware);
+    let stats = replica
+        .apply_updates(&whole.take_updates(None), 0.0, true)
+        .unwrap();
+    assert_eq!(stats.loads, loads, "whole prompts: {stats:?}");
+    assert!(
+        stats.records > 0 && stats.forgets > 0,
+        "whole prompts: {stats:?}"
+    );
+    assert_eq!(replica.dump_model().unwrap(), whole.dump_model().unwrap());
+}
