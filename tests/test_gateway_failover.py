@@ -510,19 +510,22 @@ def test_which_first_events_are_engine_errors(data, status):
         assert failed == (
             STREAM_ERROR,
             f"error event, code {data.get('code', data.get('error', {}).get('code'))!r}",
-            (status, payload, "application/json"),
+            (status, payload, {"content-type": "application/json"}),
         )
     assert first_failure([]) == (EMPTY_STREAM, "no event before the end", None)
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_answers_headers_are_forwarded_by_name(servers, stream):
-    """Of an upstream's answer head, only ``content-type``, ``content-encoding`` and
-    ``cache-control`` reach the caller (streamed or whole), with the request's own
-    ``x-request-id``; the upstream's other headers (its own request id among them) do not."""
+    """Of an upstream's answer head, only ``content-type``, ``content-encoding``,
+    ``cache-control``, ``retry-after``, ``retry-after-ms`` and ``x-ratelimit-*`` reach the
+    caller (streamed or whole), with the request's own ``x-request-id``; the upstream's other
+    headers (its own request id among them) do not."""
     extra = (
         "content-type: {}\r\ncontent-encoding: identity\r\ncache-control: no-store\r\n"
         "x-upstream-secret: 1\r\nx-request-id: upstream-id\r\nconnection: close\r\n"
+        "x-ratelimit-remaining-tokens: 9000\r\nx-ratelimit-reset-tokens: 6ms\r\n"
+        "retry-after: 1\r\nretry-after-ms: 1000\r\nx-rate: 1\r\n"
     )
     if stream:
         head = "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n" + extra + "\r\n"
@@ -540,13 +543,79 @@ def test_an_answers_headers_are_forwarded_by_name(servers, stream):
     with GatewayServer(fleet_config([servers(script)])) as gw:
         r = post(gw, "rq-4", stream)
         assert r.status_code == 200
-        forwarded = {k: r.headers.get(k) for k in ("content-encoding", "cache-control")}
-        assert forwarded == {"content-encoding": "identity", "cache-control": "no-store"}
+        names = ("content-encoding", "cache-control", "retry-after", "retry-after-ms")
+        names += ("x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens", "x-rate")
+        assert {k: r.headers.get(k) for k in names} == {
+            "content-encoding": "identity",
+            "cache-control": "no-store",
+            "retry-after": "1",
+            "retry-after-ms": "1000",
+            "x-ratelimit-remaining-tokens": "9000",
+            "x-ratelimit-reset-tokens": "6ms",
+            "x-rate": None,
+        }
         ctype = "text/event-stream" if stream else "application/json"
         assert r.headers["content-type"].split(";")[0] == ctype
         assert r.headers["x-request-id"] == "rq-4"
         assert "x-upstream-secret" not in r.headers
         assert b"one" in r.content
+
+
+RATE_LIMITED = {
+    "retry-after": "7",
+    "retry-after-ms": "7000",
+    "x-ratelimit-limit-requests": "100",
+    "x-ratelimit-remaining-requests": "0",
+    "x-ratelimit-reset-requests": "7s",
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engines_429_reaches_the_caller_with_when_to_try_again(stream):
+    """An engine's 429 passes through (a 4xx: not retried) with its ``retry-after``,
+    ``retry-after-ms`` and ``x-ratelimit-*``, which the OpenAI SDK reads; its other headers do
+    not."""
+    fleet = Fleet(2)
+    try:
+        for u in fleet.upstreams:
+            u.fail(429)
+            u.fail_headers = {**RATE_LIMITED, "x-engine-secret": "1"}
+        with GatewayServer(config_dict(fleet, gateway={"models": ["m"]})) as gw:
+            r = post(gw, "rq-1", stream)
+            assert (r.status_code, r.headers["x-request-id"]) == (429, "rq-1")
+            assert {k: r.headers.get(k) for k in RATE_LIMITED} == RATE_LIMITED
+            assert "x-engine-secret" not in r.headers
+            assert sum(len(u.records) for u in fleet.upstreams) == 1
+            client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+            with pytest.raises(openai.RateLimitError) as e:
+                client.chat.completions.create(model="m", messages=messages("q"), stream=stream)
+            assert e.value.response.headers["retry-after"] == "7"
+    finally:
+        fleet.close()
+
+
+def test_the_last_engines_503_is_answered_with_its_retry_after():
+    """Both workers answer 503, each with its own ``retry-after``: the request is retried,
+    then answered with the last worker's own answer — its body and its ``retry-after``."""
+    fleet = Fleet(2)
+    try:
+        for i, u in enumerate(fleet.upstreams):
+            u.fail(503)
+            u.fail_headers = {"retry-after": str(3 + i), "x-ratelimit-reset-requests": f"{i}s"}
+        with GatewayServer(config_dict(fleet, gateway={"models": ["m"]})) as gw:
+            r = post(gw, "rq-1", stream=False)
+            assert r.status_code == 503
+            last = fleet[r.json()["error"]["message"].split()[0]]
+            assert [len(u.records) for u in fleet.upstreams] == [1, 1]
+            i = fleet.upstreams.index(last)
+            assert r.headers["retry-after"] == str(3 + i)
+            assert r.headers["x-ratelimit-reset-requests"] == f"{i}s"
+            assert (r.headers["x-request-id"], r.headers["content-type"]) == (
+                "rq-1",
+                "application/json",
+            )
+    finally:
+        fleet.close()
 
 
 def test_a_request_shed_on_its_ttft_slo_is_withdrawn():

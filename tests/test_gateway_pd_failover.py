@@ -58,6 +58,11 @@ TEXT_HEAD = (
     "HTTP/1.1 {} X\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: {}\r\n"
     "connection: close\r\n\r\n"
 )
+RATE_HEAD = (
+    "HTTP/1.1 {} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\n"
+    "retry-after: 9\r\nx-ratelimit-remaining-requests: 0\r\nx-engine: 1\r\n"
+    "connection: close\r\n\r\n"
+)
 # name -> (protocols, script (None: nobody listens), the answer: (status, body, content type) of
 # the prefill's own, or (status, code, message) of the gateway's error, kind, logged detail,
 # health: "count" charged, "down" ejected, "none")
@@ -94,6 +99,23 @@ PREFILL_FAULTS: dict[str, tuple[tuple[str, ...], Any, tuple, str | None, str, st
         None,
         "",
         "none",
+    ),
+    # An engine's 429 (a 4xx: passed on) and 503, each with when to try again: passed on too.
+    "429 with retry-after": (
+        ("vllm", "sglang"),
+        lambda body: [RATE_HEAD.format(429, len(REFUSAL)).encode() + REFUSAL],
+        (429, REFUSAL, "application/json"),
+        None,
+        "",
+        "none",
+    ),
+    "503 with retry-after": (
+        ("vllm", "sglang"),
+        lambda body: [RATE_HEAD.format(503, len(REFUSAL)).encode() + REFUSAL],
+        (503, REFUSAL, "application/json"),
+        "status_5xx",
+        "prefill status 503",
+        "count",
     ),
     "closed before the head": (
         ("vllm", "sglang"),
@@ -209,6 +231,9 @@ def test_each_prefill_failure_is_answered_logged_and_counted(protocol, name, cap
             assert r.headers["x-request-id"] == "pq-1"
             if isinstance(answer[1], bytes):  # the prefill worker's own answer, whole
                 assert (r.status_code, r.content, r.headers["content-type"]) == answer
+                rate = ("retry-after", "x-ratelimit-remaining-requests", "x-engine")
+                passed = {k: r.headers[k] for k in rate if k in r.headers}
+                assert passed == ({} if "retry" not in name else {rate[0]: "9", rate[1]: "0"})
             else:
                 status, code, message = answer
                 assert (r.status_code, r.headers["content-type"]) == (status, "application/json")

@@ -122,6 +122,7 @@ class Upstream:
             self.abandoned: list[str] = []  # callers that went away while we stalled
             self.fail_status: int | None = None
             self.fail_times = 0  # < 0: always
+            self.fail_headers: dict[str, str] = {}  # sent with a failure's answer
             self.poison: str | None = None  # prompts containing it are answered 500
             self.crash: str | None = None  # prompts containing it raise in the handler
             self.crash_hold = 0.5  # seconds between a crash's 500 and its connection's close
@@ -248,6 +249,7 @@ class Upstream:
             return JSONResponse(
                 {"error": {"message": f"{self.name} failing", "type": "server_error"}},
                 status_code=status,
+                headers=self.fail_headers,
             )
         if self.delay:
             await asyncio.sleep(self.delay)

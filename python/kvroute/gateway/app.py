@@ -110,8 +110,10 @@ from .stream import (
     ProxyStream,
     SseScanner,
     WholeResponse,
+    failed_answer,
     first_events,
     first_failure,
+    forwarded_headers,
     wait_disconnect,
 )
 from .upstream import CACHE_KEY_FIELDS, Flight, UpstreamBody, Upstreams, release_now
@@ -124,7 +126,6 @@ log = logging.getLogger("kvroute.gateway")
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
-_FORWARDED_RESPONSE_HEADERS = ("content-type", "content-encoding", "cache-control")
 
 Handler = Callable[["Incoming"], Awaitable[Response]]
 
@@ -792,7 +793,7 @@ class Gateway:
         via = self._via
         stream = payload.get("stream") is True
         error: HTTPError | None = None
-        failed_response: tuple[int, bytes, str] | None = None
+        failed_response: tuple[int, bytes, dict[str, str]] | None = None
         tried: list[str] = []
         suspects: list[str] = []
         for attempt in range(1, self.server.max_attempts + 1):
@@ -859,7 +860,7 @@ class Gateway:
         call: Call,
         suspects: list[str],
         error: HTTPError | None,
-        failed_response: tuple[int, bytes, str] | None,
+        failed_response: tuple[int, bytes, dict[str, str]] | None,
     ) -> Response:
         """The answer when no attempt succeeded: the last upstream's own answer if it gave one,
         else ``error``."""
@@ -867,9 +868,9 @@ class Gateway:
         self._settle(call, None, suspects)
         headers = {"x-request-id": call.rid}
         if failed_response is not None:
-            status, data, ctype = failed_response
+            status, data, passed = failed_response
             self.metrics.done(call.route, call.target.name, status, call.started)
-            return Response(data, status_code=status, media_type=ctype, headers=headers)
+            return Response(data, status_code=status, headers={**passed, **headers})
         assert error is not None
         self.metrics.done(call.route, call.target.name, error.status, call.started)
         return error.response(headers)
@@ -901,11 +902,8 @@ class Gateway:
                     data = await resp.read(limit)
                 except (UpstreamError, BodyTooLarge):
                     data = b""
-                ctype = resp.headers.get("content-type", "application/json")
-                return STATUS_5XX, f"status {status}", (status, data, ctype)
-            reply_headers = {
-                n: v for n in _FORWARDED_RESPONSE_HEADERS if (v := resp.headers.get(n)) is not None
-            }
+                return STATUS_5XX, f"status {status}", failed_answer(status, data, resp.headers)
+            reply_headers = forwarded_headers(resp.headers)
             reply_headers["x-request-id"] = call.rid  # at construction: no header rewrite after
             if stream and status == 200:
                 scanner = SseScanner(self.server.max_event_bytes)

@@ -88,8 +88,10 @@ class UpstreamFailure:
         return HTTPError(self.status, self.message.format(worker=worker), kind, self.code)
 
 
-#: A failed attempt: (failure, detail, the upstream's own 5xx answer if it gave one).
-Failed: TypeAlias = "tuple[UpstreamFailure, object, tuple[int, bytes, str] | None]"
+Answer: TypeAlias = "tuple[int, bytes, dict[str, str]]"
+#: A failed attempt: (failure, detail, the upstream's own 5xx answer if it gave one: status,
+#: body and the headers to pass on, ``content-type`` among them).
+Failed: TypeAlias = "tuple[UpstreamFailure, object, Answer | None]"
 #: An attempt's outcome: the response for the client, or how it failed.
 Outcome: TypeAlias = "Response | Failed"
 

@@ -66,6 +66,7 @@ from kvroute.server.routing import NoWorkerError
 from .client import BodyTooLarge, UpstreamError
 from .errors import STATUS_5XX, TOO_LARGE, Failed, HTTPError, Outcome, body_failed
 from .rawjson import dumps
+from .stream import failed_answer
 from .upstream import Flight, release
 
 if TYPE_CHECKING:
@@ -225,11 +226,11 @@ class PdForwarder:
             except UpstreamError as e:
                 return body_failed(e)
             flight.prefilled()
-            ctype = resp.headers.get("content-type", "application/json")
+            answer = failed_answer(status, data, resp.headers)
             if status >= 500 or not 200 <= status <= 599:
-                return STATUS_5XX, f"prefill status {status}", (status, data, ctype)
+                return STATUS_5XX, f"prefill status {status}", answer
             if status != 200:
-                return Response(data, status_code=status, media_type=ctype)
+                return Response(data, status_code=status, headers=answer[2])
             reply = _json_object(data)
             if reply is None:
                 return STATUS_5XX, "the prefill's reply is not a JSON object", None
@@ -348,14 +349,14 @@ class PdForwarder:
         usage = None
         try:
             status = resp.status_code
-            ctype = resp.headers.get("content-type", "application/json")
             if status != 200:  # an answer to pass on or charge: read it, as far as it goes
                 data = b""
                 with contextlib.suppress(UpstreamError, BodyTooLarge):
                     data = await resp.read(g.server.max_response_bytes)
+                answer = failed_answer(status, data, resp.headers)
                 if status >= 500 or not 200 <= status <= 599:
-                    return STATUS_5XX, f"prefill status {status}", (status, data, ctype)
-                return Response(data, status_code=status, media_type=ctype)
+                    return STATUS_5XX, f"prefill status {status}", answer
+                return Response(data, status_code=status, headers=answer[2])
             first = True
             tail = b""
             try:

@@ -43,11 +43,14 @@ from .upstream import Flight, release
 from .usage import UsageEvent, usage_event, with_cache_fields
 
 __all__ = [
+    "FORWARDED_HEADERS",
     "EventTooLarge",
     "ProxyStream",
     "SseScanner",
     "WholeResponse",
+    "failed_answer",
     "first_failure",
+    "forwarded_headers",
     "wait_disconnect",
 ]
 
@@ -56,6 +59,32 @@ log = logging.getLogger("kvroute.gateway")
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
 _DONE = re.compile(rb"^data:\s*\[DONE\]", re.MULTILINE)
 _DATA = re.compile(rb"^data: ?(.*?)\r?$", re.MULTILINE)
+
+
+#: Of an upstream answer's head, what reaches the caller: its body's type, encoding and caching,
+#: and when to try again — ``retry-after`` and ``retry-after-ms`` (which the OpenAI SDKs and
+#: LiteLLM honour) and OpenAI's ``x-ratelimit-*``. Nothing else (an upstream's own request id,
+#: its server, its cookies) is passed on.
+FORWARDED_HEADERS = frozenset(
+    ("content-type", "content-encoding", "cache-control", "retry-after", "retry-after-ms")
+)
+
+
+def forwarded_headers(headers: dict[str, str]) -> dict[str, str]:
+    """The headers of an upstream answer (lower-case names) that reach the caller."""
+    return {
+        n: v for n, v in headers.items() if n in FORWARDED_HEADERS or n.startswith("x-ratelimit-")
+    }
+
+
+def failed_answer(
+    status: int, data: bytes, headers: dict[str, str]
+) -> tuple[int, bytes, dict[str, str]]:
+    """An upstream's own failed answer as kept to pass on (``errors.Failed``): its status, body
+    and forwarded headers (``content-type`` JSON unless it named one)."""
+    kept = forwarded_headers(headers)
+    kept.setdefault("content-type", "application/json")
+    return status, data, kept
 
 
 class WholeResponse(Response):
@@ -166,7 +195,8 @@ def first_failure(first: list[bytes]) -> Failed | None:
         if type(code) is int and 400 <= code <= 499:
             return None  # the request's error, as a 4xx answer would be: passed through
         status = code if type(code) is int and 500 <= code <= 599 else 502
-        return STREAM_ERROR, f"error event, code {code!r}", (status, data, "application/json")
+        answer = (status, data, {"content-type": "application/json"})
+        return STREAM_ERROR, f"error event, code {code!r}", answer
     return None
 
 
