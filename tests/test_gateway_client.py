@@ -114,6 +114,40 @@ def test_a_reused_connection_lost_before_any_answer_byte_is_sent_again():
         server.stop()
 
 
+def test_a_reused_connection_lost_after_an_answer_byte_is_not_sent_again():
+    """A server that answers a request on a reused connection in part and then closes it did
+    answer: the request is not sent again (ConnectionLost), so it reaches the server twice in
+    all, not three times. A raw server: no real one answers half a head."""
+    requests: list[bytes] = []
+
+    async def main():
+        async def serve(reader, writer):
+            while data := await reader.readuntil(b"\r\n\r\n"):
+                await reader.readexactly(int(data.split(b"content-length: ")[1].split(b"\r")[0]))
+                requests.append(data)
+                if len(requests) == 1:
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                else:
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-")
+                    await writer.drain()
+                    writer.close()
+                    return
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        p = pool(f"http://127.0.0.1:{port}")
+        r = await p.request("POST", "/x", JSON, b"{}")
+        assert await r.read() == b"ok"
+        await r.aclose()
+        with pytest.raises(ConnectionLost):
+            await p.request("POST", "/x", JSON, b"{}")
+        assert len(requests) == 2 and p.total == 0
+        await p.aclose()
+        server.close()
+
+    asyncio.run(main())
+
+
 def test_chunked_body_is_decoded_and_bounded():
     body = chunk(b'{"a": ') + chunk(b"1}") + b"0\r\n\r\n"
     head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"
