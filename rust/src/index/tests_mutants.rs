@@ -251,3 +251,47 @@ fn the_checker_reports_each_invariant_broken_alone() {
         assert!(err.contains(want), "{want}: {err}");
     }
 }
+
+/// cargo-mutants survivor (shard 13/40): `!new.is_empty() && node != ROOT` → `new.is_empty()`
+/// in `PrefixIndex::store_unchecked_budget` sent every continuation of a leaf the worker alone
+/// holds through the general path — a fresh node for the new blocks, linked under the leaf, then
+/// merged back into it by `normalize`: the same tree, but a node allocated and freed for every
+/// turn of a conversation (the slab and the free list grew). For the class of the in-place
+/// extension (as the in-place cut above): runs of every length 1 to 12 continued by 1 to 5
+/// blocks, each continuation in the run's own node — the node count, the slab and the free list
+/// unchanged, the blocks matched whole.
+#[test]
+fn continuing_a_run_held_alone_extends_it_in_place() {
+    let mut ix = PrefixIndex::new(None).unwrap();
+    ix.store("b", &[7, 8, 9], None).unwrap();
+    let mut runs = Vec::new();
+    for len in 1..=12u64 {
+        for more in 1..=5u64 {
+            let start = 1000 * (runs.len() as u64 + 1);
+            let run: Vec<u64> = (start..start + len).collect();
+            ix.store("a", &run, None).unwrap();
+            runs.push((run, more));
+        }
+    }
+    let a = ix.worker_id("a").unwrap();
+    let (nodes, slab, free) = (ix.num_nodes(), ix.tree.nodes.len(), ix.tree.free.len());
+    for (run, more) in &runs {
+        let last = *run.last().unwrap();
+        let next: Vec<u64> = (last + 1..=last + more).collect();
+        ix.store("a", &next, Some(last)).unwrap();
+        assert_eq!(
+            (ix.num_nodes(), ix.tree.nodes.len(), ix.tree.free.len()),
+            (nodes, slab, free),
+            "run {run:?} continued by {more}"
+        );
+        let whole: Vec<u64> = run.iter().chain(&next).copied().collect();
+        let mut got = Vec::new();
+        ix.match_into(&whole, &mut got);
+        assert_eq!(
+            got,
+            [(a, whole.len() as u32)],
+            "run {run:?} continued by {more}"
+        );
+    }
+    ix.check_invariants().unwrap();
+}
