@@ -213,7 +213,7 @@ fn a_page_shorter_than_the_engines_is_a_partial_block() {
     assert_eq!((c.blocks_stored, c.skipped_partial), (3, 1));
     assert_eq!(matched(&index, &own_hashes(&tokens, 16), "w"), 0);
     // The last whole page completes the block.
-    let p = batch(|w| {
+    let last = batch(|w| {
         let e = Ev {
             hashes: &[103],
             parent: Some(102),
@@ -224,7 +224,7 @@ fn a_page_shorter_than_the_engines_is_a_partial_block() {
         stored(w, &e);
         1
     });
-    a.apply("w", &p).expect("apply");
+    a.apply("w", &last).expect("apply");
     assert_eq!(matched(&index, &own_hashes(&tokens, 16), "w"), 1);
     // Removing a page inside the block forgets it: a child of it has an unknown parent.
     a.apply(
@@ -237,18 +237,7 @@ fn a_page_shorter_than_the_engines_is_a_partial_block() {
     )
     .expect("apply");
     assert_eq!(matched(&index, &own_hashes(&tokens, 16), "w"), 0);
-    let p = batch(|w| {
-        let e = Ev {
-            hashes: &[103],
-            parent: Some(102),
-            tokens: &tokens[12..],
-            block_size: 4,
-            medium: None,
-        };
-        stored(w, &e);
-        1
-    });
-    a.apply("w", &p).expect("apply");
+    a.apply("w", &last).expect("apply");
     let c = a.counters("w").expect("counters");
     assert_eq!((c.blocks_stored, c.skipped_unknown_parent), (4, 1));
     assert_eq!(matched(&index, &own_hashes(&tokens, 16), "w"), 0);
