@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvroute import Router
+from kvroute.epp.picker import endpoint_key
 from kvroute.epp.protocol import BODY_CHUNK
 from prometheus_client.parser import text_string_to_metric_families
 from support.epp_client import EnvoyClient, EppThread, epp_config
@@ -58,7 +59,7 @@ def chat(model: str, question: str, system: str = LONG_SYSTEM, **kw: Any) -> dic
 
 
 def worker_of(epp: EppThread, address: str) -> str:
-    return epp.server.picker.by_address[address].name
+    return epp.server.picker.by_key[endpoint_key(address)].name
 
 
 def record(fleet: Fleet, result: Any) -> dict[str, Any]:

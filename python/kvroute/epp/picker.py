@@ -183,7 +183,6 @@ class Picker:
         )
         self.auth = Auth(config)  # type: ignore[arg-type]  # endpoints, server.models/key_digests
         self.members: dict[str, Member] = {}
-        self.by_address: dict[str, Member] = {}
         #: Members by (IP, port) and by IP (see `endpoint_key`).
         self.by_key: dict[tuple[str, int | None], Member] = {}
         self.by_ip: dict[str, list[Member]] = {}
@@ -213,7 +212,6 @@ class Picker:
                 self.router.add_worker(name, m.config.weight)
             self.members[name] = m
             self.in_flight.setdefault(name, 0)
-        self.by_address = {m.address: m for m in self.members.values()}
         self.by_key, self.by_ip = {}, {}
         for m in self.members.values():
             key = endpoint_key(m.address)

@@ -36,6 +36,7 @@ __all__ = [
     "STATUS_5XX",
     "STREAM_ERROR",
     "TOO_LARGE",
+    "Answer",
     "Failed",
     "HTTPError",
     "Outcome",

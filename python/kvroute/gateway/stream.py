@@ -37,7 +37,7 @@ from starlette.types import Receive, Scope, Send
 
 from .client import Response as UpstreamResponse
 from .client import UpstreamError
-from .errors import EMPTY_STREAM, STREAM_ERROR, Failed
+from .errors import EMPTY_STREAM, STREAM_ERROR, Answer, Failed
 from .metrics import GatewayMetrics
 from .upstream import Flight, release
 from .usage import UsageEvent, usage_event, with_cache_fields
@@ -77,9 +77,7 @@ def forwarded_headers(headers: dict[str, str]) -> dict[str, str]:
     }
 
 
-def failed_answer(
-    status: int, data: bytes, headers: dict[str, str]
-) -> tuple[int, bytes, dict[str, str]]:
+def failed_answer(status: int, data: bytes, headers: dict[str, str]) -> Answer:
     """An upstream's own failed answer as kept to pass on (``errors.Failed``): its status, body
     and forwarded headers (``content-type`` JSON unless it named one)."""
     kept = forwarded_headers(headers)
@@ -195,8 +193,7 @@ def first_failure(first: list[bytes]) -> Failed | None:
         if type(code) is int and 400 <= code <= 499:
             return None  # the request's error, as a 4xx answer would be: passed through
         status = code if type(code) is int and 500 <= code <= 599 else 502
-        answer = (status, data, {"content-type": "application/json"})
-        return STREAM_ERROR, f"error event, code {code!r}", answer
+        return STREAM_ERROR, f"error event, code {code!r}", failed_answer(status, data, {})
     return None
 
 

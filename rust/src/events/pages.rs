@@ -26,7 +26,7 @@
 
 use hashbrown::HashMap;
 
-use super::apply::{ensure_id, Ctx, Scratch};
+use super::apply::{ensure_id, Ctx};
 use super::decode::Event;
 use crate::blocks::ChainState;
 
@@ -203,7 +203,7 @@ impl Ctx<'_> {
                 }
             },
         };
-        let mut scratch = std::mem::take(self.scratch);
+        let mut block = std::mem::take(&mut self.scratch.tokens);
         let mut applied = 0u64;
         let pages = ev
             .block_hashes
@@ -223,7 +223,7 @@ impl Ctx<'_> {
                 cursor.prev = Some(hash);
                 continue;
             }
-            match self.complete(tier, hash, cursor, tokens, &mut scratch, (salt, lora)) {
+            match self.complete(tier, hash, cursor, tokens, &mut block, (salt, lora)) {
                 Ok(()) => applied += 1,
                 Err(Skip::UnknownParent) => {
                     self.state.counters.skipped_unknown_parent += 1;
@@ -245,7 +245,7 @@ impl Ctx<'_> {
             };
         }
         self.state.counters.blocks_stored += applied;
-        *self.scratch = scratch;
+        self.scratch.tokens = block;
     }
 
     /// Indexes the router block page `hash` (`tokens`) completes after the pages `cursor` ends.
@@ -256,7 +256,7 @@ impl Ctx<'_> {
         hash: u64,
         cursor: Cursor,
         tokens: &[u32],
-        scratch: &mut Scratch,
+        block: &mut Vec<u32>,
         (salt, lora): (Option<&str>, Option<&str>),
     ) -> Result<(), Skip> {
         let router = self.config.block_size;
@@ -264,7 +264,7 @@ impl Ctx<'_> {
         let state = self.state.tiers.get(tier).ok_or(Skip::Rejected)?;
         let anchor = state
             .pages
-            .gather(cursor, tokens, router, &mut scratch.tokens)
+            .gather(cursor, tokens, router, block)
             .ok_or(Skip::UnknownParent)?;
         let (parent, start) = match anchor {
             None => (None, ChainState::Root),
@@ -284,7 +284,7 @@ impl Ctx<'_> {
         let hasher = self.hasher(salt, lora).map_err(|_| Skip::Unsupported)?;
         let (mut own, mut end) = (None, None);
         hasher
-            .hash_each(&scratch.tokens, &start, &[], |value, state| {
+            .hash_each(block, &start, &[], |value, state| {
                 own = Some(value);
                 if let ChainState::Digest(d) = state {
                     end = Some(*d);
