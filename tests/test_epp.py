@@ -10,6 +10,7 @@ request.
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import socket
 from typing import Any
@@ -99,6 +100,60 @@ def test_the_pick_is_the_routers_choice(fresh):
         assert sum(h > 0 for h in hits) == len(requests) - 3
         assert max(hits) == expected_cached(reference_render(requests[0]["messages"][:1]))
         assert epp.router.load(picked)["active"] == 0
+
+
+def test_fallbacks_are_the_next_best_workers_that_take_the_same_request(fresh):
+    """``epp.fallbacks = 1``: after the pick, the best other candidate by the reference router's
+    scores (lower first, name on ties) among those the request prepared for the pick suits (up-3
+    has its own API key: it takes none of the others' requests, nor they its), none outside the
+    subset hint."""
+    config = epp_config(fresh, epp={"fallbacks": 1})
+    config["workers"][3]["api_key"] = "sk-up3"
+    reference = Router(
+        [u.name for u in fresh.upstreams], policy="kv_aware", block_size=16, capacity_blocks=32768
+    )
+    systems = [LONG_SYSTEM, "Tenant B. " * 300, "Tenant C. " * 250, "Tenant D. " * 280]
+    requests = [chat("base-model", f"q{i}", systems[i % 4]) for i in range(12)]
+    hinted = ["up-0", "up-2", "up-3"]
+
+    with EppThread(config) as epp:
+        names = {epp.address(n): n for n in epp.router.workers}
+
+        async def body(client: EnvoyClient) -> list[Any]:
+            out = []
+            for i, r in enumerate(requests):
+                subset = [epp.address(n) for n in hinted] if i >= 8 else None
+                out.append(await client.exchange(r, subset=subset))
+            return out
+
+        results = run(body, epp.port)
+        lists = []
+        for i, (r, req) in enumerate(zip(results, requests, strict=True)):
+            assert r.status == 200
+            tokens = np.asarray(reference_tokens(reference_render(req["messages"])), np.uint32)
+            allowed = hinted if i >= 8 else list(names.values())
+            d = reference.route(tokens=tokens, exclude=set(names.values()) - set(allowed) or None)
+            keyed = d.worker == "up-3"
+            ranked = [n for _, n in sorted((s, n) for n, s in d.scores.items())]
+            want = [n for n in ranked if n != d.worker and (n == "up-3") == keyed][:1]
+            listed = [names[a] for a in r.picked.split(",")]
+            assert listed == [d.worker, *want]
+            lists.append(listed)
+            upstream = record(fresh, r)
+            reference.begin(d)
+            reference.observe(d, upstream["cached_tokens"])
+            reference.finish(d)
+        # Both kinds of list were seen: with its fallback (of two or more eligible), and without
+        # (up-3's: no other worker takes its request).
+        assert {len(x) for x in lists} == {1, 2}
+    refused = (
+        "epp.fallbacks = 1 needs router.policy 'kv_aware' or 'least_loaded' (their scores rank "
+        "every candidate), got 'hash'"
+    )
+    with pytest.raises(ValueError, match=re.escape(refused)):
+        EppThread(epp_config(fresh, epp={"fallbacks": 1}, router={"policy": "hash"}))
+    with pytest.raises(ValueError, match=re.escape("epp.fallbacks must be >= 0, got -1")):
+        EppThread(epp_config(fresh, epp={"fallbacks": -1}))
 
 
 def test_body_chunks_and_buffered_mode(fresh):

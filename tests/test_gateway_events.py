@@ -47,6 +47,7 @@ def test_routes_to_where_the_engine_reports_the_prefix(fleet, gw):
     # The engine's block size as its events give it (the router's here: nothing skipped).
     assert (events["up-2"]["engine_block_size"], events["up-2"]["skipped_block_size"]) == (16, 0)
     assert (events["up-2"]["malformed"], events["up-2"]["foreign_hashes"]) == (0, 0)
+    assert events["up-2"]["skipped_partial"] == 0  # whole engine blocks: none partial
 
 
 def test_endpoint_salt_reaches_the_engine_and_back(fleet, gw):

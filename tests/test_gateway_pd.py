@@ -695,7 +695,7 @@ def test_pd_config_is_checked():
             ({"pd": {"protocol": "nixl"}}, "pd.protocol must be one of"),
             ({"pd": {"protocol": "vllm", "treshold": 3}}, "unknown key"),
             ({"pd": {"protocol": "sglang"}}, "workers \\['up-0', 'up-1'\\] are of another kind"),
-            ({"pd": {"protocol": "vllm", "threshold": -1}}, "must be > 0"),
+            ({"pd": {"protocol": "vllm", "threshold": -1}}, "pd.threshold must be >= 0, got -1"),
         ]
         for change, message in cases:
             data = json.loads(json.dumps(good))

@@ -228,7 +228,7 @@ class EnvoyClient:
                 picked.set()
             if pause is not None:
                 await pause.wait()
-            served = served or result.picked
+            served = served or (result.picked or "").split(",")[0]  # the list's first
             lb_md = metadata(
                 envoy__lb={
                     "x-gateway-destination-endpoint": result.picked,

@@ -24,6 +24,16 @@ true, http_header_name: x-gateway-destination-endpoint }``; the gRPC health chec
 cluster asks for ``envoy.service.ext_proc.v3.ExternalProcessor``. The test suite runs exactly such
 an Envoy (``tests/test_epp_envoy.py``).
 
+**Fallback endpoints.** With ``[epp] fallbacks = N`` the value is a list, ``ip:port,ip:port,…``:
+the pick, then up to N other workers the router ranks next (the ``kv_aware`` or ``least_loaded``
+policy's scores) that take the same request (API key, cache-salt field). A proxy sends the request
+to the first and each retry to the next: Envoy's ``override_host`` load-balancing policy over a
+cluster of the workers (``override_host_sources`` the header or ``envoy.lb`` metadata above) with
+a route ``retry_policy`` (``tests/test_epp_fallback.py`` runs one). An ``ORIGINAL_DST`` cluster
+takes one ``ip:port`` only: keep the default, 0, there. The served endpoint the proxy reports
+moves the request's accounting; a pick that failed before the retry is not reported to the
+picker (its health is the proxy's outlier detection's to judge).
+
 Needs the ``epp`` extra (``pip install 'kvroute[epp]'``: grpcio, grpcio-health-checking,
 xds-protos, and the gateway's starlette/uvicorn/httpx); ``[epp.pool]`` needs ``kubernetes``.
 """

@@ -21,6 +21,7 @@ address as host: the proxy connects to the picked ``ip:port``.
     saturation_active = 32           # a worker with this many requests in flight is saturated …
     saturation_prefill_tokens = 65536  # … or with this many prompt tokens queued for prefill
     prefill_tokens_per_second = 9000.0 # estimates time to first token for x-slo-ttft-ms
+    fallbacks = 0                    # endpoints listed after the pick, for the proxy's retries
     health_path = "/health"          # the health model's keys, as in [gateway]
     health_interval = 1.0
     eject_seconds = 2.0
@@ -91,6 +92,7 @@ class PickerConfig:
     saturation_active: int | None = None
     saturation_prefill_tokens: int | None = None
     prefill_tokens_per_second: float | None = None
+    fallbacks: int = 0
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,7 @@ def _picker(t: Table) -> PickerConfig:
         saturation_active=t.positive("saturation_active", int, None),
         saturation_prefill_tokens=t.positive("saturation_prefill_tokens", int, None),
         prefill_tokens_per_second=t.positive("prefill_tokens_per_second", float, None),
+        fallbacks=t.positive("fallbacks", int, d.fallbacks, zero=True),
     )
 
 

@@ -19,7 +19,9 @@ picker, and that usage chunk is removed again on the way back (``ResponseScanner
 **Routing.** The prompt is rendered and tokenized as the gateway does (``kvroute.gateway.prompt``:
 the model's chat template and tokenizer with ``[tokenizer] model_dir``);
 ``router.route(tokens=..., endpoint=..., key=fairness id, exclude=...)`` picks among the workers
-the subset hint allows (``exclude`` = every other worker). No candidate → 503. A request is
+the subset hint allows (``exclude`` = every other worker). No candidate → 503. With
+``epp.fallbacks`` the pick is followed by the decision's next best candidates that take the same
+upstream request (``Pick.destination``). A request is
 **sheddable** when its objective (``x-gateway-inference-objective``, priorities in
 ``[epp] objectives``) has a priority below zero; a sheddable request gets 429 when every worker it
 could go to is saturated (``saturation_active`` requests in flight, or ``saturation_prefill_tokens``
@@ -154,6 +156,12 @@ class Pick:
     set_headers: dict[str, str]
     remove_headers: list[str]
     strip_usage: bool
+    fallbacks: tuple[Member, ...] = ()
+
+    @property
+    def destination(self) -> str:
+        """``x-gateway-destination-endpoint``: the pick, then its fallbacks (``ip:port,...``)."""
+        return ",".join(m.address for m in (self.member, *self.fallbacks))
 
 
 class Picker:
@@ -189,6 +197,12 @@ class Picker:
         self.in_flight: dict[str, int] = {}
         self.salts: dict[str, str | None] = {}
         self.observer: Any = None  # called as observer(worker, predicted, reported, prompt)
+        policy = self.router.config.get("policy")
+        if self.epp.fallbacks and policy not in RANKED_POLICIES:
+            raise ValueError(
+                f"epp.fallbacks = {self.epp.fallbacks} needs router.policy 'kv_aware' or "
+                f"'least_loaded' (their scores rank every candidate), got {policy!r}"
+            )
         self.set_members(
             {w.name: Member(w.name, address_of(w), w) for w in config.workers}, initial=True
         )
@@ -359,7 +373,23 @@ class Picker:
             set_headers["authorization"] = f"Bearer {member.config.api_key}"
         elif "authorization" in request.headers:
             remove.append("authorization")
-        return Pick(d, member, request, len(tokens), body, set_headers, remove, strip)
+        fallbacks = self._fallbacks(d, member)
+        return Pick(d, member, request, len(tokens), body, set_headers, remove, strip, fallbacks)
+
+    def _fallbacks(self, d: Decision, member: Member) -> tuple[Member, ...]:
+        """Up to ``epp.fallbacks`` other candidates of the decision, best score first (name on
+        ties), each one that takes the very request prepared for ``member``: the same API key and
+        the same cache-salt field."""
+        same = (member.config.api_key, member.config.sends_cache_salt)
+        out: list[Member] = []
+        for _, name in sorted((score, name) for name, score in d.scores.items()):
+            if len(out) == self.epp.fallbacks:
+                break
+            m = self.members.get(name)
+            if m is not None and m is not member:
+                if (m.config.api_key, m.config.sends_cache_salt) == same:
+                    out.append(m)
+        return tuple(out)
 
     def _allowed(self, subset: list[str] | None) -> set[str]:
         if subset is None:
@@ -429,6 +459,11 @@ class Picker:
         if body == payload:
             return None, False
         return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode(), strip
+
+
+#: The policies whose decision scores rank every candidate (lower is better): the ones
+#: ``epp.fallbacks`` can list fallback endpoints for.
+RANKED_POLICIES = ("kv_aware", "least_loaded")
 
 
 def _milliseconds(value: str | None) -> float | None:

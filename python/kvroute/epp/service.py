@@ -246,7 +246,7 @@ class Exchange:
         return p.headers_response(
             set_headers=pick.set_headers,
             remove=pick.remove_headers,
-            destination=pick.member.address,
+            destination=pick.destination,
         )
 
     def _pick_full_duplex(self, end: bool) -> Any:
@@ -266,7 +266,7 @@ class Exchange:
             p.body_response(
                 set_headers=headers,
                 remove=pick.remove_headers,
-                destination=pick.member.address,
+                destination=pick.destination,
                 body=pick.body,
             )
         ]

@@ -423,7 +423,8 @@ class Gateway:
         if sub is None:
             return {}
         keys = ("last_seq", "stale", "gaps", "restarts", "disconnects", "resets", "malformed")
-        keys += ("blocks_stored", "skipped_block_size", "foreign_hashes", "engine_block_size")
+        keys += ("blocks_stored", "skipped_block_size", "skipped_partial", "foreign_hashes")
+        keys += ("engine_block_size",)
         index = self.router.index
         out = {}
         for w, row in sub.stats().items():

@@ -259,7 +259,7 @@ class Table:
         if value is not None and (
             value < 0 or (value == 0 and not zero) or (kind is float and not math.isfinite(value))
         ):
-            raise ValueError(f"{self.where}.{key} must be > 0, got {value!r}")
+            raise ValueError(f"{self.where}.{key} must be {'>=' if zero else '>'} 0, got {value!r}")
         return value
 
     def port(self, key: str, default: int | None) -> int | None:
