@@ -402,4 +402,142 @@ mod arena {
         }
         assert!(pages.is_empty() && pages.tokens.is_empty() && pages.dead == 0);
     }
+
+    /// The compaction rule at its bounds, against a model of the documented rule: after a page is
+    /// forgotten the arena is rewritten with the live pages' tokens only when more than 4,096 of
+    /// its tokens are dead *and* more than half of them (an emptied map clears it). Each case
+    /// sits on one side of a bound; then a long drawn sequence of pages of sizes around the bounds
+    /// (some replacing a page of the same hash), checked after every step.
+    #[test]
+    fn the_arena_compacts_exactly_when_over_4096_and_over_half_its_tokens_are_dead() {
+        struct Model {
+            live: HashMap<u64, Vec<u32>>,
+            len: usize,
+            dead: usize,
+        }
+        impl Model {
+            fn forget(&mut self, h: u64) {
+                let Some(tokens) = self.live.remove(&h) else {
+                    return;
+                };
+                self.dead += tokens.len();
+                if self.live.is_empty() {
+                    (self.len, self.dead) = (0, 0);
+                } else if self.dead > 4096 && 2 * self.dead > self.len {
+                    (self.len, self.dead) = (self.live.values().map(Vec::len).sum(), 0);
+                }
+            }
+        }
+        fn check(pages: &Pages, model: &Model, what: &str) {
+            assert_eq!(
+                (pages.tokens.len(), pages.dead, pages.map.len()),
+                (model.len, model.dead, model.live.len()),
+                "{what}"
+            );
+            for (h, tokens) in &model.live {
+                let page = pages.map[h];
+                let (at, len) = (page.at as usize, page.len as usize);
+                assert_eq!(&pages.tokens[at..at + len], &tokens[..], "{what}: page {h}");
+            }
+        }
+        /// (insert or forget, hash, tokens)
+        type Op = (bool, u64, usize);
+        fn step(pages: &mut Pages, model: &mut Model, op: Op, what: &str) {
+            let (insert, h, len) = op;
+            if insert {
+                let tokens: Vec<u32> = (0..len).map(|k| (h as u32) ^ ((k as u32) << 8)).collect();
+                let at = Cursor {
+                    prev: None,
+                    filled: len,
+                    salted: false,
+                };
+                assert!(pages.insert(h, at, &tokens), "{what}");
+                model.forget(h); // insert forgets a page of the same hash first
+                model.len += len;
+                model.live.insert(h, tokens);
+            } else {
+                assert_eq!(pages.remove(h), model.live.contains_key(&h), "{what}");
+                model.forget(h);
+            }
+            check(pages, model, what);
+        }
+        let (put, drop) = (|h, len| (true, h, len), |h| (false, h, 0));
+        let cases: Vec<(&str, Vec<Op>)> = vec![
+            (
+                "4,096 dead of 4,097: not over 4,096",
+                vec![put(1, 4096), put(2, 1), drop(1)],
+            ),
+            (
+                "4,097 dead of 4,098",
+                vec![put(1, 4097), put(2, 1), drop(1)],
+            ),
+            (
+                "4,096 dead in two pages",
+                vec![put(1, 2048), put(2, 2048), put(3, 1), drop(1), drop(2)],
+            ),
+            (
+                "4,097 dead in two pages",
+                vec![put(1, 2048), put(2, 2049), put(3, 1), drop(2), drop(1)],
+            ),
+            (
+                "half dead: not over half",
+                vec![put(1, 5000), put(2, 5000), drop(1)],
+            ),
+            (
+                "just over half dead",
+                vec![put(1, 5001), put(2, 5000), drop(1)],
+            ),
+            (
+                "over 4,096 dead, under half",
+                vec![put(1, 5000), put(2, 6000), drop(1)],
+            ),
+            ("over half dead, few", vec![put(1, 10), put(2, 1), drop(1)]),
+            (
+                "a page replaced by its hash",
+                vec![put(1, 4097), put(2, 1), put(1, 3)],
+            ),
+            (
+                "a replacement at half",
+                vec![put(1, 5000), put(2, 5000), put(1, 7)],
+            ),
+            (
+                "emptied",
+                vec![put(1, 5), put(2, 6), drop(2), drop(1), put(3, 2)],
+            ),
+            (
+                "gone twice",
+                vec![put(1, 5000), put(2, 1), drop(1), drop(1), drop(7)],
+            ),
+        ];
+        for (what, ops) in cases {
+            let mut pages = Pages::default();
+            let mut model = Model {
+                live: HashMap::new(),
+                len: 0,
+                dead: 0,
+            };
+            for op in ops {
+                step(&mut pages, &mut model, op, what);
+            }
+        }
+        let sizes = [1, 2, 3, 1024, 2047, 2048, 2049, 4095, 4096, 4097, 5000];
+        let mut pages = Pages::default();
+        let mut model = Model {
+            live: HashMap::new(),
+            len: 0,
+            dead: 0,
+        };
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        for i in 0..3000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let h = x % 24; // few hashes: many replacements and removals of pages held
+            let op = match (x >> 8) % 3 {
+                0 => drop(h),
+                _ => put(h, sizes[((x >> 16) % sizes.len() as u64) as usize]),
+            };
+            step(&mut pages, &mut model, op, &format!("draw {i}"));
+        }
+    }
 }
