@@ -52,7 +52,8 @@ Replies carry ``x-request-id`` and, with ``routing_headers``, ``x-kvroute-worker
 and ``/health`` with worker names are served on the admin listener (``admin_port``) or to callers
 with an admin key; the public ``/health`` says only whether any worker is up.
 
-Modules: ``auth`` (targets and keys), ``upstream`` (connection pools, in-flight accounting,
+Modules: ``request`` (the body read within its limits, the JSON object parsed), ``auth``
+(targets and keys), ``upstream`` (connection pools, in-flight accounting,
 the body sent upstream), ``stream`` (the SSE pass-through and the whole reply's response),
 ``errors`` (the failure table), ``limits`` and ``admission``,
 ``usage`` (cache fields), ``listener`` (HTTP/1.1 under connection deadlines and a cap; its
@@ -100,11 +101,12 @@ from .errors import (
     body_failed,
 )
 from .limits import RateLimits
-from .listener import ConnectionGuard, Cycle
+from .listener import ConnectionGuard
 from .metrics import GatewayMetrics
 from .pd import HANDOVER_FIELDS, PdForwarder
 from .prompt import OFFLOAD_CHARS, RequestError, Tokenizer, load_tokenizer
-from .rawjson import RawObject, parse_object
+from .rawjson import RawObject
+from .request import ClientGone, Incoming, parse_payload, read_body, uncancel
 from .stream import (
     EventTooLarge,
     ProxyStream,
@@ -132,25 +134,6 @@ Handler = Callable[["Incoming"], Awaitable[Response]]
 
 #: Responses whose whole body is known: sent by the listener in one call when it can.
 _WHOLE = (Response, JSONResponse, WholeResponse)
-
-
-class ClientGone(Exception):
-    """The client disconnected before its request was read."""
-
-
-class Incoming:
-    """One HTTP request as the gateway sees it: the ASGI scope and its headers, and the
-    listener's ``kvroute`` ASGI extension when it is served by ``kvroute.gateway.listener``."""
-
-    __slots__ = ("after", "headers", "listener", "receive", "scope")
-
-    def __init__(self, scope: Scope, receive: Receive) -> None:
-        self.scope = scope
-        self.receive = receive
-        self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        self.after: list[Callable[[], None]] = []  # run once the response has been sent
-        extensions = scope.get("extensions")
-        self.listener: Cycle | None = extensions.get("kvroute") if extensions else None
 
 
 class Call:
@@ -181,13 +164,6 @@ class Call:
         self.tenant = "-"
         self.slo: float | None = None
         self.flight: Flight | None = None  # the attempt that answered
-
-
-def _uncancel(task: asyncio.Task[Any]) -> None:
-    """Withdraws a cancellation this handler made and handled (Python >= 3.11 counts them)."""
-    uncancel = getattr(task, "uncancel", None)
-    if uncancel is not None:
-        uncancel()
 
 
 def _not_found(req: Incoming) -> HTTPError:
@@ -470,104 +446,6 @@ class Gateway:
 
     # ---- request handling ------------------------------------------------------------------
 
-    def _declared_size(self, req: Incoming) -> int:
-        """The body size limit; 413 when ``Content-Length`` already says it is exceeded."""
-        limit = self.server.max_body_bytes
-        declared = req.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise HTTPError(
-                413, f"request body of {declared} bytes exceeds {limit}", code="request_too_large"
-            )
-        return limit
-
-    async def _read_body(self, req: Incoming) -> bytes:
-        limit = self._declared_size(req)
-        chunks = []
-        size = 0
-        while True:
-            message = await req.receive()
-            if message["type"] == "http.disconnect":
-                raise ClientGone
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise HTTPError(
-                    413, f"request body exceeds {limit} bytes", code="request_too_large"
-                )
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
-
-    async def _read_body_in_time(self, req: Incoming) -> bytes:
-        """The body, read within ``body_timeout`` (408 past it)."""
-        timeout = self.server.body_timeout
-        task = asyncio.current_task()
-        expired = False
-
-        def expire() -> None:  # a timer, not wait_for: no task per request
-            nonlocal expired
-            expired = True
-            if task is not None:
-                task.cancel()
-
-        timer = asyncio.get_running_loop().call_later(timeout, expire)
-        try:
-            return await self._read_body(req)
-        except asyncio.CancelledError:
-            if not expired or task is None:
-                raise
-            _uncancel(task)
-            raise HTTPError(
-                408, f"request body not received within {timeout:g} s", code="request_timeout"
-            ) from None
-        finally:
-            timer.cancel()
-
-    def _whole_body(self, req: Incoming) -> bytes | None:
-        """The body when the listener has all of it (no deadline then), as ``_read_body`` reads
-        it, without awaiting; None when it must be read."""
-        cycle = req.listener
-        body = cycle.take_body() if cycle is not None else None
-        if body is not None:
-            limit = self._declared_size(req)
-            if len(body) > limit:
-                raise HTTPError(
-                    413, f"request body exceeds {limit} bytes", code="request_too_large"
-                )
-        return body
-
-    async def _body(self, req: Incoming) -> bytes:
-        """The body, read within ``body_timeout`` unless the whole of it is here already."""
-        cycle = req.listener
-        if cycle is not None and not cycle.more_body:  # the whole body is here: no deadline
-            return await self._read_body(req)
-        return await self._read_body_in_time(req)
-
-    def _payload(self, body: bytes) -> tuple[dict[str, Any], RawObject | None]:
-        """The request's JSON object and (``rawjson``) its text."""
-        raw = parse_object(body)
-        try:
-            payload = raw.value if raw is not None else json.loads(body)
-        except RecursionError:
-            raise HTTPError(
-                400, "request body is nested too deeply", code="nested_too_deeply"
-            ) from None
-        except ValueError as e:
-            raise HTTPError(
-                400, f"request body is not valid JSON: {e}", code="invalid_json"
-            ) from None
-        if not isinstance(payload, dict):
-            raise HTTPError(400, "request body must be a JSON object", code="invalid_body")
-        stream = payload.get("stream")
-        if stream is not None and not isinstance(stream, bool):
-            raise HTTPError(
-                400, f"'stream' must be true or false, got {stream!r:.40}", code="invalid_stream"
-            )
-        options = payload.get("stream_options")
-        if options is not None and not isinstance(options, dict):
-            raise HTTPError(400, "'stream_options' must be an object", code="invalid_stream")
-        return payload, raw
-
     def _slo(self, req: Incoming) -> float | None:
         value = req.headers.get("x-slo-ttft-ms")
         if value is None:
@@ -602,10 +480,9 @@ class Gateway:
         try:
             access: Access = self.auth.access(req.headers.get("authorization"))
             call.slo = self._slo(req)
-            body = self._whole_body(req)
-            if body is None:
-                body = await self._body(req)
-            payload, raw = self._payload(body)
+            server = self.server
+            body = await read_body(req, server.max_body_bytes, server.body_timeout)
+            payload, raw = parse_payload(body)
             target = call.target = access.target(payload.get("model"))
             call.digest = access.digest
             model = target.name
@@ -677,7 +554,7 @@ class Gateway:
             if not gone:
                 raise  # this handler itself is being cancelled
             if task is not None:
-                _uncancel(task)
+                uncancel(task)
             self.metrics.done(call.route, target.name, 499, call.started)
             return Response(status_code=499)
         finally:
