@@ -86,6 +86,45 @@ def test_any_delivery_order_converges(seed, order, duplicates, swaps):
         assert set(c.load(w)["others"].values()) == {0}
 
 
+def test_a_gone_header_ends_the_wait_for_the_batches_it_names():
+    """``Kvroute-Gone: k`` on batch n: the publisher dropped its batches up to k unpublished. The
+    numbers up to k that have not come never will: what is held below k is applied in order, then
+    n, and one gap is counted; a header that is not a number (or names nothing missing) changes
+    nothing."""
+    a, c = replica(), replica()
+    ps = [np.arange(k * 1000, k * 1000 + 40, dtype=np.uint32) for k in range(11)]  # disjoint
+    batches = {}
+    for i, p in enumerate(ps, start=1):
+        d = a.route(tokens=p, now=float(i))
+        a.begin(d)
+        a.finish(d, now=float(i))
+        batches[i] = a.take_updates()
+    sync = ReplicaSync(c, ClusterConfig(name="c"))
+    pub = "a"
+
+    def send(n: int, **more: str) -> None:
+        sync.apply({"Kvroute-Replica": pub, "Kvroute-Seq": str(n), **more}, batches[n])
+
+    send(1)
+    send(3, **{"Kvroute-Gone": "x"})  # 2 missing: held
+    assert sorted(sync._seen[pub].held) == [3]
+    send(5, **{"Kvroute-Gone": "4"})  # 2 and 4 gone for good: 3 then 5 applied
+    assert sync._seen[pub].upto == 5 and not sync._seen[pub].held
+    assert sync.skipped.get("gap") == 1
+    send(6, **{"Kvroute-Gone": "4"})  # nothing missing any more: applied, no new gap
+    send(8, **{"Kvroute-Gone": "2"})  # 7 missing, not named gone: held
+    assert sync._seen[pub].upto == 6 and sorted(sync._seen[pub].held) == [8]
+    assert sync.skipped.get("gap") == 1
+    # A publisher that names a batch it did publish (8, held) or the batch itself as gone:
+    # what was held is applied all the same, and the batch carrying the header too.
+    send(9, **{"Kvroute-Gone": "8"})
+    send(10, **{"Kvroute-Gone": "10"})
+    assert sync._seen[pub].upto == 10 and not sync._seen[pub].held
+    assert sync.skipped.get("gap") == 2
+    applied = [1, 3, 5, 6, 8, 9, 10]
+    assert [bool(x) for x in held(c, ps)] == [i in applied for i in range(1, 12)]
+
+
 def test_replicas_with_updates_route_as_one_router():
     """Requests spread round robin over three replicas that exchange every batch at once are
     routed exactly as by one router that sees them all (same workers, same cached blocks)."""

@@ -30,10 +30,12 @@ router's ``sync`` module). This class only moves bytes:
   (nothing on the request path waits for NATS), keeps its outbox in up to ``max_pending``
   batches (the oldest are dropped beyond, counted), reconnects with backoff, publishes what it
   kept in order, and resumes consuming after the last sequence it handled — the others'
-  batches sent meanwhile arrive then, so the models converge again. Each of these is counted
-  in ``/metrics`` (``kvroute_cluster_*``) and shown in ``/health`` (``cluster``). A replica that
-  dies loses only its unpublished outbox (at most ``publish_interval`` of updates); what it
-  published stays in the stream and in the snapshots.
+  batches sent meanwhile arrive then, so the models converge again. Every batch published after
+  a drop names the last batch dropped (``Kvroute-Gone``): the others then know the missing
+  numbers up to it never come, and apply what follows at once instead of holding it. Each of
+  these is counted in ``/metrics`` (``kvroute_cluster_*``) and shown in ``/health``
+  (``cluster``). A replica that dies loses only its unpublished outbox (at most
+  ``publish_interval`` of updates); what it published stays in the stream and in the snapshots.
 """
 
 from __future__ import annotations
@@ -88,6 +90,14 @@ class _Publisher:
 MAX_HELD = 256
 
 
+def _number(value: str | None) -> int:
+    """A batch number header's value; 0 when absent or not a number."""
+    try:
+        return int(value) if value else 0
+    except ValueError:
+        return 0
+
+
 class ReplicaSync(StreamConsumer):
     """Shares ``router``'s updates with the other replicas over NATS (see the module docs).
 
@@ -108,6 +118,7 @@ class ReplicaSync(StreamConsumer):
         self.stream_seq = 0  # last stream sequence handled
         self._seq = 0  # batches numbered by this replica
         self._pending: deque[tuple[int, bytes]] = deque()
+        self._gone = 0  # the last of its own batches dropped unpublished (0: none)
         self._seen: dict[str, _Publisher] = {}
         self._task: asyncio.Task[None] | None = None
         self._drainer: asyncio.Task[None] | None = None
@@ -304,7 +315,7 @@ class ReplicaSync(StreamConsumer):
             self._seq += 1
             self._pending.append((self._seq, batch))
         while len(self._pending) > self.config.max_pending:
-            self._pending.popleft()
+            self._gone = self._pending.popleft()[0]
             self.dropped.inc()
 
     async def _publish_pending(self) -> None:
@@ -315,6 +326,8 @@ class ReplicaSync(StreamConsumer):
                 "Kvroute-Replica": self.replica,
                 "Kvroute-Seq": str(n),
             }
+            if self._gone:
+                headers["Kvroute-Gone"] = str(self._gone)
             await self._js.publish(
                 self.config.subject,
                 batch,
@@ -331,10 +344,7 @@ class ReplicaSync(StreamConsumer):
         """Takes one batch from the stream: applied in its publisher's order, once (see the
         module docs and :class:`_Publisher`)."""
         publisher = headers.get("Kvroute-Replica", "")
-        try:
-            n = int(headers.get("Kvroute-Seq", "0"))
-        except ValueError:
-            n = 0
+        n = _number(headers.get("Kvroute-Seq"))
         if not publisher or n < 1:
             self.skipped.inc("malformed")
             return
@@ -344,6 +354,14 @@ class ReplicaSync(StreamConsumer):
         if n <= pub.upto or n in pub.held:
             self.skipped.inc("duplicate")
             return
+        gone = _number(headers.get("Kvroute-Gone"))
+        if pub.upto < gone < n:
+            # Up to `gone`, what has not come never will (dropped unpublished): what is held
+            # there is applied, and the numbering goes on after it.
+            self.skipped.inc("gap")
+            for m in sorted(k for k in pub.held if k <= gone):
+                self._apply_batch(publisher, m, pub.held.pop(m))
+            pub.upto = gone
         if pub.resync:
             pub.resync = False
             if n != pub.upto + 1:
