@@ -19,8 +19,7 @@ import sys
 import httpx
 import openai
 import pytest
-from support.envoy import Envoy
-from support.epp_client import EppThread, epp_config
+from support.envoy import Envoy, envoy_stack
 from support.gateway_fleet import LONG_SYSTEM, Fleet, wait_for
 from support.gateway_upstream import expected_cached, reference_render
 
@@ -33,15 +32,8 @@ if not (sys.platform == "linux" and platform.machine() == "x86_64"):
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    fleet = Fleet(3)
-    epp = EppThread(epp_config(fleet))
-    envoy = Envoy(epp.port, tmp_path_factory.mktemp("envoy"))
-    try:
-        yield fleet, epp, envoy
-    finally:
-        envoy.stop()
-        epp.stop()
-        fleet.close()
+    with envoy_stack(tmp_path_factory.mktemp("envoy")) as stack:
+        yield stack
 
 
 def client(envoy: Envoy, key: str = "unused") -> openai.OpenAI:

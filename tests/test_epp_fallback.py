@@ -14,9 +14,9 @@ import sys
 
 import openai
 import pytest
-from support.envoy import Envoy
-from support.epp_client import EppThread, epp_config
-from support.gateway_fleet import Fleet, metric_samples, wait_for
+from support.envoy import Envoy, envoy_stack
+from support.epp_client import EppThread
+from support.gateway_fleet import metric_samples, wait_for
 
 if not (sys.platform == "linux" and platform.machine() == "x86_64"):
     pytest.skip(
@@ -29,15 +29,9 @@ WORKERS = ("up-0", "up-1", "up-2")
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    fleet = Fleet(3)
-    epp = EppThread(epp_config(fleet, epp={"fallbacks": 2}))
-    envoy = Envoy(epp.port, tmp_path_factory.mktemp("envoy"), upstreams=fleet.ports, retries=2)
-    try:
-        yield fleet, epp, envoy
-    finally:
-        envoy.stop()
-        epp.stop()
-        fleet.close()
+    workdir = tmp_path_factory.mktemp("envoy")
+    with envoy_stack(workdir, epp={"fallbacks": 2}, fallback_cluster=True, retries=2) as stack:
+        yield stack
 
 
 def ask(envoy: Envoy, system: str, question: str):

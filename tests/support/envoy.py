@@ -3,16 +3,19 @@ up as the Gateway API Inference Extension asks (see ``envoy_config``)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import socket
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from support.gateway_fleet import wait_for
+from support.epp_client import EppThread, epp_config
+from support.gateway_fleet import Fleet, wait_for
 
 
 def envoy_binary() -> str:
@@ -298,3 +301,28 @@ class Envoy:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
+
+
+@contextlib.contextmanager
+def envoy_stack(
+    workdir: Path,
+    *,
+    epp: dict[str, Any] | None = None,
+    fallback_cluster: bool = False,
+    **config: Any,
+) -> Iterator[tuple[Fleet, EppThread, Envoy]]:
+    """Three test upstreams, ``kvroute epp`` over them (``epp``: its ``[epp]`` keys) and Envoy in
+    front (``envoy_config``'s keywords; ``fallback_cluster``: the override-host cluster of the
+    upstreams), all stopped on exit."""
+    fleet = Fleet(3)
+    try:
+        with EppThread(epp_config(fleet, epp=epp)) as picker:
+            if fallback_cluster:
+                config["upstreams"] = fleet.ports
+            envoy = Envoy(picker.port, workdir, **config)
+            try:
+                yield fleet, picker, envoy
+            finally:
+                envoy.stop()
+    finally:
+        fleet.close()
