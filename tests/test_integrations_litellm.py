@@ -253,3 +253,33 @@ def test_readme_example_routes_through_the_fleet(fleet):
         assert answer.choices[0].message.content.startswith("up-")
     finally:
         ns["strategy"].close()
+
+
+def test_a_retry_goes_to_another_deployment_than_the_failed_one(fleet):
+    """Under LiteLLM's defaults (num_retries 2, allowed_fails 3) a 500 cools nothing down: the
+    retry must still leave the deployment that failed, as LiteLLM's own pick does."""
+
+    async def main() -> None:
+        with installed(fleet) as (router, strategy):
+            answers, _ = await drive(router, [(7, "warm")])
+            home = answers[0].choices[0].message.content.split()[0]
+            fleet[home].fail(500)
+            answers, _ = await drive(router, [(7, "again")])
+            assert answers[0].choices[0].message.content.split()[0] != home
+            assert len(fleet[home].records) == 1 + 1  # the warm-up, then one failed attempt
+            await settle(strategy)
+
+    asyncio.run(main())
+
+
+def test_retries_try_every_deployment_before_a_failed_one_again(fleet):
+    async def main() -> None:
+        with installed(fleet, router={"num_retries": 5, "allowed_fails": 100}) as (router, _):
+            for u in fleet.upstreams:
+                u.fail(500)
+            with pytest.raises(litellm.InternalServerError):
+                await drive(router, [(7, "again")])
+            tries = sorted(len(u.records) for u in fleet.upstreams)
+            assert sum(tries) == 6 and tries[0] >= 1  # 4 first tries on 4 upstreams, 2 repeats
+
+    asyncio.run(main())

@@ -13,7 +13,11 @@ rendered and tokenized as ``kvroute serve`` does (``kvroute.integrations.common`
 (``Router.select(kind="healthy")``: cooldowns, pre-call checks such as context windows and rpm/tpm
 limits with ``enable_pre_call_checks``, tag filtering): a deployment in cooldown is marked unhealthy
 in the kvroute router (so a dedicated endpoint's pool re-forms without it), one filtered out for
-this request only is excluded from this pick. When LiteLLM has no candidate its own error propagates
+this request only is excluded from this pick. A retry also avoids the deployments this request's
+earlier attempts failed on (the strategy's own record, keyed by the attempt tokens LiteLLM carries
+in ``metadata``) while another candidate remains, as LiteLLM's own pick moves on even when a failure
+cools nothing down (its defaults: ``allowed_fails=3``); when every candidate has failed, one may be
+tried again. When LiteLLM has no candidate its own error propagates
 unchanged, so retries, model-group fallbacks (each group routed by its own kvroute router), timeouts
 and cooldown accounting all behave as without the strategy. What the strategy replaces is the pick
 itself: ``routing_strategy`` (simple-shuffle, least-busy, usage- and latency-based) no longer
@@ -59,7 +63,7 @@ import litellm
 from litellm.integrations.custom_logger import CustomLogger
 from litellm.types.router import CustomRoutingStrategyBase
 
-from kvroute import Decision, Router
+from kvroute import Decision, NoWorkerError, Router
 
 from .common import TokenizerSpec, make_tokenizer, observed_tokens, routing_tokens_async
 from .common import routing_tokens as _routing_tokens
@@ -161,6 +165,7 @@ class KvRouteStrategy(CustomRoutingStrategyBase):
         self._tokens = itertools.count()
         self._routed: OrderedDict[str, _Attempt] = OrderedDict()
         self._active: dict[str, _Attempt] = {}
+        self._failed: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self.feedback = _Feedback(self, f"kvroute-{self._prefix}")
 
     # ---- installation ------------------------------------------------------------------------
@@ -280,7 +285,7 @@ class KvRouteStrategy(CustomRoutingStrategyBase):
         self._sync_health(router, group_ids)
         exclude = [] if allowed is None else [w for w in group_ids if w not in set(allowed)]
         endpoint = self.endpoint_of(request)
-        decision = router.route(tokens=tokens, endpoint=endpoint, exclude=exclude)
+        decision = self._pick(router, request, tokens, endpoint, exclude)
         chosen = next(d for d in deployments if d["model_info"]["id"] == decision.worker)
         if not account:
             return chosen
@@ -293,6 +298,8 @@ class KvRouteStrategy(CustomRoutingStrategyBase):
                     break
                 self._routed.popitem(last=False)
             self._routed[token] = _Attempt(router, decision, len(tokens), now)
+            while self._failed and now - next(iter(self._failed.values()))[1] >= ROUTED_TTL:
+                self._failed.popitem(last=False)
         metadata = request.get("metadata")
         if not isinstance(metadata, dict):
             metadata = request["metadata"] = {}
@@ -308,6 +315,42 @@ class KvRouteStrategy(CustomRoutingStrategyBase):
         if extra:
             request["extra_body"] = extra
         return chosen
+
+    def _failed_workers(self, request: Mapping[str, Any]) -> set[str]:
+        """The workers of this request's earlier attempts that failed (its own record: the
+        attempt tokens in ``metadata[ATTEMPTS_KEY]``, which LiteLLM carries from try to try)."""
+        tokens = _metadata(request).get(ATTEMPTS_KEY)
+        if not isinstance(tokens, list):
+            return set()
+        with self._lock:
+            return {self._failed[t][0] for t in tokens if isinstance(t, str) and t in self._failed}
+
+    def _pick(
+        self,
+        router: Router,
+        request: Mapping[str, Any],
+        tokens: Any,
+        endpoint: Any,
+        exclude: list[str],
+    ) -> Decision:
+        """``router.route``, avoiding the workers this request already failed on while another
+        candidate remains (a retry LiteLLM's cooldowns did not redirect goes elsewhere); with none
+        left, a failed one may be tried again, as LiteLLM would."""
+        failed = self._failed_workers(request) - set(exclude)
+        if failed:
+            others = [
+                w
+                for w in router.workers
+                if w not in failed and w not in exclude and router.is_healthy(w)
+            ]
+            if others:
+                try:
+                    return router.route(
+                        tokens=tokens, endpoint=endpoint, exclude=[*exclude, *failed]
+                    )
+                except NoWorkerError:  # the endpoint's pool holds only failed workers
+                    pass
+        return router.route(tokens=tokens, endpoint=endpoint, exclude=exclude)
 
     # ---- attempt lifecycle (called by the feedback callbacks) ---------------------------------
 
@@ -334,8 +377,9 @@ class KvRouteStrategy(CustomRoutingStrategyBase):
         if logging_obj is not None:
             weakref.finalize(logging_obj, self._end, token, None)
 
-    def _end(self, token: str | None, usage: Any) -> None:
-        """Finishes the attempt (after observing ``usage``'s cached tokens); once."""
+    def _end(self, token: str | None, usage: Any, *, failed: bool = False) -> None:
+        """Finishes the attempt (after observing ``usage``'s cached tokens); once. A ``failed``
+        attempt's worker is remembered for the request's retries (``_pick``)."""
         if token is None:
             return
         with self._lock:
@@ -343,6 +387,8 @@ class KvRouteStrategy(CustomRoutingStrategyBase):
             if attempt is None or attempt.done:
                 return
             attempt.done = True
+            if failed:
+                self._failed[token] = (attempt.decision.worker, time.monotonic())
         try:
             cached = observed_tokens(usage, attempt.routing_prompt)
             if cached is not None:
@@ -383,7 +429,7 @@ class _Feedback(CustomLogger):
     async def async_post_call_failure_deployment_hook(
         self, request_data: Mapping[str, Any], exception: Exception, call_type: Any, *args: Any
     ) -> None:
-        self.strategy._end(self.strategy._current(request_data), None)
+        self.strategy._end(self.strategy._current(request_data), None, failed=True)
 
     async def async_log_success_event(
         self, kwargs: dict[str, Any], response_obj: Any, start_time: Any, end_time: Any
