@@ -137,6 +137,7 @@ async def play(plan: list[tuple[list[str], str]], data: Any) -> None:
             assert running[n] <= router.router.load(n)["active"] <= running[n] + unreported[n], n
     assert all(router.router.load(n)["active"] == 0 for n in NAMES)
     assert not router._requests
+    assert not router._by_rid
 
 
 @settings(max_examples=300)
@@ -154,19 +155,21 @@ async def forgotten() -> None:
     routed = {}
     for rid in ("ended", "queued"):
         meta = RequestMetadata(request_id=rid, internal_request_id=rid)
-        await router.choose_replicas([replica], PendingRequest([prompt], {}, meta))
-        routed[rid] = router._requests[rid]
+        pr = PendingRequest([prompt], {}, meta)
+        await router.choose_replicas([replica], pr)
+        routed[rid] = router._requests[id(pr)]
     # "ended": completed without an acceptance report (Ray Client, choose_replica/dispatch).
     router.on_request_completed(replica.replica_id, "ended")
     start = max(r.routed_at for r in routed.values())
     router._forget_stale(start + ray_serve.SETTLED_TTL / 2)
-    assert set(router._requests) == {"ended", "queued"}  # a retry may still come
+    assert list(router._requests.values()) == list(routed.values())  # a retry may still come
     router._forget_stale(time.monotonic() + ray_serve.SETTLED_TTL + 1)
-    assert set(router._requests) == {"queued"}
+    assert list(router._requests.values()) == [routed["queued"]]
     # It ran: its prompt stays in the model (not withdrawn: withdrawing it now succeeds).
     assert router.router.withdraw(routed["ended"].decision) is True
     router._forget_stale(start + ray_serve.UNDISPATCHED_TTL + 1)
     assert not router._requests
+    assert not router._by_rid
     # Never dispatched (cancelled while queued): withdrawn.
     assert router.router.withdraw(routed["queued"].decision) is False
 
@@ -186,13 +189,13 @@ async def accepted_by_a_removed_replica() -> None:
         meta = RequestMetadata(request_id=f"q{i}", internal_request_id=f"i{i}")
         pr = PendingRequest([prompt], {}, meta)
         await router.choose_replicas(list(replicas.values()), pr)
-        chosen = router._requests[f"i{i}"].decision.worker
+        chosen = router._requests[id(pr)].decision.worker
         if accepted_elsewhere:
             chosen = next(n for n in router.router.workers if n != chosen)
         # The replica's actor died between the route and Ray's report of its acceptance.
         router.router.remove_worker(chosen)
         router.on_request_routed(pr, replicas[chosen].replica_id, Result())
-        assert f"i{i}" not in router._requests  # runs unaccounted; Ray's caller sees no error
+        assert id(pr) not in router._requests  # runs unaccounted; Ray's caller sees no error
     assert all(router.router.load(n)["active"] == 0 for n in router.router.workers)
 
 

@@ -30,6 +30,16 @@ reports itself unhealthy is Ray's own order used. A request that cannot be route
 caller with the reason (an unknown endpoint: ``KeyError``; a ``prompt_of`` hook's error) rather
 than waiting in Ray's queue. Ray's locality and model-multiplexing preferences are not applied.
 
+**Calls, not request ids.** The router keeps its state per call (Ray's ``PendingRequest``), not
+per ``internal_request_id``: Ray gives every call a replica makes while handling a request that
+request's id (an ingress fanning out to an engine deployment), so calls in parallel share it. Each
+is routed on its own prompt, counted and finished on its own. Ray 2.60's routing loop hands the
+replica it found to the pending call indexed under that id, which is only the first of them:
+``KvRequestRouter`` hands it to the routing task's own call instead (without that, the first
+call's replica went to the first call and a sibling, never indexed, was never routed: it hung,
+Ray logging "Failed to get queue length" while it looped. Ray's own routers take the next queued
+call instead).
+
 **Load accounting in step with Ray's.** A request is begun (``Router.begin``) when Ray reports the
 replica accepted it (``on_request_routed``) — on the replica Ray actually chose; if that is not the
 decision's, the decision is withdrawn (``Router.withdraw``: the prompt its route put in the router's
@@ -83,6 +93,7 @@ from typing import Any
 
 import numpy as np
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+from ray.serve._private.common import RequestMetadata
 from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
@@ -155,6 +166,7 @@ class _Routed:
     ranking: list[str]
     tokens: np.ndarray
     endpoint: str | None
+    pending: PendingRequest | None = None  # the call (held: its id() keys the entry)
     begun: bool = False
     routed_at: float = field(default_factory=time.monotonic)
     settled_at: float | None = None  # an attempt completed before any was reported accepted
@@ -181,7 +193,11 @@ class KvRequestRouter(RequestRouter):
         self.endpoint_key = endpoint_key
         self.saturated_waiting = saturated_waiting
         self.saturated_kv_usage = saturated_kv_usage
-        self._requests: dict[str, _Routed] = {}
+        # Per call, keyed by id(PendingRequest) (the entry holds the object, so the id is not
+        # reused while it is there). Not by internal_request_id: every call a replica makes while
+        # handling one request carries that request's id (Ray's get_request_metadata).
+        self._requests: dict[int, _Routed] = {}
+        self._by_rid: dict[str, set[int]] = {}  # internal_request_id -> its calls' keys
         self._swept_at = time.monotonic()
 
     # ---- replicas ----------------------------------------------------------------------------
@@ -251,9 +267,11 @@ class KvRequestRouter(RequestRouter):
             return [candidate_replicas]
         candidates = {r.replica_id.unique_id: r for r in candidate_replicas}
         rid = pending_request.metadata.internal_request_id
-        routed = self._requests.get(rid)
+        key = id(pending_request)
+        routed = self._requests.get(key)
         if routed is None or routed.decision.worker not in candidates:
             if routed is not None and not routed.begun:  # its replica left: routed anew below
+                self._drop(key)
                 self.router.withdraw(routed.decision)
             now = time.monotonic()
             if now - self._swept_at >= SWEEP_PERIOD_S:
@@ -269,10 +287,42 @@ class KvRequestRouter(RequestRouter):
                 if not pending_request.future.done():
                     pending_request.future.set_exception(e)
                 return [candidate_replicas]  # Ray sees the request done and stops routing it
-            self._requests[rid] = routed
+            routed.pending = pending_request
+            self._requests[key] = routed
+            self._by_rid.setdefault(rid, set()).add(key)
         order = [candidates[w] for w in routed.ranking if w in candidates]
         order.sort(key=self._saturated)  # stable: saturated replicas after the others
         return [[r] for r in order]
+
+    def _fulfill_next_pending_request(
+        self, replica: RunningReplica, request_metadata: RequestMetadata | None = None
+    ) -> None:
+        # Ray 2.60 hands the replica a routing task found to the pending request indexed under
+        # the task's internal_request_id, and indexes only the first of several calls sharing one
+        # (the calls a replica makes while handling one request: an ingress fanning out). A
+        # sibling's task then fulfils the first call, or nothing once that call is fulfilled and
+        # unindexed, and loops (probing queue lengths) forever: the sibling hangs. (Ray's own
+        # routers mix in FIFOMixin, which hands it to the next queued call instead.) The task's
+        # own call (the same metadata object) is fulfilled instead.
+        indexed = None
+        if request_metadata is not None:
+            indexed = self._pending_requests_by_id.get(request_metadata.internal_request_id)
+        if request_metadata is not None and (
+            indexed is None or indexed.metadata is not request_metadata
+        ):
+            own = next(
+                (
+                    pr
+                    for pr in self._pending_requests_to_fulfill
+                    if pr.metadata is request_metadata and not pr.future.done()
+                ),
+                None,
+            )
+            if own is not None:
+                self._record_queue_wait_time(own)
+                own.future.set_result(replica)
+                return
+        super()._fulfill_next_pending_request(replica, request_metadata)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -280,7 +330,8 @@ class KvRequestRouter(RequestRouter):
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
         rid = pending_request.metadata.internal_request_id
-        routed = self._requests.get(rid)
+        key = id(pending_request)
+        routed = self._requests.get(key)
         if routed is None or routed.begun:
             return
         name = replica_id.unique_id
@@ -298,14 +349,14 @@ class KvRequestRouter(RequestRouter):
             self.router.begin(routed.decision)
         except (NoWorkerError, KeyError) as e:
             log.debug("%s runs on %s unaccounted: %s", rid, name, e)
-            del self._requests[rid]
+            self._drop(key)
             return
         routed.begun = True
         # Finished when this accepted attempt's result is done. Ray's on_request_completed is not
         # used for it: Ray schedules that callback and on_request_routed independently, so it can
         # arrive first (and, for a replica other than the decision's, be taken for a rejection).
         loop = self._event_loop
-        result.add_done_callback(lambda _: loop.call_soon_threadsafe(self._done, rid, routed))
+        result.add_done_callback(lambda _: loop.call_soon_threadsafe(self._done, key, routed))
         if not pending_request.metadata.is_streaming:
             self._event_loop.create_task(
                 self._observe_when_done(routed.decision, len(routed.tokens), result)
@@ -324,27 +375,40 @@ class KvRequestRouter(RequestRouter):
         # Ray calls this for every attempt sent, rejected ones included, scheduled independently
         # of on_request_routed. A begun request is finished by its own done-callback (_done); an
         # unbegun one may be a rejected attempt whose retry is still to come, so it is only marked.
-        routed = self._requests.get(internal_request_id)
-        if routed is not None and not routed.begun and routed.settled_at is None:
-            routed.settled_at = time.monotonic()
+        # Calls sharing the id (made while one request was handled) are told apart by the replica
+        # routed to (the first rank, where Ray sends an attempt unless that replica is full).
+        name = replica_id.unique_id
+        for key in self._by_rid.get(internal_request_id, ()):
+            routed = self._requests[key]
+            if not routed.begun and routed.settled_at is None and routed.decision.worker == name:
+                routed.settled_at = time.monotonic()
 
-    def _done(self, rid: str, routed: _Routed) -> None:
-        # Registered once per request, when it is begun (on_request_routed returns for a begun one).
-        if self._requests.get(rid) is routed:
-            del self._requests[rid]
+    def _done(self, key: int, routed: _Routed) -> None:
+        # Registered once per call, when it is begun (on_request_routed returns for a begun one).
+        if self._requests.get(key) is routed:
+            self._drop(key)
         self.router.finish(routed.decision)
+
+    def _drop(self, key: int) -> None:
+        routed = self._requests.pop(key)
+        rid = routed.pending.metadata.internal_request_id if routed.pending is not None else None
+        keys = self._by_rid.get(rid)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._by_rid[rid]
 
     def _forget_stale(self, now: float) -> None:
         """Drops requests routed but never reported accepted: completed ones (kept their prompt on
         the replica they were routed to: see SETTLED_TTL) after SETTLED_TTL, others (cancelled
         while queued) withdrawn after UNDISPATCHED_TTL."""
-        for rid, r in list(self._requests.items()):
+        for key, r in list(self._requests.items()):
             if r.begun:
                 continue
             if r.settled_at is not None and now - r.settled_at > SETTLED_TTL:
-                del self._requests[rid]
+                self._drop(key)
             elif r.settled_at is None and now - r.routed_at > UNDISPATCHED_TTL:
-                del self._requests[rid]
+                self._drop(key)
                 self.router.withdraw(r.decision)
 
 
