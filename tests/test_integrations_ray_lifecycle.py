@@ -20,6 +20,7 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvroute import Router
 from kvroute.integrations import ray_serve
 from kvroute.integrations.ray_serve import KvRequestRouter
 from ray.serve._private.common import (
@@ -40,6 +41,10 @@ class Replica:
 
     replica_id: ReplicaID
     routing_stats: dict[str, Any] = field(default_factory=dict)
+    max_ongoing_requests: int = 5
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return 0  # Ray's update_replicas probes new replicas
 
 
 class Result:
@@ -205,3 +210,56 @@ def test_a_replica_removed_before_its_acceptance_is_reported_fails_nothing():
     KeyError into Ray, which failed the request in its caller instead of letting it be
     resubmitted."""
     asyncio.run(accepted_by_a_removed_replica())
+
+
+async def autoscaled_up() -> None:
+    router = KvRequestRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+    options = {"capacity_blocks": 256, "block_size": 4}
+    router.initialize_state(**options, endpoints={"ep": {"pool_size": 2}})
+    names = ("r0", "r1", "r2", "r3")
+    replicas = [Replica(ReplicaID(unique_id=n, deployment_id=DEPLOYMENT)) for n in names]
+    router.update_replicas(replicas[:1])  # autoscaling up from one replica
+    assert router.router.endpoint_pool("ep") == ["r0"]
+    router.update_replicas(replicas)
+    # The reference: the pool of a router that had the four replicas from the start.
+    reference = Router(list(names), **options)
+    reference.add_endpoint("ep", pool_size=2)
+    pool = router.router.endpoint_pool("ep")
+    assert sorted(pool) == sorted(reference.endpoint_pool("ep"))
+    assert len(pool) == 2
+    body = {"messages": [{"role": "user", "content": "hi " * 20}], "kvroute_endpoint": "ep"}
+    meta = RequestMetadata(request_id="q", internal_request_id="i")
+    ranks = await router.choose_replicas(replicas, PendingRequest([body], {}, meta))
+    assert sorted(rank[0].replica_id.unique_id for rank in ranks) == sorted(pool)
+    router.update_replicas(replicas[1:])  # r0 leaves: the router re-forms the pool without it
+    reference.remove_worker("r0")
+    assert sorted(router.router.endpoint_pool("ep")) == sorted(reference.endpoint_pool("ep"))
+
+
+async def healthy_again() -> None:
+    router = KvRequestRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(capacity_blocks=256, block_size=4, endpoints={"ep": {"pool_size": 3}})
+    replicas = [Replica(ReplicaID(unique_id=n, deployment_id=DEPLOYMENT)) for n in NAMES]
+    router.update_replicas(replicas[:2])
+    body = {"messages": [{"role": "user", "content": "hi " * 20}]}
+
+    async def route(i: int) -> None:
+        meta = RequestMetadata(request_id=f"q{i}", internal_request_id=f"i{i}")
+        await router.choose_replicas(router._replicas_list, PendingRequest([body], {}, meta))
+
+    replicas[1].routing_stats = {"healthy": False}
+    await route(0)
+    router.update_replicas(replicas)  # r2 added while r1 is unhealthy: 2 healthy
+    assert len(router.router.endpoint_pool("ep")) == 2
+    replicas[1].routing_stats = {"healthy": True}
+    await route(1)  # r1 reports itself healthy again: the pool takes its size
+    assert sorted(router.router.endpoint_pool("ep")) == list(NAMES)
+
+
+def test_an_endpoint_pool_grows_when_a_replica_is_healthy_again():
+    asyncio.run(healthy_again())
+
+
+def test_an_endpoint_pool_grows_to_its_size_as_replicas_are_added():
+    """Seen in review: pool_size 2 added while one replica ran stayed one replica forever."""
+    asyncio.run(autoscaled_up())

@@ -40,6 +40,11 @@ call's replica went to the first call and a sibling, never indexed, was never ro
 Ray logging "Failed to get queue length" while it looped. Ray's own routers take the next queued
 call instead).
 
+**Endpoints.** ``endpoints`` are added once a replica is healthy, with a pool of ``pool_size``
+replicas or, while fewer are healthy, all of them; the pool is re-formed at the larger size as
+more replicas become healthy (autoscaling up), as the router forms it with them all from the
+start. It never shrinks here: the router serves a pool with the healthy members left.
+
 **Load accounting in step with Ray's.** A request is begun (``Router.begin``) when Ray reports the
 replica accepted it (``on_request_routed``) — on the replica Ray actually chose; if that is not the
 decision's, the decision is withdrawn (``Router.withdraw``: the prompt its route put in the router's
@@ -191,6 +196,7 @@ class KvRequestRouter(RequestRouter):
         self.prompt_of = _load_hook(prompt_of) if prompt_of else openai_body
         self.endpoint_options = {e: dict(o) for e, o in (endpoints or {}).items()}
         self.endpoint_key = endpoint_key
+        self._endpoint_sizes: dict[str, int] = {}  # endpoint -> the pool size it was added with
         self.saturated_waiting = saturated_waiting
         self.saturated_kv_usage = saturated_kv_usage
         # Per call, keyed by id(PendingRequest) (the entry holds the object, so the id is not
@@ -210,10 +216,35 @@ class KvRequestRouter(RequestRouter):
                 self.router.remove_worker(name)
         for name in sorted(names - set(self.router.workers)):
             self.router.add_worker(name)
+        self._size_endpoints()
+
+    def _size_endpoints(self) -> None:
+        """Adds each configured endpoint once a replica is healthy, with a pool of its
+        ``pool_size`` or, while fewer replicas are healthy, all of them (``Router.add_endpoint``
+        refuses more); and re-adds it larger as more are (autoscaling up from fewer replicas
+        than ``pool_size``): the pool the router forms with every replica present (the head of
+        the endpoint's rendezvous order). A pool never shrinks here: the router itself serves
+        it with the healthy members left."""
+        healthy = sum(1 for w in self.router.workers if self.router.is_healthy(w))
         for endpoint, opts in self.endpoint_options.items():
-            if endpoint not in self.router.endpoints and self.router.workers:
-                pool = min(opts["pool_size"], len(self.router.workers))
-                self.router.add_endpoint(endpoint, **{**opts, "pool_size": pool})
+            size = min(opts["pool_size"], healthy)
+            added = self._endpoint_sizes.get(endpoint)
+            if size < 1 or (added is not None and size <= added):
+                continue
+            self._endpoint_sizes[endpoint] = size  # tried: not again until more are healthy
+            if added is None:
+                self.router.add_endpoint(endpoint, **{**opts, "pool_size": size})
+                continue
+            self.router.remove_endpoint(endpoint)
+            try:
+                self.router.add_endpoint(endpoint, **{**opts, "pool_size": size})
+            except ValueError as e:  # e.g. its reserved_blocks do not fit in a new member's cache
+                log.warning("endpoint %s keeps its pool of %d: %s", endpoint, added, e)
+                try:
+                    self.router.add_endpoint(endpoint, **{**opts, "pool_size": added})
+                except ValueError as again:  # its requests fail (unknown endpoint) until it fits
+                    log.error("endpoint %s cannot be re-added: %s", endpoint, again)
+                    del self._endpoint_sizes[endpoint]
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -242,10 +273,14 @@ class KvRequestRouter(RequestRouter):
             body, tokens = None, _NO_TOKENS
         endpoint = body.get(self.endpoint_key) if body is not None else None
         endpoint = endpoint if isinstance(endpoint, str) else None
+        changed = False
         for name, replica in candidates.items():
             ok = (replica.routing_stats or {}).get("healthy") is not False
             if name in self.router.workers and self.router.is_healthy(name) != ok:
                 self.router.set_healthy(name, ok)
+                changed = True
+        if changed:
+            self._size_endpoints()
         exclude = [w for w in self.router.workers if w not in candidates]
         decision = self.router.route(tokens=tokens, endpoint=endpoint, exclude=exclude)
         # The fallbacks are the replicas the router could have chosen: healthy, in the pool.
