@@ -18,6 +18,7 @@ from typing import Any
 import litellm
 import pytest
 from kvroute.integrations.litellm import KvRouteStrategy
+from litellm.types.router import RouterRateLimitError
 from support.gateway_fleet import Fleet
 from support.helpers import hit_rate, tenant_requests, tenant_system_prompts
 
@@ -281,5 +282,59 @@ def test_retries_try_every_deployment_before_a_failed_one_again(fleet):
                 await drive(router, [(7, "again")])
             tries = sorted(len(u.records) for u in fleet.upstreams)
             assert sum(tries) == 6 and tries[0] >= 1  # 4 first tries on 4 upstreams, 2 repeats
+
+    asyncio.run(main())
+
+
+def test_sync_calls_send_the_endpoints_cache_salt(fleet):
+    with installed(fleet, endpoints={"ep-acme": {"pool_size": 1}}) as (router, strategy):
+        for i in range(3):
+            router.completion(
+                model="base-model",
+                messages=chat(i, "sync"),
+                metadata={"kvroute_endpoint": "ep-acme"},
+            )
+        salt = strategy.routers["base-model"].endpoint_salt("ep-acme")
+        salts = [r.get("cache_salt") for r in fleet.records()]
+        assert salt and salts == [salt] * 3
+
+
+def test_sync_calls_with_every_deployment_cooling_raise_litellms_error(fleet):
+    with installed(fleet, router={"num_retries": 0}) as (router, _):
+        for u in fleet.upstreams:
+            router.health().cooldowns.add_deployment_to_cooldown(u.name, RuntimeError("x"), 500, 60)
+        errors = []
+        for call in (
+            lambda: router.completion(model="base-model", messages=chat(0, "c")),
+            lambda: asyncio.run(router.acompletion(model="base-model", messages=chat(0, "c"))),
+        ):
+            with pytest.raises(RouterRateLimitError) as caught:
+                call()
+            errors.append(str(caught.value))
+        assert errors[0] == errors[1]  # the sync path raises what the async one does
+        assert fleet.records() == []
+
+
+def test_responses_input_items_are_routed_not_refused(fleet):
+    """A body kvroute cannot render (a Responses ``input`` of items) is routed on load alone: the
+    call reaches a deployment (these test upstreams have no /responses: LiteLLM's NotFoundError)."""
+
+    async def main() -> None:
+        with installed(fleet, router={"num_retries": 0}) as (router, strategy):
+            for item in (
+                {"role": "user", "content": "hi there"},
+                {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "hi"}],
+                },
+            ):
+                picked = await strategy.async_get_available_deployment(
+                    "base-model", None, [item], False, {"input": [item]}
+                )
+                assert picked["model_info"]["id"] in strategy.routers["base-model"].workers
+                with pytest.raises(litellm.NotFoundError):
+                    await router.aresponses(model="base-model", input=[item])
+            await settle(strategy)
 
     asyncio.run(main())

@@ -7,7 +7,8 @@ strategy with ``Router.register_plugin`` (what ``set_custom_routing_strategy`` b
 **What it decides.** For every pick LiteLLM asks ``async_get_available_deployment`` for, the model
 group's own ``kvroute.Router`` (workers: the group's deployments by ``model_info.id``, weighted by
 ``litellm_params.weight``; re-read whenever LiteLLM's registry changes) routes the request's prompt,
-rendered and tokenized as ``kvroute serve`` does (``kvroute.integrations.common``).
+rendered and tokenized as ``kvroute serve`` does (``kvroute.integrations.common``). A body it
+cannot render (a Responses ``input`` of message items, say) is routed on load alone, never refused.
 
 **What LiteLLM keeps.** The candidates are what LiteLLM's own filter chain leaves
 (``Router.select(kind="healthy")``: cooldowns, pre-call checks such as context windows and rpm/tpm
@@ -40,8 +41,10 @@ endpoint through ``endpoint_of(request_kwargs)``, by default ``metadata={"kvrout
 engine in ``extra_body`` (vLLM's per-request cache salt; ``cache_salt=False`` turns this off).
 
 **Limits.** LiteLLM's sync API (``Router.completion``) is routed the same way, among the
-deployments not in cooldown (LiteLLM has no synchronous filter chain), but without load accounting
-or feedback: its sync path has no per-attempt hooks. ``specific_deployment=True`` calls go to the
+deployments not in cooldown (LiteLLM has no synchronous filter chain; with every one cooling down it
+raises LiteLLM's own ``RouterRateLimitError``, as the async path does), an isolated endpoint's
+``cache_salt`` sent as on the async path, but without load accounting or feedback: its sync path has
+no per-attempt hooks. ``specific_deployment=True`` calls go to the
 named deployment, unaccounted. LiteLLM's proxy cannot load a deployment picker from its config
 (``router_settings.plugins`` are ``RoutingPlugin`` objects that narrow model names, not
 deployments), so embed the strategy where a ``litellm.Router`` is built in Python.
@@ -61,11 +64,17 @@ from typing import Any
 
 import litellm
 from litellm.integrations.custom_logger import CustomLogger
-from litellm.types.router import CustomRoutingStrategyBase
+from litellm.types.router import CustomRoutingStrategyBase, RouterRateLimitError
 
 from kvroute import Decision, NoWorkerError, Router
 
-from .common import TokenizerSpec, make_tokenizer, observed_tokens, routing_tokens_async
+from .common import (
+    RequestError,
+    TokenizerSpec,
+    make_tokenizer,
+    observed_tokens,
+    routing_tokens_async,
+)
 from .common import routing_tokens as _routing_tokens
 
 __all__ = ["KvRouteStrategy", "metadata_endpoint"]
@@ -214,12 +223,7 @@ class KvRouteStrategy(CustomRoutingStrategyBase):
             return router
 
     def _sync_health(self, router: Router, group_ids: list[str]) -> None:
-        cooled = {
-            cid
-            for cid, _ in self.litellm_router.health().cooldowns.get_active_cooldowns(
-                group_ids, None
-            )
-        }
+        cooled = self._cooled(group_ids)
         for name in router.workers:
             ok = name not in cooled
             if router.is_healthy(name) != ok:
@@ -241,9 +245,13 @@ class KvRouteStrategy(CustomRoutingStrategyBase):
         healthy = await self.litellm_router.select(
             model, dict(request), kind="healthy", messages=messages
         )
-        tokens = await routing_tokens_async(
-            _payload(request, messages, input), self._tokenizer(model)
-        )
+        try:
+            tokens = await routing_tokens_async(
+                _payload(request, messages, input), self._tokenizer(model)
+            )
+        except RequestError as e:
+            log.debug("routing a %s request on load alone: %s", model, e)
+            tokens = None
         return self._route(model, request, tokens, _deployment_ids(healthy), healthy)
 
     def get_available_deployment(
@@ -257,9 +265,35 @@ class KvRouteStrategy(CustomRoutingStrategyBase):
         request = request_kwargs if request_kwargs is not None else {}
         if specific_deployment:
             return self._specific(model)
-        tokens = _routing_tokens(_payload(request, messages, input), self._tokenizer(model))
+        try:
+            tokens = _routing_tokens(_payload(request, messages, input), self._tokenizer(model))
+        except RequestError as e:
+            log.debug("routing a %s request on load alone: %s", model, e)
+            tokens = None
         deployments = self.litellm_router.registry().deployments(model) or []
-        return self._route(model, request, tokens, None, deployments, account=False)
+        ids = _deployment_ids(deployments)
+        cooled = self._cooled(ids)
+        allowed = [i for i in ids if i not in cooled]
+        if ids and not allowed:
+            raise self._all_cooling(model, ids, cooled)
+        return self._route(model, request, tokens, allowed, deployments, account=False)
+
+    def _cooled(self, ids: list[str]) -> set[str]:
+        """The deployments among ``ids`` in LiteLLM's cooldown."""
+        cooldowns = self.litellm_router.health().cooldowns
+        return {cid for cid, _ in cooldowns.get_active_cooldowns(ids, None)}
+
+    def _all_cooling(self, model: str, ids: list[str], cooled: set[str]) -> Exception:
+        """LiteLLM's own error for a group whose every deployment is cooling down (what its async
+        filter chain raises)."""
+        cooldowns = self.litellm_router.health().cooldowns
+        return RouterRateLimitError(
+            model=model,
+            cooldown_time=cooldowns.get_min_cooldown(ids, None),
+            enable_pre_call_checks=bool(self.litellm_router.settings().enable_pre_call_checks),
+            cooldown_list=sorted(cooled),
+            model_ids=ids,
+        )
 
     def _tokenizer(self, model_group: str) -> Any:
         return self.tokenizers.get(model_group, self.tokenizer)
@@ -287,8 +321,26 @@ class KvRouteStrategy(CustomRoutingStrategyBase):
         endpoint = self.endpoint_of(request)
         decision = self._pick(router, request, tokens, endpoint, exclude)
         chosen = next(d for d in deployments if d["model_info"]["id"] == decision.worker)
-        if not account:
-            return chosen
+        extra = dict(request.get("extra_body") or {})
+        salt = router.endpoint_salt(endpoint) if endpoint is not None else None
+        if self.cache_salt and salt is not None:
+            extra["cache_salt"] = salt  # on the sync path too: the tenant's cache isolation
+        if account:
+            self._account(router, request, decision, 0 if tokens is None else len(tokens))
+            options = request.get("stream_options")
+            wants_usage = isinstance(options, Mapping) and options.get("include_usage")
+            if self.request_usage and request.get("stream") and not wants_usage:
+                usage = {**(extra.get("stream_options") or {}), "include_usage": True}
+                extra["stream_options"] = usage
+        if extra:
+            request["extra_body"] = extra
+        return chosen
+
+    def _account(
+        self, router: Router, request: dict[str, Any], decision: Decision, routing_prompt: int
+    ) -> None:
+        """Remembers the routed attempt (begun when LiteLLM starts it) under a new token in the
+        request's ``metadata[ATTEMPTS_KEY]``."""
         now = time.monotonic()
         token = f"{self._prefix}{next(self._tokens)}"
         with self._lock:
@@ -297,24 +349,13 @@ class KvRouteStrategy(CustomRoutingStrategyBase):
                 if now - oldest.routed_at < ROUTED_TTL:
                     break
                 self._routed.popitem(last=False)
-            self._routed[token] = _Attempt(router, decision, len(tokens), now)
+            self._routed[token] = _Attempt(router, decision, routing_prompt, now)
             while self._failed and now - next(iter(self._failed.values()))[1] >= ROUTED_TTL:
                 self._failed.popitem(last=False)
         metadata = request.get("metadata")
         if not isinstance(metadata, dict):
             metadata = request["metadata"] = {}
         metadata.setdefault(ATTEMPTS_KEY, []).append(token)
-        extra = dict(request.get("extra_body") or {})
-        salt = router.endpoint_salt(endpoint) if endpoint is not None else None
-        if self.cache_salt and salt is not None:
-            extra["cache_salt"] = salt
-        options = request.get("stream_options")
-        wants_usage = isinstance(options, Mapping) and options.get("include_usage")
-        if self.request_usage and request.get("stream") and not wants_usage:
-            extra["stream_options"] = {**(extra.get("stream_options") or {}), "include_usage": True}
-        if extra:
-            request["extra_body"] = extra
-        return chosen
 
     def _failed_workers(self, request: Mapping[str, Any]) -> set[str]:
         """The workers of this request's earlier attempts that failed (its own record: the
