@@ -17,8 +17,9 @@ from typing import Any
 
 import litellm
 import pytest
+from kvroute import Router
 from kvroute.integrations.litellm import KvRouteStrategy
-from litellm.types.router import RouterRateLimitError
+from litellm.types.router import Deployment, RouterRateLimitError
 from support.gateway_fleet import Fleet
 from support.helpers import hit_rate, tenant_requests, tenant_system_prompts
 
@@ -336,5 +337,81 @@ def test_responses_input_items_are_routed_not_refused(fleet):
                 with pytest.raises(litellm.NotFoundError):
                     await router.aresponses(model="base-model", input=[item])
             await settle(strategy)
+
+    asyncio.run(main())
+
+
+def test_weights_send_standby_deployments_nothing_as_litellm_does(fleet):
+    """LiteLLM's simple-shuffle (the reference, same run): once a deployment has a positive
+    ``weight``, those with weight 0 or none get no traffic while a weighted one is a candidate."""
+    weights = {"up-0": 0, "up-1": None, "up-2": 2, "up-3": 1}
+    deployments = model_list(fleet)
+    for d in deployments:
+        if weights[d["model_info"]["id"]] is not None:
+            d["litellm_params"]["weight"] = weights[d["model_info"]["id"]]
+
+    async def served(with_kv: bool) -> set[str]:
+        fresh(fleet)
+        router = litellm.Router(model_list=deployments, num_retries=0)
+        strategy = KvRouteStrategy(router).install() if with_kv else None
+        try:
+            answers, _ = await drive(router, [(t, "q") for t in range(16)])
+            if strategy is not None:
+                await settle(strategy)
+                assert sorted(strategy.routers["base-model"].workers) == ["up-2", "up-3"]
+                for w in ("up-2", "up-3"):  # every weighted one cooling: a standby serves
+                    router.health().cooldowns.add_deployment_to_cooldown(w, RuntimeError(), 500, 60)
+                answers += (await drive(router, [(0, "standby")]))[0]
+                assert answers[-1].choices[0].message.content.split()[0] in ("up-0", "up-1")
+                answers.pop()
+            return {a.choices[0].message.content.split()[0] for a in answers}
+        finally:
+            if strategy is not None:
+                strategy.close()
+
+    assert asyncio.run(served(False)) <= {"up-2", "up-3"}  # the reference reads weights so
+    assert asyncio.run(served(True)) == {"up-2", "up-3"}
+
+
+def test_an_alias_shares_its_groups_router(fleet):
+    async def main() -> None:
+        with installed(fleet, router={"model_group_alias": {"alias": "base-model"}}) as (
+            router,
+            strategy,
+        ):
+            first = await router.acompletion(model="base-model", messages=chat(0, "a"))
+            again = await router.acompletion(model="alias", messages=chat(0, "b"))
+            assert list(strategy.routers) == ["base-model"]
+            served = [r.choices[0].message.content.split()[0] for r in (first, again)]
+            assert served[0] == served[1]  # the alias's call found tenant 0's cache
+            assert again.usage.prompt_tokens_details.cached_tokens > 0
+            await settle(strategy)
+
+    asyncio.run(main())
+
+
+def test_an_endpoints_pool_grows_with_its_group(fleet):
+    """pool_size 2 with one deployment, then four: the pool is what a kvroute Router that had the
+    four from the start forms (the reference)."""
+    from litellm.router_api import ChangeSet
+
+    async def main() -> None:
+        fresh(fleet)
+        deployments = model_list(fleet)
+        router = litellm.Router(model_list=deployments[:1], num_retries=0)
+        strategy = KvRouteStrategy(router, endpoints={"ep-acme": {"pool_size": 2}}).install()
+        md = {"kvroute_endpoint": "ep-acme"}
+        try:
+            await router.acompletion(model="base-model", messages=chat(0, "a"), metadata=md)
+            assert strategy.routers["base-model"].endpoint_pool("ep-acme") == ["up-0"]
+            router.apply(ChangeSet(upsert=[Deployment(**d) for d in deployments[1:]]))
+            await router.acompletion(model="base-model", messages=chat(0, "b"), metadata=md)
+            reference = Router([u.name for u in fleet.upstreams])
+            reference.add_endpoint("ep-acme", pool_size=2)
+            pool = strategy.routers["base-model"].endpoint_pool("ep-acme")
+            assert sorted(pool) == sorted(reference.endpoint_pool("ep-acme"))
+            await settle(strategy)
+        finally:
+            strategy.close()
 
     asyncio.run(main())

@@ -6,9 +6,14 @@ strategy with ``Router.register_plugin`` (what ``set_custom_routing_strategy`` b
 
 **What it decides.** For every pick LiteLLM asks ``async_get_available_deployment`` for, the model
 group's own ``kvroute.Router`` (workers: the group's deployments by ``model_info.id``, weighted by
-``litellm_params.weight``; re-read whenever LiteLLM's registry changes) routes the request's prompt,
-rendered and tokenized as ``kvroute serve`` does (``kvroute.integrations.common``). A body it
-cannot render (a Responses ``input`` of message items, say) is routed on load alone, never refused.
+``litellm_params.weight``; re-read whenever LiteLLM's registry changes) routes the request's prompt.
+The group is the one LiteLLM resolves the requested name to, so a ``model_group_alias`` shares its
+target's router (its load and cache knowledge). Weights are read as LiteLLM's simple-shuffle reads
+them: once a deployment of the group has a positive weight, those with weight 0 or none are standby,
+not kvroute workers; they serve (picked at random, unaccounted, as LiteLLM does) only when no
+weighted deployment is a candidate. The prompt is rendered and tokenized as ``kvroute serve`` does
+(``kvroute.integrations.common``); a body it cannot render (a Responses ``input`` of message items,
+say) is routed on load alone, never refused.
 
 **What LiteLLM keeps.** The candidates are what LiteLLM's own filter chain leaves
 (``Router.select(kind="healthy")``: cooldowns, pre-call checks such as context windows and rpm/tpm
@@ -34,11 +39,14 @@ finishing, the engine's ``usage.prompt_tokens_details.cached_tokens`` is passed 
 did not ask for it (``request_usage=False`` turns this off for engines that reject the field).
 
 **Dedicated endpoints.** ``endpoints={"ep-acme": {"pool_size": 2, "reserved_blocks": 4096}}`` adds
-each endpoint (``Router.add_endpoint`` keywords) to every model group's router; a request names its
-endpoint through ``endpoint_of(request_kwargs)``, by default ``metadata={"kvroute_endpoint": ...}``
-(an unknown name raises ``KeyError``; to map OpenAI's ``user`` instead, pass
-``endpoint_of=lambda kw: kw.get("user")``). Isolated endpoints send their ``cache_salt`` to the
-engine in ``extra_body`` (vLLM's per-request cache salt; ``cache_salt=False`` turns this off).
+each endpoint (``Router.add_endpoint`` keywords) to every model group's router, with a pool of
+``pool_size`` deployments or, while fewer are healthy, all of them, re-formed at the larger size as
+the group grows (never shrunk here: the router serves a pool from its healthy members); a request
+names its endpoint through ``endpoint_of(request_kwargs)``, by default
+``metadata={"kvroute_endpoint": ...}`` (an unknown name raises ``KeyError``; to map OpenAI's
+``user`` instead, pass ``endpoint_of=lambda kw: kw.get("user")``). Isolated endpoints send their
+``cache_salt`` to the engine in ``extra_body`` (vLLM's per-request cache salt; ``cache_salt=False``
+turns this off).
 
 **Limits.** LiteLLM's sync API (``Router.completion``) is routed the same way, among the
 deployments not in cooldown (LiteLLM has no synchronous filter chain; with every one cooling down it
@@ -54,6 +62,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import random
 import threading
 import time
 import weakref
@@ -133,6 +142,18 @@ def _payload(request: Mapping[str, Any], messages: Any, input: Any) -> dict[str,
     }
 
 
+def _weights(deployments: Any) -> tuple[dict[str, float], set[str]]:
+    """The kvroute workers of a group's deployments by weight, and the standby deployments: as
+    LiteLLM's simple-shuffle reads ``litellm_params.weight``, once any deployment has a positive
+    weight the others (weight 0 or none) get no traffic while a weighted one is a candidate. With
+    no positive weight every deployment weighs 1."""
+    given = {d["model_info"]["id"]: d["litellm_params"].get("weight") for d in deployments or ()}
+    positive = {i: float(w) for i, w in given.items() if isinstance(w, (int, float)) and w > 0}
+    if not positive:
+        return dict.fromkeys(given, 1.0), set()
+    return positive, set(given) - set(positive)
+
+
 def _deployment_ids(deployments: Any) -> list[str]:
     return [d["model_info"]["id"] for d in deployments or ()]
 
@@ -169,6 +190,8 @@ class KvRouteStrategy(CustomRoutingStrategyBase):
         Router([], **router_options)  # bad options fail here, not on the first request
         self.routers: dict[str, Router] = {}
         self._versions: dict[str, int] = {}
+        self._standby: dict[str, set[str]] = {}  # group -> deployments its weights send nothing
+        self._pool_sizes: dict[tuple[str, str], int] = {}  # (group, endpoint) -> its pool size
         self._lock = threading.Lock()
         self._prefix = f"{next(_INSTANCES)}:"
         self._tokens = itertools.count()
@@ -192,19 +215,20 @@ class KvRouteStrategy(CustomRoutingStrategyBase):
 
     # ---- per model group ---------------------------------------------------------------------
 
+    def group_of(self, model: str) -> str:
+        """The model group LiteLLM resolves ``model`` to (an alias names its target's group)."""
+        return self.litellm_router.registry().resolve(model)
+
     def router_for(self, model_group: str) -> Router:
-        """The group's kvroute router, its workers in step with LiteLLM's registry."""
+        """The group's kvroute router, its workers in step with LiteLLM's registry: every
+        deployment, except the standby ones LiteLLM's weights send no traffic (``_weights``)."""
         registry = self.litellm_router.registry()
         version = registry.version
         with self._lock:
             router = self.routers.get(model_group)
             if router is not None and self._versions.get(model_group) == version:
                 return router
-            deployments = registry.deployments(model_group) or []
-            weights = {
-                d["model_info"]["id"]: float(d["litellm_params"].get("weight") or 1.0)
-                for d in deployments
-            }
+            weights, standby = _weights(registry.deployments(model_group) or [])
             if router is None:
                 router = Router(weights, **self.router_options)
                 self.routers[model_group] = router
@@ -215,12 +239,37 @@ class KvRouteStrategy(CustomRoutingStrategyBase):
                 for name, weight in weights.items():
                     if name not in router.workers:
                         router.add_worker(name, weight)
-            for endpoint, opts in self.endpoints.items():
-                if endpoint not in router.endpoints and router.workers:
-                    opts = {**opts, "pool_size": min(opts["pool_size"], len(router.workers))}
-                    router.add_endpoint(endpoint, **opts)
+            self._standby[model_group] = standby
             self._versions[model_group] = version
             return router
+
+    def _size_endpoints(self, model_group: str, router: Router) -> None:
+        """Adds each configured endpoint once a worker is healthy, with a pool of its
+        ``pool_size`` or, while fewer workers are healthy, all of them (``Router.add_endpoint``
+        refuses more); and re-adds it at the larger size as more are (a group that grows): the
+        pool the router forms with every worker present. A pool never shrinks here: the router
+        serves it with the healthy members left."""
+        healthy = sum(1 for w in router.workers if router.is_healthy(w))
+        with self._lock:
+            for endpoint, opts in self.endpoints.items():
+                size = min(opts["pool_size"], healthy)
+                added = self._pool_sizes.get((model_group, endpoint))
+                if size < 1 or (added is not None and size <= added):
+                    continue
+                self._pool_sizes[(model_group, endpoint)] = size  # not again until more healthy
+                if added is None:
+                    router.add_endpoint(endpoint, **{**opts, "pool_size": size})
+                    continue
+                router.remove_endpoint(endpoint)
+                try:
+                    router.add_endpoint(endpoint, **{**opts, "pool_size": size})
+                except ValueError as e:  # e.g. its reserved_blocks do not fit a new member
+                    log.warning("endpoint %s keeps its pool of %d: %s", endpoint, added, e)
+                    try:
+                        router.add_endpoint(endpoint, **{**opts, "pool_size": added})
+                    except ValueError as again:  # its requests fail (unknown endpoint) meanwhile
+                        log.error("endpoint %s cannot be re-added: %s", endpoint, again)
+                        del self._pool_sizes[(model_group, endpoint)]
 
     def _sync_health(self, router: Router, group_ids: list[str]) -> None:
         cooled = self._cooled(group_ids)
@@ -295,8 +344,13 @@ class KvRouteStrategy(CustomRoutingStrategyBase):
             model_ids=ids,
         )
 
-    def _tokenizer(self, model_group: str) -> Any:
-        return self.tokenizers.get(model_group, self.tokenizer)
+    def _tokenizer(self, model: str) -> Any:
+        found = self.tokenizers.get(model)
+        return (
+            found
+            if found is not None
+            else self.tokenizers.get(self.group_of(model), self.tokenizer)
+        )
 
     def _specific(self, deployment_id: str) -> dict[str, Any]:
         found = self.litellm_router.registry().deployment_dict(deployment_id)
@@ -314,10 +368,21 @@ class KvRouteStrategy(CustomRoutingStrategyBase):
         *,
         account: bool = True,
     ) -> dict[str, Any]:
-        router = self.router_for(model)
+        group = self.group_of(model)
+        router = self.router_for(group)
         group_ids = list(router.workers)
         self._sync_health(router, group_ids)
+        self._size_endpoints(group, router)
         exclude = [] if allowed is None else [w for w in group_ids if w not in set(allowed)]
+        if all(w in exclude or not router.is_healthy(w) for w in group_ids):
+            standby = [
+                d
+                for d in deployments
+                if d["model_info"]["id"] in self._standby.get(group, ())
+                and (allowed is None or d["model_info"]["id"] in allowed)
+            ]
+            if standby:  # LiteLLM's weights then choose among the rest at random: unaccounted
+                return random.choice(standby)
         endpoint = self.endpoint_of(request)
         decision = self._pick(router, request, tokens, endpoint, exclude)
         chosen = next(d for d in deployments if d["model_info"]["id"] == decision.worker)
