@@ -240,6 +240,41 @@ def test_readme_example_serves(apps):
     assert len(router.router.workers) == 2
 
 
+def test_an_ingress_fan_out_routes_each_call_to_its_prompt(cluster):
+    """Two parallel calls from one ingress request share its internal_request_id. Seen before
+    the fix: the second call served on the first one's replica, or never routed (hung)."""
+    from support.ray_replicas import CacheReplica, FanOut
+
+    config = RequestRouterConfig(
+        request_router_class=KV, request_router_kwargs={"capacity_blocks": CAPACITY}
+    )
+    engine = CacheReplica.options(
+        name="fanout-engine", num_replicas=REPLICAS, request_router_config=config
+    ).bind(CAPACITY, PREFILL_S)
+    handle = serve.run(FanOut.bind(engine), name="fanout", route_prefix=None)
+
+    def body(tenant: int, question: str) -> dict[str, Any]:
+        return {
+            "messages": [
+                {"role": "system", "content": PROMPTS[tenant]},
+                {"role": "user", "content": question},
+            ]
+        }
+
+    # Each tenant's prompt placed by one call alone: where the replica holds it.
+    home = {
+        t: handle.remote([body(t, "first")]).result(timeout_s=120)[0]["replica"] for t in range(6)
+    }
+    pairs = [(a, b) for a in home for b in home if a < b and home[a] != home[b]][:4]
+    assert len(pairs) >= 2, home
+    for a, b in pairs:
+        answers = handle.remote([body(a, f"then {b}"), body(b, f"then {a}")]).result(timeout_s=30)
+        assert [x["replica"] for x in answers] == [home[a], home[b]], (a, b)
+        # The replica's own cache says so: each call found its tenant's system prompt there.
+        assert all(x["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for x in answers)
+    serve.delete("fanout")
+
+
 def test_only_a_dead_replica_is_a_reason_to_resubmit():
     assert replica_died(ActorDiedError())
     assert replica_died(ActorUnavailableError("unreachable", b"\0" * 16))

@@ -71,3 +71,15 @@ class CacheReplica:
 
     def record_routing_stats(self) -> dict[str, Any]:
         return self.stats
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class FanOut:
+    """An ingress fanning out: one request's bodies are sent to the engine deployment in
+    parallel, so Ray gives every call the request's internal_request_id."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    async def __call__(self, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(self.engine.remote(body) for body in bodies)))
