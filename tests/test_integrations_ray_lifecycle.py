@@ -263,3 +263,30 @@ def test_an_endpoint_pool_grows_when_a_replica_is_healthy_again():
 def test_an_endpoint_pool_grows_to_its_size_as_replicas_are_added():
     """Seen in review: pool_size 2 added while one replica ran stayed one replica forever."""
     asyncio.run(autoscaled_up())
+
+
+async def reservations_in_the_way(caplog: Any) -> None:
+    router = KvRequestRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+    endpoints = {
+        "ep": {"pool_size": 2, "reserved_blocks": 20},  # first among r0, r1: r0 (rendezvous)
+        "big": {"pool_size": 1, "reserved_blocks": 100},  # more than a replica's 64 blocks
+    }
+    router.initialize_state(capacity_blocks=64, block_size=4, endpoints=endpoints)
+    replicas = [Replica(ReplicaID(unique_id=n, deployment_id=DEPLOYMENT)) for n in ("r0", "r1")]
+    with caplog.at_level("WARNING", logger="kvroute.integrations.ray_serve"):
+        router.update_replicas(replicas[:1])  # nothing raised into Ray
+        assert router.router.endpoint_pool("ep") == ["r0"]
+        assert "big" not in router.router.endpoints  # left out: its requests fail (KeyError)
+        # Another reservation holds 50 of r1's 64 blocks: ep's 20 do not fit there.
+        router.router.add_worker("r1")
+        router.router.add_endpoint("held", pool_size=1, reserved_blocks=50)
+        assert router.router.endpoint_pool("held") == ["r1"]
+        router.update_replicas(replicas)
+    assert router.router.endpoint_pool("ep") == ["r0"]  # kept its pool of 1
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("endpoint big is left out") for m in messages)
+    assert any(m.startswith("endpoint ep keeps its pool of 1") for m in messages)
+
+
+def test_an_endpoint_pool_that_does_not_fit_keeps_its_size_or_is_left_out(caplog):
+    asyncio.run(reservations_in_the_way(caplog))

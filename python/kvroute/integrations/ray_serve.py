@@ -43,7 +43,9 @@ call instead).
 **Endpoints.** ``endpoints`` are added once a replica is healthy, with a pool of ``pool_size``
 replicas or, while fewer are healthy, all of them; the pool is re-formed at the larger size as
 more replicas become healthy (autoscaling up), as the router forms it with them all from the
-start. It never shrinks here: the router serves a pool with the healthy members left.
+start. It never shrinks here: the router serves a pool with the healthy members left. A pool whose
+``reserved_blocks`` do not fit keeps its previous size or, none fitting, is left out (logged; its
+requests fail as naming an unknown endpoint); nothing is raised into Ray's replica updates.
 
 **Load accounting in step with Ray's.** A request is begun (``Router.begin``) when Ray reports the
 replica accepted it (``on_request_routed``) — on the replica Ray actually chose; if that is not the
@@ -231,20 +233,25 @@ class KvRequestRouter(RequestRouter):
             added = self._endpoint_sizes.get(endpoint)
             if size < 1 or (added is not None and size <= added):
                 continue
-            self._endpoint_sizes[endpoint] = size  # tried: not again until more are healthy
-            if added is None:
-                self.router.add_endpoint(endpoint, **{**opts, "pool_size": size})
-                continue
-            self.router.remove_endpoint(endpoint)
-            try:
-                self.router.add_endpoint(endpoint, **{**opts, "pool_size": size})
-            except ValueError as e:  # e.g. its reserved_blocks do not fit in a new member's cache
-                log.warning("endpoint %s keeps its pool of %d: %s", endpoint, added, e)
-                try:
-                    self.router.add_endpoint(endpoint, **{**opts, "pool_size": added})
-                except ValueError as again:  # its requests fail (unknown endpoint) until it fits
-                    log.error("endpoint %s cannot be re-added: %s", endpoint, again)
-                    del self._endpoint_sizes[endpoint]
+            if endpoint in self.router.endpoints:
+                self.router.remove_endpoint(endpoint)
+            # Tried once per size: a pool that does not fit (its reserved_blocks next to other
+            # reservations in a member's modelled cache) keeps its size or, that not fitting
+            # either, is left out: its requests fail (unknown endpoint). Nothing raised reaches Ray.
+            self._endpoint_sizes[endpoint] = size
+            error = self._add_endpoint(endpoint, opts, size)
+            if error is not None and added is not None:
+                log.warning("endpoint %s keeps its pool of %d: %s", endpoint, added, error)
+                error = self._add_endpoint(endpoint, opts, added)
+            if error is not None:
+                log.error("endpoint %s is left out (unknown to requests): %s", endpoint, error)
+
+    def _add_endpoint(self, endpoint: str, opts: Mapping[str, Any], size: int) -> ValueError | None:
+        try:
+            self.router.add_endpoint(endpoint, **{**opts, "pool_size": size})
+        except ValueError as e:
+            return e
+        return None
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
