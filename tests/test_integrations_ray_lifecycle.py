@@ -83,7 +83,9 @@ def requests(draw: Any) -> list[tuple[list[str], str]]:
     )
 
 
-async def play(plan: list[tuple[list[str], str]], data: Any) -> None:
+async def play(plan: list[tuple[list[str], str]], data: Any, *, shared: bool = False) -> None:
+    """``shared``: every request is a call made while one parent request was handled (an
+    ingress fanning out), so all carry the parent's internal_request_id."""
     router = KvRequestRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
     router.initialize_state(capacity_blocks=256, block_size=4)
     replicas = {n: Replica(ReplicaID(unique_id=n, deployment_id=DEPLOYMENT)) for n in NAMES}
@@ -96,7 +98,8 @@ async def play(plan: list[tuple[list[str], str]], data: Any) -> None:
     pendings: list[PendingRequest] = []
     for i, (rejected, accepted) in enumerate(plan):
         prompt = {"messages": [{"role": "user", "content": f"request {i} " * (5 + i)}]}
-        meta = RequestMetadata(request_id=f"q{i}", internal_request_id=f"i{i}")
+        rid = "parent" if shared else f"i{i}"
+        meta = RequestMetadata(request_id=f"q{i}", internal_request_id=rid)
         pendings.append(PendingRequest(args=[prompt], kwargs={}, metadata=meta))
         script = [("choose", None)]
         for name in rejected:
@@ -117,7 +120,9 @@ async def play(plan: list[tuple[list[str], str]], data: Any) -> None:
         kind, k = data.draw(st.sampled_from(steps))
         if kind == "deliver":
             i, name, accepted = inbox.pop(k)
-            router.on_request_completed(replicas[name].replica_id, f"i{i}")
+            router.on_request_completed(
+                replicas[name].replica_id, pendings[i].metadata.internal_request_id
+            )
             unreported[name] -= accepted
         else:
             i, (action, name) = k, scripts[k][position[k]]
@@ -149,6 +154,12 @@ async def play(plan: list[tuple[list[str], str]], data: Any) -> None:
 @given(plan=requests(), data=st.data())
 def test_load_follows_ray_in_any_callback_order(plan, data):
     asyncio.run(play(plan, data))
+
+
+@settings(max_examples=200)
+@given(plan=requests(), data=st.data())
+def test_load_follows_ray_for_calls_sharing_a_request_id(plan, data):
+    asyncio.run(play(plan, data, shared=True))
 
 
 async def forgotten() -> None:
