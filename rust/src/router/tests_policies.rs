@@ -486,3 +486,78 @@ fn freshness_is_half_life_decay_from_the_stale_mark_in_every_form() {
     r.mark_fresh("a").unwrap();
     assert_eq!(at(&r, 30.0, 0.0), 1.0);
 }
+
+/// Router quarters 1 and 3 of the never-run set: round robin's grown weight `rr_current +
+/// weight` → `-` and its tie guard `v <= b` → `true` (always the first candidate) passed every
+/// Rust test — none routed with `round_robin` and read its choices. The class: the choice and
+/// the scores of every step, against nginx's smooth weighted round robin written here
+/// (`ngx_http_upstream_get_peer`: each peer's current weight grows by its weight, the largest —
+/// the first on ties — is picked and loses the total), and nginx's published sequence for
+/// weights 5, 1, 1: `a a b a c a a`; for fleets of equal and unequal weights.
+#[test]
+fn round_robin_is_nginxs_smooth_weighted_round_robin() {
+    let nginx = |weights: &[i64], n: usize| {
+        let total: i64 = weights.iter().sum();
+        let mut current = vec![0i64; weights.len()];
+        let mut steps = Vec::new();
+        for _ in 0..n {
+            let mut best: Option<usize> = None;
+            for (i, w) in weights.iter().enumerate() {
+                current[i] += w;
+                if best.is_none_or(|b| current[i] > current[b]) {
+                    best = Some(i);
+                }
+            }
+            let scores = current.clone();
+            let b = best.unwrap();
+            current[b] -= total;
+            steps.push((b, scores));
+        }
+        steps
+    };
+    let names = ["a", "b", "c", "d"];
+    let chosen = |weights: &[i64], n: usize| {
+        let config = Config {
+            policy: Policy::RoundRobin,
+            block_size: 4,
+            capacity_blocks: 64,
+            ..Config::default()
+        };
+        let fleet = names.iter().zip(weights).map(|(&n, &w)| (n, w as f64));
+        let mut r = Router::new(fleet, config).unwrap();
+        (0..n)
+            .map(|t| {
+                let d = r.route_tokens(&tokens(t as u32, 8), None, None, 0.0);
+                let d = d.unwrap();
+                assert_eq!(d.reason, Reason::RoundRobin);
+                let scores: Vec<(String, f64)> =
+                    d.scores().map(|(n, v)| (n.to_string(), v)).collect();
+                (d.worker.to_string(), scores)
+            })
+            .collect::<Vec<_>>()
+    };
+    let seq: Vec<String> = chosen(&[5, 1, 1], 7).into_iter().map(|c| c.0).collect();
+    assert_eq!(seq, ["a", "a", "b", "a", "c", "a", "a"]);
+    for weights in [
+        &[5, 1, 1][..],
+        &[1, 1, 1],
+        &[3, 2],
+        &[4, 3, 2, 1],
+        &[1, 7],
+        &[2, 2, 3],
+    ] {
+        let total: i64 = weights.iter().sum();
+        let n = 3 * total as usize;
+        for (step, ((worker, scores), (b, want))) in chosen(weights, n)
+            .into_iter()
+            .zip(nginx(weights, n))
+            .enumerate()
+        {
+            assert_eq!(worker, names[b], "{weights:?}, step {step}");
+            let want: Vec<(String, f64)> = (0..weights.len())
+                .map(|i| (names[i].to_string(), want[i] as f64))
+                .collect();
+            assert_eq!(scores, want, "{weights:?}, step {step}");
+        }
+    }
+}
