@@ -287,6 +287,32 @@ def test_retries_try_every_deployment_before_a_failed_one_again(fleet):
     asyncio.run(main())
 
 
+def test_a_failure_is_avoided_by_its_own_calls_retries_only(fleet):
+    """A metadata dict the caller passes to every call collects every call's attempt tokens: a
+    failure in one call must not steer the next call away from that deployment."""
+
+    async def main() -> None:
+        meta: dict = {}
+        with installed(fleet) as (router, strategy):
+
+            async def ask(question: str) -> str:
+                answer = await router.acompletion(
+                    model="base-model", messages=chat(7, question), metadata=meta
+                )
+                return answer.choices[0].message.content.split()[0]
+
+            home = await ask("warm")
+            fleet[home].fail(500, times=1)
+            elsewhere = await ask("fails once at home")
+            assert elsewhere != home and len(fleet[home].records) == 2
+            cooldowns = router.health().cooldowns
+            cooldowns.add_deployment_to_cooldown(elsewhere, RuntimeError(), 500, 60)
+            assert await ask("home again") == home  # tenant 7's cache, not avoided
+            await settle(strategy)
+
+    asyncio.run(main())
+
+
 def test_sync_calls_send_the_endpoints_cache_salt(fleet):
     with installed(fleet, endpoints={"ep-acme": {"pool_size": 1}}) as (router, strategy):
         for i in range(3):

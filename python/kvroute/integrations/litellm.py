@@ -37,6 +37,8 @@ finishing, the engine's ``usage.prompt_tokens_details.cached_tokens`` is passed 
 ``Router.observe``. For streams the strategy asks the engine for usage
 (``extra_body.stream_options.include_usage``); LiteLLM does not forward that chunk to a client that
 did not ask for it (``request_usage=False`` turns this off for engines that reject the field).
+A hook finds its attempt by the call's ``litellm_trace_id`` among the tokens in ``metadata``, so a
+``metadata`` dict the caller passes to many calls (LiteLLM writes into it) mixes no two calls up.
 
 **Dedicated endpoints.** ``endpoints={"ep-acme": {"pool_size": 2, "reserved_blocks": 4096}}`` adds
 each endpoint (``Router.add_endpoint`` keywords) to every model group's router, with a pool of
@@ -110,6 +112,7 @@ class _Attempt:
     decision: Decision
     routing_prompt: int
     routed_at: float
+    call: Any = None  # the request's litellm_trace_id (one per call, the same on its retries)
     begun: bool = False
     done: bool = False
 
@@ -121,6 +124,14 @@ def _metadata(kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
             if isinstance(md, Mapping):
                 return md
     return {}
+
+
+def _call_of(kwargs: Mapping[str, Any]) -> Any:
+    """The call's ``litellm_trace_id``: one per call, the same on its retries and in its hooks."""
+    call = kwargs.get("litellm_trace_id")
+    if call is None:
+        call = getattr(kwargs.get("litellm_logging_obj"), "litellm_trace_id", None)
+    return call
 
 
 def _deployment_id(kwargs: Mapping[str, Any]) -> str | None:
@@ -197,7 +208,8 @@ class KvRouteStrategy(CustomRoutingStrategyBase):
         self._tokens = itertools.count()
         self._routed: OrderedDict[str, _Attempt] = OrderedDict()
         self._active: dict[str, _Attempt] = {}
-        self._failed: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        # token -> (worker, failed at, the call's litellm_trace_id)
+        self._failed: OrderedDict[str, tuple[str, float, Any]] = OrderedDict()
         self.feedback = _Feedback(self, f"kvroute-{self._prefix}")
 
     # ---- installation ------------------------------------------------------------------------
@@ -414,7 +426,8 @@ class KvRouteStrategy(CustomRoutingStrategyBase):
                 if now - oldest.routed_at < ROUTED_TTL:
                     break
                 self._routed.popitem(last=False)
-            self._routed[token] = _Attempt(router, decision, routing_prompt, now)
+            call = _call_of(request)
+            self._routed[token] = _Attempt(router, decision, routing_prompt, now, call)
             while self._failed and now - next(iter(self._failed.values()))[1] >= ROUTED_TTL:
                 self._failed.popitem(last=False)
         metadata = request.get("metadata")
@@ -423,13 +436,17 @@ class KvRouteStrategy(CustomRoutingStrategyBase):
         metadata.setdefault(ATTEMPTS_KEY, []).append(token)
 
     def _failed_workers(self, request: Mapping[str, Any]) -> set[str]:
-        """The workers of this request's earlier attempts that failed (its own record: the
-        attempt tokens in ``metadata[ATTEMPTS_KEY]``, which LiteLLM carries from try to try)."""
+        """The workers of this call's earlier attempts that failed (its own record: the attempt
+        tokens in ``metadata[ATTEMPTS_KEY]``, which LiteLLM carries from try to try, of this
+        ``litellm_trace_id``: a metadata dict the caller reuses across calls collects every
+        call's tokens)."""
         tokens = _metadata(request).get(ATTEMPTS_KEY)
         if not isinstance(tokens, list):
             return set()
+        call = _call_of(request)
         with self._lock:
-            return {self._failed[t][0] for t in tokens if isinstance(t, str) and t in self._failed}
+            found = (self._failed.get(t) for t in tokens if isinstance(t, str))
+            return {f[0] for f in found if f is not None and f[2] == call}
 
     def _pick(
         self,
@@ -461,11 +478,22 @@ class KvRouteStrategy(CustomRoutingStrategyBase):
     # ---- attempt lifecycle (called by the feedback callbacks) ---------------------------------
 
     def _current(self, kwargs: Mapping[str, Any]) -> str | None:
-        """The attempt this hook is about: the last one this strategy routed for the request."""
+        """The attempt this hook is about: the last one this strategy routed for the call. A
+        metadata dict the caller reuses collects other calls' tokens too (LiteLLM writes into the
+        caller's dict), so the token is the last of this call's (``litellm_trace_id``)."""
         attempts = _metadata(kwargs).get(ATTEMPTS_KEY)
-        if isinstance(attempts, list) and attempts and isinstance(attempts[-1], str):
-            token = attempts[-1]
-            return token if token.startswith(self._prefix) else None
+        if not isinstance(attempts, list) or not attempts:
+            return None
+        call = _call_of(kwargs)
+        if call is None:
+            last = attempts[-1]
+            return last if isinstance(last, str) and last.startswith(self._prefix) else None
+        with self._lock:
+            for token in reversed(attempts):
+                if isinstance(token, str) and token.startswith(self._prefix):
+                    attempt = self._routed.get(token) or self._active.get(token)
+                    if attempt is not None and attempt.call == call:
+                        return token
         return None
 
     def _begin(self, kwargs: Mapping[str, Any]) -> None:
@@ -494,7 +522,8 @@ class KvRouteStrategy(CustomRoutingStrategyBase):
                 return
             attempt.done = True
             if failed:
-                self._failed[token] = (attempt.decision.worker, time.monotonic())
+                failure = (attempt.decision.worker, time.monotonic(), attempt.call)
+                self._failed[token] = failure
         try:
             cached = observed_tokens(usage, attempt.routing_prompt)
             if cached is not None:
