@@ -14,6 +14,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 import kvroute
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -313,3 +314,104 @@ def test_every_log_line_names_the_worker_and_why(caplog):
         ("WARNING", "ejecting upstream b: a 5xx, and its health probe failed"),
         ("WARNING", "ejecting upstream a: connection refused"),
     ]
+
+
+PROBE_ANSWERS = {
+    "true": True,
+    "false": False,
+    "none": None,
+    "one": 1,  # truthy, not True
+    "refused": ConnectionRefusedError("refused"),
+    "timeout": TimeoutError("no answer"),
+    "bug": RuntimeError("a prober bug"),
+}
+
+
+@pytest.mark.parametrize("answer", sorted(PROBE_ANSWERS))
+@pytest.mark.parametrize("room", [True, False])
+def test_each_suspicion_probe_answer_ejects_within_the_fraction(caplog, answer, room):
+    """A suspicion probe keeps the worker in only when it answers True; any other answer —
+    another value, or an exception of any kind — ejects it, within ``max_ejected_fraction``
+    (the refusal logged with the reason), exactly as a failure would. The state machine reaches
+    these only when Hypothesis draws an answer, a suspicion and a fraction with room together."""
+    calls: list[tuple[str, bool]] = []
+
+    async def probe(worker: str) -> bool:
+        result = PROBE_ANSWERS[answer]
+        if isinstance(result, Exception):
+            raise result
+        return result  # type: ignore[return-value]
+
+    async def main() -> Health:
+        config = HealthConfig(interval=1.0, eject_seconds=5.0, max_ejected_fraction=0.5)
+        health = Health(
+            ["a", "b"], config, set_healthy=lambda w, ok: calls.append((w, ok)), probe=probe
+        )
+        if not room:
+            health.down("a", "refused")  # half the fleet out: no room for b
+        health.suspect("b", "a 5xx")
+        await asyncio.gather(*health._probes)
+        await health.stop()
+        return health
+
+    with caplog.at_level("INFO", logger="kvroute.server.health"):
+        health = asyncio.run(main())
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    before = [] if room else [("WARNING", "ejecting upstream a: refused")]
+    if answer == "true":
+        assert lines == before
+        assert health.status()["b"] and ("b", False) not in calls
+    elif room:
+        assert lines == [("WARNING", "ejecting upstream b: a 5xx, and its health probe failed")]
+        assert calls == [("b", False)] and not health.status()["b"]
+        assert health.failures.get("b", 0) == 0  # a probe is not a request's failure
+    else:
+        assert lines == [
+            *before,
+            (
+                "WARNING",
+                "not ejecting b (a 5xx, and its health probe failed): 1 of 2 workers are out "
+                "already (max_ejected_fraction 0.50)",
+            ),
+        ]
+        assert calls == [("a", False)] and health.status()["b"]
+
+
+def test_a_worker_ejected_while_its_suspicion_probe_runs_is_not_ejected_again(caplog):
+    """A worker taken out (``down``) while its suspicion probe is on its way is not ejected a
+    second time when the probe fails: one ejection, logged once, its clock not restarted."""
+    calls: list[tuple[str, bool]] = []
+    now = [100.0]
+
+    async def main() -> Health:
+        started, release = asyncio.Event(), asyncio.Event()
+
+        async def probe(worker: str) -> bool:
+            started.set()
+            await release.wait()
+            return False
+
+        # Room for one: were b taken for in, its failed probe would log a refusal.
+        config = HealthConfig(interval=1.0, eject_seconds=5.0, max_ejected_fraction=0.5)
+        health = Health(
+            ["a", "b"],
+            config,
+            set_healthy=lambda w, ok: calls.append((w, ok)),
+            probe=probe,
+            clock=lambda: now[0],
+        )
+        health.suspect("b", "a 5xx")
+        await started.wait()
+        health.down("b", "connection refused")
+        now[0] = 101.0
+        release.set()
+        await asyncio.gather(*health._probes)
+        await health.stop()
+        return health
+
+    with caplog.at_level("INFO", logger="kvroute.server.health"):
+        health = asyncio.run(main())
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", "ejecting upstream b: connection refused")
+    ]
+    assert calls == [("b", False)] and health.ejected == {"b": 100.0}

@@ -4,8 +4,9 @@ Rust — cargo-mutants on ``rust/src/{hashing,blocks,index,cache,router,events}`
 tested by ``cargo test --no-default-features`` (the core's own tests: a Rust mutant only Python
 tests catch is a missing Rust test). Python — mutmut on ``events.py``, the gateway's auth,
 forwarding and failover (``gateway/auth.py``, ``gateway/upstream.py``, the forwarding functions
-of ``gateway/app.py``, the prefill/decode handoff of ``gateway/pd.py``, ``server/health.py``)
-and ``sim/engine.py``, each group with the test files that exercise it.
+of ``gateway/app.py``, the prefill/decode handoff of ``gateway/pd.py``, ``server/health.py``,
+the upstream client's pool in ``gateway/client.py`` and the first-event failure detection of
+``gateway/stream.py``) and ``sim/engine.py``, each group with the test files that exercise it.
 
 A full run takes hours on a 2-core machine, so the default is what a change needs: only the
 mutants in lines changed since ``--diff`` (default ``main``; Python: in the functions changed).
@@ -129,6 +130,47 @@ PYTHON: dict[str, tuple[list[str], list[str], list[str]]] = {
             *(
                 f"kvroute.gateway.pd.x_{f}__mutmut_*"
                 for f in ("bootstrap_host", "_json_object", "_last_usage", "_cancel")
+            ),
+        ],
+    ),
+    # The upstream client's connection pool — which connection a request goes out on (reuse,
+    # the resend on a fresh one when a reused one is lost unanswered), its timeouts and how a
+    # failure is classified — and how a stream's first events tell a failure (an engine's
+    # error event, an empty stream) from an answer. Only these functions: the rest of client.py
+    # (parsing, body reading) runs in every request of every server test.
+    "py-gateway-client": (
+        ["python/kvroute/gateway/client.py", "python/kvroute/gateway/stream.py"],
+        [
+            "tests/test_gateway_client.py",  # the pool against real servers, by hand
+            "tests/test_gateway_client_pool.py",  # timers in the test's loop; every failure whole
+            "tests/test_gateway_stream_failure.py",  # first_failure against a reference
+            "tests/test_gateway_failover.py",  # every failure kind: answer, log, counters
+            "tests/test_gateway_faults.py",
+        ],
+        [
+            *(
+                f"kvroute.gateway.client.xǁ_Connectionǁ{f}__mutmut_*"
+                for f in (
+                    "data_received",
+                    "connection_lost",
+                    "on_headers_complete",
+                    "on_message_complete",
+                    "_arm",
+                    "_write_check",
+                    "_read_expired",
+                    "_fail",
+                    "usable",
+                    "close",
+                )
+            ),
+            *(f"kvroute.gateway.client.xǁResponseǁ{f}__mutmut_*" for f in ("_failed", "close")),
+            *(
+                f"kvroute.gateway.client.xǁPoolǁ{f}__mutmut_*"
+                for f in ("_release", "_lost", "_open", "_idle", "_acquire", "request", "_send")
+            ),
+            *(
+                f"kvroute.gateway.stream.x_{f}__mutmut_*"
+                for f in ("first_events", "first_failure", "failed_answer", "forwarded_headers")
             ),
         ],
     ),
