@@ -287,6 +287,25 @@ def test_retries_try_every_deployment_before_a_failed_one_again(fleet):
     asyncio.run(main())
 
 
+def test_a_sync_retry_goes_to_another_deployment_than_the_failed_one(fleet):
+    """Router.completion (no per-attempt hooks) under LiteLLM's defaults: the retry leaves the
+    deployment that failed, as LiteLLM's own pick does."""
+    with installed(fleet) as (router, _):
+
+        def ask(question: str) -> str:
+            answer = router.completion(model="base-model", messages=chat(7, question))
+            return answer.choices[0].message.content.split()[0]
+
+        home = ask("warm")
+        fleet[home].fail(500)
+        elsewhere = ask("again")
+        assert elsewhere != home
+        assert len(fleet[home].records) == 1 + 1  # the warm-up, then one failed attempt
+        fleet[home].fail(500, times=0)
+        router.health().cooldowns.add_deployment_to_cooldown(elsewhere, RuntimeError(), 500, 60)
+        assert ask("home again") == home  # another call: the earlier failure is not its own
+
+
 def test_a_failure_is_avoided_by_its_own_calls_retries_only(fleet):
     """A metadata dict the caller passes to every call collects every call's attempt tokens: a
     failure in one call must not steer the next call away from that deployment."""

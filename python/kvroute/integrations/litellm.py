@@ -23,11 +23,13 @@ this request only is excluded from this pick. A retry also avoids the deployment
 earlier attempts failed on (the strategy's own record, keyed by the attempt tokens LiteLLM carries
 in ``metadata``) while another candidate remains, as LiteLLM's own pick moves on even when a failure
 cools nothing down (its defaults: ``allowed_fails=3``); when every candidate has failed, one may be
-tried again. When LiteLLM has no candidate its own error propagates
-unchanged, so retries, model-group fallbacks (each group routed by its own kvroute router), timeouts
-and cooldown accounting all behave as without the strategy. What the strategy replaces is the pick
-itself: ``routing_strategy`` (simple-shuffle, least-busy, usage- and latency-based) no longer
-chooses among the candidates, for every model group of this router.
+tried again (the sync path, which has no per-attempt hooks, reads LiteLLM's own retry record,
+``metadata["previous_models"]``, for the deployments this call was routed to). When LiteLLM has no
+candidate its own error propagates unchanged, so retries, model-group fallbacks (each group routed
+by its own kvroute router), timeouts and cooldown accounting all behave as without the strategy.
+What the strategy replaces is the pick itself: ``routing_strategy`` (simple-shuffle, least-busy,
+usage- and latency-based) no longer chooses among the candidates, for every model group of this
+router.
 
 **Feedback, exactly once per attempt.** An attempt is begun (``Router.begin``) when LiteLLM starts
 it (``async_pre_call_deployment_hook``) and finished when it ends: on the deployment success or
@@ -210,6 +212,8 @@ class KvRouteStrategy(CustomRoutingStrategyBase):
         self._active: dict[str, _Attempt] = {}
         # token -> (worker, failed at, the call's litellm_trace_id)
         self._failed: OrderedDict[str, tuple[str, float, Any]] = OrderedDict()
+        # sync path: litellm_trace_id -> (the workers its picks chose, last pick at)
+        self._sync_calls: OrderedDict[Any, tuple[list[str], float]] = OrderedDict()
         self.feedback = _Feedback(self, f"kvroute-{self._prefix}")
 
     # ---- installation ------------------------------------------------------------------------
@@ -396,7 +400,10 @@ class KvRouteStrategy(CustomRoutingStrategyBase):
             if standby:  # LiteLLM's weights then choose among the rest at random: unaccounted
                 return random.choice(standby)
         endpoint = self.endpoint_of(request)
-        decision = self._pick(router, request, tokens, endpoint, exclude)
+        failed = self._failed_workers(request) if account else self._sync_failed(request)
+        decision = self._pick(router, tokens, endpoint, exclude, failed)
+        if not account:
+            self._sync_routed(request, decision.worker)
         chosen = next(d for d in deployments if d["model_info"]["id"] == decision.worker)
         extra = dict(request.get("extra_body") or {})
         salt = router.endpoint_salt(endpoint) if endpoint is not None else None
@@ -448,18 +455,35 @@ class KvRouteStrategy(CustomRoutingStrategyBase):
             found = (self._failed.get(t) for t in tokens if isinstance(t, str))
             return {f[0] for f in found if f is not None and f[2] == call}
 
+    def _sync_failed(self, request: Mapping[str, Any]) -> set[str]:
+        """The sync path's (no hooks) failed workers of this call: the deployments LiteLLM's own
+        retry record (``metadata["previous_models"]``) names that this call was routed to."""
+        previous = _metadata(request).get("previous_models")
+        if not isinstance(previous, (list, tuple)):
+            return set()
+        named = {p.get("deployment_id") for p in previous if isinstance(p, Mapping)}
+        with self._lock:
+            routed = self._sync_calls.get(_call_of(request))
+            return {w for w in routed[0] if w in named} if routed is not None else set()
+
+    def _sync_routed(self, request: Mapping[str, Any], worker: str) -> None:
+        call = _call_of(request)
+        if call is None:
+            return
+        now = time.monotonic()
+        with self._lock:
+            while self._sync_calls and now - next(iter(self._sync_calls.values()))[1] >= ROUTED_TTL:
+                self._sync_calls.popitem(last=False)
+            workers = self._sync_calls.pop(call, ([], now))[0]
+            self._sync_calls[call] = ([*workers, worker], now)
+
     def _pick(
-        self,
-        router: Router,
-        request: Mapping[str, Any],
-        tokens: Any,
-        endpoint: Any,
-        exclude: list[str],
+        self, router: Router, tokens: Any, endpoint: Any, exclude: list[str], failed: set[str]
     ) -> Decision:
         """``router.route``, avoiding the workers this request already failed on while another
         candidate remains (a retry LiteLLM's cooldowns did not redirect goes elsewhere); with none
         left, a failed one may be tried again, as LiteLLM would."""
-        failed = self._failed_workers(request) - set(exclude)
+        failed = failed - set(exclude)
         if failed:
             others = [
                 w
