@@ -339,3 +339,124 @@ fn a_decisions_cached_tokens_and_prefill_blocks_are_what_the_cache_holds() {
         }
     }
 }
+
+/// Blocks reserved on worker `name`'s modelled cache, over every partition.
+fn reserved_on(r: &Router, name: &str) -> usize {
+    let cache = r.workers().named(name).unwrap().cache.as_ref().unwrap();
+    cache.reservations().map(|(_, b)| b).sum()
+}
+
+/// Every admission check of `add_endpoint` (its documented errors: the id exists, `pool_size` 0
+/// or above the healthy workers of every phase, a reservation that does not fit in a member's
+/// cache next to its other reservations) against its rule, at and around each bound: 400 random
+/// endpoints — ids old and new, pool sizes 0 to 7 on a fleet of 6 (some unhealthy at times),
+/// reservations 0 to 30 blocks of a 40-block cache — and random removals. An accepted endpoint
+/// reserves exactly its blocks on each prefill member and nothing elsewhere; a refusal is the
+/// whole message (naming the first member, in slot order, whose reservations would pass the
+/// capacity) and changes nothing. The members of a refused endpoint are read beforehand by
+/// adding it without a reservation and removing it (its pool is the rendezvous order of its id).
+/// Written for the never-run mutant `Model::can_reserve` → `true` (docs/mutants.md).
+#[test]
+fn every_add_endpoint_refusal_follows_its_rule_at_each_bound() {
+    const CAPACITY: usize = 40;
+    let names: Vec<String> = (0..6).map(|i| format!("w{i}")).collect();
+    let config = Config {
+        block_size: 4,
+        capacity_blocks: CAPACITY,
+        ..Config::default()
+    };
+    let mut r = Router::new(names.iter().map(|n| (n.as_str(), 1.0)), config).unwrap();
+    let mut rng = SplitMix64(71);
+    let mut below = |n: u64| (rng.next_u64() % n) as usize;
+    let mut live: Vec<String> = Vec::new();
+    let (mut refused_fit, mut accepted_full) = (0, 0);
+    for step in 0..400 {
+        if below(10) == 0 {
+            let w = &names[below(6)];
+            r.set_healthy(w, below(3) > 0).unwrap();
+        }
+        if below(6) == 0 && !live.is_empty() {
+            let id = live.swap_remove(below(live.len() as u64));
+            r.remove_endpoint(&id).unwrap();
+            assert_eq!(
+                r.remove_endpoint(&id),
+                Err(Error::Key(format!("unknown endpoint {id:?}")))
+            );
+        }
+        let id = if !live.is_empty() && below(8) == 0 {
+            live[below(live.len() as u64)].clone()
+        } else {
+            format!("e{step}")
+        };
+        let pool_size = below(8);
+        let blocks = [None, Some(below(31)), Some(below(11))][below(3)];
+        let healthy = names
+            .iter()
+            .filter(|n| r.workers().named(n).unwrap().healthy)
+            .count();
+        let before: Vec<usize> = names.iter().map(|n| reserved_on(&r, n)).collect();
+        let expected = if live.contains(&id) {
+            Err(Error::Value(format!("endpoint {id:?} already exists")))
+        } else if pool_size == 0 || pool_size > healthy {
+            Err(Error::Value(format!(
+                "pool_size must be between 1 and the {healthy} healthy workers of a phase, got \
+                 {pool_size}"
+            )))
+        } else {
+            let probe = EndpointSpec {
+                pool_size,
+                ..EndpointSpec::default()
+            };
+            r.add_endpoint(&id, probe).unwrap();
+            let members = r.endpoint_pool(&id, Some(Phase::Prefill)).unwrap();
+            r.remove_endpoint(&id).unwrap();
+            let over = blocks.and_then(|b| {
+                members.iter().find(|m| {
+                    let slot = names.iter().position(|n| n.as_str() == &***m).unwrap();
+                    before[slot] + b > CAPACITY
+                })
+            });
+            match (blocks, over) {
+                (Some(b), Some(m)) => Err(Error::Value(format!(
+                    "reserved_blocks = {b} does not fit in worker {m:?}'s modelled cache next to \
+                     its other reservations"
+                ))),
+                _ => Ok(members),
+            }
+        };
+        let spec = EndpointSpec {
+            pool_size,
+            reserved_blocks: blocks,
+            ..EndpointSpec::default()
+        };
+        let got = r.add_endpoint(&id, spec);
+        let after: Vec<usize> = names.iter().map(|n| reserved_on(&r, n)).collect();
+        match expected {
+            Err(e) => {
+                assert_eq!(got, Err(e.clone()), "step {step}");
+                assert_eq!(after, before, "step {step}: a refusal changes nothing");
+                if !live.contains(&id) {
+                    assert!(r.endpoint(&id).is_err(), "step {step}");
+                }
+                refused_fit += e.to_string().contains("does not fit") as usize;
+            }
+            Ok(members) => {
+                assert_eq!(got, Ok(()), "step {step}");
+                for (i, n) in names.iter().enumerate() {
+                    let member = members.iter().any(|m| &**m == n.as_str());
+                    let add = if member { blocks.unwrap_or(0) } else { 0 };
+                    assert_eq!(after[i], before[i] + add, "step {step}: {n}");
+                    accepted_full += (member && after[i] == CAPACITY && add > 0) as usize;
+                }
+                live.push(id);
+            }
+        }
+        r.check_model().unwrap();
+    }
+    // Both sides of the capacity bound were reached: refusals, and reservations filling a
+    // cache exactly.
+    assert!(
+        refused_fit >= 10 && accepted_full >= 3,
+        "{refused_fit} {accepted_full}"
+    );
+}

@@ -561,3 +561,110 @@ fn round_robin_is_nginxs_smooth_weighted_round_robin() {
         }
     }
 }
+
+/// A decision's `cached_tokens` (and `cached_blocks`, `prefill_blocks`) against the engines'
+/// rule: a prompt sharing its first `k` tokens with one routed before to the same worker finds
+/// `k / block` whole blocks cached; vLLM and SGLang compute at least the prompt's last token, so
+/// they serve `min(k / block, (tokens - 1) / block)` blocks, native profiles all `k / block`;
+/// `cached_tokens` is those blocks in tokens and `prefill_blocks` the prompt's other whole
+/// blocks — each profile, block sizes 1, 4 and 16, prompts of 3 blocks and of 3 blocks and a
+/// token, every shared length. Written for the never-run mutant `Decision::cached_tokens` → 1
+/// (docs/mutants.md): no Rust test read it.
+#[test]
+fn a_decisions_cached_tokens_are_the_prefix_its_engine_serves_from_cache() {
+    for profile in ["native", "vllm", "sglang"] {
+        for block in [1u32, 4, 16] {
+            for len in [3 * block, 3 * block + 1] {
+                for k in 0..=len {
+                    let config = Config {
+                        block_size: block as usize,
+                        profile: profile.parse().unwrap(),
+                        ..Config::default()
+                    };
+                    let mut r = Router::new([("a", 1.0)], config).unwrap();
+                    let first = tokens(1, len);
+                    r.route_tokens(&first, None, None, 0.0).unwrap();
+                    let mut prompt = first[..k as usize].to_vec();
+                    prompt.extend(tokens(2, len - k));
+                    let d = r.route_tokens(&prompt, None, None, 1.0).unwrap();
+                    let shared = k / block;
+                    let served = match profile {
+                        "native" => shared,
+                        _ => shared.min((len - 1) / block),
+                    } as usize;
+                    let case = format!("{profile}, block {block}, {len} tokens, {k} shared");
+                    assert_eq!(d.cached_blocks, served, "{case}");
+                    assert_eq!(d.cached_tokens(), served * block as usize, "{case}");
+                    assert_eq!(d.prompt_blocks, (len / block) as usize, "{case}");
+                    assert_eq!(
+                        d.prefill_blocks(),
+                        (len / block) as usize - served,
+                        "{case}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// `kv_aware`'s credit is the cached overlap scaled by the worker's index freshness (module
+/// docs): an idle weight-1 worker holding all 8 blocks of the prompt costs
+/// `(1 + delayed) · (8 − 8 · freshness)`, `delayed` = 1, its idle peer holding nothing 16 —
+/// for each form of freshness: fresh, fixed at 0 to 1, stale since 10 s at ages 0 to 20 s (the
+/// router's half-life, 5 s: `0.5^(age / 5)`), and fresh again. Written for the never-run mutant
+/// `credit *= freshness` → `+=` (docs/mutants.md): no Rust test read a stale worker's cost.
+#[test]
+fn a_workers_credit_is_its_overlap_scaled_by_its_freshness() {
+    let forms: Vec<(&str, f64)> = vec![
+        ("fresh", 1.0),
+        ("fixed 0", 0.0),
+        ("fixed 0.25", 0.25),
+        ("fixed 0.5", 0.5),
+        ("fixed 1", 1.0),
+        ("stale 0", 0.0),
+        ("stale 2.5", 2.5),
+        ("stale 5", 5.0),
+        ("stale 20", 20.0),
+        ("fresh again", 1.0),
+    ];
+    for (form, x) in forms {
+        let mut r = router(Policy::KvAware, &["a", "b"]);
+        let prompt = tokens(1, 32);
+        let first = r.route_tokens(&prompt, None, None, 0.0).unwrap();
+        let (held, other) = match &*first.worker {
+            "a" => ("a", "b"),
+            _ => ("b", "a"),
+        };
+        let mut now = 10.0;
+        let freshness = match form {
+            "fresh" => 1.0,
+            "fresh again" => {
+                r.mark_stale(held, 10.0).unwrap();
+                r.mark_fresh(held).unwrap();
+                1.0
+            }
+            _ if form.starts_with("fixed") => {
+                r.set_freshness(held, x).unwrap();
+                x
+            }
+            _ => {
+                r.mark_stale(held, 10.0).unwrap();
+                now += x;
+                0.5f64.powf(x / 5.0)
+            }
+        };
+        let d = r.route_tokens(&prompt, None, None, now).unwrap();
+        let scores: Vec<(String, f64)> = d.scores().map(|(n, v)| (n.to_string(), v)).collect();
+        assert_eq!(scores.len(), 2, "{form}");
+        let cost = |credit: f64| 2.0 * (8.0 - credit);
+        for (name, score) in scores {
+            let expected = if name == held {
+                cost(8.0 * freshness)
+            } else {
+                assert_eq!(name, other);
+                cost(0.0)
+            };
+            assert_eq!(score, expected, "{form}: {name}");
+        }
+    }
+}

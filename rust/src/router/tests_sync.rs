@@ -633,3 +633,102 @@ fn updates_are_published_only_when_on_and_only_when_they_say_something() {
     );
     assert_eq!(replica.dump_model().unwrap(), whole.dump_model().unwrap());
 }
+
+/// Never-run router mutant: `decode`'s header check `len < HEADER || magic differs` → `&&`
+/// accepted a batch whose magic was wrong and read a 4-byte `KVRU` as a bad version. The class:
+/// every malformed batch is refused whole, with the message naming what and where, and changes
+/// nothing — against the wire format in `sync`'s module docs, field by field: every cut of a
+/// record, a forget and a load (a cut between updates is a valid shorter batch), the header cut
+/// at each length, each magic byte changed, versions 0 and 2, an unknown tag at each update.
+#[test]
+fn every_malformed_batch_is_refused_at_its_byte_and_changes_nothing() {
+    let batch = Batch::new()
+        .record("ab", Some(7), &[1, 2])
+        .forget("ab", 3)
+        .load("ab", [1, 2, 3, 4, 5])
+        .0;
+    // (what, bytes) of each field, in order; `None` ends an update.
+    let mut fields: Vec<Option<(&str, usize)>> = Vec::new();
+    let head = [("tag", 1), ("worker length", 2), ("worker", 2)];
+    fields.extend(head.map(Some));
+    fields.extend(
+        [
+            ("partition length", 2),
+            ("anchor flag", 1),
+            ("anchor", 8),
+            ("block count", 4),
+            ("blocks", 16),
+        ]
+        .map(Some),
+    );
+    fields.push(None);
+    fields.extend(head.map(Some));
+    fields.extend([Some(("block", 8)), None]);
+    fields.extend(head.map(Some));
+    fields.extend([Some(("load delta", 8)); 5]);
+    fields.push(None);
+    let mut r = replica(64);
+    let _ = r.route_tokens(&prompt(1, 1), None, None, 0.0).unwrap();
+    let before = r.dump_model().unwrap();
+    let mut check = |data: &[u8], want: Option<String>, case: &str| {
+        let got = r.apply_updates(data, 1.0, false);
+        match want {
+            Some(msg) => assert_eq!(got.map(drop), Err(Error::Value(msg)), "{case}"),
+            None => assert!(got.is_ok(), "{case}: {got:?}"),
+        }
+        assert_eq!(r.dump_model().unwrap(), before, "{case}");
+    };
+    let (mut at, mut starts) = (5, vec![5]);
+    for f in &fields {
+        match f {
+            Some((_, n)) => at += n,
+            None => starts.push(at),
+        }
+    }
+    assert_eq!(at, batch.len(), "the layout written out is the batch's");
+    for cut in 0..batch.len() {
+        let want = if cut == 0 || starts.contains(&cut) {
+            None
+        } else if cut < 5 {
+            Some(format!(
+                "not a kvroute update batch ({cut} bytes, no KVRU header)"
+            ))
+        } else {
+            let mut s = 5;
+            let mut what = "";
+            for &(w, n) in fields.iter().flatten() {
+                if s + n > cut {
+                    what = w;
+                    break;
+                }
+                s += n;
+            }
+            Some(format!(
+                "update batch truncated at byte {s} (reading {what}, {cut} bytes)"
+            ))
+        };
+        check(&batch[..cut], want, &format!("cut at {cut}"));
+    }
+    for i in 0..4 {
+        let mut bad = batch.clone();
+        bad[i] ^= 0x20;
+        let msg = format!(
+            "not a kvroute update batch ({} bytes, no KVRU header)",
+            batch.len()
+        );
+        check(&bad, Some(msg), &format!("magic byte {i}"));
+    }
+    for v in [0u8, 2] {
+        let mut bad = batch.clone();
+        bad[4] = v;
+        let msg = format!("update batch version Some({v}) is not supported (expected 1)");
+        check(&bad, Some(msg), &format!("version {v}"));
+    }
+    for &s in &starts[..3] {
+        let mut bad = batch.clone();
+        bad[s] = 9;
+        let msg = format!("update batch: unknown update tag 9 at byte {s}");
+        check(&bad, Some(msg), &format!("tag at {s}"));
+    }
+    check(&batch, None, "whole");
+}
