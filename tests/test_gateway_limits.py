@@ -132,7 +132,7 @@ def _background(calls: list) -> list[threading.Thread]:
 def test_worker_queue_bound_sheds(fleet):
     cfg = config_dict(fleet, gateway={"max_in_flight_per_worker": 1, "max_in_flight": 100})
     with GatewayServer(cfg) as gw:
-        _stalled(fleet, 1.0)
+        _stalled(fleet, 4.0)  # both held at once, even on a loaded box
         try:
             threads = _background(
                 [lambda i=i: chat(gw.client(None), "base-model", f"slow {i}") for i in range(2)]
