@@ -668,3 +668,36 @@ fn a_workers_credit_is_its_overlap_scaled_by_its_freshness() {
         }
     }
 }
+
+/// Router quarters 1 and 3 (their later half): `argmin`'s tolerance `1e-9 * |min|` → `1e-9 /
+/// |min|` passed every Rust test: no near-tie was scored above 1. The class: the documented tie
+/// rule, costs within 1e-9 relative tie, at a cost of ~200 (an idle fleet, a 100-block prompt):
+/// `b`'s weight `1 / (1 + ε)` makes its cost `(1 + ε)` times `a`'s. Within the tolerance (ε =
+/// 10⁻¹², 5·10⁻¹⁰) the tie goes by each prompt's rendezvous order — the same choices for both
+/// ε, `b` among them; past it (2·10⁻⁹) `a`, the cheaper, every time.
+#[test]
+fn costs_within_1e_9_relative_tie_at_any_magnitude() {
+    let choices = |eps: f64| {
+        let config = Config {
+            policy: Policy::KvAware,
+            block_size: 4,
+            capacity_blocks: 1024,
+            ..Config::default()
+        };
+        let mut r = Router::new([("a", 1.0), ("b", 1.0 / (1.0 + eps))], config).unwrap();
+        (0..40)
+            .map(|t| {
+                let d = r.route_tokens(&tokens(t, 400), None, None, 0.0).unwrap();
+                assert!(d.scores().all(|(_, v)| v > 100.0), "{eps}");
+                d.worker.to_string()
+            })
+            .collect::<Vec<_>>()
+    };
+    let tied = choices(5e-10);
+    assert_eq!(tied, choices(1e-12));
+    assert!(
+        tied.iter().any(|w| w == "b") && tied.iter().any(|w| w == "a"),
+        "{tied:?}"
+    );
+    assert!(choices(2e-9).iter().all(|w| w == "a"));
+}
