@@ -14,6 +14,9 @@ import ssl
 import struct
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from kvroute.gateway import client
 from kvroute.gateway.client import (
     ConnectFailed,
@@ -394,9 +397,6 @@ def test_a_freed_place_goes_to_the_first_live_waiter_and_total_counts_connection
 
 def self_signed(tmp_path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
     """A server context with a certificate for 127.0.0.1 and a client context trusting only it."""
-    x509 = pytest.importorskip("cryptography.x509")
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, "kvroute test")])
