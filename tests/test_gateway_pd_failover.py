@@ -394,7 +394,7 @@ def test_a_retried_pair_that_finds_every_other_worker_full_sheds_nothing():
         with GatewayServer(fleet.config(gateway={"max_in_flight_per_worker": 1})) as gw:
             prefills = fleet.names("prefill")
             for name in prefills:
-                fleet[name].stall, fleet[name].poison = 5.0, "POISON"  # outlasts a loaded box
+                fleet[name].stall, fleet[name].poison = 2.5, "POISON"  # under the 5 s room wait
 
             def send(question: str) -> httpx.Response:
                 body = {"model": "base-model", "messages": messages(question)}
