@@ -460,3 +460,27 @@ def test_an_endpoints_pool_grows_with_its_group(fleet):
             strategy.close()
 
     asyncio.run(main())
+
+
+def test_an_endpoint_that_does_not_fit_is_logged_and_left_out(fleet, caplog):
+    """An endpoint whose reservation fits no deployment's modelled cache is left out with an
+    error logged (as the Ray adapter does), not raised into every LiteLLM call: calls without it
+    are served, and one naming it fails as for an unknown endpoint."""
+    endpoints = {"big": {"pool_size": 1, "reserved_blocks": 100}, "ep": {"pool_size": 1}}
+
+    async def main() -> None:
+        with (
+            caplog.at_level("WARNING", logger="kvroute.integrations.litellm"),
+            installed(fleet, endpoints=endpoints, capacity_blocks=64) as (router, strategy),
+        ):
+            reply = await router.acompletion(model="base-model", messages=chat(0, "a"))
+            assert reply.choices[0].message.content
+            kv = strategy.routers["base-model"]
+            assert "big" not in kv.endpoints and "ep" in kv.endpoints
+            md = {"kvroute_endpoint": "ep"}
+            await router.acompletion(model="base-model", messages=chat(1, "b"), metadata=md)
+            await settle(strategy)
+
+    asyncio.run(main())
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert [m for m in errors if m.startswith("endpoint big is left out")] == [errors[0]]

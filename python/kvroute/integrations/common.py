@@ -12,17 +12,26 @@
   before ``Router.observe``.
 - **Fallback order** (``ranked``): the decision's worker first, then every other candidate in the
   order the router's policy would have preferred it (``Decision.scores``), unscored ones last.
+- **Endpoint pools as workers come** (``grow_endpoints``): each configured endpoint is added
+  once a worker is healthy, with a pool of its ``pool_size`` or, while fewer workers are healthy,
+  all of them, and re-added at the larger size as more are: the pool the router forms with every
+  worker present (the head of the endpoint's rendezvous order). A pool never shrinks here (the
+  router serves it with the healthy members left), and nothing is raised into the host: a size
+  that does not fit (its ``reserved_blocks`` beside other reservations) is tried once and
+  logged, the endpoint keeping its pool or, new, left out (its requests then fail as for an
+  unknown endpoint).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterable, Mapping
 from typing import Any, Union
 
 import numpy as np
 
-from kvroute import Decision
+from kvroute import Decision, Router
 from kvroute.gateway.prompt import (
     OFFLOAD_CHARS,
     ByteTokenizer,
@@ -35,6 +44,7 @@ from kvroute.gateway.prompt import (
 __all__ = [
     "RequestError",
     "TokenizerSpec",
+    "grow_endpoints",
     "make_tokenizer",
     "observed_tokens",
     "ranked",
@@ -124,3 +134,39 @@ def ranked(decision: Decision, candidates: Iterable[str]) -> list[str]:
     rest = [c for c in candidates if c != decision.worker]
     rest.sort(key=lambda c: (c not in scores, sign * scores.get(c, 0.0)))
     return [decision.worker, *rest]
+
+
+def grow_endpoints(
+    router: Router,
+    options: Mapping[str, Mapping[str, Any]],
+    sizes: dict[str, int],
+    log: logging.Logger,
+) -> None:
+    """Adds or enlarges ``router``'s endpoints (see the module notes). ``options`` maps each
+    endpoint to its ``Router.add_endpoint`` keywords (``pool_size`` among them); ``sizes`` is the
+    caller's record of the size each was last tried at, updated here."""
+    healthy = sum(1 for w in router.workers if router.is_healthy(w))
+    for endpoint, opts in options.items():
+        size = min(opts["pool_size"], healthy)
+        added = sizes.get(endpoint)
+        if size < 1 or (added is not None and size <= added):
+            continue
+        if endpoint in router.endpoints:
+            router.remove_endpoint(endpoint)
+        sizes[endpoint] = size  # tried once per size
+        error = _add_endpoint(router, endpoint, opts, size)
+        if error is not None and added is not None:
+            log.warning("endpoint %s keeps its pool of %d: %s", endpoint, added, error)
+            error = _add_endpoint(router, endpoint, opts, added)
+        if error is not None:
+            log.error("endpoint %s is left out (unknown to requests): %s", endpoint, error)
+
+
+def _add_endpoint(
+    router: Router, endpoint: str, opts: Mapping[str, Any], size: int
+) -> ValueError | None:
+    try:
+        router.add_endpoint(endpoint, **{**opts, "pool_size": size})
+    except ValueError as e:
+        return e
+    return None

@@ -84,6 +84,7 @@ from kvroute import Decision, NoWorkerError, Router
 from .common import (
     RequestError,
     TokenizerSpec,
+    grow_endpoints,
     make_tokenizer,
     observed_tokens,
     routing_tokens_async,
@@ -204,7 +205,7 @@ class KvRouteStrategy(CustomRoutingStrategyBase):
         self.routers: dict[str, Router] = {}
         self._versions: dict[str, int] = {}
         self._standby: dict[str, set[str]] = {}  # group -> deployments its weights send nothing
-        self._pool_sizes: dict[tuple[str, str], int] = {}  # (group, endpoint) -> its pool size
+        self._pool_sizes: dict[str, dict[str, int]] = {}  # group -> endpoint -> its pool size
         self._lock = threading.Lock()
         self._prefix = f"{next(_INSTANCES)}:"
         self._tokens = itertools.count()
@@ -260,32 +261,11 @@ class KvRouteStrategy(CustomRoutingStrategyBase):
             return router
 
     def _size_endpoints(self, model_group: str, router: Router) -> None:
-        """Adds each configured endpoint once a worker is healthy, with a pool of its
-        ``pool_size`` or, while fewer workers are healthy, all of them (``Router.add_endpoint``
-        refuses more); and re-adds it at the larger size as more are (a group that grows): the
-        pool the router forms with every worker present. A pool never shrinks here: the router
-        serves it with the healthy members left."""
-        healthy = sum(1 for w in router.workers if router.is_healthy(w))
+        """Endpoint pools as the group's deployments come (``common.grow_endpoints``): a group
+        that grows enlarges them; nothing is raised into LiteLLM's call."""
         with self._lock:
-            for endpoint, opts in self.endpoints.items():
-                size = min(opts["pool_size"], healthy)
-                added = self._pool_sizes.get((model_group, endpoint))
-                if size < 1 or (added is not None and size <= added):
-                    continue
-                self._pool_sizes[(model_group, endpoint)] = size  # not again until more healthy
-                if added is None:
-                    router.add_endpoint(endpoint, **{**opts, "pool_size": size})
-                    continue
-                router.remove_endpoint(endpoint)
-                try:
-                    router.add_endpoint(endpoint, **{**opts, "pool_size": size})
-                except ValueError as e:  # e.g. its reserved_blocks do not fit a new member
-                    log.warning("endpoint %s keeps its pool of %d: %s", endpoint, added, e)
-                    try:
-                        router.add_endpoint(endpoint, **{**opts, "pool_size": added})
-                    except ValueError as again:  # its requests fail (unknown endpoint) meanwhile
-                        log.error("endpoint %s cannot be re-added: %s", endpoint, again)
-                        del self._pool_sizes[(model_group, endpoint)]
+            sizes = self._pool_sizes.setdefault(model_group, {})
+            grow_endpoints(router, self.endpoints, sizes, log)
 
     def _sync_health(self, router: Router, group_ids: list[str]) -> None:
         cooled = self._cooled(group_ids)

@@ -108,6 +108,7 @@ from kvroute import Decision, NoWorkerError, Router
 
 from .common import (
     RequestError,
+    grow_endpoints,
     make_tokenizer,
     observed_tokens,
     ranked,
@@ -221,37 +222,9 @@ class KvRequestRouter(RequestRouter):
         self._size_endpoints()
 
     def _size_endpoints(self) -> None:
-        """Adds each configured endpoint once a replica is healthy, with a pool of its
-        ``pool_size`` or, while fewer replicas are healthy, all of them (``Router.add_endpoint``
-        refuses more); and re-adds it larger as more are (autoscaling up from fewer replicas
-        than ``pool_size``): the pool the router forms with every replica present (the head of
-        the endpoint's rendezvous order). A pool never shrinks here: the router itself serves
-        it with the healthy members left."""
-        healthy = sum(1 for w in self.router.workers if self.router.is_healthy(w))
-        for endpoint, opts in self.endpoint_options.items():
-            size = min(opts["pool_size"], healthy)
-            added = self._endpoint_sizes.get(endpoint)
-            if size < 1 or (added is not None and size <= added):
-                continue
-            if endpoint in self.router.endpoints:
-                self.router.remove_endpoint(endpoint)
-            # Tried once per size: a pool that does not fit (its reserved_blocks next to other
-            # reservations in a member's modelled cache) keeps its size or, that not fitting
-            # either, is left out: its requests fail (unknown endpoint). Nothing raised reaches Ray.
-            self._endpoint_sizes[endpoint] = size
-            error = self._add_endpoint(endpoint, opts, size)
-            if error is not None and added is not None:
-                log.warning("endpoint %s keeps its pool of %d: %s", endpoint, added, error)
-                error = self._add_endpoint(endpoint, opts, added)
-            if error is not None:
-                log.error("endpoint %s is left out (unknown to requests): %s", endpoint, error)
-
-    def _add_endpoint(self, endpoint: str, opts: Mapping[str, Any], size: int) -> ValueError | None:
-        try:
-            self.router.add_endpoint(endpoint, **{**opts, "pool_size": size})
-        except ValueError as e:
-            return e
-        return None
+        """Endpoint pools as replicas come and go (``common.grow_endpoints``): autoscaling up
+        from fewer replicas than ``pool_size`` enlarges them; nothing is raised into Ray."""
+        grow_endpoints(self.router, self.endpoint_options, self._endpoint_sizes, log)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
