@@ -296,3 +296,26 @@ def test_relay_config():
         relay_from_config({"workers": [{"name": "w", "url": "http://x:1"}], "cluster": {}})
     relay = relay_from_config({"workers": workers, "router": router, "cluster": {}})
     assert relay.subscriber.workers == ["w"]
+
+
+@pytest.mark.parametrize("index", [None, "approx"])
+def test_relay_true_needs_the_events_index(index: str | None):
+    """``relay = true`` with an approx index (the default) is refused when the file is read, by
+    ``kvroute serve`` and ``kvroute relay`` alike (it was accepted and the follower silently not
+    made); ``index = "events"`` is accepted."""
+    from kvroute.cluster.relay import relay_from_config
+    from kvroute.server.config import Table, parse_fleet
+
+    def fleet(index: str | None, kv_events: bool) -> dict[str, Any]:
+        worker = {"name": "w", "url": "http://127.0.0.1:1"}
+        if kv_events:
+            worker["kv_events"] = "tcp://127.0.0.1:1"
+        router = {} if index is None else {"index": index}
+        return {"workers": [worker], "router": router, "cluster": {"relay": True}}
+
+    with pytest.raises(ValueError, match=r"cluster\.relay = true needs router\.index = 'events'"):
+        parse_fleet(Table(fleet(index, False), "config", root=True))
+    with pytest.raises(ValueError, match=r"needs router\.index"):
+        relay_from_config(fleet(index, False))
+    fleet_ok = parse_fleet(Table(fleet("events", True), "config", root=True))
+    assert fleet_ok.cluster is not None and fleet_ok.cluster.relay

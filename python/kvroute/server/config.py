@@ -486,6 +486,12 @@ def parse_fleet(
         )
     from kvroute.cluster.config import parse_cluster  # (it reads tables with this module's)
 
+    cluster = parse_cluster(top)
+    if cluster is not None and cluster.relay and not router.events:
+        raise ValueError(
+            "cluster.relay = true needs router.index = 'events' (the relay's stream carries "
+            f"engine KV events; index is {router.index or 'approx'!r})"
+        )
     return FleetConfig(
         workers=workers,
         router=router,
@@ -493,7 +499,7 @@ def parse_fleet(
         events=events,
         health=health if health is not None else HealthConfig(),
         pd=pd,
-        cluster=parse_cluster(top),
+        cluster=cluster,
     )
 
 
