@@ -319,3 +319,70 @@ def test_relay_true_needs_the_events_index(index: str | None):
         relay_from_config(fleet(index, False))
     fleet_ok = parse_fleet(Table(fleet("events", True), "config", root=True))
     assert fleet_ok.cluster is not None and fleet_ok.cluster.relay
+
+
+def blocks(index: PrefixIndex, worker: str) -> int:
+    return index.num_blocks(worker) if worker in index.workers else 0
+
+
+def nats_header_bytes(headers: dict[str, str]) -> int:
+    """What NATS counts of a message's headers against max_payload (the HPUB header block)."""
+    block = "NATS/1.0\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
+    return len(block.encode())
+
+
+def test_a_batch_above_max_payload_is_dropped_and_the_others_flow(setup, caplog):
+    """A batch NATS can never accept (above the server's max_payload, headers included) is
+    dropped, counted and logged once — not retried forever ahead of every other worker's
+    messages (it wedged the relay: 1 of 7 messages published, a reconnect loop). The follower
+    clears that worker at its next message (a gap); the other worker's batches all arrive. A
+    message of exactly max_payload bytes, headers included, is published (the server decides)."""
+    import nats as nats_client
+
+    loop, nats, _, endpoints, config, _ = setup
+    relay = EventRelay(endpoints, config)
+    loop.run(relay.start())
+    f = follower(loop, config)
+    wait_for(lambda: relay.connected and f.connected, "NATS", 10)
+
+    def stored(*chain: int) -> bytes:
+        return P.batch([P.sglang_stored(list(chain), None, list(range(16 * len(chain))), 16)])
+
+    box = relay.outbox
+    box.apply("e-0", stored(1, 2))
+    wait_for(lambda: blocks(f.applier.index, "e-0") == 2, "the first batch", 10)
+    # Same header lengths for seqs 2 and 3 (one digit): sized on the first message's headers.
+    first, limit = loop.run(_first_message(nats_client, nats.url, config.events_stream))
+    assert limit == 1 << 20  # nats-server's default
+    headers = nats_header_bytes(dict(first.headers))
+    box.apply("e-0", b"\xc1" * (limit - headers))  # exactly max_payload: accepted, undecodable
+    box.apply("e-0", b"\xc1" * (limit - headers + 1))  # one byte above: never accepted
+    for i in range(5):
+        box.apply("e-1", stored(100 + i))
+    box.apply("e-0", stored(7))
+    want = {"e-0": 1, "e-1": 5}
+    wait_for(
+        lambda: {w: blocks(f.applier.index, w) for w in want} == want and relay.pending == 0,
+        "the other messages to flow past the oversized one",
+        15,
+    )
+    assert f.applier.index.match(np.array([7], dtype=np.uint64)) == {"e-0": 1}
+    assert f.skipped.get("gap") == 1  # the dropped one's number is missing: e-0 cleared
+    assert f.skipped.get("malformed") == 1  # the exact-fit message reached the follower
+    assert relay.oversized.get("e-0") == 1 and relay.oversized.get("e-1") == 0
+    assert relay.errors.get() == 0
+    oversized_logs = [r for r in caplog.records if "max_payload" in r.getMessage()]
+    assert len(oversized_logs) == 1 and oversized_logs[0].levelname == "ERROR"
+    assert "e-0" in oversized_logs[0].getMessage()
+    assert str(limit - headers + 1 + headers) in oversized_logs[0].getMessage()
+    loop.run(relay.stop())
+    loop.run(f.stop())
+
+
+async def _first_message(nats_client: Any, url: str, stream: str) -> tuple[Any, int]:
+    """The stream's first message and the server's max_payload."""
+    nc = await nats_client.connect(url)
+    try:
+        return await nc.jetstream().get_msg(stream, 1), int(nc.max_payload)
+    finally:
+        await nc.close()

@@ -13,7 +13,10 @@ stream to its router's index, from the stream's start (a late replica replays wh
   ack) before the next. Messages are numbered per worker (``Kvroute-Seq``, from 1) by the relay
   instance (``Kvroute-Relay``, new at every start); ``Nats-Msg-Id`` lets JetStream drop a message
   re-sent after a lost ack. While NATS is unreachable the relay keeps up to ``max_pending``
-  messages and drops the oldest beyond (counted).
+  messages and drops the oldest beyond (counted). A message NATS can never accept (above the
+  server's ``max_payload``, 1 MiB by default, headers included: one very long prompt's batch)
+  is dropped, counted (``kvroute_relay_oversized_total``) and logged, never retried; the
+  worker's followers clear it at its next message (a gap), the other workers are unaffected.
 - **A follower** applies every message once, in stream order, with the subscriber's semantics:
   a number seen before is dropped; a number past the next expected one (the relay dropped
   messages while NATS was down, or the stream aged them out) is a gap — the worker is cleared,
@@ -137,11 +140,20 @@ class EventRelay:
             Counter("kvroute_relay_published_total", "Messages published, by kind.", ("kind",))
         )
         self.errors = reg.add(Counter("kvroute_relay_bus_errors_total", "NATS failures."))
+        self.oversized = reg.add(
+            Counter(
+                "kvroute_relay_oversized_total",
+                "Messages above NATS max_payload (headers included), by worker: dropped, never "
+                "retried (the worker's followers see a gap and clear it).",
+                ("worker",),
+            )
+        )
         self.connected = False
         self.last_error = ""
         self._task: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
         self._js: Any = None
+        self._max_payload = 1 << 20  # the connected server's (NATS' default until connected)
 
     @property
     def dropped(self) -> int:
@@ -185,6 +197,7 @@ class EventRelay:
             "connected": self.connected,
             "pending": self.pending,
             "dropped": self.dropped,
+            "oversized": int(sum(self.oversized.get(w) for w in self.subscriber.workers)),
             "last_error": self.last_error,
             "workers": self.subscriber.stats(),
         }
@@ -199,6 +212,7 @@ class EventRelay:
         js = nc.jetstream(timeout=cfg.connect_timeout)
         await ensure_stream(js, cfg.events_stream, cfg.events_subject, cfg)
         self._js = js
+        self._max_payload = int(nc.max_payload)
         self.connected = True
         assert self._wakeup is not None
         while nc.is_connected:
@@ -216,30 +230,72 @@ class EventRelay:
         self.connected = False
         self._js = None
 
+    def _headers(self, m: _Message) -> dict[str, str]:
+        """``m``'s headers, as sent (``js.publish(stream=...)`` adds Nats-Expected-Stream)."""
+        return {
+            "Nats-Expected-Stream": self.config.events_stream,
+            "Nats-Msg-Id": f"{self.relay}-{m.worker}-{m.seq}",
+            "Kvroute-Relay": self.relay,
+            "Kvroute-Worker": m.worker,
+            "Kvroute-Seq": str(m.seq),
+            "Kvroute-Kind": m.kind,
+        }
+
+    def _drop_oversized(self, m: _Message, size: int, limit: int) -> None:
+        """``m`` can never be accepted (NATS refuses a message above its max_payload, headers
+        included): dropped and counted; the worker's next message shows its followers a gap,
+        so they clear the worker (its numbering is not reused)."""
+        with self.outbox.lock:
+            if self.outbox.queue and self.outbox.queue[0] is m:
+                self.outbox.queue.popleft()
+        self.oversized.inc(m.worker)
+        log.error(
+            "relay: a %s of worker %s is %d bytes with headers, above NATS max_payload %d: "
+            "dropped (followers clear the worker at its next message)",
+            m.kind,
+            m.worker,
+            size,
+            limit,
+        )
+
     async def _publish_pending(self) -> None:
+        import nats.errors
+
         box = self.outbox
         while self._js is not None:
             with box.lock:
                 if not box.queue:
                     return
                 m = box.queue[0]
-            await self._js.publish(
-                self.config.events_subject,
-                m.data,
-                timeout=self.config.connect_timeout,
-                stream=self.config.events_stream,
-                headers={
-                    "Nats-Msg-Id": f"{self.relay}-{m.worker}-{m.seq}",
-                    "Kvroute-Relay": self.relay,
-                    "Kvroute-Worker": m.worker,
-                    "Kvroute-Seq": str(m.seq),
-                    "Kvroute-Kind": m.kind,
-                },
-            )
+            headers = self._headers(m)
+            size = len(m.data) + header_size(headers)
+            limit = self._max_payload
+            if size > limit:
+                self._drop_oversized(m, size, limit)
+                continue
+            try:
+                await self._js.publish(
+                    self.config.events_subject,
+                    m.data,
+                    timeout=self.config.connect_timeout,
+                    stream=self.config.events_stream,
+                    headers=headers,
+                )
+            except nats.errors.MaxPayloadError:  # the client's own check: never accepted either
+                self._drop_oversized(m, size, limit)
+                continue
             with box.lock:
                 if box.queue and box.queue[0] is m:  # not dropped meanwhile
                     box.queue.popleft()
             self.published.inc(m.kind)
+
+
+def header_size(headers: Mapping[str, str]) -> int:
+    """The bytes ``headers`` take in a NATS message (``NATS/1.0``, ``key: value`` lines, CRLFs):
+    the server counts them with the payload against its max_payload."""
+    return len("NATS/1.0\r\n\r\n") + sum(
+        len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items()
+    )
 
 
 class _Source:
