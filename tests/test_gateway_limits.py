@@ -55,7 +55,7 @@ class ReferenceBucket:
         st.tuples(
             st.floats(0, 20, allow_nan=False),
             st.integers(0, 3000),
-            st.sampled_from(["admit", "charge"]),
+            st.sampled_from(["admit", "charge", "refund"]),
         ),
         max_size=60,
     ),
@@ -64,6 +64,7 @@ def test_buckets_match_the_reference(rpm, tpm, steps):
     now = [0.0]
     limits = RateLimits([("ep", rpm, tpm)], [], None, None, clock=lambda: now[0])
     req, tok = ReferenceBucket(rpm), ReferenceBucket(tpm)
+    admitted: list[int] = []  # prompts admitted and not given back
     for dt, tokens, op in steps:
         now[0] += dt
         r, t = req.at(now[0]), tok.at(now[0])
@@ -71,9 +72,21 @@ def test_buckets_match_the_reference(rpm, tpm, steps):
             limits.charge("ep", None, tokens)
             tok.balance -= tokens
             continue
+        if op == "refund":  # the last admitted request was never sent: given back, capped
+            if admitted:
+                back = admitted.pop()
+                limits.refund("ep", None, back)
+                req.balance = min(rpm, req.balance + 1)
+                tok.balance = min(tpm, tok.balance + back)
+                got_r = limits.requests["endpoint", "ep"].refill(now[0])
+                got_t = limits.tokens["endpoint", "ep"].refill(now[0])
+                assert math.isclose(got_r, req.balance, rel_tol=1e-9, abs_tol=1e-6)
+                assert math.isclose(got_t, tok.balance, rel_tol=1e-9, abs_tol=1e-6)
+            continue
         got = limits.admit("ep", None, tokens)
         if r >= 1 and t >= 1:
             assert got is None
+            admitted.append(tokens)
             req.balance -= 1
             tok.balance -= tokens
         else:
@@ -103,6 +116,36 @@ def test_endpoint_requests_per_minute(fleet):
         assert chat(gw.client("sk-globex"), "ep-globex", "another tenant")[0].choices
         m = metric_samples(gw.metrics())
         key = ("kvroute_gateway_rate_limited_total", (("limit", "requests"), ("scope", "endpoint")))
+        assert m[key] == 1
+
+
+@pytest.mark.parametrize("limit", ["requests", "tokens"])
+def test_requests_the_gateway_refuses_spend_no_rate_limit(fleet, limit):
+    """Three requests shed for their SLO (never sent) spend nothing of requests_per_minute 3 (or
+    of key_tokens_per_minute 5,000, ~2,000 routing tokens a prompt): the next three are served;
+    only the fourth sent one is refused for the rate, as if the shed ones never came."""
+    gateway: dict = {"prefill_tokens_per_second": 1000.0}
+    if limit == "tokens":
+        gateway["key_tokens_per_minute"] = 5000
+    cfg = config_dict(fleet, gateway=gateway)
+    if limit == "requests":
+        cfg["endpoints"][0]["requests_per_minute"] = 3
+    with GatewayServer(cfg) as gw:
+        slo = {"x-slo-ttft-ms": "100"}
+        for i in range(3):
+            with pytest.raises(openai.RateLimitError) as e:
+                chat(gw.client("sk-acme"), "ep-acme", f"hurry {i}", extra_headers=slo)
+            assert e.value.code == "slo"
+        assert fleet.records() == []
+        for i in range(3):
+            assert chat(gw.client("sk-acme"), "ep-acme", f"sent {i}")[0].choices
+        with pytest.raises(openai.RateLimitError) as e:
+            chat(gw.client("sk-acme"), "ep-acme", "one too many")
+        assert e.value.code == "rate_limited"
+        assert len(fleet.records()) == 3
+        m = metric_samples(gw.metrics())
+        scope = "endpoint" if limit == "requests" else "key"
+        key = ("kvroute_gateway_rate_limited_total", (("limit", limit), ("scope", scope)))
         assert m[key] == 1
 
 

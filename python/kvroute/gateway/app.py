@@ -679,6 +679,10 @@ class Gateway:
             if isinstance(choice, HTTPError):
                 if attempt == 1:  # later, the failures so far are the better answer
                     error, failed_response = choice, None
+                    # Never sent to a worker (shed or no worker): the caller's rate limits
+                    # get back what admission took, as for the fleet's own 429s.
+                    assert call.target is not None
+                    self.limits.refund(call.target.endpoint, call.digest, len(tokens))
                 break
             if attempt > 1:
                 self.metrics.retries.inc()

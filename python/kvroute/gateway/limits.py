@@ -6,7 +6,10 @@ takes 1 from each request bucket and its prompt's routing tokens from each token
 completion tokens the upstream reports are taken when the response ends. Token balances may go
 negative (a long prompt admitted on a full bucket), which delays the next requests instead of
 refusing any prompt for being long. A refused request is answered 429 with ``Retry-After``: the
-whole seconds until every bucket it needs holds 1 again.
+whole seconds until every bucket it needs holds 1 again. A request admitted here that then never
+reaches a worker (the gateway sheds it — ``slo``, ``worker_queue`` — or has no worker for it) is
+given back with ``refund``: only requests sent upstream spend a caller's limits, as the fleet and
+fair-share refusals (decided before the buckets) spend nothing.
 
 Buckets exist for configured things only: each endpoint with a limit, and — with
 ``key_requests_per_minute`` / ``key_tokens_per_minute`` — each configured API key (by digest) and
@@ -49,6 +52,11 @@ class Bucket:
     def take(self, amount: float, now: float) -> None:
         self.refill(now)
         self.balance -= amount
+
+    def give(self, amount: float, now: float) -> None:
+        """Returns ``amount`` taken earlier, never above capacity."""
+        self.refill(now)
+        self.balance = min(self.capacity, self.balance + amount)
 
 
 @dataclass(frozen=True)
@@ -125,6 +133,18 @@ class RateLimits:
             if (b := self.tokens.get(k)) is not None:
                 b.take(tokens, now)
         return None
+
+    def refund(self, endpoint: str | None, digest: bytes | None, tokens: int) -> None:
+        """Gives back what ``admit`` took for a request that was never sent to a worker (a
+        bucket refilled meanwhile stays at most full)."""
+        if not self.active:
+            return
+        now = self.clock()
+        for k in self._keys(endpoint, digest):
+            if (b := self.requests.get(k)) is not None:
+                b.give(1, now)
+            if (b := self.tokens.get(k)) is not None:
+                b.give(tokens, now)
 
     def charge(self, endpoint: str | None, digest: bytes | None, tokens: int) -> None:
         """Takes tokens used after admission (the completion) from the token buckets."""
