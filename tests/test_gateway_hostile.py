@@ -230,6 +230,51 @@ def test_client_disconnect_during_the_body_is_counted(fleet):
         assert statuses == {"499"}
 
 
+def test_a_streaming_client_that_stops_reading_is_disconnected(fleet):
+    """A streaming caller that keeps its connection open but reads nothing more is cut off after
+    client_write_timeout: counted 499, and its flight, worker and fleet slots, router load and
+    upstream stream released (before: held for as long as the caller held the socket)."""
+    cfg = config_dict(fleet, gateway={"client_write_timeout": 1.0, "max_in_flight": 8})
+
+    def streams_over() -> int:  # upstream streams no longer held (uvicorn's send after the
+        # gateway hangs up returns at once: the rest of the answer runs to its end)
+        return sum(len(u.streams_ended_early) + len(u.streams_completed) for u in fleet.upstreams)
+
+    over = streams_over()
+    with GatewayServer(cfg) as gw:
+        g = gw.gateway
+        for u in fleet.upstreams:
+            u.chunks = 300_000  # ~45 MB of SSE: far past every socket and transport buffer
+        try:
+            body = json.dumps(
+                {"model": "ep-acme", "messages": [{"role": "user", "content": "q"}], "stream": True}
+            ).encode()
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", gw.server.port))
+            s.sendall(head(authorization="Bearer sk-acme", content_length=str(len(body))) + body)
+            assert s.recv(60).startswith(b"HTTP/1.1 200")  # then never read again
+            wait_for(lambda: g.guard.write_timed_out == 1, "the stalled client cut off", 30)
+            wait_for(lambda: sum(g.upstreams.in_flight.values()) == 0, "the flight released")
+            assert g.admission.total == 0
+            assert sum(gw.active().values()) == 0
+            assert not g.upstreams.full
+            wait_for(lambda: streams_over() == over + 1, "the upstream stream let go", 30)
+            s.close()
+        finally:
+            for u in fleet.upstreams:
+                u.chunks = 3
+        m = metric_samples(gw.metrics())
+        statuses = {
+            dict(labels)["status"]: v
+            for (name, labels), v in m.items()
+            if name == "kvroute_gateway_requests_total"
+        }
+        assert statuses == {"499": 1}
+        done, _ = chat(gw.client("sk-acme"), "ep-acme", "and the next one is fine")
+        assert done.choices
+
+
 # ---- "Also": what the gateway gives away ------------------------------------------------------
 
 

@@ -91,7 +91,10 @@ async def app(scope, receive, send):
 def serve(asgi, header_timeout: float, keep_alive_timeout: float) -> ServerThread:
     """``asgi`` behind the listener on 127.0.0.1 (``.guard`` its connection guard)."""
     guard = ConnectionGuard(
-        header_timeout=header_timeout, keep_alive_timeout=keep_alive_timeout, max_connections=64
+        header_timeout=header_timeout,
+        keep_alive_timeout=keep_alive_timeout,
+        write_timeout=60.0,
+        max_connections=64,
     )
     s = ServerThread(asgi, config=uvicorn_config(asgi, guard, log_level="critical", lifespan="off"))
     s.guard = guard

@@ -246,6 +246,7 @@ class Gateway:
         self.guard = ConnectionGuard(
             header_timeout=s.header_timeout,
             keep_alive_timeout=s.keep_alive_timeout,
+            write_timeout=s.client_write_timeout,
             max_connections=s.max_connections,
         )
         self.subscriber: Any = None

@@ -28,6 +28,9 @@ Example (every key shown; only ``[[workers]]`` is required)::
     keep_alive_timeout = 75.0        # idle client connections closed after
     header_timeout = 10.0            # a request's line and headers must arrive within (else 408)
     body_timeout = 30.0              # a request's body must arrive within (else 408)
+    client_write_timeout = 60.0      # a client that reads nothing of its response for this
+                                     # long is disconnected (499; its upstream request
+                                     # cancelled, its slots freed), as nginx's send_timeout
     max_connections = 1024           # open client connections (past it the longest-waiting idle
                                      # one is closed; none idle: the new one is refused)
     max_response_bytes = 33554432    # a larger non-streamed upstream reply is answered 502
@@ -177,6 +180,7 @@ class ServerConfig:
     keep_alive_timeout: float = 75.0
     header_timeout: float = 10.0
     body_timeout: float = 30.0
+    client_write_timeout: float = 60.0
     max_connections: int = 1024
     max_response_bytes: int = 32 * 1024 * 1024
     max_event_bytes: int = 8 * 1024 * 1024
@@ -220,6 +224,7 @@ def _server(g: Table) -> ServerConfig:
         keep_alive_timeout=g.positive("keep_alive_timeout", float, d.keep_alive_timeout),
         header_timeout=g.positive("header_timeout", float, d.header_timeout),
         body_timeout=g.positive("body_timeout", float, d.body_timeout),
+        client_write_timeout=g.positive("client_write_timeout", float, d.client_write_timeout),
         max_connections=g.positive("max_connections", int, d.max_connections),
         max_response_bytes=g.positive("max_response_bytes", int, d.max_response_bytes),
         max_event_bytes=g.positive("max_event_bytes", int, d.max_event_bytes),

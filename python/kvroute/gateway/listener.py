@@ -14,6 +14,11 @@ this module's. The guard guarantees, per client connection:
   else the request is answered 408 (431) and the connection closed — after the answers to the
   requests before it, with nothing more read;
 - a connection idle between requests is closed after ``keep_alive_timeout``;
+- a response write that waits on a client not reading (the socket's send buffer and the
+  transport's above its high-water mark) is given ``write_timeout`` seconds for the client to
+  take some of it: past that the connection is aborted and the request is the client's going
+  away (499; a stream's upstream request cancelled, its slots released), counted in
+  ``write_timed_out``;
 - at most ``max_connections`` client connections are open: a new one past the cap evicts the
   connection that has waited longest without a request in progress (idle, or still sending
   headers), and is refused (closed) only when every open connection has a request in progress.
@@ -129,13 +134,20 @@ class ConnectionGuard:
     """Deadlines and a cap on client connections (see the module docs)."""
 
     def __init__(
-        self, *, header_timeout: float, keep_alive_timeout: float, max_connections: int
+        self,
+        *,
+        header_timeout: float,
+        keep_alive_timeout: float,
+        write_timeout: float,
+        max_connections: int,
     ) -> None:
         self.header_timeout = header_timeout
         self.keep_alive_timeout = keep_alive_timeout
+        self.write_timeout = write_timeout
         self.max_connections = max_connections
         self.open: dict[int, _Connection] = {}  # id(protocol) -> connection, in opening order
         self.timed_out = 0
+        self.write_timed_out = 0
         self.evicted = 0
         self.refused = 0
 
@@ -732,9 +744,28 @@ class GuardedHTTP(asyncio.Protocol):
             self.transport.resume_reading()
 
     async def drain(self) -> None:
+        """Until the client has taken enough of what is written (or is gone); a client that
+        takes nothing for ``write_timeout`` seconds has its connection aborted."""
         if self.drained is None or self.drained.done():
             self.drained = self.loop.create_future()
-        await self.drained
+        drained = self.drained
+        timer = self.loop.call_later(self.guard.write_timeout, self._write_stalled, drained)
+        try:
+            await drained
+        finally:
+            timer.cancel()
+
+    def _write_stalled(self, drained: asyncio.Future[None]) -> None:
+        if drained.done() or self.transport is None or self.transport.is_closing():
+            return
+        self.guard.write_timed_out += 1
+        log.info(
+            "closing a client connection: it read nothing of the response for %g s",
+            self.guard.write_timeout,
+        )
+        # connection_lost follows: the requests on it are the client's going (499), and
+        # the drain wakes up.
+        self.transport.abort()
 
 
 def guarded_protocol(guard: ConnectionGuard) -> type[GuardedHTTP]:
