@@ -380,9 +380,14 @@ def test_a_batch_above_max_payload_is_dropped_and_the_others_flow(setup, caplog)
 
 
 async def _first_message(nats_client: Any, url: str, stream: str) -> tuple[Any, int]:
-    """The stream's first message and the server's max_payload."""
+    """The stream's first batch message and the server's max_payload."""
     nc = await nats_client.connect(url)
     try:
-        return await nc.jetstream().get_msg(stream, 1), int(nc.max_payload)
+        js = nc.jetstream()
+        for seq in itertools.count(1):
+            msg = await js.get_msg(stream, seq)
+            if msg.headers.get("Kvroute-Kind") == "batch":
+                return msg, int(nc.max_payload)
+        raise AssertionError("unreachable")
     finally:
         await nc.close()

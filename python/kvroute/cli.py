@@ -395,11 +395,16 @@ def _relay(args: argparse.Namespace) -> int:
     try:
         from .cluster.relay import relay_from_config, run_relay
         from .server.config import load_toml
+        from .server.metrics import Registry
     except ImportError as e:
         print(f"kvroute relay needs the cluster and events extras: {e}", file=sys.stderr)
         return 2
+    registry = Registry()
     relay = _from_config(
-        "relay", args.config, lambda path: relay_from_config(load_toml(path)), ImportError
+        "relay",
+        args.config,
+        lambda path: relay_from_config(load_toml(path), registry),
+        ImportError,
     )
     if relay is None:
         return 2
@@ -410,7 +415,7 @@ def _relay(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await run_relay(relay, stop)
+        await run_relay(relay, stop, registry=registry, host=args.host, port=args.port)
 
     asyncio.run(main())
     return 0
@@ -631,6 +636,14 @@ def build_parser() -> argparse.ArgumentParser:
         "[cluster] replicas (relay = true)",
     )
     relay.add_argument("--config", required=True, help="the TOML file (kvroute serve's)")
+    relay.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="serve GET /metrics and /health (200 while connected to NATS, else 503) on this "
+        "port (default: no HTTP endpoint)",
+    )
+    relay.add_argument("--host", default="0.0.0.0", help="the address for --port")
     relay.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )

@@ -21,6 +21,9 @@ server runs alone, exactly as before. Example (every key shown, with its default
                                      # stream `kvroute relay` fills, not from each engine's ZMQ
     events_stream = "KVROUTE_EVENTS" # the relay's stream
     events_subject = "kvroute.events"
+    relay_heartbeat = 0.5            # seconds between the relay's heartbeats; a follower that
+                                     # hears none for 3 of the relay's intervals marks its
+                                     # workers stale (fresh again at the next one)
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class ClusterConfig:
     relay: bool = False
     events_stream: str = "KVROUTE_EVENTS"
     events_subject: str = "kvroute.events"
+    relay_heartbeat: float = 0.5
 
     @property
     def replica_name(self) -> str:
@@ -108,6 +112,7 @@ def parse_cluster(top: Table) -> ClusterConfig | None:
         relay=c.get("relay", bool, d.relay),
         events_stream=_token(c, "events_stream", d.events_stream),
         events_subject=_token(c, "events_subject", d.events_subject, "."),
+        relay_heartbeat=c.positive("relay_heartbeat", float, d.relay_heartbeat),
     )
     c.done()
     for key in ("subject", "events_subject"):
@@ -116,7 +121,7 @@ def parse_cluster(top: Table) -> ClusterConfig | None:
             raise ValueError(f"{c.where}.{key} must be dot-separated tokens, got {subject!r}")
     if config.stream == config.events_stream or config.subject == config.events_subject:
         raise ValueError(f"{c.where}: the events stream and subject must differ from the sync's")
-    for key in ("snapshot_interval", "publish_interval", "max_age"):
+    for key in ("snapshot_interval", "publish_interval", "max_age", "relay_heartbeat"):
         if not math.isfinite(getattr(config, key)):
             raise ValueError(f"{c.where}.{key} must be finite")
     return config

@@ -24,26 +24,40 @@ stream to its router's index, from the stream's start (a late replica replays wh
   replays the engine's buffer from 0 when the engine has a replay socket). While the follower
   is disconnected from NATS every worker is marked stale on the router (its overlap credit
   decays); when it is back they are fresh again, unless the relay said otherwise.
+- **Heartbeats.** The relay publishes one every ``relay_heartbeat`` seconds (``[cluster]``,
+  0.5 by default) into the same stream, with its interval and, per worker, the last number it
+  published or dropped. A follower that hears none from the relay it follows for
+  ``MISSED_HEARTBEATS`` (3) of those intervals takes the relay for dead (killed, partitioned
+  from NATS, wedged) and marks that relay's workers stale on the router, as for its own lost
+  connection (``relay_silent`` counted, logged); its next heartbeat marks them fresh again. A
+  heartbeat's numbers also reveal messages lost at a worker's tail (dropped beyond
+  ``max_pending``, or above ``max_payload``) at once: the worker is cleared (a gap). A relay
+  that never sent a heartbeat (an older version) is not watched.
 
 Run one relay per fleet (a supervisor restarts it; a restart costs each replica one clear of
-each worker and the engines' replay). Configured by the server file's ``[[workers]]``
-(``kv_events``, ``kv_replay``, ``kv_events_bind``), ``[events] topic`` and ``[cluster]``
-(``events_stream``, ``events_subject``; replicas read it when ``relay = true``).
+each worker and the engines' replay). ``kvroute relay --port N`` serves ``/metrics`` (the
+``kvroute_relay_*`` metrics) and ``/health`` (200 while connected to NATS, else 503).
+Configured by the server file's ``[[workers]]`` (``kv_events``, ``kv_replay``,
+``kv_events_bind``), ``[events] topic`` and ``[cluster]`` (``events_stream``,
+``events_subject``, ``relay_heartbeat``; replicas read it when ``relay = true``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import math
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvroute.server.metrics import Counter, Registry
+from kvroute.server.metrics import Counter, Gauge, Registry
 
 from .bus import StreamConsumer, ensure_stream, keep_connected
 from .config import ClusterConfig
@@ -53,6 +67,8 @@ __all__ = ["EventFollower", "EventRelay"]
 log = logging.getLogger("kvroute.cluster")
 
 KINDS = ("batch", "clear", "stale", "fresh")
+#: Heartbeats a follower may miss before it takes the relay for dead (see the module docs).
+MISSED_HEARTBEATS = 3
 
 
 @dataclass(frozen=True)
@@ -73,6 +89,9 @@ class _Outbox:
         self.lock = threading.Lock()
         self.queue: deque[_Message] = deque()
         self.seq: dict[str, int] = {}
+        #: Per worker, the last number published or dropped (every lower one too): heartbeats
+        #: carry it, so followers see a loss at the tail without waiting for the next message.
+        self.settled: dict[str, int] = {}
         self.dropped = 0
         self.counts: dict[str, dict[str, int]] = {}
         self.wake: Any = None  # () -> None, set by the relay: wakes its publisher
@@ -85,7 +104,8 @@ class _Outbox:
             row = self.counts.setdefault(worker, dict.fromkeys(KINDS, 0))
             row[kind] += 1
             while len(self.queue) > self.max_pending:
-                self.queue.popleft()
+                old = self.queue.popleft()
+                self.settled[old.worker] = old.seq
                 self.dropped += 1
         if self.wake is not None:
             self.wake()
@@ -103,6 +123,13 @@ class _Outbox:
 
     def mark_fresh(self, worker: str) -> None:
         self._put(worker, "fresh")
+
+    def settle(self, m: _Message) -> None:
+        """``m`` was published or dropped: off the queue (unless dropped meanwhile)."""
+        with self.lock:
+            if self.queue and self.queue[0] is m:
+                self.queue.popleft()
+            self.settled[m.worker] = max(self.settled.get(m.worker, 0), m.seq)
 
     def stats(self, worker: str | None = None) -> Any:
         with self.lock:
@@ -148,12 +175,38 @@ class EventRelay:
                 ("worker",),
             )
         )
+        reg.add(
+            Gauge(
+                "kvroute_relay_connected", "1 while connected to NATS.", (), self._gauge_connected
+            )
+        )
+        reg.add(
+            Gauge(
+                "kvroute_relay_pending_messages",
+                "Messages waiting for NATS (at most max_pending).",
+                (),
+                lambda: [((), float(self.pending))],
+            )
+        )
+        reg.add(
+            Gauge(
+                "kvroute_relay_dropped_messages",
+                "Messages dropped since the start while NATS was unreachable (beyond "
+                "max_pending; followers see a gap and clear the worker).",
+                (),
+                lambda: [((), float(self.dropped))],
+            )
+        )
         self.connected = False
         self.last_error = ""
         self._task: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
         self._js: Any = None
+        self._next_beat = 0.0
         self._max_payload = 1 << 20  # the connected server's (NATS' default until connected)
+
+    def _gauge_connected(self) -> list[tuple[tuple[str, ...], float]]:
+        return [((), 1.0 if self.connected else 0.0)]
 
     @property
     def dropped(self) -> int:
@@ -215,10 +268,13 @@ class EventRelay:
         self._max_payload = int(nc.max_payload)
         self.connected = True
         assert self._wakeup is not None
+        self._next_beat = 0.0  # one at once: followers see this instance alive
         while nc.is_connected:
             await self._publish_pending()
+            await self._beat_if_due()
+            wait = min(0.5, max(0.0, self._next_beat - time.monotonic()))
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wakeup.wait(), 0.5)
+                await asyncio.wait_for(self._wakeup.wait(), wait)
             self._wakeup.clear()
 
     def _failed(self, e: BaseException) -> None:
@@ -243,15 +299,13 @@ class EventRelay:
 
     def _drop_oversized(self, m: _Message, size: int, limit: int) -> None:
         """``m`` can never be accepted (NATS refuses a message above its max_payload, headers
-        included): dropped and counted; the worker's next message shows its followers a gap,
-        so they clear the worker (its numbering is not reused)."""
-        with self.outbox.lock:
-            if self.outbox.queue and self.outbox.queue[0] is m:
-                self.outbox.queue.popleft()
+        included): dropped and counted; the worker's next message or the next heartbeat shows
+        its followers a gap, so they clear the worker (its numbering is not reused)."""
+        self.outbox.settle(m)
         self.oversized.inc(m.worker)
         log.error(
             "relay: a %s of worker %s is %d bytes with headers, above NATS max_payload %d: "
-            "dropped (followers clear the worker at its next message)",
+            "dropped (followers clear the worker)",
             m.kind,
             m.worker,
             size,
@@ -284,10 +338,33 @@ class EventRelay:
             except nats.errors.MaxPayloadError:  # the client's own check: never accepted either
                 self._drop_oversized(m, size, limit)
                 continue
-            with box.lock:
-                if box.queue and box.queue[0] is m:  # not dropped meanwhile
-                    box.queue.popleft()
+            box.settle(m)
             self.published.inc(m.kind)
+            await self._beat_if_due()  # on time through a long backlog too
+
+    async def _beat_if_due(self) -> None:
+        """Publishes a heartbeat every ``relay_heartbeat`` seconds: this instance, its interval
+        and, per worker, the last message number published or dropped (settled)."""
+        now = time.monotonic()
+        if self._js is None or now < self._next_beat:
+            return
+        interval = self.config.relay_heartbeat
+        self._next_beat = now + interval
+        with self.outbox.lock:
+            settled = dict(self.outbox.settled)
+        await self._js.publish(
+            self.config.events_subject,
+            json.dumps({"workers": settled}, separators=(",", ":")).encode(),
+            timeout=self.config.connect_timeout,
+            stream=self.config.events_stream,
+            headers={
+                "Nats-Expected-Stream": self.config.events_stream,
+                "Kvroute-Relay": self.relay,
+                "Kvroute-Kind": "heartbeat",
+                "Kvroute-Interval": repr(interval),
+            },
+        )
+        self.published.inc("heartbeat")
 
 
 def header_size(headers: Mapping[str, str]) -> int:
@@ -299,12 +376,19 @@ def header_size(headers: Mapping[str, str]) -> int:
 
 
 class _Source:
-    __slots__ = ("next", "relay", "stale")
+    __slots__ = ("marked", "next", "relay", "stale")
 
     def __init__(self, relay: str, next_seq: int) -> None:
         self.relay = relay
         self.next = next_seq
-        self.stale = False
+        self.stale = False  # as the relay said (its subscriber's freshness)
+        self.marked = False  # as marked on the router (fresh: the router's default)
+
+
+@dataclass
+class _Beat:
+    last: float  # monotonic time of the last heartbeat received
+    interval: float  # the relay's announced interval
 
 
 class EventFollower(StreamConsumer):
@@ -331,6 +415,7 @@ class EventFollower(StreamConsumer):
         self.stream_seq = 0
         self.last_error = ""
         self._sources: dict[str, _Source] = {}
+        self._beats: dict[str, _Beat] = {}  # per relay instance heard from
         self._task: asyncio.Task[None] | None = None
         reg = registry or Registry()
         self.applied = reg.add(
@@ -340,8 +425,9 @@ class EventFollower(StreamConsumer):
             Counter(
                 "kvroute_cluster_events_skipped_total",
                 "Relay messages not applied or history lost: duplicate, malformed, gap "
-                "(worker cleared), relay_restart (worker cleared), stream_reset (the stream was "
-                "made anew: consumed from its start).",
+                "(worker cleared; also found by a heartbeat), relay_restart (worker cleared), "
+                "stream_reset (the stream was made anew: consumed from its start), "
+                "relay_silent (heartbeats missed: the relay's workers marked stale).",
                 ("reason",),
             )
         )
@@ -358,20 +444,60 @@ class EventFollower(StreamConsumer):
                 await task
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Per worker: the applier's counters, the relay's numbering and staleness."""
+        """Per worker: the applier's counters, the relay's numbering and staleness (``stale``:
+        as marked — the relay said so, its heartbeats stopped or this follower lost NATS)."""
         applied = self.applier.stats()
         return {
-            w: {**applied.get(w, {}), "relay": s.relay, "last_seq": s.next - 1, "stale": s.stale}
+            w: {
+                **applied.get(w, {}),
+                "relay": s.relay,
+                "last_seq": s.next - 1,
+                "stale": self._stale(s),
+                "relay_silent": self._silent(s.relay),
+            }
             for w, s in self._sources.items()
         }
 
     def describe(self) -> dict[str, Any]:
+        now = time.monotonic()
         return {
             "connected": self.connected,
             "stream_seq": self.stream_seq,
             "workers": len(self._sources),
             "last_error": self.last_error,
+            # per relay instance heard from: seconds since its last heartbeat, and whether the
+            # follower takes it for dead (MISSED_HEARTBEATS intervals without one)
+            "relays": {
+                r: {"heartbeat_age": round(now - b.last, 3), "silent": self._silent(r)}
+                for r, b in self._beats.items()
+            },
         }
+
+    def _silent(self, relay: str) -> bool:
+        """Whether ``relay`` missed its heartbeats (never, for one not heard from: a relay
+        without heartbeats is not watched)."""
+        b = self._beats.get(relay)
+        return b is not None and time.monotonic() - b.last > MISSED_HEARTBEATS * b.interval
+
+    def _stale(self, src: _Source) -> bool:
+        return not self.connected or src.stale or self._silent(src.relay)
+
+    def _refresh(self) -> None:
+        """Marks each worker on the router as it now is (stale or fresh), where that changed."""
+        silent = {r for r in self._beats if self._silent(r)}
+        for w, s in self._sources.items():
+            want = not self.connected or s.stale or s.relay in silent
+            if want != s.marked:
+                s.marked = want
+                self._mark(w, want)
+                if want and s.relay in silent and self.connected and not s.stale:
+                    self.skipped.inc("relay_silent")
+                    log.warning(
+                        "events follower: relay %s missed %d heartbeats: worker %s marked stale",
+                        s.relay,
+                        MISSED_HEARTBEATS,
+                        w,
+                    )
 
     def _mark(self, worker: str, stale: bool) -> None:
         if self.freshness is not None:
@@ -404,27 +530,27 @@ class EventFollower(StreamConsumer):
             ),
         )
         self.connected = True
-        for w, s in self._sources.items():
-            if not s.stale:
-                self._mark(w, False)
+        self._refresh()
         while nc.is_connected:
             await asyncio.sleep(0.2)
+            self._refresh()  # a relay whose heartbeats stopped: its workers stale
 
     def _failed(self, e: BaseException) -> None:
         self.last_error = f"{type(e).__name__}: {e}"
         log.warning("events follower: NATS failed: %s", self.last_error)
 
     def _closed(self) -> None:
-        if self.connected:
-            for w in self._sources:
-                self._mark(w, True)  # the relay's news cannot reach this replica
         self.connected = False
+        self._refresh()  # the relay's news cannot reach this replica: every worker stale
 
     def apply(self, headers: Mapping[str, str], data: bytes) -> None:
         """Takes one relay message (headers as published): once each, gaps clear the worker."""
         relay = headers.get("Kvroute-Relay", "")
         worker = headers.get("Kvroute-Worker", "")
         kind = headers.get("Kvroute-Kind", "")
+        if kind == "heartbeat" and relay:
+            self._heartbeat(relay, headers, data)
+            return
         try:
             n = int(headers.get("Kvroute-Seq", "0"))
         except ValueError:
@@ -458,8 +584,31 @@ class EventFollower(StreamConsumer):
             self.applier.clear(worker)
         else:
             src.stale = kind == "stale"
-            self._mark(worker, src.stale)
+            self._refresh()
         self.applied.inc(kind)
+
+    def _heartbeat(self, relay: str, headers: Mapping[str, str], data: bytes) -> None:
+        """``relay`` is alive (its workers fresh again unless it said otherwise); a worker
+        whose messages up to the number it settled did not all arrive is cleared (a gap)."""
+        try:
+            interval = float(headers.get("Kvroute-Interval", ""))
+            settled = json.loads(data)["workers"]
+            ok = math.isfinite(interval) and interval > 0 and isinstance(settled, dict)
+            ok = ok and all(type(v) is int for v in settled.values())
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            self.skipped.inc("malformed")
+            return
+        self._beats[relay] = _Beat(time.monotonic(), interval)
+        for w, last in settled.items():
+            src = self._sources.get(w)
+            if src is not None and src.relay == relay and last >= src.next:
+                self.skipped.inc("gap")  # lost at the tail (dropped, oversized)
+                self.applier.clear(w)
+                src.next = last + 1
+        self._refresh()
+        self.applied.inc("heartbeat")
 
 
 def relay_from_config(data: Mapping[str, Any], registry: Registry | None = None) -> EventRelay:
@@ -486,11 +635,32 @@ def relay_from_config(data: Mapping[str, Any], registry: Registry | None = None)
     )
 
 
-async def run_relay(relay: EventRelay, stop: asyncio.Event) -> None:
-    """Runs ``relay`` until ``stop`` is set, logging its state every minute."""
+async def run_relay(
+    relay: EventRelay,
+    stop: asyncio.Event,
+    *,
+    registry: Registry | None = None,
+    host: str = "0.0.0.0",
+    port: int | None = None,
+) -> None:
+    """Runs ``relay`` until ``stop`` is set, logging its state every minute; with ``port``,
+    serves ``registry``'s ``/metrics`` and ``/health`` (200 while connected to NATS, else 503;
+    the body is :meth:`EventRelay.describe`) there (:mod:`.status`)."""
+    from .status import serve_status
+
+    server = None
     async with relay:
-        while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), 60.0)
-                return
-            log.info("relay: %s", relay.describe())
+        if port is not None:
+            reg = registry or Registry()
+            server = await serve_status(
+                host, port, reg.render, lambda: (relay.connected, relay.describe())
+            )
+        try:
+            while True:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 60.0)
+                    return
+                log.info("relay: %s", relay.describe())
+        finally:
+            if server is not None:
+                server.close()
