@@ -176,6 +176,17 @@ def _with(path, value):
     return data
 
 
+def test_in_flight_bound_up_to_every_workers_pool_is_accepted():
+    """max_in_flight_per_worker equal to the smallest max_connections is in force as given."""
+    workers = [
+        {"name": "a", "url": "http://x", "max_connections": 5},
+        {"name": "b", "url": "http://y", "max_connections": 9},
+    ]
+    c = parse_config(minimal(gateway={"max_in_flight_per_worker": 5}, workers=workers))
+    assert c.server.max_in_flight_per_worker == 5
+    assert [w.max_connections for w in c.workers] == [5, 9]
+
+
 @pytest.mark.parametrize(
     ("data", "message"),
     [
@@ -209,6 +220,16 @@ def _with(path, value):
         (_with("router.options", {"policy": "hash"}), r"must not repeat \['policy'\]"),
         (_with("tokenizer.bytes_per_token", 8), "bytes_per_token must be 1..4"),
         (_with("endpoints.0.pool_size", 2), "pool_size 2 exceeds the 1 workers"),
+        (
+            minimal(
+                gateway={"max_in_flight_per_worker": 5},
+                workers=[
+                    {"name": "a", "url": "http://x", "max_connections": 5},
+                    {"name": "b", "url": "http://y", "max_connections": 4},
+                ],
+            ),
+            "max_in_flight_per_worker 5 exceeds the max_connections 4 of worker 'b'",
+        ),
         (_with("endpoints.0.id", "m"), r"endpoint id\(s\) \['m'\] are also listed"),
         (_with("endpoints.0.model", ""), "id and model must not be empty"),
         (_with("endpoints.0.priority", 2**31), r"priority must be in -2\*\*31..2\*\*31-1"),

@@ -1,10 +1,10 @@
 """Admission control: bounded queues, shedding on a TTFT objective, fair share under overload.
 
 Each upstream attempt occupies one slot of its worker from ``begin`` to ``finish``. A worker takes
-at most ``max_in_flight_per_worker`` requests (default: its ``max_connections``); the router's
-choice skips full workers, and a request for which every candidate is full is shed. The fleet
-takes at most ``max_in_flight`` requests (default: the sum of the per-worker bounds); past that,
-a tenant (an endpoint, or the direct models as one tenant) is still admitted while its own
+at most ``max_in_flight_per_worker`` requests (default, and at most: its ``max_connections``); the
+router's choice skips full workers, and a request for which every candidate is full is shed. The
+fleet takes at most ``max_in_flight`` requests (default: the sum of the per-worker bounds); past
+that, a tenant (an endpoint, or the direct models as one tenant) is still admitted while its own
 requests in flight are below its **weighted fair share** of the fleet bound — ``max_in_flight ×
 weight / Σ weights of the tenants with requests in flight``, at least one — so that under
 overload a noisy tenant is shed first and every tenant keeps its share (in-flight requests never

@@ -42,7 +42,8 @@ Example (every key shown; only ``[[workers]]`` is required)::
     key_requests_per_minute = 600    # per configured API key (callers without one share one)
     key_tokens_per_minute = 2000000  # prompt routing tokens + reported completion tokens
     max_in_flight = 1024             # fleet bound; past it tenants get their weighted fair share
-    max_in_flight_per_worker = 64    # default: the worker's max_connections
+    max_in_flight_per_worker = 64    # default: the worker's max_connections; above a
+                                     # worker's max_connections the file is refused
     prefill_tokens_per_second = 20000  # for x-slo-ttft-ms shedding; default: learned from streams
     cache_usage_fields = true        # add prompt_cache_hit_tokens / _miss_tokens to usage
     health_path = "/health"          # probed on ejected workers until it answers 200
@@ -249,6 +250,17 @@ def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
     health = parse_health(g)
     g.done()
     fleet = parse_fleet(top, health)
+    bound = server.max_in_flight_per_worker
+    for w in fleet.workers:
+        if bound is not None and bound > w.max_connections:
+            # Requests past the pool would wait pool_timeout for a connection and fail 503,
+            # never shed 429 worker_queue: the bound would not be the one in force.
+            raise ValueError(
+                f"gateway.max_in_flight_per_worker {bound} exceeds the max_connections "
+                f"{w.max_connections} of worker {w.name!r}: requests past {w.max_connections} "
+                f"would wait pool_timeout and fail 503 instead of being shed 429; lower "
+                f"max_in_flight_per_worker or raise that worker's max_connections"
+            )
 
     endpoints = parse_endpoints(top, server.models, "gateway.models", pool_limit(fleet.workers))
     top.get("epp", dict, {})  # kvroute epp's section of a shared file (kvroute.epp.config)
