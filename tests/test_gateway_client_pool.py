@@ -22,7 +22,6 @@ from kvroute.gateway.client import (
     ConnectFailed,
     ConnectionLost,
     ConnectTimeout,
-    Pool,
     PoolTimeout,
     ProtocolError,
     ReadTimeout,
@@ -30,22 +29,9 @@ from kvroute.gateway.client import (
     WriteTimeout,
     _Connection,
 )
+from support.client_stubs import JSON, StubTransport, free_port, pool, raw_server
 
-JSON = "content-type: application/json\r\n"
 BIG = b"x" * (32 << 20)  # past any loopback socket's buffers: the rest waits in the transport
-
-
-def pool(url: str, **kw) -> Pool:
-    options = dict(
-        max_connections=4,
-        connect_timeout=2.0,
-        read_timeout=30.0,
-        write_timeout=30.0,
-        pool_timeout=2.0,
-        keepalive=30.0,
-    )
-    options.update(kw)
-    return Pool(url, **options)
 
 
 class HeldServer:
@@ -103,24 +89,6 @@ def test_a_request_the_upstream_does_not_take_is_a_write_timeout():
     asyncio.run(main())
 
 
-class StubTransport(asyncio.Transport):
-    """A transport whose write buffer holds ``pending`` bytes."""
-
-    def __init__(self, pending: int) -> None:
-        super().__init__()
-        self.pending = pending
-        self.aborted = False
-
-    def get_write_buffer_size(self) -> int:
-        return self.pending
-
-    def is_closing(self) -> bool:
-        return self.aborted
-
-    def abort(self) -> None:
-        self.aborted = True
-
-
 @pytest.mark.parametrize("pending", [0, 1, 2, 65536])
 @pytest.mark.parametrize("current", [True, False])
 def test_a_write_check_fails_only_its_own_request_with_bytes_not_taken(pending, current):
@@ -150,38 +118,6 @@ def test_a_write_check_fails_only_its_own_request_with_bytes_not_taken(pending, 
         await p.aclose()
 
     asyncio.run(main())
-
-
-async def raw_server(answers, ssl=None, heads=None):
-    """A server in this loop answering the n-th request it reads with ``answers(n, writer)``
-    (a coroutine; returning False closes the connection); each request's head and body are
-    appended to ``heads`` if given."""
-    count = 0
-
-    async def serve(reader, writer):
-        nonlocal count
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                size = int(head.lower().split(b"content-length: ")[1].split(b"\r")[0])
-                body = await reader.readexactly(size)
-                if heads is not None:
-                    heads.append(head + body)
-                count += 1
-                if await answers(count, writer) is False:
-                    writer.close()
-                    return
-        except (asyncio.IncompleteReadError, ConnectionError):
-            writer.close()
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=ssl)
-    return server, server.sockets[0].getsockname()[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_each_failure_has_its_type_and_whole_message():

@@ -11,12 +11,20 @@ the classification itself, where a boundary off by one shows only for one code.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
+import re
 
 import pytest
 from kvroute.gateway.errors import EMPTY_STREAM, STREAM_ERROR
-from kvroute.gateway.stream import failed_answer, first_failure, forwarded_headers
+from kvroute.gateway.stream import (
+    SseScanner,
+    failed_answer,
+    first_events,
+    first_failure,
+    forwarded_headers,
+)
 
 CODES = [None, 0, 200, 399, 400, 401, 404, 422, 429, 498, 499, 500, 501, 503, 598, 599, 600, 700]
 ODD_CODES = [True, False, 500.0, 404.0, "500", "overloaded", [500], {"code": 500}]
@@ -145,3 +153,45 @@ def test_a_failed_answer_keeps_only_the_forwarded_headers_json_by_default():
             want = {"content-type": "application/json", **expected}
             assert failed_answer(503, b"body", headers) == (503, b"body", want)
     assert failed_answer(599, b"", {}) == (599, b"", {"content-type": "application/json"})
+
+
+def test_the_first_events_are_read_to_the_first_whole_one_the_first_byte_told_once():
+    """``first_events`` reads chunks until one completes an event and returns every complete
+    event read so far (the rest left to read, the partial event in the scanner), or [] when the
+    stream ends first; ``on_first_byte`` — the upstream's first output — is called once, when the
+    first chunk arrives, before it is scanned, and never for a stream without a byte. Against a
+    reference that splits the bytes read on blank lines, for every split of a stream into two
+    chunks and for byte-by-byte arrival."""
+    stream = b': ping\r\n\r\ndata: {"a": 1}\n\ndata: [DONE]\n\n'
+
+    def reference(chunks: list[bytes]) -> tuple[list[bytes], int]:
+        """The complete events in the shortest prefix of chunks holding one; chunks read."""
+        for used in range(1, len(chunks) + 1):
+            got = b"".join(chunks[:used])
+            ends = [m.end() for m in re.finditer(rb"\r?\n\r?\n", got)]
+            if ends:
+                return [got[a:b] for a, b in zip([0, *ends], ends, strict=False)], used
+        return [], len(chunks)
+
+    async def run(chunks: list[bytes]) -> tuple[list[bytes], int, list[int], SseScanner]:
+        scanner = SseScanner(1 << 20)
+        read = 0
+        told: list[int] = []  # bytes the scanner had seen at each call
+
+        async def source():
+            nonlocal read
+            for chunk in chunks:
+                read += 1
+                yield chunk
+
+        events = await first_events(source(), scanner, lambda: told.append(scanner.scanned))
+        return events, read, told, scanner
+
+    cases = [[stream[:i], stream[i:]] for i in range(1, len(stream))]
+    cases += [[stream[i : i + 1] for i in range(len(stream))], [stream], [], [b"data: x"]]
+    for chunks in cases:
+        events, read, told, scanner = asyncio.run(run(chunks))
+        expected, used = reference(chunks)
+        assert (events, read) == (expected, used), chunks
+        assert told == ([0] if chunks else []), chunks
+        assert scanner.pending == b"".join(chunks[:used])[sum(map(len, events)) :]

@@ -143,6 +143,7 @@ PYTHON: dict[str, tuple[list[str], list[str], list[str]]] = {
         [
             "tests/test_gateway_client.py",  # the pool against real servers, by hand
             "tests/test_gateway_client_pool.py",  # timers in the test's loop; every failure whole
+            "tests/test_gateway_client_flow.py",  # bytes on the wire, 1xx, a connection's life
             "tests/test_gateway_stream_failure.py",  # first_failure against a reference
             "tests/test_gateway_failover.py",  # every failure kind: answer, log, counters
             "tests/test_gateway_faults.py",
