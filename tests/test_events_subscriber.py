@@ -801,6 +801,9 @@ class _FakeSocket:
             raise zmq.ZMQError(zmq.EAGAIN)
         return self.queue.pop(0)
 
+    def recv(self, flags=0):  # the stop socket, reported once every queue is empty
+        return b"stop"
+
 
 class _FakeZmq:
     """What the poll thread uses of pyzmq, over ``_FakeSocket`` queues: a poll reports every

@@ -29,6 +29,10 @@ messages and restarts:
   its first request — waiting for its numbering to start again would credit it, meanwhile, with
   blocks it lost. A ZMQ socket monitor reports the drop.
 - ``AllBlocksCleared`` clears the worker (done by the applier).
+- **Workers joining and leaving.** ``add_worker`` / ``remove_worker`` change the subscribed engines
+  before ``start()`` or while running (the poll thread makes or closes that worker's sockets); every
+  other worker keeps its sockets and sequence state. A worker that leaves is forgotten: nothing of
+  it is applied afterwards, its blocks and counters are dropped, a stale one is marked fresh.
 - **Block sizes.** The first store of each engine (and again after every reset) is checked against
   the router's block size: one the applier cannot use (direct mode: not equal; rehash: not a
   multiple) is logged as an error naming both sizes — every store of that engine is skipped, its
@@ -71,6 +75,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from ._core import KvEventApplier, PrefixIndex
+from ._events_membership import Change, Membership
 
 __all__ = ["END_SEQ", "Freshness", "KvEventSubscriber", "applier_for"]
 
@@ -192,7 +197,7 @@ class _Worker:
         self.foreign_logged = False  # direct mode: foreign block hashes logged since the reset
 
 
-class KvEventSubscriber:
+class KvEventSubscriber(Membership):
     """Subscribes to engines' KV events and keeps ``target``'s prefix index in step.
 
     ``target``: a ``kvroute.PrefixIndex`` (a ``KvEventApplier`` is built for it with ``mode``,
@@ -291,6 +296,12 @@ class KvEventSubscriber:
         self._stop_sock: Any = None
         self._ready = threading.Event()
         self._failure: BaseException | None = None
+        # Membership changes while running: queued here and made by the poll thread, woken
+        # through the stop socket. ``_control`` guards the queue, that socket's sends and
+        # ``_accepting`` (True while a poll thread will take queued changes).
+        self._control = threading.Lock()
+        self._changes: list[Change] = []
+        self._accepting = False
         self._poller: Any = None  # the poll thread's own
         # socket -> (worker, handler of its frames)
         self._owner: dict[Any, tuple[_Worker, Any]] = {}
@@ -323,6 +334,8 @@ class KvEventSubscriber:
         stop.connect(self._stop_addr)
         self._stop_sock = stop
         self._thread = thread
+        with self._control:
+            self._accepting = True
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -331,7 +344,9 @@ class KvEventSubscriber:
         if thread is None:
             return
         try:
-            self._stop_sock.send(b"stop")
+            with self._control:
+                self._accepting = False  # later changes are made by their caller
+                self._stop_sock.send(b"stop")
         finally:
             thread.join(timeout)
             self._stop_sock.close(linger=0)
@@ -428,23 +443,7 @@ class KvEventSubscriber:
             stop.bind(self._stop_addr)
             poller.register(stop, zmq.POLLIN)
             for w in self._workers.values():
-                sub = ctx.socket(zmq.SUB)
-                w.sub = sub
-                sub.setsockopt(zmq.LINGER, 0)
-                sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
-                sub.setsockopt(zmq.SUBSCRIBE, self._topic)
-                if w.bind:
-                    sub.bind(w.endpoint)
-                else:
-                    sub.connect(w.endpoint)
-                poller.register(sub, zmq.POLLIN)
-                owner[sub] = (w, self._on_frames)
-                monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-                w.monitor = monitor
-                poller.register(monitor, zmq.POLLIN)
-                owner[monitor] = (w, self._on_monitor)
-                if w.replay_endpoint is not None:
-                    self._new_dealer(w)
+                self._open(w)
         except BaseException as e:
             self._failure = e
             self._close_all(stop)
@@ -455,7 +454,9 @@ class KvEventSubscriber:
             while True:
                 ready = dict(poller.poll(self._poll_timeout()))
                 if stop in ready:
-                    break
+                    if stop.recv() == b"stop":
+                        break
+                    self._take_changes()  # b"change": add_worker / remove_worker
                 for sock in ready:
                     for _ in range(1024):
                         entry = owner.get(sock)  # a dealer may be replaced meanwhile
@@ -475,16 +476,53 @@ class KvEventSubscriber:
                         self._guarded(self._replace_dealer, w)
         finally:
             self._close_all(stop)
+            with self._control:  # changes queued before the stop: made without sockets
+                self._accepting = False
+                changes, self._changes = self._changes, []
+                for change in changes:
+                    self._make(change, live=False)
+
+    def _open(self, w: _Worker) -> None:
+        """Makes the worker's sockets and puts them on the poller (the poll thread); on failure
+        closes those made and raises."""
+        zmq = self._zmq
+        try:
+            sub = self._ctx.socket(zmq.SUB)
+            w.sub = sub
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
+            sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+            if w.bind:
+                sub.bind(w.endpoint)
+            else:
+                sub.connect(w.endpoint)
+            self._poller.register(sub, zmq.POLLIN)
+            self._owner[sub] = (w, self._on_frames)
+            monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            w.monitor = monitor
+            self._poller.register(monitor, zmq.POLLIN)
+            self._owner[monitor] = (w, self._on_monitor)
+            if w.replay_endpoint is not None:
+                self._new_dealer(w)
+        except BaseException:
+            self._close(w)
+            raise
+
+    def _close(self, w: _Worker) -> None:
+        """Closes the worker's sockets and takes them off the poller."""
+        if w.monitor is not None and w.sub is not None:
+            w.sub.disable_monitor()
+        for s in (w.monitor, w.sub, w.dealer):
+            if s is not None:
+                if self._owner.pop(s, None) is not None:
+                    self._poller.unregister(s)
+                s.close(linger=0)
+        w.sub = w.dealer = w.monitor = None
+        w.dealer_retry = None
 
     def _close_all(self, stop: Any) -> None:
-        for w in self._workers.values():
-            if w.monitor is not None and w.sub is not None:
-                w.sub.disable_monitor()
-            for s in (w.monitor, w.sub, w.dealer):
-                if s is not None:
-                    s.close(linger=0)
-            w.sub = w.dealer = w.monitor = None
-            w.dealer_retry = None
+        for w in list(self._workers.values()):
+            self._close(w)
         if stop is not None:
             stop.close(linger=0)
         self._owner = {}

@@ -47,14 +47,26 @@ def chain_payloads(tokens: Sequence[int], n_blocks: int, first: int = 0) -> list
 class Engine:
     """A KV-event publisher with an optional replay ROUTER, like vLLM's."""
 
-    def __init__(self, topic="", replay=True, new_replay_form=True, answer_replays=True):
+    def __init__(
+        self,
+        topic="",
+        replay=True,
+        new_replay_form=True,
+        answer_replays=True,
+        host="127.0.0.1",
+        port=None,
+    ):
+        """``host``/``port``: where the live stream binds (a random port by default)."""
         self.ctx = zmq.Context()
         self.topic = topic.encode()
         self.pub = self.ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every subscriber, not only the first
-        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
+        if port is None:
+            port = self.pub.bind_to_random_port(f"tcp://{host}")
+        else:
+            self.pub.bind(f"tcp://{host}:{port}")
+        self.endpoint = f"tcp://{host}:{port}"
         self.buffer: list[tuple[int, bytes]] = []
         self.seq = 0
         self.new_replay_form = new_replay_form
@@ -77,6 +89,14 @@ class Engine:
             assert self.pub.poll(10_000), "no subscriber joined"
             if self.pub.recv()[:1] == b"\x01":
                 return
+
+    def subscriptions(self) -> list[bytes]:
+        """The (un)subscription messages received since the last call, without waiting: a
+        subscriber that left (``\\x00`` + topic) or joined (``\\x01`` + topic)."""
+        out = []
+        while self.pub.poll(0):
+            out.append(self.pub.recv())
+        return out
 
     def publish(self, payload: bytes, *, send: bool = True) -> int:
         """Numbers and buffers a batch; ``send=False``: lost on the way (ZMQ dropped it), or not

@@ -209,12 +209,17 @@ class Picker:
 
     # ---- membership ------------------------------------------------------------------------
 
-    def set_members(self, members: Mapping[str, Member], *, initial: bool = False) -> None:
-        """Makes ``members`` the workers (adds and removes them in the router); endpoints whose
-        pool now fits are added. Two members may not share an address."""
+    @staticmethod
+    def check_members(members: Mapping[str, Member]) -> None:
+        """``ValueError`` when two members share an address (``set_members`` refuses them)."""
         dup = duplicates([m.address for m in members.values()])
         if dup:
             raise ValueError(f"several workers have the address(es) {dup}")
+
+    def set_members(self, members: Mapping[str, Member], *, initial: bool = False) -> None:
+        """Makes ``members`` the workers (adds and removes them in the router); endpoints whose
+        pool now fits are added. Two members may not share an address."""
+        self.check_members(members)
         for name in list(self.members):
             if name not in members:
                 self.router.remove_worker(name)

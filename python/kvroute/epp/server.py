@@ -96,6 +96,7 @@ class EppServer:
                 event_mode=config.events.mode,
             )
         self.pool: Any = None
+        self._membership = asyncio.Lock()  # one pool change at a time
         self._grpc: grpc.aio.Server | None = None
         self._http: Any = None
         self._http_task: asyncio.Task[None] | None = None
@@ -248,22 +249,76 @@ class EppServer:
             self.subscriber = None
 
     async def _pool_changed(self, members: dict[str, Member]) -> None:
-        """The InferencePool's ready pods changed (or were listed for the first time)."""
-        before = {n: m.address for n, m in self.picker.members.items()}
-        self.picker.set_members(members)
-        self.health.workers = tuple(members)
-        for gone in [w for w in self.health.ejected if w not in members]:
-            del self.health.ejected[gone]
-            self.health.failures.pop(gone, None)
-        if self.cluster is not None:
-            self.cluster.scraper.set_workers(self._scraped())
-        if before != {n: m.address for n, m in members.items()}:
-            log.info("kvroute epp: %d workers from the InferencePool", len(members))
-            await self._stop_events()
-            await self._start_events()
-        if not self.ready:
-            self.ready = True
-            await self._set_ready(True)
+        """The InferencePool's ready pods changed (or were listed for the first time). Only the
+        workers that changed are touched: one gone, or whose engine is another (a new address:
+        a pod replaced under its name; other KV-event endpoints), is unsubscribed from its KV
+        events before the router drops it, and one new (or renewed) is subscribed once the
+        router has it. The others keep their event subscription and its sequence state, so
+        nothing they publish meanwhile is lost."""
+        async with self._membership:
+            self.picker.check_members(members)  # refused before anything changes
+            old = dict(self.picker.members)
+            renewed = [
+                n for n, m in old.items() if n in members and _engine(m) != _engine(members[n])
+            ]
+            leaving = [n for n in old if n not in members] + renewed
+            joining = [n for n in members if n not in old] + renewed
+            await self._unsubscribe(leaving)
+            self.picker.set_members(members)
+            self.health.workers = tuple(members)
+            for w in leaving:  # a new engine starts with a clean record
+                self.health.ejected.pop(w, None)
+                self.health.failures.pop(w, None)
+            if self.cluster is not None:
+                self.cluster.scraper.set_workers(self._scraped())
+            if leaving or joining:
+                log.info(
+                    "kvroute epp: %d workers from the InferencePool (%d left, %d joined)",
+                    len(members),
+                    len(leaving),
+                    len(joining),
+                )
+            await self._subscribe(joining)
+            if not self.ready:
+                self.ready = True
+                await self._set_ready(True)
+
+    async def _unsubscribe(self, names: list[str]) -> None:
+        """Ends these workers' KV-event subscriptions (before the router drops them: no event of
+        theirs is applied afterwards)."""
+        sub = self.subscriber
+        if sub is None:
+            return
+        subscribed = set(sub.workers)
+        for name in names:
+            if name in subscribed:
+                try:
+                    await asyncio.to_thread(sub.remove_worker, name)
+                except Exception:
+                    log.exception("kvroute epp: unsubscribing %s from its KV events failed", name)
+
+    async def _subscribe(self, names: list[str]) -> None:
+        """Subscribes to these workers' KV events (the first of all starts the subscriber)."""
+        if self.subscriber is None:
+            await self._start_events()  # over every member: none was subscribed
+            return
+        sub = self.subscriber
+        for name in names:
+            c = self.picker.members[name].config
+            if not c.kv_events:
+                continue
+            try:
+                await asyncio.to_thread(
+                    sub.add_worker, name, c.kv_events, replay=c.kv_replay, bind=c.kv_events_bind
+                )
+            except Exception:
+                log.exception("kvroute epp: subscribing to %s's KV events failed", name)
+
+
+def _engine(m: Member) -> tuple[str, str | None, str | None, bool]:
+    """What makes a member's engine another one: its address and its KV-event endpoints."""
+    c = m.config
+    return m.address, c.kv_events, c.kv_replay, c.kv_events_bind
 
 
 def _join(host: str, port: int) -> str:

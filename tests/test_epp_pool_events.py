@@ -1,0 +1,104 @@
+"""``kvroute epp`` with ``[epp.pool]`` in events mode: the pool's changes reach the KV-event
+subscription one worker at a time. Real ZMQ publishers (support/events_engine.py), one per pod IP
+on the pool's ``kv_events_port``; the pool's changes are given to the server as its watch gives
+them (``members_of`` → ``_pool_changed``; the watch itself: tests/test_epp_pool.py).
+
+- A pod that joins, leaves or turns unready leaves the other workers' subscriptions alone: an
+  engine publishing all along loses nothing, and its publisher sees no subscriber leave or join.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import numpy as np
+from kvroute.epp.config import parse_config
+from kvroute.epp.pool import members_of
+from kvroute.epp.server import EppServer
+from support.events_engine import own, stored
+from support.helpers import wait_for
+from support.publishing_upstream import indexed
+
+
+def pod(name: str, ip: str, *, ready: bool = True) -> dict[str, Any]:
+    status = "True" if ready else "False"
+    return {
+        "metadata": {"name": name},
+        "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": status}]},
+    }
+
+
+def server(port: int) -> EppServer:
+    return EppServer(
+        parse_config(
+            {
+                "router": {"policy": "kv_aware", "index": "events", "block_size": 16},
+                "epp": {
+                    "models": ["m"],
+                    "pool": {"name": "p", "namespace": "ml", "kv_events_port": port},
+                },
+            }
+        )
+    )
+
+
+def test_a_pool_change_leaves_the_other_workers_subscriptions_alone(engines):
+    a = engines(replay=False, host="127.0.0.2")
+    port = int(a.endpoint.rsplit(":", 1)[1])
+    b = engines(replay=False, host="127.0.0.3", port=port)
+    srv = server(port)
+    n = 300
+    toks = [list(range(16 * i, 16 * i + 16)) for i in range(n)]
+
+    def publish() -> None:  # the only user of a's socket until it is joined
+        for i in range(n):
+            a.publish(stored([10_000 + i], None, toks[i]))
+            time.sleep(0.002)  # spread over the pool's changes (what is checked needs no timing)
+
+    async def main() -> None:
+        def change(**pods: dict[str, Any]) -> Any:
+            return srv._pool_changed(members_of(srv.config.pool, [8000], pods))
+
+        v0 = pod("vllm-0", "127.0.0.2")
+        try:
+            await change(**{"vllm-0": v0})
+            a.wait_subscriber()
+            publisher = threading.Thread(target=publish)
+            publisher.start()
+            await change(**{"vllm-0": v0, "vllm-1": pod("vllm-1", "127.0.0.3")})  # scale-up
+            b.wait_subscriber()
+            await change(**{"vllm-0": v0, "vllm-1": pod("vllm-1", "127.0.0.3", ready=False)})
+            assert "vllm-1" not in srv.subscriber.workers
+            await change(**{"vllm-0": v0, "vllm-1": pod("vllm-1", "127.0.0.3")})  # ready again
+            no_engine = pod("vllm-2", "127.0.0.5")  # publishes nothing: connected all the same
+            await change(
+                **{"vllm-0": v0, "vllm-1": pod("vllm-1", "127.0.0.3"), "vllm-2": no_engine}
+            )
+            b.wait_subscriber()
+            b.publish(stored([1], None, range(7000, 7016)))
+            await asyncio.to_thread(publisher.join)
+            a.publish(stored([1], None, range(9000, 9016)))  # the last: number n
+            stats = srv.subscriber.stats
+            await asyncio.to_thread(
+                wait_for, lambda: stats()["vllm-0"]["last_seq"] == n, "vllm-0's last batch"
+            )
+            await asyncio.to_thread(
+                wait_for, lambda: indexed(srv.router, "vllm-1") == 1, "vllm-1's batch"
+            )
+            index = srv.router.index
+            held = [
+                i
+                for i in range(n)
+                if index.match(np.array(own(toks[i]), dtype=np.uint64)).get("vllm-0") == 1
+            ]
+            assert held == list(range(n))  # every batch vllm-0 published, none lost
+            row = stats()["vllm-0"]
+            assert (row["gaps"], row["resets"], row["batches"]) == (0, 0, n + 1)
+            assert a.subscriptions() == []  # its subscriber never left, none joined
+        finally:
+            await srv._stop_events()
+
+    asyncio.run(main())
