@@ -7,12 +7,15 @@ from __future__ import annotations
 import math
 import threading
 
+import numpy as np
 import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvroute.gateway.admission import PrefillModel
 from kvroute.gateway.limits import RateLimits
 from support.gateway_fleet import (
+    LONG_SYSTEM,
     Fleet,
     GatewayServer,
     chat,
@@ -234,3 +237,113 @@ def test_slo_ttft_sheds_what_cannot_meet_it(fleet):
             chat(gw.client("sk-acme"), "ep-acme", "x", extra_headers={"x-slo-ttft-ms": "soon"})
         m = metric_samples(gw.metrics())
         assert m[("kvroute_gateway_shed_total", (("reason", "slo"),))] == 1
+
+
+# ---- the learned prefill model against a reference fit ----------------------------------------
+
+
+def reference_fit(samples: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """(base, seconds per token, weighted squared error): the weighted least-squares line through
+    the last 64 samples (weights 0.8 ** age) with base >= 0 and 0 <= slope <= min(seconds / work),
+    found by solving every active set of the box with numpy and keeping the best feasible one."""
+    kept = samples[-64:]
+    x = np.array([a for a, _ in kept])
+    y = np.array([b for _, b in kept])
+    w = 0.8 ** np.arange(len(kept) - 1, -1, -1)
+    cap = float(np.min(y / x))
+    r = np.sqrt(w)
+
+    def sse(a: float, b: float) -> float:
+        return float(np.sum(w * (y - a - b * x) ** 2))
+
+    cands = [(0.0, 0.0), (0.0, cap)]
+    full = np.linalg.lstsq(np.stack([r, r * x], axis=1), r * y, rcond=None)[0]
+    cands.append((float(full[0]), float(full[1])))
+    cands.append((0.0, float(np.sum(w * x * y) / np.sum(w * x * x))))  # base at 0
+    cands.append((float(np.sum(w * y) / np.sum(w)), 0.0))  # slope at 0
+    cands.append((float(np.sum(w * (y - cap * x)) / np.sum(w)), cap))  # slope at the cap
+    ok = [(a, b) for a, b in cands if a >= -1e-12 and -1e-15 <= b <= cap * (1 + 1e-12)]
+    a, b = min(ok, key=lambda ab: sse(*ab))
+    return a, b, sse(a, b)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 100_000), st.floats(1e-3, 100.0, allow_nan=False)),
+        min_size=1,
+        max_size=90,
+    )
+)
+def test_prefill_model_matches_the_reference_fit(samples):
+    model = PrefillModel()
+    for work, seconds in samples:
+        model.add(work, seconds)
+    assert model.fit is not None
+    base, slope = model.fit
+    ref_base, ref_slope, ref_sse = reference_fit(samples)
+    kept = samples[-64:]
+    cap = min(s / x for x, s in kept)
+    assert base >= 0 and 0 <= slope <= cap * (1 + 1e-12)  # never a rate the samples refute
+    w = [0.8 ** (len(kept) - 1 - i) for i in range(len(kept))]
+    sse = math.fsum(wi * (s - base - slope * x) ** 2 for wi, (x, s) in zip(w, kept, strict=True))
+    assert sse <= ref_sse * (1 + 1e-7) + 1e-12
+    if len({x for x, _ in kept}) == 1:  # the slope is unknown: the most the samples allow
+        assert slope == pytest.approx(cap)
+    else:  # a unique best line: the reference's
+        probe = max(x for x, _ in kept)
+        assert base + slope * probe == pytest.approx(
+            ref_base + ref_slope * probe, rel=1e-5, abs=1e-9
+        )
+
+
+@given(
+    base=st.floats(0.0, 2.0),
+    rate=st.floats(100.0, 1e6),
+    works=st.lists(st.integers(1, 100_000), min_size=2, max_size=40, unique=True),
+)
+@settings(max_examples=100, deadline=None)
+def test_prefill_model_recovers_an_exact_line(base, rate, works):
+    model = PrefillModel()
+    for x in works:
+        model.add(x, base + x / rate)
+    got_base, slope = model.fit
+    assert got_base == pytest.approx(base, rel=1e-6, abs=1e-9)
+    assert slope == pytest.approx(1 / rate, rel=1e-6, abs=1e-12)
+
+
+def test_prefix_cache_hits_do_not_shed_a_fresh_prompt_that_meets_its_slo():
+    """Review13 r9: engines answering every request after ~0.1 s, a session of cached requests
+    (the same ~2,000-token system prompt, new short questions) then another tenant's fresh
+    ~2,000-token prompt with x-slo-ttft-ms 1000. The old average of tokens ÷ seconds fell to ~85
+    tokens/s over the cached requests and predicted ~17 s: shed. Base + work / rate predicts
+    ~0.1 s: served."""
+    fleet = Fleet(2, delay=0.1)
+    try:
+        with GatewayServer(config_dict(fleet)) as gw:
+            adm = gw.gateway.admission
+            for i in range(25):
+                stream = gw.client("sk-acme").chat.completions.create(
+                    model="ep-acme",
+                    stream=True,
+                    messages=[
+                        {"role": "system", "content": LONG_SYSTEM},
+                        {"role": "user", "content": f"question {i}?"},
+                    ],
+                )
+                for _ in stream:
+                    pass
+            assert len(adm.prefill.samples) == 25
+            other = "Another tenant's fresh instructions. " + " ".join(
+                f"Clause {i}: be brief about topic T{i}." for i in range(150)
+            )
+            done, _ = chat(
+                gw.client("sk-globex"),
+                "ep-globex",
+                "hurry",
+                system="v2 " + other,
+                extra_headers={"x-slo-ttft-ms": "1000"},
+            )
+            assert done.choices
+    finally:
+        fleet.close()

@@ -45,6 +45,7 @@ Example (every key shown; only ``[[workers]]`` is required)::
     max_in_flight_per_worker = 64    # default: the worker's max_connections; above a
                                      # worker's max_connections the file is refused
     prefill_tokens_per_second = 20000  # for x-slo-ttft-ms shedding; default: learned from streams
+                                       # (with a fixed base per request: gateway/admission.py)
     cache_usage_fields = true        # add prompt_cache_hit_tokens / _miss_tokens to usage
     health_path = "/health"          # probed on ejected workers until it answers 200
     health_interval = 1.0
