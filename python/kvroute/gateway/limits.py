@@ -14,7 +14,9 @@ fair-share refusals (decided before the buckets) spend nothing.
 Buckets exist for configured things only: each endpoint with a limit, and — with
 ``key_requests_per_minute`` / ``key_tokens_per_minute`` — each configured API key (by digest) and
 one shared bucket for callers without a configured key, so that callers cannot create buckets
-by inventing keys. Everything runs on the gateway's event loop; no lock is taken.
+by inventing keys. Everything runs on the gateway's event loop; no lock is taken. The buckets are
+this process's own: ``[cluster]`` replicas do not share them (N replicas admit N times the
+configured rates; README, "Limits and admission").
 """
 
 from __future__ import annotations
