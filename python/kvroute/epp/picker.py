@@ -218,10 +218,12 @@ class Picker:
 
     def set_members(self, members: Mapping[str, Member], *, initial: bool = False) -> None:
         """Makes ``members`` the workers (adds and removes them in the router); endpoints whose
-        pool now fits are added. Two members may not share an address."""
+        pool now fits are added. Two members may not share an address. A known name at a new
+        address is a new engine (a pod replaced under its name): the router's worker is removed
+        and added again, so its load and cached blocks are the old engine's no more."""
         self.check_members(members)
         for name in list(self.members):
-            if name not in members:
+            if name not in members or members[name].address != self.members[name].address:
                 self.router.remove_worker(name)
                 del self.members[name]
                 if not self.in_flight.get(name):
