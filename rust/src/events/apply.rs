@@ -825,3 +825,8 @@ impl Ctx<'_> {
         }
     }
 }
+
+/// A test-only reader of the per-worker maps (`tests_state.rs`).
+#[cfg(test)]
+#[path = "tests_state.rs"]
+pub(super) mod state;

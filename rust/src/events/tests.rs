@@ -500,8 +500,8 @@ fn extra_keys_salt_a_store_or_make_it_unsupported() {
 }
 
 /// `field_of` against a plain comparison with [`KEYS`], for every key, its one-byte edits,
-/// truncations and extensions, read both far from the payload's end (the table) and at its
-/// end (the fallback).
+/// every truncation and its extensions by 1 to 40 bytes, read both far from the payload's end
+/// (the table) and at its end (the fallback).
 #[test]
 fn map_keys_are_recognised_exactly() {
     let plain = |key: &[u8]| {
@@ -519,11 +519,17 @@ fn map_keys_are_recognised_exactly() {
                 candidates.push(edit);
             }
         }
-        candidates.push(key[..key.len() - 1].to_vec());
+        for n in 0..key.len() {
+            candidates.push(key[..n].to_vec());
+        }
+        // Past the table's 24-byte window too: a key of another length in the same slot
+        // (length mod 32), NUL-padded, equals the padded entry in the window.
         for tail in [0u8, b's', b'_'] {
-            let mut longer = key.to_vec();
-            longer.push(tail);
-            candidates.push(longer);
+            for n in 1..=40 {
+                let mut longer = key.to_vec();
+                longer.extend(std::iter::repeat_n(tail, n));
+                candidates.push(longer);
+            }
         }
     }
     for key in candidates {
@@ -860,3 +866,13 @@ mod batching;
 /// `ExtraKeys::summary` against its rule, on every shape of key list (`tests_extra.rs`).
 #[path = "tests_extra.rs"]
 mod extra;
+
+/// The per-worker maps hold one entry per engine block held, against an engine model
+/// (`tests_memory.rs`).
+#[path = "tests_memory.rs"]
+mod memory;
+
+/// Every non-string marker where a string is needed, and every truncation, refused at its byte
+/// (`tests_strings.rs`).
+#[path = "tests_strings.rs"]
+mod strings;
