@@ -227,11 +227,12 @@ def test_an_idle_connection_the_upstream_drops_leaves_the_pool_at_once(how):
 
 
 @pytest.mark.parametrize("fresh", [False, True])
-@pytest.mark.parametrize("usable", [True, False])
-def test_a_waiter_takes_a_connection_handed_over_only_if_usable_and_not_asked_fresh(fresh, usable):
-    """``_acquire`` in a full pool waits for a connection another request hands over; it takes
-    it when it is usable — unless ``fresh`` (a resend after a reused connection was lost: never
-    on a connection that was used) — and else closes it and opens a new connection in its place,
+@pytest.mark.parametrize("handed", ["usable", "closing", "a place"])
+def test_a_waiter_takes_a_connection_handed_over_only_if_usable_and_not_asked_fresh(fresh, handed):
+    """``_acquire`` in a full pool waits for a connection another request hands over, or the
+    place of one closed (None); it takes a connection when it is usable — unless ``fresh`` (a
+    resend after a reused connection was lost: never on a connection that was used) — and else
+    closes it and opens a new connection in its place, as it does in a place handed over;
     ``total`` unchanged."""
 
     async def main():
@@ -241,27 +242,89 @@ def test_a_waiter_takes_a_connection_handed_over_only_if_usable_and_not_asked_fr
         server, port = await raw_server(ok)
         p = pool(f"http://127.0.0.1:{port}", max_connections=1)
         p.total = 1
-        handed = _Connection(p)
-        transport = StubTransport(0)
-        transport.aborted = not usable
-        handed.connection_made(transport)
-        handed.requests = 1
+        conn = None
+        if handed != "a place":
+            conn = _Connection(p)
+            transport = StubTransport(0)
+            transport.aborted = handed == "closing"
+            conn.connection_made(transport)
+            conn.requests = 1
         waiting = asyncio.ensure_future(p._acquire(fresh=fresh))
         while not p.waiters:
             await asyncio.sleep(0)
-        p._release(handed)
+        p._release(conn)
         got = await waiting
-        if usable and not fresh:
-            assert got is handed and not handed.closed and not transport.aborted
+        if handed == "usable" and not fresh:
+            assert got is conn and not conn.closed and not transport.aborted
         else:
-            assert got is not handed and handed.closed and transport.aborted
-            assert got.requests == 0 and got.usable()
+            assert got is not conn and got.requests == 0 and got.usable()
+            if conn is not None:
+                assert conn.closed and transport.aborted
             r = await p._send(got, b"GET / HTTP/1.1\r\ncontent-length: 0\r\n\r\n", b"", False)
             assert (r.status_code, await r.read()) == (200, b"ok")
             await r.aclose()
             assert list(p.idle) == [got]
         assert p.total == 1
         got.close()
+        await p.aclose()
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_a_resend_waiting_for_a_place_goes_out_on_a_new_connection():
+    """A request lost unanswered on a reused connection is sent again on a new connection, also
+    when the pool is full and the place it waits for comes with a used connection (handed over by
+    a request that finished): that one is closed, a new one opened in its place."""
+
+    async def main():
+        hold = asyncio.Event()
+        seen: list[tuple[bytes, int, int]] = []  # (path, connection, its request number)
+        accepted = 0
+
+        async def serve(reader, writer):
+            nonlocal accepted
+            accepted += 1
+            me, n = accepted, 0
+            try:
+                while True:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    n += 1
+                    path = head.split(b" ")[1]
+                    seen.append((path, me, n))
+                    if path == b"/x" and sum(s[0] == b"/x" for s in seen) == 1:
+                        writer.close()  # X's first send, on a used connection: lost unanswered
+                        return
+                    if path == b"/y":
+                        await hold.wait()
+                    writer.write(OK)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        p = pool(f"http://127.0.0.1:{port}", max_connections=2)
+
+        async def get(path: str) -> bytes:
+            r = await p.request("GET", path)
+            try:
+                return await r.read()
+            finally:
+                await r.aclose()
+
+        assert await asyncio.gather(get("/a"), get("/b")) == [b"ok", b"ok"]
+        assert p.total == 2 and len(p.idle) == 2  # both used once
+        y = asyncio.ensure_future(get("/y"))  # holds one connection
+        x = asyncio.ensure_future(get("/x"))  # on the other: lost, sent again
+        z = asyncio.ensure_future(get("/z"))  # waits: the pool is full
+        assert await z == b"ok"  # in the place X's lost connection freed; then handed to X
+        assert await x == b"ok"
+        hold.set()
+        assert await y == b"ok"
+        sends = [(c, n) for path, c, n in seen if path == b"/x"]
+        assert len(sends) == 2 and sends[0][1] == 2  # first on a used connection
+        assert sends[1][1] == 1  # the resend: a connection's first request
+        assert p.total <= 2
         await p.aclose()
         server.close()
 
