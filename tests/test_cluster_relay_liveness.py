@@ -195,3 +195,42 @@ def test_relay_heartbeat_config(bad: str):
     value: Any = float(bad) if bad != "x" else bad
     with pytest.raises(ValueError, match=r"cluster\.relay_heartbeat"):
         cluster(relay_heartbeat=value)
+
+
+def test_two_relays_at_once_cost_one_clear_and_the_newest_is_followed():
+    """A rolling update's overlap: the old instance A and the new B publish the same engine
+    batches, interleaved. The follower switches to B once (one clear) and ignores A from then
+    on: it ends holding all 6 chains (before: a clear at every alternation, 11 clears and 2 of
+    12 blocks kept, review13 r8). A message of the older A arriving first is applied until B's
+    first one. A silent B gives way to A (whatever the clocks), which is cleared in once."""
+    f, _ = follower()
+    f.connected = True
+
+    def from_(relay: str, started: int, n: int, kind: str = "batch") -> dict[str, str]:
+        return {**msg(relay, n, kind), "Kvroute-Started": str(started)}
+
+    chains = [(10 * i + 1, 10 * i + 2) for i in range(6)]
+    f.apply(from_("a", 100, 99), stored(90, 91))  # A's history before B started
+    for i, chain in enumerate(chains):
+        f.apply(from_("a", 100, 100 + i), stored(*chain))
+        f.apply(from_("b", 200, 1 + i), stored(*chain))
+    assert f.skipped.get("relay_restart") == 1 and f.skipped.get("old_relay") == 5
+    assert blocks(f, "e-0") == 12  # A's 90, 91 cleared at the switch; B's 6 chains kept
+    assert f.stats()["e-0"]["relay"] == "b"
+    # B goes silent (its heartbeat's interval is tiny); A's next message takes over.
+    f.apply(*beat("b", {"e-0": 6}, interval=0.01))
+    wait_for(lambda: f._silent("b"), "b to be silent", 10)
+    f.apply(from_("a", 100, 106), stored(70))
+    assert f.skipped.get("relay_restart") == 2 and blocks(f, "e-0") == 1
+    assert f.stats()["e-0"]["relay"] == "a"
+    f.apply(from_("a", 100, 107), stored(71))
+    assert f.skipped.get("gap") == 0 and blocks(f, "e-0") == 2
+    # Relays that do not send their start (older versions) switch at every change, as before.
+    g, _ = follower()
+    for i, chain in enumerate(chains[:2]):
+        g.apply(msg("a", 100 + i), stored(*chain))
+        g.apply(msg("b", 1 + i), stored(*chain))
+    assert g.skipped.get("relay_restart") == 3 and g.skipped.get("old_relay") == 0
+    for bad in ("x", "-1"):
+        f.apply({**from_("a", 100, 108), "Kvroute-Started": bad}, stored(72))
+    assert f.skipped.get("malformed") == 2 and blocks(f, "e-0") == 2

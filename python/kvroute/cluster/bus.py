@@ -13,9 +13,20 @@ from kvroute.server.metrics import Counter
 
 from .config import ClusterConfig
 
-__all__ = ["StreamConsumer", "connect", "ensure_stream", "keep_connected"]
+__all__ = ["StreamConsumer", "cancel", "connect", "ensure_stream", "keep_connected"]
 
 log = logging.getLogger("kvroute.cluster")
+
+
+async def cancel(task: asyncio.Task[Any]) -> None:
+    """Cancels ``task`` and waits for its end. Python 3.11's ``wait_for`` returns the result
+    when a cancel meets the completion it was waiting for (the cancel is lost, the task runs
+    on): cancelled again until it is done."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.1)
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
 
 
 async def connect(config: ClusterConfig, name: str, error_cb: Any = None) -> Any:

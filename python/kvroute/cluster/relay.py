@@ -21,7 +21,12 @@ stream to its router's index, from the stream's start (a late replica replays wh
   a number seen before is dropped; a number past the next expected one (the relay dropped
   messages while NATS was down, or the stream aged them out) is a gap — the worker is cleared,
   never guessed about; a new relay instance clears the worker (its subscriber starts afresh and
-  replays the engine's buffer from 0 when the engine has a replay socket). While the follower
+  replays the engine's buffer from 0 when the engine has a replay socket). Each instance sends
+  its start time (``Kvroute-Started``): a follower follows the newest instance it has seen for
+  a worker and ignores an older one's messages (``old_relay``), so two relays running at once
+  (a rolling update's overlap) cost one clear per worker, not one per alternation; an older
+  instance takes over again only once the newer one is silent (3 heartbeats missed: dead,
+  whatever the clocks say). While the follower
   is disconnected from NATS every worker is marked stale on the router (its overlap credit
   decays); when it is back they are fresh again, unless the relay said otherwise.
 - **Heartbeats.** The relay publishes one every ``relay_heartbeat`` seconds (``[cluster]``,
@@ -34,9 +39,11 @@ stream to its router's index, from the stream's start (a late replica replays wh
   ``max_pending``, or above ``max_payload``) at once: the worker is cleared (a gap). A relay
   that never sent a heartbeat (an older version) is not watched.
 
-Run one relay per fleet (a supervisor restarts it; a restart costs each replica one clear of
-each worker and the engines' replay). ``kvroute relay --port N`` serves ``/metrics`` (the
-``kvroute_relay_*`` metrics) and ``/health`` (200 while connected to NATS, else 503).
+Run one relay per stream (a supervisor restarts it; a restart costs each replica one clear of
+each worker and the engines' replay). As a Kubernetes Deployment: strategy ``Recreate``, or a
+rolling update (the overlap is handed over as above, one clear per worker). ``kvroute relay
+--port N`` serves ``/metrics`` (the ``kvroute_relay_*`` metrics) and ``/health`` (200 while
+connected to NATS, else 503).
 Configured by the server file's ``[[workers]]`` (``kv_events``, ``kv_replay``,
 ``kv_events_bind``), ``[events] topic`` and ``[cluster]`` (``events_stream``,
 ``events_subject``, ``relay_heartbeat``; replicas read it when ``relay = true``).
@@ -59,7 +66,7 @@ from typing import Any
 
 from kvroute.server.metrics import Counter, Gauge, Registry
 
-from .bus import StreamConsumer, ensure_stream, keep_connected
+from .bus import StreamConsumer, cancel, ensure_stream, keep_connected
 from .config import ClusterConfig
 
 __all__ = ["EventFollower", "EventRelay"]
@@ -158,6 +165,8 @@ class EventRelay:
 
         self.config = config
         self.relay = f"{config.replica_name}-{uuid.uuid4().hex[:8]}"
+        #: This instance's start (ns since the epoch): followers follow the newest instance.
+        self.started = time.time_ns()
         self.outbox = _Outbox(config.max_pending)
         self.subscriber = KvEventSubscriber(
             self.outbox, endpoints, replay=replay, bind=bind, topic=topic
@@ -233,9 +242,7 @@ class EventRelay:
                 await asyncio.wait_for(self._publish_pending(), 1.0)
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await cancel(task)
 
     async def __aenter__(self) -> EventRelay:
         await self.start()
@@ -292,6 +299,7 @@ class EventRelay:
             "Nats-Expected-Stream": self.config.events_stream,
             "Nats-Msg-Id": f"{self.relay}-{m.worker}-{m.seq}",
             "Kvroute-Relay": self.relay,
+            "Kvroute-Started": str(self.started),
             "Kvroute-Worker": m.worker,
             "Kvroute-Seq": str(m.seq),
             "Kvroute-Kind": m.kind,
@@ -360,6 +368,7 @@ class EventRelay:
             headers={
                 "Nats-Expected-Stream": self.config.events_stream,
                 "Kvroute-Relay": self.relay,
+                "Kvroute-Started": str(self.started),
                 "Kvroute-Kind": "heartbeat",
                 "Kvroute-Interval": repr(interval),
             },
@@ -376,10 +385,11 @@ def header_size(headers: Mapping[str, str]) -> int:
 
 
 class _Source:
-    __slots__ = ("marked", "next", "relay", "stale")
+    __slots__ = ("marked", "next", "relay", "stale", "started")
 
-    def __init__(self, relay: str, next_seq: int) -> None:
+    def __init__(self, relay: str, next_seq: int, started: int) -> None:
         self.relay = relay
+        self.started = started  # the relay instance's start (0: not sent, an older relay)
         self.next = next_seq
         self.stale = False  # as the relay said (its subscriber's freshness)
         self.marked = False  # as marked on the router (fresh: the router's default)
@@ -416,6 +426,7 @@ class EventFollower(StreamConsumer):
         self.last_error = ""
         self._sources: dict[str, _Source] = {}
         self._beats: dict[str, _Beat] = {}  # per relay instance heard from
+        self._ignored: set[str] = set()  # older relay instances whose messages were ignored
         self._task: asyncio.Task[None] | None = None
         reg = registry or Registry()
         self.applied = reg.add(
@@ -427,7 +438,8 @@ class EventFollower(StreamConsumer):
                 "Relay messages not applied or history lost: duplicate, malformed, gap "
                 "(worker cleared; also found by a heartbeat), relay_restart (worker cleared), "
                 "stream_reset (the stream was made anew: consumed from its start), "
-                "relay_silent (heartbeats missed: the relay's workers marked stale).",
+                "relay_silent (heartbeats missed: the relay's workers marked stale), "
+                "old_relay (from an instance older than the one followed: ignored).",
                 ("reason",),
             )
         )
@@ -439,9 +451,7 @@ class EventFollower(StreamConsumer):
     async def stop(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await cancel(task)
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per worker: the applier's counters, the relay's numbering and staleness (``stale``:
@@ -553,20 +563,37 @@ class EventFollower(StreamConsumer):
             return
         try:
             n = int(headers.get("Kvroute-Seq", "0"))
+            started = int(headers.get("Kvroute-Started", "0"))
         except ValueError:
-            n = 0
-        if not relay or not worker or kind not in KINDS or n < 1:
+            n = started = 0
+        if not relay or not worker or kind not in KINDS or n < 1 or started < 0:
             self.skipped.inc("malformed")
             return
         src = self._sources.get(worker)
         if src is None:
             # First message of this worker: what came before it aged out of the stream (or
             # there was nothing), as for a subscriber that connects late without catch-up.
-            src = self._sources[worker] = _Source(relay, n)
+            src = self._sources[worker] = _Source(relay, n, started)
         elif src.relay != relay:
+            if not self._takes_over(relay, started, src):
+                self.skipped.inc("old_relay")
+                if relay not in self._ignored:
+                    self._ignored.add(relay)
+                    log.warning(
+                        "events follower: relay %s (started %d) publishes for worker %s while "
+                        "the newer %s (started %d) does: its messages ignored (run one relay "
+                        "per stream)",
+                        relay,
+                        started,
+                        worker,
+                        src.relay,
+                        src.started,
+                    )
+                return
             self.skipped.inc("relay_restart")
             self.applier.clear(worker)
-            src.relay, src.next = relay, n
+            src.relay, src.next, src.started = relay, n, started
+            self._refresh()
         if n < src.next:
             self.skipped.inc("duplicate")
             return
@@ -586,6 +613,15 @@ class EventFollower(StreamConsumer):
             src.stale = kind == "stale"
             self._refresh()
         self.applied.inc(kind)
+
+    def _takes_over(self, relay: str, started: int, src: _Source) -> bool:
+        """Whether a message of another instance than the one ``src`` follows switches to it:
+        when it started later (ties: the greater name), or the one followed is silent (dead,
+        whatever the clocks say). Instances that do not send their start (older relays)
+        switch at every change, as before."""
+        if not started or not src.started or self._silent(src.relay):
+            return True
+        return (started, relay) > (src.started, src.relay)
 
     def _heartbeat(self, relay: str, headers: Mapping[str, str], data: bytes) -> None:
         """``relay`` is alive (its workers fresh again unless it said otherwise); a worker
