@@ -53,7 +53,7 @@ from typing import Any
 from kvroute.server.metrics import Counter, Gauge, Registry
 from kvroute.server.tasks import cancel_tasks
 
-from .bus import StreamConsumer, connect, ensure_stream
+from .bus import StreamConsumer, cancel, connect, ensure_stream
 from .config import ClusterConfig
 
 __all__ = ["MAX_BATCH", "MAX_HELD", "ReplicaSync"]
@@ -197,9 +197,7 @@ class ReplicaSync(StreamConsumer):
             if self.connected:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self._publish_pending(), 1.0)
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await cancel(task)
         await self._close()
 
     def describe(self) -> dict[str, Any]:
