@@ -461,3 +461,13 @@ def test_two_relays_at_once_the_followers_follow_the_newest(setup):
         ref.stop()
         loop.run(b.stop())
         loop.run(f.stop())
+
+
+def test_a_cluster_built_with_relay_refuses_an_approx_router():
+    """``Cluster`` built in code (not from a file) with ``relay = true`` and an approx router:
+    an error, not a follower silently left out."""
+    import kvroute
+    from kvroute.cluster import Cluster
+
+    with pytest.raises(ValueError, match="needs an events-mode router"):
+        Cluster(kvroute.Router(["w"]), ClusterConfig(relay=True), [])

@@ -46,8 +46,8 @@ __all__ = [
 
 
 class Cluster:
-    """A server's cluster side: replica sync, the engine scraper and (``relay = true`` with an
-    events-mode router) the follower of ``kvroute relay``'s stream, from ``[cluster]``.
+    """A server's cluster side: replica sync, the engine scraper and (``relay = true``, which
+    needs an events-mode router) the follower of ``kvroute relay``'s stream, from ``[cluster]``.
 
     ``workers``: ``(name, base url, kind, api key or None)`` of the fleet; ``event_mode``: how
     the follower applies events (``[events] mode``).
@@ -64,7 +64,12 @@ class Cluster:
     ) -> None:
         self.config = config
         self.follower: EventFollower | None = None
-        if config.relay and router.mode == "events":
+        if config.relay and router.mode != "events":
+            raise ValueError(
+                "cluster.relay = true needs an events-mode router (router.index = 'events'), "
+                f"got mode {router.mode!r}"
+            )
+        if config.relay:
             self.follower = EventFollower(router, config, mode=event_mode, registry=registry)
         self.sync = ReplicaSync(router, config, registry=registry)
         self.scraper = EngineScraper(

@@ -495,6 +495,7 @@ class EventFollower(StreamConsumer):
     def _refresh(self) -> None:
         """Marks each worker on the router as it now is (stale or fresh), where that changed."""
         silent = {r for r in self._beats if self._silent(r)}
+        newly: dict[str, list[str]] = {}  # per silent relay, the workers it made stale now
         for w, s in self._sources.items():
             want = not self.connected or s.stale or s.relay in silent
             if want != s.marked:
@@ -502,12 +503,14 @@ class EventFollower(StreamConsumer):
                 self._mark(w, want)
                 if want and s.relay in silent and self.connected and not s.stale:
                     self.skipped.inc("relay_silent")
-                    log.warning(
-                        "events follower: relay %s missed %d heartbeats: worker %s marked stale",
-                        s.relay,
-                        MISSED_HEARTBEATS,
-                        w,
-                    )
+                    newly.setdefault(s.relay, []).append(w)
+        for relay, workers in newly.items():
+            log.warning(
+                "events follower: relay %s missed %d heartbeats: its workers %s marked stale",
+                relay,
+                MISSED_HEARTBEATS,
+                workers,
+            )
 
     def _mark(self, worker: str, stale: bool) -> None:
         if self.freshness is not None:
