@@ -99,6 +99,7 @@ def _sticky(args: argparse.Namespace) -> int:
 def _simulate(args: argparse.Namespace) -> int:
     """Run every policy on one workload and print (and optionally write) the report."""
     from .sim.engine import DEFAULT_DECODE_TIME_PER_TOKEN, FleetModel
+    from .sim.options import check_outputs
     from .sim.policies import DEFAULT_POLICIES, parse_policies
     from .sim.report import print_report, write_json, write_plot
     from .sim.simulate import SCENARIO_WORKERS, EndpointOptions, load_workload, simulate
@@ -121,6 +122,11 @@ def _simulate(args: argparse.Namespace) -> int:
             workload = workload.time_scaled(args.time_scale)
         return workload
 
+    try:
+        check_outputs(args)
+    except (ValueError, ImportError) as e:
+        print(f"kvroute simulate: {e}", file=sys.stderr)
+        return 2
     if args.pd is not None:
         return _pd(args, prepare)
     try:
@@ -313,6 +319,7 @@ def _sweep(args, workload, model, policies, axis: str, values: list[float]) -> i
 
 def _seeds(text: str) -> list[int]:
     """``"0-4"`` or ``"0,3,7"`` (or both, comma-separated) → distinct seeds in order."""
+    from .sim.options import check_seed
     from .sim.sweep import comma_items
 
     out: list[int] = []
@@ -324,6 +331,8 @@ def _seeds(text: str) -> list[int]:
             raise ValueError(f"--seeds: {item!r} is not a seed or a range A-B") from None
         if dash and int(hi) < int(lo):
             raise ValueError(f"--seeds: empty range {item!r}")
+        for s in (int(lo), int(hi)) if dash else (int(item),):
+            check_seed(s, "--seeds")
         out += [s for s in span if s not in out]
     return out
 

@@ -131,13 +131,27 @@ class EndpointOptions:
 
     def check(self, workload: Workload, model: FleetModel, pressure: Sequence[float] = ()) -> None:
         """Raises ``ValueError`` naming the problem when this endpoint cannot run on ``model``
-        (pool larger than the fleet, reservation larger than a worker's cache at any of the
-        ``pressure`` factors) — before any simulation starts."""
+        (pool larger than the fleet, a negative reservation or one larger than a worker's cache,
+        at full capacity or at any of the ``pressure`` factors) — before any simulation starts."""
         if not 1 <= self.pool_size <= model.workers:
             raise ValueError(
                 f"pool_size must be between 1 and the {model.workers} workers, got {self.pool_size}"
             )
-        pressure_models(model, workload.block_size, pressure, self.reserved_for(workload))
+        reserved = self.reserved_for(workload)
+        given = (
+            "--reserved-blocks"
+            if self.reserved_blocks is not None
+            else "default: 2x the tenant's system prompt"
+        )
+        if reserved < 0:
+            raise ValueError(f"--reserved-blocks must be >= 0, got {reserved}")
+        cap = model.capacity(workload.block_size)
+        if reserved > cap:
+            raise ValueError(
+                f"the endpoint's reserved blocks ({given}: {reserved} per pool worker) do not "
+                f"fit in a worker's {cap} KV blocks (--capacity-blocks)"
+            )
+        pressure_models(model, workload.block_size, pressure, reserved)
 
     def endpoint(self, workload: Workload, tenant: str) -> Endpoint:
         """The endpoint ``tenant`` is given on ``workload``."""

@@ -1,0 +1,65 @@
+"""`kvroute simulate`'s option checks: a bad option or output file is refused before anything is
+simulated (exit 2, a message naming the option and the value, no traceback), and an option that
+does not apply to the chosen mode is refused, never silently ignored."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+from kvroute.cli import main
+
+
+@pytest.fixture
+def no_run(monkeypatch):
+    """Every simulation entry point of the CLI fails the test if it is reached."""
+
+    def ran(*args, **kwargs):
+        raise AssertionError("simulated before the options were checked")
+
+    for module, name in (
+        ("kvroute.sim.simulate", "simulate"),
+        ("kvroute.sim.sweep", "sweep"),
+        ("kvroute.sim.pd_study", "pd_study"),
+        ("kvroute.sim.replicas", "replica_study"),
+    ):
+        monkeypatch.setattr(importlib.import_module(module), name, ran)
+
+
+def refused(capsys, *args) -> str:
+    assert main(["simulate", "--quiet", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvroute simulate: ") and "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--reserved-blocks", "100000"], "--reserved-blocks: 100000 per pool worker) do not fit"),
+        (["--reserved-blocks", "-1"], "--reserved-blocks must be >= 0, got -1"),
+        (["--capacity-blocks", "10"], "default: 2x the tenant's system prompt: 126 per pool"),
+        (["--seed", "-1"], "--seed must be in [0, 2**64), got -1"),
+        (["--seed", str(2**64)], f"--seed must be in [0, 2**64), got {2**64}"),
+        (["--seeds", f"{2**64 - 1}-{2**64}"], f"--seeds must be in [0, 2**64), got {2**64}"),
+    ],
+)
+def test_endpoint_and_seed_values_refused_before_the_run(no_run, capsys, args, message):
+    assert message in refused(capsys, "--duration", "30", *args)
+
+
+def test_output_files_checked_before_the_run(no_run, capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    base = ["--scenario", "rag", "--duration", "5"]
+    for option in ("--json", "--decisions", "--export-trace"):
+        err = refused(capsys, *base, option, "/nonexistent/dir/x.out")
+        assert f"{option} /nonexistent/dir/x.out: directory /nonexistent/dir does not exist" in err
+        err = refused(capsys, *base, option, str(tmp_path))
+        assert f"{option} {tmp_path}: is a directory" in err
+    err = refused(capsys, *base, "--plot", str(tmp_path / "x.txt"))
+    assert "--plot" in err and "suffix .txt is not an image format" in err and "png" in err
+    err = refused(capsys, *base, "--plot", str(tmp_path / "x"))
+    assert "no suffix" in err
+    # The --pd mode checks them too.
+    err = refused(capsys, "--scenario", "mooncake", "--pd", "2:2", "--json", "/nonexistent/d/x")
+    assert "--json /nonexistent/d/x" in err
