@@ -152,6 +152,30 @@ def test_requests_the_gateway_refuses_spend_no_rate_limit(fleet, limit):
         assert m[key] == 1
 
 
+def test_a_request_no_worker_could_be_reached_for_spends_no_rate_limit():
+    """requests_per_minute 2, the only worker down: the request fails 502 unreachable without
+    reaching it and spends nothing; with the worker back two are served, the third refused."""
+    fleet = Fleet(1)
+    try:
+        cfg = config_dict(fleet)
+        cfg["endpoints"][0]["requests_per_minute"] = 2
+        cfg["endpoints"][1]["pool_size"] = 1
+        with GatewayServer(cfg) as gw:
+            fleet.stop("up-0")
+            with pytest.raises(openai.APIStatusError) as e:
+                chat(gw.client("sk-acme"), "ep-acme", "nobody home")
+            assert (e.value.status_code, e.value.code) == (502, "upstream_unreachable")
+            fleet.start("up-0")
+            gw.wait_healthy("up-0")
+            for i in range(2):
+                assert chat(gw.client("sk-acme"), "ep-acme", f"sent {i}")[0].choices
+            with pytest.raises(openai.RateLimitError) as e:
+                chat(gw.client("sk-acme"), "ep-acme", "one too many")
+            assert e.value.code == "rate_limited"
+    finally:
+        fleet.close()
+
+
 def test_key_tokens_per_minute(fleet):
     cfg = config_dict(fleet, gateway={"key_tokens_per_minute": 1000})
     with GatewayServer(cfg) as gw:

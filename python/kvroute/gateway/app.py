@@ -93,6 +93,8 @@ from .config import GatewayConfig, WorkerConfig
 from .engine_sizes import EngineBlockSizes
 from .errors import (
     BAD_STATUS,
+    CONNECT,
+    POOL_TIMEOUT,
     STATUS_5XX,
     TOO_LARGE,
     HTTPError,
@@ -124,6 +126,9 @@ from .usage import with_cache_fields_body
 __all__ = ["Gateway"]
 
 log = logging.getLogger("kvroute.gateway")
+
+#: Failures of an attempt that never reached its worker (no connection made).
+UNSENT = (CONNECT, POOL_TIMEOUT)
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -675,15 +680,12 @@ class Gateway:
         failed_response: tuple[int, bytes, dict[str, str]] | None = None
         tried: list[str] = []
         suspects: list[str] = []
+        sent = False  # a worker may have seen the request (a pair: any failure counts)
         for attempt in range(1, self.server.max_attempts + 1):
             choice = via._choose(call, tokens, tried)
             if isinstance(choice, HTTPError):
                 if attempt == 1:  # later, the failures so far are the better answer
                     error, failed_response = choice, None
-                    # Never sent to a worker (shed or no worker): the caller's rate limits
-                    # get back what admission took, as for the fleet's own 429s.
-                    assert call.target is not None
-                    self.limits.refund(call.target.endpoint, call.digest, len(tokens))
                 break
             if attempt > 1:
                 self.metrics.retries.inc()
@@ -698,6 +700,8 @@ class Gateway:
                     outcome.raw_headers += [(k.encode(), v.encode()) for k, v in marks]
                 return outcome
             failure, detail, answered = outcome
+            if via is not self or failure not in UNSENT:
+                sent = True
             self._failed(failure, worker, detail)
             tried.append(worker)
             if failure.health == "count":
@@ -705,6 +709,11 @@ class Gateway:
             error, failed_response = failure.error(worker), answered
             if not failure.retry:
                 break
+        if not sent:
+            # No worker got it (shed, no worker, none reachable, no free connection): the
+            # caller's rate limits get back what admission took, as for the fleet's own 429s.
+            assert call.target is not None
+            self.limits.refund(call.target.endpoint, call.digest, len(tokens))
         return self._give_up(call, suspects, error, failed_response)
 
     async def _send(

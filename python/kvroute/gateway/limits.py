@@ -7,8 +7,9 @@ completion tokens the upstream reports are taken when the response ends. Token b
 negative (a long prompt admitted on a full bucket), which delays the next requests instead of
 refusing any prompt for being long. A refused request is answered 429 with ``Retry-After``: the
 whole seconds until every bucket it needs holds 1 again. A request admitted here that then never
-reaches a worker (the gateway sheds it — ``slo``, ``worker_queue`` — or has no worker for it) is
-given back with ``refund``: only requests sent upstream spend a caller's limits, as the fleet and
+reaches a worker (the gateway sheds it — ``slo``, ``worker_queue`` —, has no worker for it, or
+connects to none: unreachable, no free connection; a pair counts as sent) is given back with
+``refund``: only requests sent upstream spend a caller's limits, as the fleet and
 fair-share refusals (decided before the buckets) spend nothing.
 
 Buckets exist for configured things only: each endpoint with a limit, and — with
