@@ -16,10 +16,12 @@ Ids are turned into prefix-chained hashes under one namespace per file
 (:func:`check_block_size`): one id per block on every row, the final partial block included
 (``len(hash_ids) == ceil(input_length / block_size)``, as in every row of both published Mooncake
 traces), or full blocks only on every row (``floor``: kv-cache-tester's convention, and kvroute's
-exports of such workloads). Up to :data:`SHORT_ROWS` of the rows may have fewer ids than that
-(a real trace's odd rows: a prompt whose ids were cut short; their tails count as never cached):
-they are logged as a warning, naming the first. A row with more ids than blocks, or more short
-rows, is refused, naming the block sizes that fit every row.
+exports of such workloads). Up to :data:`SHORT_ROWS` of the rows may have up to
+:data:`SHORT_IDS` fewer ids than that (a real trace's odd rows: a prompt whose ids were cut short;
+their tails count as never cached): they are logged as a warning, naming the first. A row with
+more ids than blocks, a row more than :data:`SHORT_IDS` ids short, or more short rows, is
+refused, naming the row (and the block sizes that fit every row). Token counts above
+:data:`~.trace_io.MAX_TOKENS` and timestamps after :data:`~.trace_io.MAX_SECONDS` are refused.
 Bad rows raise ``ValueError`` naming the file, the line and the value; nothing is returned
 half-loaded.
 """
@@ -35,17 +37,30 @@ from typing import Any
 
 import numpy as np
 
-from .trace_io import PathLike, check_ids, is_int, is_number, open_text, plain_name
+from .trace_io import (
+    READ_ERRORS,
+    PathLike,
+    check_count,
+    check_ids,
+    check_time,
+    is_int,
+    open_text,
+    plain_name,
+    read_error,
+)
 from .workloads import Workload, chain_block_ids, namespace_seed, offsets_from_lengths
 
 log = logging.getLogger("kvroute.sim")
 
 #: The largest share of a trace's rows that may have fewer ids than blocks (module docs).
 SHORT_ROWS = 0.05
+#: The most ids such a short row may lack (more: a corrupt row, refused).
+SHORT_IDS = 4
 
 __all__ = [
     "BAILIAN_BLOCK_SIZE",
     "MOONCAKE_BLOCK_SIZE",
+    "SHORT_IDS",
     "SHORT_ROWS",
     "bailian_block_size",
     "block_size_range",
@@ -57,6 +72,7 @@ __all__ = [
 MOONCAKE_BLOCK_SIZE = 512
 BAILIAN_BLOCK_SIZE = 16
 _BLKSZ = re.compile(r"blksz_(\d+)")
+_SECONDS = {"ms": 1e-3, "s": 1.0}
 
 
 class _Columns:
@@ -92,18 +108,22 @@ class _Columns:
 
 def _rows(path: Path) -> Iterator[tuple[int, str, Any]]:
     """``(line, where, row)`` for every non-blank line: ``where`` is ``path:line``."""
-    with open_text(path) as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            yield lineno, where, row
+    try:
+        with open_text(path) as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    row = json.loads(line)
+                except ValueError as e:  # JSONDecodeError, or an integer of > 4300 digits
+                    msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+                    raise ValueError(f"{where}: not valid JSON ({msg})") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+                yield lineno, where, row
+    except READ_ERRORS as e:
+        raise read_error(path, e) from None
 
 
 def _request(row: dict[str, Any], where: str, unit: str) -> tuple[float, int, int, list[int]]:
@@ -117,14 +137,11 @@ def _request(row: dict[str, Any], where: str, unit: str) -> tuple[float, int, in
         row["output_length"],
         row["hash_ids"],
     )
-    if not is_number(ts) or ts < 0:
-        raise ValueError(f"{where}: timestamp must be a finite number >= 0 ({unit}), got {ts!r}")
-    if not is_int(n_in) or n_in < 1:
-        raise ValueError(f"{where}: input_length must be an integer >= 1, got {n_in!r}")
-    if not is_int(n_out) or n_out < 0:
-        raise ValueError(f"{where}: output_length must be an integer >= 0, got {n_out!r}")
+    t = check_time(ts, "timestamp", where, unit, _SECONDS[unit])
+    check_count(n_in, "input_length", where, 1)
+    check_count(n_out, "output_length", where, 0)
     check_ids(ids, where)
-    return float(ts), n_in, n_out, ids
+    return t, n_in, n_out, ids
 
 
 def _read(
@@ -186,7 +203,8 @@ def check_block_size(
     # The convention most rows follow; the others may be short (fewer ids), a few of them.
     fits = fits_ceil if fits_ceil.sum() >= fits_floor.sum() else fits_floor
     short = ~fits & (k < ceil)
-    if not (k > ceil).any() and short.sum() <= SHORT_ROWS * len(k):
+    far = short & (ceil - k > SHORT_IDS)
+    if not (k > ceil).any() and not far.any() and short.sum() <= SHORT_ROWS * len(k):
         r = int(np.argmax(short))
         log.warning(
             "%s: %d of %d rows have fewer hash_ids than their %d-token blocks (the first: line "
@@ -211,6 +229,11 @@ def check_block_size(
             f"fills {ceil[r]} blocks of {block_size} tokens (one id each, the final partial "
             f"block included; {floor[r]} full blocks)"
         )
+        if ceil[r] - k[r] > SHORT_IDS:
+            what += (
+                f": {ceil[r] - k[r]} ids short, more than the {SHORT_IDS} a short row may lack "
+                "(a corrupt input_length?)"
+            )
     lo, hi = block_size_range(n, k)
     if hi is None or lo <= hi:
         fit = f"every row fits {_describe(lo, hi)}: pass it with --block-size (block_size=)"

@@ -43,7 +43,18 @@ from typing import Any
 
 import numpy as np
 
-from .trace_io import PathLike, check_ids, is_int, is_number, open_text, plain_name
+from .trace_io import (
+    MAX_SECONDS,
+    READ_ERRORS,
+    PathLike,
+    check_count,
+    check_ids,
+    check_time,
+    is_int,
+    open_text,
+    plain_name,
+    read_error,
+)
 from .trace_jsonl import (
     BAILIAN_BLOCK_SIZE,
     MOONCAKE_BLOCK_SIZE,
@@ -100,9 +111,9 @@ def _walk_kv_cache_tester(
         here = f"{where}[{k}]"
         if not isinstance(r, dict):
             raise ValueError(f"{here}: expected a JSON object, got {type(r).__name__}")
-        t = r.get("t")
-        if not is_number(t) or t < 0:
-            raise ValueError(f"{here}: t must be a finite number >= 0 (s), got {t!r}")
+        t = check_time(r.get("t"), "t", here, "s", 1.0)
+        if t0 + t > MAX_SECONDS:
+            raise ValueError(f"{here}: arrives at {t0 + t:.3g} s, after {MAX_SECONDS:.0e} s")
         if r.get("type") == "subagent":
             agent = r.get("agent_id", f"subagent{k}")
             _walk_kv_cache_tester(
@@ -116,10 +127,8 @@ def _walk_kv_cache_tester(
             )
             continue
         n_in, n_out, ids = r.get("in"), r.get("out"), r.get("hash_ids")
-        if not is_int(n_in) or n_in < 1:
-            raise ValueError(f"{here}: 'in' must be an integer >= 1, got {n_in!r}")
-        if not is_int(n_out) or n_out < 0:
-            raise ValueError(f"{here}: 'out' must be an integer >= 0, got {n_out!r}")
+        check_count(n_in, "'in'", here, 1)
+        check_count(n_out, "'out'", here, 0)
         check_ids(ids, here)
         full = n_in // block_size
         if len(ids) > -(-n_in // block_size) or (strict and len(ids) != full):
@@ -136,11 +145,15 @@ def _walk_kv_cache_tester(
 
 
 def _read_kv_cache_tester(path: Path) -> tuple[dict[str, Any], int]:
-    with open_text(path) as f:
-        try:
+    try:
+        with open_text(path) as f:
             doc = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    except READ_ERRORS as e:
+        raise read_error(path, e) from None
+    except ValueError as e:  # an integer of more than 4300 digits
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(doc, dict) or "requests" not in doc:
         raise ValueError(f"{path}: not a kv-cache-tester trace (no top-level 'requests')")
     block_size = doc.get("block_size")
@@ -289,16 +302,29 @@ def _expand(paths: PathLike | Sequence[PathLike]) -> list[Path]:
 # Detection
 # ---------------------------------------------------------------------------------------------
 def _detect(path: Path) -> str:
-    with open_text(path) as f:
-        head = f.read(1 << 16)
+    try:
+        with open_text(path) as f:
+            head = f.read(1 << 16)
+    except READ_ERRORS as e:
+        raise read_error(path, e) from None
     stripped = head.lstrip()
     if not stripped:
         raise ValueError(f"{path}: empty file")
     first_line = stripped.split("\n", 1)[0].strip()
     try:
         row = json.loads(first_line)
-    except json.JSONDecodeError:
+    except ValueError as e:
         row = None
+        # A JSONL trace whose first row is broken (a kv-cache-tester document has "requests":
+        # its own loader names the line).
+        mooncake_keys = '"hash_ids"' in first_line or '"timestamp"' in first_line
+        if first_line.startswith("{") and mooncake_keys and '"requests"' not in head:
+            line = head[: len(head) - len(stripped)].count("\n") + 1
+            msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+            raise ValueError(
+                f"{path}:{line}: not valid JSON ({msg}) in the first row of a Mooncake or "
+                "Qwen-Bailian JSONL trace"
+            ) from None
     if isinstance(row, dict) and "hash_ids" in row and "timestamp" in row:
         if "chat_id" in row and "parent_chat_id" in row:
             return "bailian"
