@@ -63,3 +63,74 @@ def test_output_files_checked_before_the_run(no_run, capsys, tmp_path):
     # The --pd mode checks them too.
     err = refused(capsys, "--scenario", "mooncake", "--pd", "2:2", "--json", "/nonexistent/d/x")
     assert "--json /nonexistent/d/x" in err
+
+
+TRACE = ["--scenario", "rag", "--duration", "5"]  # a workload without a tenant
+TENANT = ["--duration", "5"]  # the endpoint scenario
+REPLICAS = [*TRACE, "--policies", "kv_aware", "--replicas", "2"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            [*TENANT, "--sweep", "time-scale=1", "--pool-size", "2"],
+            "--pool-size does not apply to --sweep",
+        ),
+        (
+            [*TENANT, "--sweep", "time-scale=1", "--priority", "0", "--reserved-blocks", "0"],
+            "--priority, --reserved-blocks do not apply to --sweep",
+        ),
+        ([*TRACE, "--sweep", "load=1", "--replicas", "2"], "--sweep does not apply to --replicas"),
+        (
+            [*REPLICAS, "--decisions", "d.csv", "--plot", "r.png", "--explain"],
+            "--decisions, --plot, --explain do not apply to --replicas",
+        ),
+        ([*REPLICAS, "--index", "events"], "--index does not apply to --replicas"),
+        (
+            [*REPLICAS, "--replica-scrape", "-1"],
+            "--replica-scrape must be a finite number of seconds > 0, got -1",
+        ),
+        ([*REPLICAS[:-1], "x"], "--replicas must list counts >= 1, got 'x'"),
+        (
+            [
+                "--scenario",
+                "mooncake",
+                "--pd",
+                "2:2",
+                "--index",
+                "approx",
+                "--pool-size",
+                "3",
+                "--priority",
+                "0",
+                "--reserved-blocks",
+                "5",
+                "--export-trace",
+                "x.jsonl",
+            ],
+            "--index, --pool-size, --priority, --reserved-blocks, --export-trace do not apply to "
+            "--pd",
+        ),
+        (
+            ["--scenario", "mooncake", "--pd", "2:2", "--policies", ""],
+            "--policies lists no policy",
+        ),
+        ([*TRACE, "--pool-size", "0"], "--pool-size must be >= 1, got 0"),
+        (
+            [*TRACE, "--priority", "9"],
+            "--priority does not apply without a tenant: the dedicated endpoint is the endpoint "
+            "scenario's (not --scenario rag's)",
+        ),
+        ([*TRACE, "--reserved-blocks", "5"], "--reserved-blocks does not apply without a tenant"),
+        ([*TRACE, "--pd-thresholds", "1"], "--pd-thresholds does not apply without --pd"),
+        ([*TRACE, "--replica-sync", "bogus"], "--replica-sync does not apply without --replicas"),
+        ([*TRACE, "--replica-scrape", "1"], "--replica-scrape does not apply without --replicas"),
+        ([*TRACE, "--requests", "0"], "--requests must be >= 1, got 0"),
+        ([*TRACE, "--requests", "-5"], "--requests must be >= 1, got -5"),
+        ([*TRACE, "--policies", ""], "--policies lists no policy, got ''"),
+        ([*TRACE, "--policies", " , "], "--policies lists no policy, got ' , '"),
+    ],
+)
+def test_options_that_do_not_apply_are_refused_before_the_run(no_run, capsys, args, message):
+    assert message in refused(capsys, *args)

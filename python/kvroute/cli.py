@@ -99,7 +99,7 @@ def _sticky(args: argparse.Namespace) -> int:
 def _simulate(args: argparse.Namespace) -> int:
     """Run every policy on one workload and print (and optionally write) the report."""
     from .sim.engine import DEFAULT_DECODE_TIME_PER_TOKEN, FleetModel
-    from .sim.options import check_outputs
+    from .sim.options import check_modes, check_outputs
     from .sim.policies import DEFAULT_POLICIES, parse_policies
     from .sim.report import print_report, write_json, write_plot
     from .sim.simulate import SCENARIO_WORKERS, EndpointOptions, load_workload, simulate
@@ -124,6 +124,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
     try:
         check_outputs(args)
+        check_modes(args)
     except (ValueError, ImportError) as e:
         print(f"kvroute simulate: {e}", file=sys.stderr)
         return 2
@@ -131,6 +132,7 @@ def _simulate(args: argparse.Namespace) -> int:
         return _pd(args, prepare)
     try:
         policies = parse_policies(args.policies) if args.policies else list(DEFAULT_POLICIES)
+        args.index = args.index or "events"
         swept = parse_sweep(args.sweep) if args.sweep else None
         if swept is not None and args.time_scale != 1.0:
             raise ValueError("--sweep and --time-scale are exclusive (the sweep sets the scale)")
@@ -153,7 +155,9 @@ def _simulate(args: argparse.Namespace) -> int:
             ),
         )
         endpoint = EndpointOptions(
-            pool_size=args.pool_size, reserved_blocks=args.reserved_blocks, priority=args.priority
+            pool_size=4 if args.pool_size is None else args.pool_size,
+            reserved_blocks=args.reserved_blocks,
+            priority=1 if args.priority is None else args.priority,
         )
         workload = prepare(args.seed)
         others = {}
@@ -218,8 +222,13 @@ def _pd(args: argparse.Namespace, prepare) -> int:
             "--plot": args.plot,
             "--decode-time": args.decode_time,
             "--workers": args.workers,
+            "--index": args.index,
+            "--pool-size": args.pool_size,
+            "--priority": args.priority,
+            "--reserved-blocks": args.reserved_blocks,
+            "--export-trace": args.export_trace,
         }
-        given = [flag for flag, v in alone.items() if v]
+        given = [flag for flag, v in alone.items() if v is not None and v is not False]
         if given:
             raise ValueError(f"{', '.join(given)} do not apply to --pd (the fleet is P:D)")
         ratios = [parse_ratio(r) for r in args.pd.split(",") if r.strip()]
@@ -264,14 +273,17 @@ def _replicas(args, workload, model, policies) -> int:
     from .sim.replicas import render_replicas, replica_study
 
     try:
-        counts = [int(x) for x in args.replicas.split(",") if x.strip()]
+        try:
+            counts = [int(x) for x in args.replicas.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--replicas must list counts >= 1, got {args.replicas!r}") from None
         if not counts or min(counts) < 1:
             raise ValueError(f"--replicas must list counts >= 1, got {args.replicas!r}")
         if len(policies) != 1 or policies[0] not in ("kv_aware", "hash", "least_loaded"):
             if args.policies:
                 raise ValueError("--replicas runs one kvroute policy (--policies kv_aware)")
             policies = ["kv_aware"]
-        syncs = [s for s in args.replica_sync.split(",") if s.strip()]
+        syncs = [s for s in (args.replica_sync or "none").split(",") if s.strip()]
         study = replica_study(
             workload,
             model=model,
@@ -521,8 +533,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--index",
         choices=list(INDEX_MODES),
-        default="events",
-        help="the router's index: events (fed by the engines' KV events) or approx (own model)",
+        help="the router's index: events (fed by the engines' KV events; the default) or approx "
+        "(own model)",
     )
     sim.add_argument("--seed", type=int, default=0, help="seed of workloads and policies")
     sim.add_argument(
@@ -554,12 +566,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--time-scale", type=float, default=1.0, help="multiply arrival times (0.5 = 2x load)"
     )
     sim.add_argument(
-        "--pool-size", type=int, default=4, help="dedicated endpoint's workers (default 4)"
+        "--pool-size", type=int, help="dedicated endpoint's workers (default 4)"
     )
     sim.add_argument(
         "--priority",
         type=int,
-        default=1,
         help="engine priority of the endpoint's requests, public traffic has 0 (default 1)",
     )
     sim.add_argument(
@@ -596,10 +607,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument(
         "--replica-sync",
-        default="none",
         metavar="SYNC[,SYNC...]",
         help="what replicas share: none, shared (every model update at once) or bus:DELAY_MS "
-        "(default %(default)s)",
+        "(default none)",
     )
     sim.add_argument(
         "--replica-scrape",

@@ -65,3 +65,71 @@ def check_outputs(args: Any) -> None:
             check_output(path, option)
     if args.plot:
         check_plot(args.plot)
+
+
+#: The dedicated endpoint's options (the endpoint scenario's tenant study only).
+ENDPOINT_OPTIONS = ("--pool-size", "--priority", "--reserved-blocks")
+
+
+def given(args: Any, *options: str) -> list[str]:
+    """Those of ``options`` given on the command line (every optional one defaults to None)."""
+    out = []
+    for option in options:
+        value = getattr(args, option[2:].replace("-", "_"))
+        if value is not None and value is not False:
+            out.append(option)
+    return out
+
+
+def _refuse(options: list[str], why: str) -> None:
+    if options:
+        raise ValueError(f"{', '.join(options)} {'does' if len(options) == 1 else 'do'} not {why}")
+
+
+def check_modes(args: Any) -> None:
+    """Refuses an option that does not apply to the mode ``args`` choose (``--pd``, ``--sweep``,
+    ``--replicas`` or one run; a workload with a tenant or not), and counts below 1."""
+    if args.requests is not None and args.requests < 1:
+        raise ValueError(f"--requests must be >= 1, got {args.requests}")
+    if args.policies is not None and not args.policies.strip(" ,"):
+        raise ValueError(f"--policies lists no policy, got {args.policies!r}")
+    if args.pool_size is not None and args.pool_size < 1:
+        raise ValueError(f"--pool-size must be >= 1, got {args.pool_size}")
+    if args.replica_scrape is not None and not 0 < args.replica_scrape < float("inf"):
+        raise ValueError(
+            f"--replica-scrape must be a finite number of seconds > 0, got {args.replica_scrape:g}"
+        )
+    if args.pd is None:
+        _refuse(given(args, "--pd-thresholds"), "apply without --pd")
+    if args.replicas is None:
+        _refuse(given(args, "--replica-sync", "--replica-scrape"), "apply without --replicas")
+    if args.pd is not None:
+        return  # cli._pd refuses what does not apply to it
+    tenant = args.trace is None and args.scenario == "endpoint"
+    if args.replicas is not None:
+        _refuse(
+            given(
+                args,
+                "--sweep",
+                "--decisions",
+                "--plot",
+                "--explain",
+                "--index",
+                "--seeds",
+                "--pressure",
+                *ENDPOINT_OPTIONS,
+            ),
+            "apply to --replicas (one table of replica counts x sync settings, approx mode)",
+        )
+    if args.sweep is not None:
+        _refuse(
+            given(args, *ENDPOINT_OPTIONS),
+            "apply to --sweep (it compares the policies; the tenant study is not shown)",
+        )
+    if not tenant:
+        _refuse(
+            given(args, *ENDPOINT_OPTIONS),
+            "apply without a tenant: the dedicated endpoint is the endpoint scenario's (not "
+            + ("--trace's" if args.trace is not None else f"--scenario {args.scenario}'s")
+            + ")",
+        )
