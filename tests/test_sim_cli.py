@@ -74,7 +74,7 @@ def test_tenant_seeds_and_pressure_sweep(tmp_path, capsys):
         "--priority",
         "2",
     )
-    assert doc["seeds"] == [0, 1, 3]  # --seed 0 (the policies table) comes first
+    assert doc["seeds"] == [1, 3]  # exactly --seeds; the policies table on the first
     assert [p["factor"] for p in doc["pressure"]] == [1.0, 4.0]
     assert [p["capacity_blocks"] for p in doc["pressure"]] == [6912, 1728]
     for p in doc["pressure"]:

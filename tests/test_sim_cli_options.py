@@ -5,6 +5,7 @@ does not apply to the chosen mode is refused, never silently ignored."""
 from __future__ import annotations
 
 import importlib
+import json
 
 import pytest
 from kvroute.cli import main
@@ -134,3 +135,15 @@ REPLICAS = [*TRACE, "--policies", "kv_aware", "--replicas", "2"]
 )
 def test_options_that_do_not_apply_are_refused_before_the_run(no_run, capsys, args, message):
     assert message in refused(capsys, *args)
+
+
+def test_seeds_are_exactly_the_ones_given(tmp_path, capsys):
+    base = ["--duration", "10", "--workers", "4", "--policies", "kv_aware", "--quiet"]
+    out = tmp_path / "s.json"
+    assert main(["simulate", *base, "--seeds", "3-4", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["seeds"] == [3, 4]  # not 0, 3, 4
+    assert "kvroute index events, seed 3 \n" in capsys.readouterr().out  # the policies table
+    assert main(["simulate", *base, "--seeds", "4,3", "--seed", "3", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["seeds"] == [4, 3]  # in the order given
+    err = refused(capsys, *base, "--seeds", "3-4", "--seed", "5")
+    assert "--seed 5 is not among --seeds 3-4" in err

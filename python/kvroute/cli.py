@@ -99,7 +99,7 @@ def _sticky(args: argparse.Namespace) -> int:
 def _simulate(args: argparse.Namespace) -> int:
     """Run every policy on one workload and print (and optionally write) the report."""
     from .sim.engine import DEFAULT_DECODE_TIME_PER_TOKEN, FleetModel
-    from .sim.options import check_modes, check_outputs
+    from .sim.options import SEED_LIMIT, check_modes, check_outputs
     from .sim.policies import DEFAULT_POLICIES, parse_policies
     from .sim.report import print_report, write_json, write_plot
     from .sim.simulate import SCENARIO_WORKERS, EndpointOptions, load_workload, simulate
@@ -125,6 +125,8 @@ def _simulate(args: argparse.Namespace) -> int:
     try:
         check_outputs(args)
         check_modes(args)
+        if args.seed is None and not args.seeds:
+            args.seed = 0
     except (ValueError, ImportError) as e:
         print(f"kvroute simulate: {e}", file=sys.stderr)
         return 2
@@ -140,6 +142,13 @@ def _simulate(args: argparse.Namespace) -> int:
             raise ValueError("--explain and --decisions apply to one run, not to a --sweep")
         pressure = positive_numbers(args.pressure, "--pressure") if args.pressure else []
         seeds = _seeds(args.seeds) if args.seeds else None
+        if seeds is not None and args.seed is None:
+            args.seed = seeds[0]  # the policies table runs on the study's first seed
+        elif seeds is not None and args.seed not in seeds:
+            raise ValueError(
+                f"--seed {args.seed} is not among --seeds {args.seeds}: the policies table and "
+                "the two-call demo run on one of the study's seeds (default: the first)"
+            )
         if swept is not None and (pressure or seeds):
             raise ValueError("--seeds and --pressure study the tenant at one load, not a --sweep")
         workers = args.workers
@@ -164,9 +173,8 @@ def _simulate(args: argparse.Namespace) -> int:
         if workload.meta.get("tenant") is not None and args.trace is None:
             endpoint.check(workload, model, pressure)
             if swept is None:
-                for s in seeds if seeds is not None else range(args.seed, args.seed + 5):
-                    if s != args.seed:
-                        others[s] = prepare(s)
+                study = seeds or [(args.seed + k) % SEED_LIMIT for k in range(5)]
+                others = {s: workload if s == args.seed else prepare(s) for s in study}
         elif seeds or pressure:
             raise ValueError("--seeds and --pressure need a scenario with a tenant (endpoint)")
     except (ValueError, TypeError, OSError) as e:
@@ -536,11 +544,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="the router's index: events (fed by the engines' KV events; the default) or approx "
         "(own model)",
     )
-    sim.add_argument("--seed", type=int, default=0, help="seed of workloads and policies")
+    sim.add_argument(
+        "--seed",
+        type=int,
+        help="seed of workloads and policies, in [0, 2**64) (default 0, or the first of --seeds)",
+    )
     sim.add_argument(
         "--seeds",
         metavar="A-B|A,B,...",
-        help="seeds of the tenant study (endpoint scenario; default: --seed and the next four)",
+        help="seeds of the tenant study, exactly these (endpoint scenario; default: --seed and "
+        "the next four); the policies table runs on --seed, which must be one of them",
     )
     sim.add_argument(
         "--pressure",
@@ -565,9 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--time-scale", type=float, default=1.0, help="multiply arrival times (0.5 = 2x load)"
     )
-    sim.add_argument(
-        "--pool-size", type=int, help="dedicated endpoint's workers (default 4)"
-    )
+    sim.add_argument("--pool-size", type=int, help="dedicated endpoint's workers (default 4)")
     sim.add_argument(
         "--priority",
         type=int,

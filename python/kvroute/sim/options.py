@@ -58,7 +58,8 @@ def check_plot(path: str, option: str = "--plot") -> None:
 
 def check_outputs(args: Any) -> None:
     """The checks every mode of ``kvroute simulate`` shares: ``--seed`` and the output files."""
-    check_seed(args.seed)
+    if args.seed is not None:
+        check_seed(args.seed)
     for option in ("--json", "--decisions", "--export-trace"):
         path = getattr(args, option[2:].replace("-", "_"))
         if path:

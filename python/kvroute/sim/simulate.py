@@ -183,7 +183,8 @@ def simulate(
     ``options``. ``instrument`` records every decision of every policy (:mod:`.instruments`): the
     report's ``decisions`` holds each policy's :func:`~.instruments.explain` summary, and the raw
     rows are returned under ``"decisions:<policy>"``. For a workload with a tenant,
-    ``tenant_workloads`` (``{seed: workload}``) are further seeds for the tenant study and
+    ``tenant_workloads`` (``{seed: workload}``) are further seeds for the tenant study (when it
+    holds ``seed`` too, the study runs exactly its seeds, in its order) and
     ``pressure`` its cache-pressure factors (:func:`~.tenant.tenant_study`)."""
     n = len(workload)
     cap = model.capacity(workload.block_size)
@@ -197,7 +198,11 @@ def simulate(
         endpoint.check(workload, model, pressure)
         setups = study_setups(endpoint.policy)
         runs += [p for p in setups if p != "endpoint" and p not in runs]
-        seeds = {seed: workload, **{s: w for s, w in (tenant_workloads or {}).items() if s != seed}}
+        given = dict(tenant_workloads or {})
+        if seed in given:  # the study's seeds in the order given, this workload at its own
+            seeds = {s: workload if s == seed else w for s, w in given.items()}
+        else:
+            seeds = {seed: workload, **given}
     study_runs = sum(len(w) for s, w in seeds.items() if s != seed) * len(setups)
     study_runs += sum(len(w) for w in seeds.values()) * len(PRESSURE_SETUPS) * len(pressure)
     total = n * (len(runs) + 1 + (tenant is not None)) + study_runs
