@@ -39,7 +39,7 @@ from .tenant import PRESSURE_SETUPS, pressure_models, run_setup, study_setups, t
 from .traces import claude_code_sessions, load_trace, mooncake_conversation
 from .workloads import Workload, WorkloadBuilder
 
-__all__ = ["SCENARIO_WORKERS", "EndpointOptions", "load_workload", "simulate"]
+__all__ = ["SCENARIO_WORKERS", "EndpointOptions", "load_workload", "simulate", "unbounded_load"]
 
 #: Default fleet size per scenario: the synthetic scenarios are sized for 8 workers; the Mooncake
 #: conversation trace (41k prompt tokens/s) is the issue's 16-worker benchmark.
@@ -277,6 +277,21 @@ def simulate(
     return report, results
 
 
+def unbounded_load(workload: Workload) -> str | None:
+    """Why ``workload`` has no offered load as a rate (every request at one instant: no time
+    span to divide its prompt tokens by), or None when it has one."""
+    if len(workload) == 0 or workload.duration > 0:
+        return None
+    n = len(workload)
+    at = f"t = {float(workload.arrival[0]):g} s"
+    if n == 1:
+        return f"the workload is one request (at {at}): no time span, the offered load is unbounded"
+    return (
+        f"all {n:,} requests arrive at the same instant ({at}): no time span, the offered load "
+        "is unbounded"
+    )
+
+
 class _Null:
     """A sink for the progress bar of a quiet run."""
 
@@ -306,10 +321,16 @@ def _model_notes(workload: Workload, model: FleetModel) -> list[str]:
     overhead = f"{model.prefill_overhead * 1000:.0f} ms"
     decode = f"{model.decode_time_per_token * 1000:.0f} ms/token"
     blocks = f"{model.capacity(workload.block_size):,}"
-    return [
+    unbounded = unbounded_load(workload)
+    offered = (
         f"Workload: {s['prompt_tokens_per_s']:,.0f} prompt tokens/s offered = {load:.0%} of the "
-        f"fleet's prefill capacity before caching ({model.workers} × {rate}); mean prompt "
-        f"{s['mean_input_tokens']:,.0f} tokens.",
+        f"fleet's prefill capacity before caching ({model.workers} × {rate})"
+        if unbounded is None
+        else f"Workload: offered load n/a ({unbounded}; the fleet's prefill capacity is "
+        f"{model.workers} × {rate})"
+    )
+    return [
+        f"{offered}; mean prompt {s['mean_input_tokens']:,.0f} tokens.",
         f"Model: prefill {rate} + {overhead} (FIFO per worker), decode {decode} (continuous "
         f"batch), KV {blocks} blocks per worker; hit rate = cached ÷ prompt tokens; imbalance = "
         "max ÷ mean prefill tokens computed per worker.",

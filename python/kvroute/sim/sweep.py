@@ -36,7 +36,7 @@ import numpy as np
 from .engine import FleetModel
 from .policies import DEFAULT_POLICIES, PEER_POLICIES
 from .report import Report, _fmt_s, dump_json, pyplot, text_table
-from .simulate import simulate
+from .simulate import simulate, unbounded_load
 from .workloads import Workload
 
 __all__ = [
@@ -95,7 +95,10 @@ def parse_sweep(text: str) -> tuple[str, list[float]]:
 
 
 def offered_load(workload: Workload, model: FleetModel) -> float:
-    """Prompt tokens per second ÷ the fleet's prefill capacity (see the module docs)."""
+    """Prompt tokens per second ÷ the fleet's prefill capacity (see the module docs); ``inf``
+    when the requests have no time span (:func:`unbounded_load`)."""
+    if unbounded_load(workload) is not None:
+        return math.inf
     rate = workload.summary()["prompt_tokens_per_s"]
     return float(rate) / (model.workers * model.prefill_rate)
 
@@ -218,6 +221,12 @@ def sweep(
         if axis == "time-scale":
             scale = float(v)
         else:
+            reason = unbounded_load(workload)
+            if reason is not None:
+                raise ValueError(
+                    f"--sweep load=... cannot scale it: {reason} (spread the arrivals with "
+                    "--spread SECONDS first)"
+                )
             if natural <= 0:
                 raise ValueError("the workload offers no load to scale")
             scale = natural / float(v)
@@ -245,7 +254,8 @@ def _table(title: str, head: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _axis_cells(s: Sweep, pt: SweepPoint) -> list[str]:
-    return [f"{pt.value:g}", f"{pt.offered_load:.0%}"]
+    load = "unbounded" if math.isinf(pt.offered_load) else f"{pt.offered_load:.0%}"
+    return [f"{pt.value:g}", load]
 
 
 def render_sweep(s: Sweep) -> str:
