@@ -147,3 +147,20 @@ def test_seeds_are_exactly_the_ones_given(tmp_path, capsys):
     assert json.loads(out.read_text())["seeds"] == [4, 3]  # in the order given
     err = refused(capsys, *base, "--seeds", "3-4", "--seed", "5")
     assert "--seed 5 is not among --seeds 3-4" in err
+
+
+def test_export_warns_of_the_tenants_and_sessions_it_drops(tmp_path, capsys):
+    path = tmp_path / "cc.jsonl"
+    args = ["--scenario", "claude-code", "--requests", "8", "--policies", "random"]
+    assert main(["simulate", "--quiet", *args, "--export-trace", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert (
+        f"kvroute simulate: warning: --export-trace {path}: Mooncake rows carry no tenant " in err
+    )
+    assert "sessions; replaying it routes every request as an anonymous public one" in err
+    # A workload without tenants or sessions (the replay itself) exports without a warning.
+    again = tmp_path / "again.jsonl"
+    argv = ["simulate", "--quiet", "--trace", str(path), "--policies", "random"]
+    assert main([*argv, "--export-trace", str(again)]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert again.read_text() == path.read_text()

@@ -266,6 +266,7 @@ def test_cli_pd_json(tmp_path, capsys):
     [
         (["--pd", "4"], "P:D"),
         (["--pd", "1:0"], "D >= 1"),
+        (["--pd", "0:4"], "--pd needs P >= 1 prefill and D >= 1 decode workers, got '0:4'"),
         (["--pd", "1:1", "--policies", "kv_aware"], "--policies"),
         (["--pd", "1:1", "--pd-thresholds", "-3"], "negative"),
         (["--pd", "1:1", "--sweep", "load=1,2"], "time-scale"),

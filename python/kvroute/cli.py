@@ -104,7 +104,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from .sim.report import print_report, write_json, write_plot
     from .sim.simulate import SCENARIO_WORKERS, EndpointOptions, load_workload, simulate
     from .sim.sweep import parse_sweep, positive_numbers
-    from .sim.traces import write_mooncake
+    from .sim.traces import export_losses, write_mooncake
 
     def prepare(seed: int):
         workload = load_workload(
@@ -183,6 +183,12 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.export_trace:
         write_mooncake(workload, args.export_trace)
         print(f"wrote {len(workload):,} requests to {args.export_trace}", file=sys.stderr)
+        lost = export_losses(workload)
+        if lost:
+            print(
+                f"kvroute simulate: warning: --export-trace {args.export_trace}: {lost}",
+                file=sys.stderr,
+            )
     if swept is not None:
         return _sweep(args, workload, model, policies, *swept)
     if args.replicas is not None:
@@ -634,8 +640,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--export-trace",
         metavar="FILE",
-        help="also write the workload as Mooncake JSONL (each row with its block_size: "
-        "--trace FILE replays it as it is)",
+        help="also write the workload as Mooncake JSONL (each row with its block_size: --trace "
+        "FILE replays the same arrivals, prompt lengths and block sharing; tenants and sessions "
+        "are not in the format and are dropped, with a warning)",
     )
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
     sim.set_defaults(func=_simulate)

@@ -152,7 +152,8 @@ class PdModel:
 
 
 def parse_ratio(text: str) -> tuple[int, int]:
-    """``"P:D"`` → ``(P, D)`` with P >= 0 and D >= 1."""
+    """``"P:D"`` → ``(P, D)`` with P >= 1 and D >= 1 (every mode needs a prefill worker: the
+    disaggregated and conditional modes prefill there, and the aggregated fleet is P + D)."""
     p, colon, d = str(text).partition(":")
     try:
         if not colon:
@@ -160,8 +161,8 @@ def parse_ratio(text: str) -> tuple[int, int]:
         pair = int(p), int(d)
     except ValueError:
         raise ValueError(f"--pd must be P:D (prefill:decode workers), got {text!r}") from None
-    if pair[0] < 0 or pair[1] < 1:
-        raise ValueError(f"--pd needs P >= 0 and D >= 1, got {text!r}")
+    if pair[0] < 1 or pair[1] < 1:
+        raise ValueError(f"--pd needs P >= 1 prefill and D >= 1 decode workers, got {text!r}")
     return pair
 
 

@@ -78,6 +78,7 @@ __all__ = [
     "bundled_mooncake_path",
     "claude_code_sessions",
     "conversation_starts",
+    "export_losses",
     "load_bailian",
     "load_kv_cache_tester",
     "load_mooncake",
@@ -395,6 +396,29 @@ def claude_code_sessions(*, seed: int = 0) -> Workload:
         "(callanjfox/kv-cache-tester@94f6046, Apache-2.0), 64-token blocks"
     )
     return w
+
+
+def export_losses(workload: Workload) -> str | None:
+    """What :func:`write_mooncake` cannot keep of ``workload`` (its tenants and sessions: the
+    format has neither), as a sentence, or None when it keeps everything."""
+    tenants = sorted({t for t in workload.tenant if t is not None})
+    sessions = {s for s in workload.session if s is not None}
+    lost = []
+    if tenants:
+        mine = sum(t is not None for t in workload.tenant)
+        lost.append(
+            f"the tenant{'s' if len(tenants) > 1 else ''} {', '.join(map(repr, tenants))} "
+            f"({mine:,} requests)"
+        )
+    if sessions:
+        lost.append(f"{len(sessions):,} sessions")
+    if not lost:
+        return None
+    return (
+        f"Mooncake rows carry no tenant or session: the file drops {' and '.join(lost)}; "
+        "replaying it routes every request as an anonymous public one (no endpoint study, no "
+        "session keys)"
+    )
 
 
 def write_mooncake(workload: Workload, path: PathLike) -> None:
