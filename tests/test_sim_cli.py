@@ -41,7 +41,7 @@ def test_endpoint_scenario_json_schema(tmp_path, capsys):
     assert doc["oracles"]["pooled_lru"]["hit_rate"] <= doc["oracles"]["infinite"]["hit_rate"]
     assert doc["seeds"] == [2, 3, 4, 5, 6]  # --seed and the next four
     for section in ("tenant", "public"):
-        assert list(doc[section]) == ["random", "kv_aware", "endpoint"]
+        assert list(doc[section]) == ["random", "kv_aware", "endpoint", "no_reserve"]
         for setup in doc[section].values():
             assert len(setup["requests"]) == 5 and min(setup["requests"]) > 0
             for figure in ("ttft_p50", "ttft_p99"):
@@ -53,6 +53,10 @@ def test_endpoint_scenario_json_schema(tmp_path, capsys):
         assert setup["ttft_p50"]["median"] <= setup["ttft_p90"]["median"]
     out = capsys.readouterr().out
     assert "Two-call demo" in out
+    # The modelling assumptions are disclosed: the reservation needs engine support (the
+    # 'no reserve' row is shown by default), and every request is taken as streamed.
+    assert "endpoint (kv_aware), no" in out and "needs engine support" in out
+    assert "Every request is simulated as streamed" in out
     assert "call 1: 0/" in out
 
 

@@ -77,11 +77,12 @@ def test_study_runs_every_setup_once_and_reuses_what_was_done():
     done = {(0, "random"): run_setup("random", ws[0], model, ep, seed=0)[0]}
     replayed = []
     study = tenant_study(ws, model, ep, pressure=[8], done=done, tick=replayed.append)
-    assert list(study.setups) == ["random", "kv_aware", "endpoint"]
+    # no_reserve: the endpoint on engines that cannot reserve cache (stock vLLM), always shown.
+    assert list(study.setups) == ["random", "kv_aware", "endpoint", "no_reserve"]
     assert study.seeds == [0, 1]
-    # 2 seeds × 3 setups, one given; 2 seeds × 3 pressure setups.
+    # 2 seeds × 4 setups, one given; 2 seeds × 3 pressure setups.
     assert sorted(replayed) == sorted(
-        [len(ws[0])] * 2 + [len(ws[1])] * 3 + [len(ws[0]), len(ws[1])] * len(PRESSURE_SETUPS)
+        [len(ws[0])] * 3 + [len(ws[1])] * 4 + [len(ws[0]), len(ws[1])] * len(PRESSURE_SETUPS)
     )
     for runs in study.setups.values():
         assert [m.requests for m in runs.tenant] == [
@@ -109,6 +110,18 @@ def test_study_runs_every_setup_once_and_reuses_what_was_done():
     assert titles[0].startswith("tenant 'ep-tenant'") and len(titles) == 3
     notes = " ".join(study.notes())
     assert "Endpoint vs shared random, per seed" in notes and "Public traffic" in notes
+    assert (
+        "The reservation is the simulated engines': keeping a reserved cache partition per "
+        "tenant needs engine support that stock vLLM and SGLang do not have" in notes
+    )
+    assert "the endpoint gives the 'no reserve' row and column." in notes
+    rows = [row[0] for row in study.sections()[0][2]]
+    assert rows[-1] == "endpoint (kv_aware), no reserve"
+    # Without a reservation there is nothing to disclose, and no_reserve would be endpoint again.
+    bare = Endpoint("ep-tenant", pool_size=2, reserved_blocks=None, priority=1)
+    plain = tenant_study({0: ws[0]}, model, bare)
+    assert list(plain.setups) == ["random", "kv_aware", "endpoint"]
+    assert "reserved cache partition" not in " ".join(plain.notes())
 
 
 def test_study_is_deterministic_and_checks_its_arguments():

@@ -593,7 +593,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--reserved-blocks",
         type=int,
-        help="endpoint's reserved blocks per pool worker (default: 2x its system prompt)",
+        help="endpoint's reserved blocks per pool worker (default: 2x its system prompt); "
+        "modelled in the simulated engines: it needs engine support (stock vLLM and SGLang have "
+        "none) — the report's 'no reserve' row is the endpoint without it",
     )
     sim.add_argument(
         "--sweep",

@@ -196,14 +196,15 @@ def simulate(
     setups: list[str] = []
     if tenant is not None:  # the tenant's shared-fleet baselines
         endpoint.check(workload, model, pressure)
-        setups = study_setups(endpoint.policy)
-        runs += [p for p in setups if p != "endpoint" and p not in runs]
+        setups = study_setups(endpoint.policy, bool(endpoint.reserved_for(workload)))
+        runs += [p for p in setups if p not in ("endpoint", "no_reserve") and p not in runs]
         given = dict(tenant_workloads or {})
         if seed in given:  # the study's seeds in the order given, this workload at its own
             seeds = {s: workload if s == seed else w for s, w in given.items()}
         else:
             seeds = {seed: workload, **given}
     study_runs = sum(len(w) for s, w in seeds.items() if s != seed) * len(setups)
+    study_runs += n * ("no_reserve" in setups)
     study_runs += sum(len(w) for w in seeds.values()) * len(PRESSURE_SETUPS) * len(pressure)
     total = n * (len(runs) + 1 + (tenant is not None)) + study_runs
     results: dict[str, np.ndarray] = {}
@@ -336,6 +337,9 @@ def _model_notes(workload: Workload, model: FleetModel) -> list[str]:
         "max ÷ mean prefill tokens computed per worker.",
         "Peers (docs/peers.md) run in their default modes: dynamo with exact KV events, "
         "sglang_cache_aware and llmd with their approximate prefix trees.",
+        "Every request is simulated as streamed: the router is told a request's prefill is over "
+        "at its first token (Router.prefilled), which kvroute serve does only for stream=true "
+        "requests; a non-streamed one counts as prefilling until it finishes (not modelled).",
     ]
 
 

@@ -232,6 +232,13 @@ class TenantStudy:
             f"dedicated endpoint (pool of {ep.pool_size}, {reserve} per pool worker, salted "
             f"blocks, engine priority {ep.priority} over the public traffic's 0).",
         ]
+        if ep.reserved_blocks:
+            lines.append(
+                "The reservation is the simulated engines': keeping a reserved cache partition "
+                "per tenant needs engine support that stock vLLM and SGLang do not have (kvroute's "
+                "router only accounts for it in its own approx-mode model). On such engines the "
+                "endpoint gives the 'no reserve' row" + (" and column." if self.pressure else ".")
+            )
         if "random" in self.setups:
             lines.append("Endpoint vs shared random, per seed: " + self._versus("random"))
         if self.policy in self.setups:
@@ -327,6 +334,8 @@ class TenantStudy:
 def _setup_label(name: str, study: TenantStudy) -> str:
     if name == "endpoint":
         return f"endpoint ({study.policy})"
+    if name == "no_reserve":
+        return f"endpoint ({study.policy}), no reserve"
     return f"shared, {name}"
 
 
@@ -443,11 +452,14 @@ def run_setup(
     return run(workload, p, model, scenario=scenario, progress=progress), p
 
 
-def study_setups(policy: str) -> list[str]:
+def study_setups(policy: str, reserve: bool = False) -> list[str]:
     """The setups the study runs on every seed: :data:`TENANT_SETUPS`, plus the shared fleet
-    under ``policy`` (the endpoint's policy) when that is not among them, endpoint last."""
+    under ``policy`` (the endpoint's policy) when that is not among them, then endpoint, and
+    ``no_reserve`` when the endpoint has a reservation (``reserve``): the endpoint on engines
+    that cannot reserve cache for a tenant."""
     shared = [s for s in TENANT_SETUPS if s != "endpoint"]
-    return [*shared, *([policy] if policy not in shared else []), "endpoint"]
+    extra = [policy] if policy not in shared else []
+    return [*shared, *extra, "endpoint", *(["no_reserve"] if reserve else [])]
 
 
 def _without_reserve(endpoint: Endpoint) -> Endpoint:
@@ -523,7 +535,7 @@ def tenant_study(
         endpoint=endpoint,
         policy=policy,
         seeds=list(workloads),
-        setups=runs_for(study_setups(policy), model),
+        setups=runs_for(study_setups(policy, bool(endpoint.reserved_blocks)), model),
     )
     for k, fleet in zip(pressure, fleets, strict=True):
         turnover = statistics.median(lru_turnover(w, fleet) for w in workloads.values())
