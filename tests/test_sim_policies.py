@@ -132,7 +132,7 @@ def test_simulate_report_and_two_call_demo():
     assert list(report.policies) == ["kv_aware", "dynamo"]
     assert set(results) == {"kv_aware", "dynamo", "random", "endpoint"}
     assert report.tenant is not None and report.tenant.seeds == [0]
-    assert list(report.tenant.setups) == ["random", "kv_aware", "endpoint"]
+    assert list(report.tenant.setups) == ["random", "kv_aware", "endpoint", "no_reserve"]
     demo = [line for line in report.notes if line.startswith("  on an idle fleet")]
     assert len(demo) == 1
     assert "call 1: 0/" in demo[0] and "(router expected 0)" in demo[0]
