@@ -330,3 +330,43 @@ fn the_compacted_size_bounds_the_rebuilt_trees_memory_for_every_table_size() {
         }
     }
 }
+
+/// cargo-mutants survivor (shard 14/40): `memory_bytes() > max` → `==` in
+/// `PrefixIndex::check_invariants` reported an index over its budget only when exactly at it (no
+/// test had the checker see an index past its budget: the index never lets itself get there). For
+/// the class — the checker's own invariants beyond `Tree::check`'s (above), each broken alone on
+/// a valid index — a worker's block count off by one, a node holding an unregistered worker, and
+/// the budget at its bound: one byte below the memory in use reported with the whole message,
+/// exactly the memory in use accepted.
+#[test]
+fn the_index_checker_reports_its_own_invariants_each_broken_alone() {
+    let build = || {
+        let mut ix = PrefixIndex::new(None).unwrap();
+        ix.store("a", &[1, 2], None).unwrap();
+        ix.store("b", &[1, 3], None).unwrap();
+        ix.check_invariants().unwrap();
+        ix
+    };
+    let mut ix = build();
+    ix.workers.blocks[1] += 1;
+    assert_eq!(
+        ix.check_invariants().unwrap_err(),
+        "block counts [2, 3] != [2, 2]"
+    );
+    let mut ix = build();
+    let shared = ix.tree.find(1).expect("stored").0 as usize;
+    ix.tree.nodes[shared].workers.insert(7);
+    let leaf = ix.tree.find(2).expect("stored").0 as usize;
+    ix.tree.nodes[leaf].workers.insert(7);
+    let err = ix.check_invariants().unwrap_err();
+    assert!(err.contains("holds unregistered worker 7"), "{err}");
+    let mut ix = build();
+    let used = ix.memory_bytes();
+    ix.max_bytes = Some(used);
+    ix.check_invariants().unwrap();
+    ix.max_bytes = Some(used - 1);
+    assert_eq!(
+        ix.check_invariants().unwrap_err(),
+        format!("memory {used} > budget {}", used - 1)
+    );
+}
