@@ -329,3 +329,52 @@ def test_a_resend_waiting_for_a_place_goes_out_on_a_new_connection():
         server.close()
 
     asyncio.run(main())
+
+
+def test_a_request_waiting_in_a_full_pool_reuses_the_connection_handed_over():
+    """In a full pool a request waits for a place; the connection a finished request hands over
+    — read to its end, kept alive — carries it: no new connection (``max_connections`` bounds
+    connections, not requests)."""
+
+    async def main():
+        hold = asyncio.Event()
+        seen: list[tuple[bytes, int, int]] = []  # (path, connection, its request number)
+        accepted = 0
+
+        async def serve(reader, writer):
+            nonlocal accepted
+            accepted += 1
+            me, n = accepted, 0
+            try:
+                while True:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    n += 1
+                    seen.append((head.split(b" ")[1], me, n))
+                    if n == 1:
+                        await hold.wait()
+                    writer.write(OK)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        p = pool(f"http://127.0.0.1:{port}", max_connections=1)
+        sent = asyncio.ensure_future(p.request("GET", "/a"))  # its answer waits for `hold`
+        while not seen:
+            await asyncio.sleep(0.01)
+        waiting = asyncio.ensure_future(p.request("GET", "/b"))
+        while not p.waiters:
+            await asyncio.sleep(0)
+        hold.set()
+        first = await sent
+        assert await first.read() == b"ok"
+        await first.aclose()  # handed to the waiting request
+        second = await waiting
+        assert await second.read() == b"ok" and second.conn is first.conn
+        await second.aclose()
+        assert seen == [(b"/a", 1, 1), (b"/b", 1, 2)] and accepted == 1
+        assert p.total == 1 and list(p.idle) == [first.conn]
+        await p.aclose()
+        server.close()
+
+    asyncio.run(main())
