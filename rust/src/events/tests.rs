@@ -872,7 +872,7 @@ mod extra;
 #[path = "tests_memory.rs"]
 mod memory;
 
-/// Every non-string marker where a string is needed, and every truncation, refused at its byte
-/// (`tests_strings.rs`).
+/// Every non-string marker where a string is needed (and non-array where an array is), and
+/// every truncation, refused at its byte (`tests_strings.rs`).
 #[path = "tests_strings.rs"]
 mod strings;

@@ -224,3 +224,131 @@ fn every_counter_counts_each_of_its_events_in_each_mode() {
     };
     assert_eq!(d.counters("w").expect("counters"), direct);
 }
+
+/// Direct mode's `foreign_hashes`, against the rule its docs state: a root store is counted when
+/// its first block's hash is not the router's own hash of its first `block_size` tokens (the
+/// profile's, from the blocks module); a child store never; nor a root the router cannot hash
+/// alike — a salt (`cache_salt`, or a string on the first block's extra keys), a LoRA name, extra
+/// keys it cannot reproduce, lookahead tokens or token ids past 32 bits. An empty `cache_salt` or
+/// `lora_name` names none: compared. Each profile; each case with the first hash the router's
+/// own and one bit off it.
+#[test]
+fn foreign_hashes_counts_exactly_the_comparable_roots_the_router_hashes_otherwise() {
+    let tokens: Vec<u64> = (1..=32).collect();
+    let mut wide = tokens.clone();
+    wide[3] = 1 << 40;
+    type Extra = fn(&mut W) -> usize;
+    // (what, tokens, extra fields, compared)
+    let cases: [(&str, &[u64], Extra, bool); 10] = [
+        ("plain", &tokens, |_| 0, true),
+        (
+            "empty cache_salt",
+            &tokens,
+            |m| {
+                m.s("cache_salt").s("");
+                1
+            },
+            true,
+        ),
+        (
+            "cache_salt",
+            &tokens,
+            |m| {
+                m.s("cache_salt").s("s");
+                1
+            },
+            false,
+        ),
+        (
+            "empty lora_name",
+            &tokens,
+            |m| {
+                m.s("lora_name").s("");
+                1
+            },
+            true,
+        ),
+        (
+            "lora_name",
+            &tokens,
+            |m| {
+                m.s("lora_name").s("x");
+                1
+            },
+            false,
+        ),
+        (
+            "salt in extra_keys",
+            &tokens,
+            |m| {
+                m.s("extra_keys").arr(2).arr(1).s("s").nil();
+                1
+            },
+            false,
+        ),
+        (
+            "multimodal extra_keys",
+            &tokens,
+            |m| {
+                m.s("extra_keys").arr(2).arr(1).arr(2).s("img").u(0).nil();
+                1
+            },
+            false,
+        ),
+        (
+            "nil extra_keys",
+            &tokens,
+            |m| {
+                m.s("extra_keys").nil();
+                1
+            },
+            true,
+        ),
+        (
+            "lookahead",
+            &tokens,
+            |m| {
+                m.s("lookahead_token_ids").arr(1).ints(&[5]);
+                1
+            },
+            false,
+        ),
+        ("wide tokens", &wide, |_| 0, false),
+    ];
+    for profile in [
+        Profile::Native,
+        Profile::Sglang,
+        Profile::Vllm(Default::default()),
+    ] {
+        let hasher = BlockHasher::new(16, profile, Options::default()).expect("hasher");
+        for (what, toks, extra, compared) in cases {
+            let mut first = Vec::new();
+            if toks.iter().all(|&t| t <= u64::from(u32::MAX)) {
+                hasher
+                    .hash_into(&toks[..16], &ChainState::Root, &[], &mut first)
+                    .expect("hash");
+            }
+            let own = first.first().copied().unwrap_or(0);
+            for engine in [own, own ^ 1] {
+                let config = Config {
+                    mode: Mode::Direct,
+                    profile,
+                    ..Config::default()
+                };
+                let mut a = Applier::new(shared(), config).expect("applier");
+                let p = batch(|w| {
+                    store(w, &ev(&[engine, 7], None, toks, 16), 0, extra);
+                    // A child is never compared, whatever its hash.
+                    store(w, &ev(&[8], Some(7), &toks[..16], 16), 0, extra);
+                    2
+                });
+                a.apply("w", &p).expect("apply");
+                let c = a.counters("w").expect("counters");
+                let want = u64::from(compared && engine != own);
+                let case = format!("{profile}, {what}, first hash {engine:#x} (own {own:#x})");
+                assert_eq!(c.foreign_hashes, want, "{case}");
+                assert_eq!(c.blocks_stored, 3, "{case}: stored all the same");
+            }
+        }
+    }
+}

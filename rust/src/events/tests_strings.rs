@@ -1,8 +1,8 @@
 //! Where the decoder needs a string — an event map's keys, the `type` tag of a map or legacy
-//! array event, and `medium`, `lora_name` and `cache_salt` (strings or nil) — every msgpack
-//! marker that is not a string is refused, at the value's byte and with the position's message;
-//! and a payload cut anywhere is refused at a byte inside it. A child module of `tests`, sharing
-//! its payload writer.
+//! array event, and `medium`, `lora_name` and `cache_salt` (strings or nil) — or an array
+//! (`block_hashes`, `token_ids`), every msgpack marker that is not one is refused, with the
+//! position's message; and a payload cut anywhere is refused at a byte inside it. A child module
+//! of `tests`, sharing its payload writer.
 
 use super::*;
 use crate::error::Error;
@@ -176,4 +176,54 @@ fn every_truncation_is_refused_at_a_byte_inside_the_payload() {
             assert!(b.is_empty());
         }
     }
+}
+
+/// Where the decoder needs an array — `block_hashes` and `token_ids` — every msgpack marker that
+/// is not one is refused with the field's message, at the byte after the marker (where the
+/// reader stands once it has read it); among them the positive fixint 96 (`0x60`), which the
+/// fast path of `block_hashes` once took for an empty fixarray (`m & 0xf0` → `m ^ 0xf0`).
+#[test]
+fn every_non_array_marker_where_an_array_is_needed_is_refused() {
+    let all: Vec<u64> = (0..16).collect();
+    let tokens = &all[..];
+    let mut b = Batch::default();
+    let mut refused = 0;
+    for field in ["block_hashes", "token_ids"] {
+        for m in 0..=255u8 {
+            if matches!(m, 0x90..=0x9f | 0xdc | 0xdd) {
+                continue;
+            }
+            let mut w = W::default();
+            w.arr(3).f(1.0).arr(1).map(5);
+            w.fs("type").fs("BlockStored").fs("block_size").u(16);
+            match field {
+                "block_hashes" => w.fs("token_ids").ints(tokens),
+                _ => w.fs("block_hashes").ints(&[1]),
+            };
+            w.fs("parent_block_hash").nil().fs(field);
+            let at = w.0.len();
+            w.0.push(m);
+            w.0.extend_from_slice(&[0x01; 40]);
+            Decoder::new()
+                .decode(&stored_batch(&[9], None, tokens), &mut b)
+                .expect("a good batch first");
+            let err = Decoder::new()
+                .decode(&w.0, &mut b)
+                .expect_err(&format!("{field}: marker {m:#04x} accepted"));
+            let want = format!(
+                "malformed KV event payload at byte {}: {field} is not an array",
+                at + 1
+            );
+            assert!(
+                err.to_string().starts_with(&want),
+                "{field}: marker {m:#04x}: {err} (want {want})"
+            );
+            assert!(
+                b.is_empty(),
+                "{field}: marker {m:#04x}: the batch is left empty"
+            );
+            refused += 1;
+        }
+    }
+    assert_eq!(refused, 2 * (256 - 18));
 }
