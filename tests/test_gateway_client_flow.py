@@ -378,3 +378,30 @@ def test_a_request_waiting_in_a_full_pool_reuses_the_connection_handed_over():
         server.close()
 
     asyncio.run(main())
+
+
+def test_a_request_cancelled_while_waiting_for_a_place_raises_its_own_cancellation():
+    """A request waiting in a full pool and cancelled — with a message, as ``Task.cancel(msg)``
+    lets a caller say why — raises that cancellation, message and all, and leaves the pool as it
+    was: the place still the busy connection's, and a connection freed later not handed to the
+    cancelled request (it goes to the idle pool)."""
+
+    async def main():
+        p = pool("http://127.0.0.1:1", max_connections=1, pool_timeout=30.0)
+        p.total = 1
+        waiting = asyncio.ensure_future(p.request("GET", "/"))
+        while not p.waiters:
+            await asyncio.sleep(0)
+        waiting.cancel("the client went away")
+        with pytest.raises(asyncio.CancelledError) as e:
+            await waiting
+        assert e.value.args == ("the client went away",)
+        assert p.total == 1 and not p.idle
+        conn = _Connection(p)
+        conn.connection_made(StubTransport(0))
+        p._release(conn)
+        assert list(p.idle) == [conn] and p.total == 1
+        conn.close()
+        await p.aclose()
+
+    asyncio.run(main())
