@@ -404,6 +404,16 @@ fn random_ops(seed: u64, steps: usize, workers: u64, budget: Option<usize>) {
         if budget.is_none() {
             assert_eq!(ix.num_nodes(), model.canonical_nodes(), "step {step}");
             assert_eq!(ix.len(), model.parent.len(), "step {step}");
+            // The readers against the model (index 15/40: `is_empty` → `true` passed, read only
+            // on an empty index): emptiness both ways, and each block of the recent chains.
+            assert_eq!(ix.is_empty(), model.parent.is_empty(), "step {step}");
+            for h in chains.iter().rev().take(3).flatten() {
+                assert_eq!(
+                    ix.contains(*h),
+                    model.parent.contains_key(h),
+                    "step {step}: {h}"
+                );
+            }
             if step % 50 == 0 {
                 let copy = PrefixIndex::load(&ix.dump(), None).unwrap();
                 copy.check_invariants().unwrap();
