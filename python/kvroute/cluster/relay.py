@@ -293,13 +293,20 @@ class EventRelay:
         self.connected = False
         self._js = None
 
-    def _headers(self, m: _Message) -> dict[str, str]:
-        """``m``'s headers, as sent (``js.publish(stream=...)`` adds Nats-Expected-Stream)."""
+    def _instance_headers(self) -> dict[str, str]:
+        """The headers every message of this relay carries (``js.publish(stream=...)`` adds
+        Nats-Expected-Stream: counted here, as the server counts it)."""
         return {
             "Nats-Expected-Stream": self.config.events_stream,
-            "Nats-Msg-Id": f"{self.relay}-{m.worker}-{m.seq}",
             "Kvroute-Relay": self.relay,
             "Kvroute-Started": str(self.started),
+        }
+
+    def _headers(self, m: _Message) -> dict[str, str]:
+        """``m``'s headers, as sent."""
+        return {
+            **self._instance_headers(),
+            "Nats-Msg-Id": f"{self.relay}-{m.worker}-{m.seq}",
             "Kvroute-Worker": m.worker,
             "Kvroute-Seq": str(m.seq),
             "Kvroute-Kind": m.kind,
@@ -366,9 +373,7 @@ class EventRelay:
             timeout=self.config.connect_timeout,
             stream=self.config.events_stream,
             headers={
-                "Nats-Expected-Stream": self.config.events_stream,
-                "Kvroute-Relay": self.relay,
-                "Kvroute-Started": str(self.started),
+                **self._instance_headers(),
                 "Kvroute-Kind": "heartbeat",
                 "Kvroute-Interval": repr(interval),
             },
