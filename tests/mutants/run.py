@@ -50,13 +50,16 @@ RUST = ["hashing", "blocks", "index", "cache", "router", "events"]
 # runs, for each mutant, only the listed tests that call the mutated function.
 PYTHON: dict[str, tuple[list[str], list[str], list[str]]] = {
     "py-events": (
-        ["python/kvroute/events.py"],
+        # _events_membership.py: the subscriber's workers joining and leaving while it runs.
+        ["python/kvroute/events.py", "python/kvroute/_events_membership.py"],
         [
             "tests/test_events_replay.py",
             "tests/test_events_subscriber.py",
             "tests/test_events_block_size.py",  # the engine's block size checked
             "tests/test_events_lifecycle.py",  # stop's timeout, a start failing part-way
             "tests/test_events_replay_socket.py",  # a replay DEALER ZMQ cannot make
+            "tests/test_events_membership.py",  # add_worker / remove_worker, running or not
+            "tests/test_epp_pool_events.py",  # an EPP pool's changes through a live engine
         ],
         [],
     ),
