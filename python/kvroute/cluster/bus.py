@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from kvroute.server.metrics import Counter
+from kvroute.server.tasks import cancel_tasks
 
 from .config import ClusterConfig
 
@@ -19,14 +20,10 @@ log = logging.getLogger("kvroute.cluster")
 
 
 async def cancel(task: asyncio.Task[Any]) -> None:
-    """Cancels ``task`` and waits for its end. Python 3.11's ``wait_for`` returns the result
-    when a cancel meets the completion it was waiting for (the cancel is lost, the task runs
-    on): cancelled again until it is done."""
-    while not task.done():
-        task.cancel()
-        await asyncio.wait({task}, timeout=0.1)
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
+    """Cancels ``task`` and waits for its end (:func:`~kvroute.server.tasks.cancel_tasks`),
+    whatever it ended with: the caller is stopping and has nothing left to do with an error."""
+    with contextlib.suppress(Exception):
+        await cancel_tasks(task)
 
 
 async def connect(config: ClusterConfig, name: str, error_cb: Any = None) -> Any:
