@@ -613,7 +613,8 @@ class Router:
     def set_engine_block_size(self, worker: str, tokens: int) -> None:
         """The worker's engine caches blocks of ``tokens`` tokens (e.g. its
         ``cache_config_info``): its matches count whole engine blocks only. In events mode the
-        router's ``event_applier`` sets it from each engine's stores."""
+        router's ``event_applier`` sets it from each engine's stores. ``remove_worker`` forgets
+        it: a worker added again under the name is a new engine, until told its own size."""
 
     def engine_block_size(self, worker: str) -> int | None:
         """The worker's engine block size in tokens, None while unknown."""

@@ -2,7 +2,7 @@
 //! [`super::Applier`] that writes it and the router that reads it.
 //!
 //! Guarantees: [`EngineBlockSizes::version`] changes after every change of a size (never on a
-//! `set` that changes nothing), so a reader that keeps a copy re-reads only when it moved; a
+//! call that changes nothing), so a reader that keeps a copy re-reads only when it moved; a
 //! size is never 0.
 
 use std::collections::HashMap;
@@ -36,5 +36,13 @@ impl EngineBlockSizes {
     /// Changes whenever a size changes.
     pub fn version(&self) -> u64 {
         self.version.load(Ordering::Acquire)
+    }
+
+    /// Forgets `worker`'s size: its engine is gone, and one added later under the name reports
+    /// its own.
+    pub fn forget(&self, worker: &str) {
+        if self.sizes.write().remove(worker).is_some() {
+            self.version.fetch_add(1, Ordering::Release);
+        }
     }
 }

@@ -51,10 +51,13 @@ impl Router {
         Ok(())
     }
 
-    /// Removes worker `name`, its load and its blocks (from the index and every tier index).
+    /// Removes worker `name`, its load, its blocks (from the index and every tier index) and its
+    /// engine block size: a worker added later under the name is a new engine, counted in router
+    /// blocks until its own size is known.
     pub fn remove_worker(&mut self, name: &str) -> Result<()> {
         let uniform = self.workers.uniform();
         let (slot, _) = self.workers.remove(name)?;
+        self.engine_sizes.forget(name);
         // Harmless when it fails: the only error is "unknown worker", i.e. the index holds
         // nothing of it (events mode before its first event, or a tier it never used).
         let _ = self.index.write().remove_worker(name);

@@ -151,10 +151,28 @@ fn approx_mode_counts_whole_engine_blocks_once_told_the_size() {
     r.set_engine_block_size(&w, 12).unwrap();
     let again = r.route_tokens(&prompt, None, None, 2.0).unwrap();
     assert_eq!((&again.worker, again.cached_blocks), (&w, 9));
-    // A worker added later under the name reads the size recorded for it.
+    // A worker added later under the name is a new engine: its size unknown (the other
+    // worker's kept), its repeats counted in router blocks until told its own.
+    let other = if &*w == "a" { "b" } else { "a" };
+    r.set_engine_block_size(other, 8).unwrap();
     r.remove_worker(&w).unwrap();
     r.add_worker(&w, 1.0).unwrap();
-    assert_eq!(r.workers().named(&w).unwrap().engine_block_size, Some(12));
+    assert_eq!(r.workers().named(&w).unwrap().engine_block_size, None);
+    assert_eq!(r.engine_block_size(&w).unwrap(), None);
+    assert_eq!(r.engine_block_size(other).unwrap(), Some(8));
+    let exclude = [other];
+    for at in [3.0, 4.0] {
+        let req = RouteRequest {
+            exclude: &exclude,
+            ..r.tokens_request(&prompt, None, None, at).unwrap()
+        };
+        let d = r.route(req).unwrap();
+        assert_eq!(&d.worker, &w);
+        if at == 4.0 {
+            assert_eq!(d.cached_blocks, 10);
+        }
+    }
+    assert_eq!(r.workers().named(other).unwrap().engine_block_size, Some(8));
 }
 
 /// In events mode a request in flight on a worker credits the next one with its prompt, in whole
@@ -243,6 +261,16 @@ fn engine_block_sizes_change_only_on_a_new_nonzero_size() {
     assert_eq!(sizes.get("b"), None);
     sizes.set("b", 0);
     assert_eq!(sizes.get("b"), None);
+    // Forgetting a size is a change; forgetting one not known is not.
+    sizes.set("b", 8);
+    let v2 = sizes.version();
+    sizes.forget("a");
+    assert_eq!((sizes.get("a"), sizes.get("b")), (None, Some(8)));
+    let v3 = sizes.version();
+    assert!(v3 != v2);
+    sizes.forget("a");
+    sizes.forget("zz");
+    assert_eq!(sizes.version(), v3);
 }
 
 /// An engine's block size is the largest of its GPU stores since it was last cleared: a store
