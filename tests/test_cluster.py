@@ -506,6 +506,43 @@ def test_the_scraper_names_an_engine_block_size_once(caplog):
         parse_engine_metrics("", "openai", 16)
 
 
+def test_the_scraper_forgets_a_worker_gone_or_at_a_new_address():
+    """The figures read from an engine describe that engine: a worker that leaves, or whose
+    name comes back at another address (a pod replaced), shows none until scraped again."""
+    import asyncio
+
+    from kvroute import Router
+    from kvroute.cluster import EngineScraper
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from support.gateway_upstream import ServerThread
+
+    async def metrics(request):
+        return PlainTextResponse(VLLM_METRICS)
+
+    engine = ServerThread(Starlette(routes=[Route("/metrics", metrics)]))
+    fleet = [(n, engine.url, "vllm", None) for n in ("a", "b", "c")]
+
+    async def one_round() -> EngineScraper:
+        s = EngineScraper(Router(["a", "b", "c"]), fleet, interval=3600, timeout=5)
+        s.start()
+        while len(s.describe()) < 3:
+            await asyncio.sleep(0.01)
+        await s.stop()
+        return s
+
+    try:
+        s = asyncio.run(asyncio.wait_for(one_round(), 20))
+        s.set_workers(fleet)
+        assert sorted(s.describe()) == ["a", "b", "c"]
+        s.set_workers([fleet[0], ("b", engine.url + "/", "vllm", None)])
+        assert sorted(s.describe()) == ["a"]
+        assert s.describe()["a"]["block_size"] == 32
+    finally:
+        engine.stop()
+
+
 def test_the_scraper_feeds_the_router(nats_server):
     """A [cluster] gateway scrapes each engine's /metrics into Router.set_load; an engine that
     does not answer changes nothing."""

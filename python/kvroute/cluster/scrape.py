@@ -177,11 +177,13 @@ class EngineScraper:
 
     def set_workers(self, workers: Iterable[tuple[str, str, str, str | None]]) -> None:
         """Scrapes these workers from the next round on (a server whose fleet changes); the
-        last figures of the workers gone are forgotten."""
+        last figures of the workers gone, or now at another address (a new engine under the
+        name), are forgotten."""
+        before = {w[0]: w[1] for w in self.workers}
         self.workers = [w for w in workers if w[2] in SCRAPED_KINDS]
-        names = {w[0] for w in self.workers}
-        self.last = {n: load for n, load in self.last.items() if n in names}
-        self._sizes_told = {n: size for n, size in self._sizes_told.items() if n in names}
+        same = {w[0] for w in self.workers if before.get(w[0]) == w[1]}
+        self.last = {n: load for n, load in self.last.items() if n in same}
+        self._sizes_told = {n: size for n, size in self._sizes_told.items() if n in same}
         if self._started:
             self._ensure_task()
 
