@@ -845,3 +845,7 @@ mod worker_set {
 /// Tests written for cargo-mutants survivors since shard 6/40 (`tests_mutants.rs`).
 #[path = "tests_mutants.rs"]
 mod mutants;
+
+/// `load`'s refusals against a hand-written image (`tests_image.rs`).
+#[path = "tests_image.rs"]
+mod image;

@@ -296,6 +296,43 @@ fn continuing_a_run_held_alone_extends_it_in_place() {
     ix.check_invariants().unwrap();
 }
 
+/// cargo-mutants survivor (shard 17/40): `capacity - old < new.len()` → `>` in
+/// `Tree::extend_run` left a full run to `Vec`'s own doubling and regrew one that had room (no
+/// test read a run's allocation). `extend_run` is documented to grow a run by at least an eighth
+/// of its length, with little slack, and (amortised O(1)) not while the new blocks fit: for the
+/// class, a run continued 1 to 9 blocks at a time from 1 block to ~2,000, its allocation after
+/// each continuation against that rule — unchanged while they fit, else exactly the old length
+/// plus the larger of the new blocks and an eighth of the old length.
+#[test]
+fn a_continued_run_grows_by_the_larger_of_its_new_blocks_and_an_eighth() {
+    let mut ix = PrefixIndex::new(None).unwrap();
+    ix.store("a", &[1], None).unwrap();
+    let run = |ix: &PrefixIndex| {
+        let hashes = &ix.tree.node(ix.tree.find(1).expect("stored").0).hashes;
+        (hashes.len(), hashes.capacity())
+    };
+    let (mut len, mut cap) = run(&ix);
+    assert_eq!(len, 1);
+    let mut rng = Rng(17);
+    let mut grew = 0;
+    for step in 0..400 {
+        let k = 1 + rng.below(9) as usize;
+        let last = len as u64;
+        let new: Vec<u64> = (last + 1..=last + k as u64).collect();
+        ix.store("a", &new, Some(last)).unwrap();
+        if cap - len < k {
+            cap = len + k.max(len / 8);
+            grew += 1;
+        }
+        len += k;
+        assert_eq!(run(&ix), (len, cap), "step {step}: {k} more");
+    }
+    assert_eq!(ix.num_nodes(), 1);
+    // Both sides of the rule were taken, many times each.
+    assert!(grew > 20 && grew < 200, "{grew} of 400 grew");
+    ix.check_invariants().unwrap();
+}
+
 /// cargo-mutants survivor (shard 13/40): `delete match arm 0..4` in `tree::table_bytes_for`
 /// counted a hash table of 1 or 2 entries as 1 or 2 buckets, where hashbrown allocates 4 — no
 /// test compared the estimate with a real allocation. `Tree::compacted_bytes` is documented as
