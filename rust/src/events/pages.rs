@@ -540,4 +540,25 @@ mod arena {
             step(&mut pages, &mut model, op, &format!("draw {i}"));
         }
     }
+
+    impl Pages {
+        /// Test-only: pads the arena to `len` tokens that no page holds (counted dead), with room
+        /// for `capacity`, without touching them — `vec![0; n]` is calloc'd, so the padding costs
+        /// address space, not memory — so a test can take an insert to the arena's bound (`u32`
+        /// offsets: 4 Gi tokens) without 16 GiB of pages. `None`, changing nothing, when the
+        /// address space is not there (checked first with a reservation that touches nothing).
+        pub(in crate::events) fn pad_arena(&mut self, len: usize, capacity: usize) -> Option<()> {
+            let mut probe: Vec<u32> = Vec::new();
+            probe.try_reserve_exact(capacity).ok()?;
+            drop(probe);
+            let mut tokens = vec![0; capacity];
+            tokens
+                .get_mut(..self.tokens.len())?
+                .copy_from_slice(&self.tokens);
+            tokens.truncate(len);
+            self.dead += len.checked_sub(self.tokens.len())?;
+            self.tokens = tokens;
+            Some(())
+        }
+    }
 }

@@ -572,3 +572,82 @@ fn a_block_whose_parent_the_index_evicted_is_counted_rejected() {
     );
     assert_eq!(c.blocks_stored, before.blocks_stored);
 }
+
+/// The arena of pages' tokens is addressed by `u32` offsets, so it holds at most `u32::MAX`
+/// tokens (`Pages::insert`: "false when the arena is full (4 Gi tokens), which skips the
+/// page"): a page that would end past that is refused, its store counted once as unsupported
+/// and the store's later pages skipped; one ending exactly there is kept, and the router block
+/// pages at the top of the arena complete is indexed with their tokens. The arena is padded
+/// with tokens no page holds (`Pages::pad_arena`: address space, no memory) after the chain's
+/// root page, each case on either side of the bound and at the two ways past it (the arena's
+/// length itself past `u32`, its end past `u32`).
+#[test]
+fn a_page_past_the_arenas_u32_offsets_is_refused_and_counted_once() {
+    const MAX: usize = u32::MAX as usize;
+    let tokens: Vec<u64> = (0..16).collect();
+    // Pages of 4 under the router's block of 16: pages 1 to 3 wait in the arena, 4 completes.
+    // `pages` pages from page `from` (0-based) in one store.
+    let store = |w: &mut W, from: usize, pages: usize| {
+        let hashes: Vec<u64> = (from..from + pages).map(|i| i as u64 + 1).collect();
+        let e = Ev {
+            hashes: &hashes,
+            parent: from.checked_sub(1).map(|p| p as u64 + 1),
+            tokens: &tokens[from * 4..(from + pages) * 4],
+            block_size: 4,
+            medium: None,
+        };
+        stored(w, &e);
+        1
+    };
+    // (arena length after the padding, pages 2 and 3 kept): each kept page adds 4 tokens.
+    for (len, kept) in [
+        (MAX - 8, 2),
+        (MAX - 7, 1),
+        (MAX - 4, 1),
+        (MAX - 3, 0),
+        (MAX, 0),
+        (MAX + 1, 0),
+    ] {
+        let index = shared();
+        let mut a = Applier::new(index.clone(), Config::default()).expect("applier");
+        a.apply("w", &batch(|w| store(w, 0, 1))).expect("apply");
+        let pages = a.pages_mut("w", 0).expect("the worker's GPU pages");
+        if pages.pad_arena(len, len + 8).is_none() {
+            eprintln!("skipped: no 16 GiB of address space for the arena of {len} tokens");
+            return;
+        }
+        // One store of pages 2 and 3: refused at the first that would pass the bound, and the
+        // rest of the store with it.
+        a.apply("w", &batch(|w| store(w, 1, 2))).expect("apply");
+        let c = a.counters("w").expect("counters");
+        let refused = u64::from(kept < 2);
+        assert_eq!(
+            (c.blocks_stored, c.skipped_unsupported),
+            (1 + kept, refused),
+            "arena of {len} tokens"
+        );
+        // Page 4 completes the block from the kept pages' tokens, or finds its parent missing.
+        a.apply("w", &batch(|w| store(w, 3, 1))).expect("apply");
+        let c = a.counters("w").expect("counters");
+        let complete = kept == 2;
+        assert_eq!(
+            (
+                c.blocks_stored,
+                c.skipped_unknown_parent,
+                c.skipped_unsupported
+            ),
+            (
+                1 + kept + u64::from(complete),
+                u64::from(!complete),
+                refused
+            ),
+            "arena of {len} tokens"
+        );
+        let want = u32::from(complete);
+        assert_eq!(
+            matched(&index, &own_hashes(&tokens, 16), "w"),
+            want,
+            "arena of {len}"
+        );
+    }
+}

@@ -1,8 +1,10 @@
-//! Test-only reader of the applier's per-worker maps: a child module of `apply`, so it sees
-//! them. The memory rule of the module docs — one entry per engine block the worker holds,
-//! removals and clears prune it — is checked against an engine model in `tests_memory.rs`.
+//! Test-only reader of the applier's per-worker maps, and its pages (to pad their arena in
+//! `tests_pages.rs`): a child module of `apply`, so it sees them. The memory rule of the module
+//! docs — one entry per engine block the worker holds, removals and clears prune it — is checked
+//! against an engine model in `tests_memory.rs`.
 
 use super::Applier;
+use crate::events::pages::Pages;
 
 /// The engine hashes one tier's maps hold for a worker, each sorted: `links`, `firsts`,
 /// `digests`, and whether its `pages` are empty.
@@ -33,5 +35,11 @@ impl Applier {
                 })
                 .collect()
         })
+    }
+
+    /// `worker`'s pages on tier `tier` (`None` for a worker or tier the applier does not know).
+    pub(in crate::events) fn pages_mut(&mut self, worker: &str, tier: usize) -> Option<&mut Pages> {
+        let state = self.workers.get_mut(worker)?.tiers.get_mut(tier)?;
+        Some(&mut state.pages)
     }
 }
