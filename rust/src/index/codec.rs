@@ -183,13 +183,16 @@ impl PrefixIndex {
         index.clock.store(clock, Ordering::Relaxed);
         index.max_bytes = max_bytes;
         if let Some(max) = max_bytes {
-            index.enforce_budget();
-            if index.memory_bytes() > max {
+            // The worker table (as loaded: at least its compacted size) must fit beside an empty
+            // index, as `add_worker` admits a worker, before blocks are evicted to fit the rest.
+            let table = PrefixIndex::min_budget() + index.workers.heap_bytes();
+            if table > max {
                 return value_err!(
                     "max_bytes = {max} cannot hold the table of {} workers",
                     index.num_workers()
                 );
             }
+            index.enforce_budget();
         }
         Ok(index)
     }

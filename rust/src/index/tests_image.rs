@@ -291,3 +291,27 @@ fn each_refusal_of_load_is_reported_at_its_field_with_its_whole_message() {
     let fits = ix.memory_bytes();
     PrefixIndex::load(&seal(good), Some(fits)).unwrap();
 }
+
+/// A budget too small for the image's worker table is refused before anything is evicted (it
+/// tripped `enforce_budget`'s "an empty index exceeds its budget" assertion in test builds), and
+/// one that holds the table keeps the workers, evicting blocks to fit.
+#[test]
+fn a_budget_smaller_than_the_worker_table_is_refused_not_evicted_into() {
+    let mut src = PrefixIndex::new(None).unwrap();
+    src.store("a", &[1, 2, 3], None).unwrap();
+    src.store("b", &[1, 7], None).unwrap();
+    let image = src.dump();
+    for max in [PrefixIndex::min_budget(), PrefixIndex::min_budget() + 8] {
+        assert_eq!(
+            refusal(&image, Some(max)),
+            format!("max_bytes = {max} cannot hold the table of 2 workers")
+        );
+    }
+    let mut fits = PrefixIndex::new(None).unwrap();
+    fits.add_worker("a").unwrap();
+    fits.add_worker("b").unwrap();
+    let table = PrefixIndex::min_budget() + fits.workers.heap_bytes() + 64;
+    let loaded = PrefixIndex::load(&image, Some(table)).unwrap();
+    assert_eq!(loaded.num_workers(), 2);
+    assert!(loaded.memory_bytes() <= table);
+}
