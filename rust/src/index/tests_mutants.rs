@@ -407,3 +407,125 @@ fn the_index_checker_reports_its_own_invariants_each_broken_alone() {
         format!("memory {used} > budget {}", used - 1)
     );
 }
+
+/// cargo-mutants survivor (shard 16/40): `PrefixIndex::max_bytes` → `None` (no Rust test read
+/// the budget back; the Python tests do). For the class — the index's one setting, read back
+/// wherever it is set or could be lost — the budget given to `new`, and to `load` (the budget
+/// given, not the dumping index's: an image carries none), is what `max_bytes` reports, with
+/// no budget, the smallest one, one byte more, and larger ones, and it stays so through every
+/// mutation (a worker added or refused, stores, a store evicting, a removal, a clear, a worker
+/// removed). (`load` is given only budgets that hold the image's worker table: below that, a
+/// debug build stops at `enforce_budget`'s assertion before `load`'s own error.)
+#[test]
+fn the_budget_reads_back_as_given_to_new_and_load_through_every_mutation() {
+    let min = PrefixIndex::min_budget();
+    let budgets = [
+        None,
+        Some(min),
+        Some(min + 1),
+        Some(min + 4_000),
+        Some(1 << 20),
+    ];
+    for budget in budgets {
+        let mut ix = PrefixIndex::new(budget).unwrap();
+        assert_eq!(ix.max_bytes(), budget);
+        let tiny = budget.is_some_and(|b| b < min + 64);
+        assert_eq!(ix.add_worker("a").is_err(), tiny, "{budget:?}");
+        assert_eq!(ix.max_bytes(), budget);
+        if !tiny {
+            for k in 0..200u64 {
+                ix.store("a", &[1_000 + k * 3, 1_001 + k * 3], None)
+                    .unwrap();
+                ix.store("b", &[1_000 + k * 3, 1_002 + k * 3], None)
+                    .unwrap();
+                assert_eq!(ix.max_bytes(), budget);
+            }
+            ix.remove("a", &[1_000 + 199 * 3]).unwrap();
+            assert_eq!(ix.max_bytes(), budget);
+            ix.clear("b").unwrap();
+            assert_eq!(ix.max_bytes(), budget);
+            ix.remove_worker("b").unwrap();
+            assert_eq!(ix.max_bytes(), budget);
+            ix.check_invariants().unwrap();
+        }
+        let image = ix.dump();
+        for given in budgets {
+            if ix.num_workers() > 0 && given.is_some_and(|g| g < min + 64) {
+                continue;
+            }
+            let loaded = PrefixIndex::load(&image, given).unwrap();
+            assert_eq!(
+                loaded.max_bytes(),
+                given,
+                "{budget:?} loaded with {given:?}"
+            );
+            loaded.check_invariants().unwrap();
+        }
+    }
+}
+
+/// cargo-mutants survivor (shard 16/40): `table_bytes_for`'s `n * 8 / 7` → `n * 8 * 7` sized a
+/// table of 8 or more entries at ~49 times its buckets — the estimate only had a lower bound
+/// (the test above), while its reader, the budget's `evict_until`, stops evicting once the
+/// estimate fits its target: an estimate too high evicts more than the budget needs. For the
+/// class — every term of `Tree::compacted_bytes` and each sizing rule of `table_bytes_for` —
+/// the estimate of a compacted tree is its memory as measured (hashbrown's own
+/// `allocation_size` and the vectors' capacities), for every table size 1 to 64 and on to 2,000
+/// entries in both tables (one run; runs of 3), not above it: exactly with SSE2's 16-byte
+/// control groups, as the estimate counts them, within 12 bytes a table with narrower groups.
+#[test]
+fn the_compacted_size_is_the_compacted_trees_memory_for_every_table_size() {
+    let slack = if cfg!(target_feature = "sse2") { 0 } else { 24 };
+    for blocks in 1..=2_000u64 {
+        if blocks > 64 && blocks % 37 != 0 {
+            continue;
+        }
+        let chain: Vec<u64> = (1..=blocks).collect();
+        let mut one = PrefixIndex::new(None).unwrap();
+        one.store("a", &chain, None).unwrap();
+        let mut split = PrefixIndex::new(None).unwrap();
+        split.store("a", &chain, None).unwrap();
+        for end in (3..=blocks as usize).step_by(3) {
+            split.store("b", &chain[..end], None).unwrap();
+        }
+        for ix in [&one, &split] {
+            let compact = ix.tree.rebuilt();
+            let (estimate, real) = (compact.compacted_bytes(), compact.memory_bytes());
+            assert!(
+                real <= estimate && estimate <= real + slack,
+                "{blocks} blocks, {} nodes: estimate {estimate}, measured {real}",
+                ix.num_nodes()
+            );
+        }
+    }
+}
+
+/// The failure side of `extend_run`'s growth rule (17/40's test above is the success side; shard
+/// 16/40's survivor `capacity - old < new.len()` → `==` is caught by it): a continuation refused
+/// part-way (more blocks than the run has room for, the last stored elsewhere) undoes itself —
+/// the run's blocks, its allocation (without `shrink_to` the grown capacity stayed), the
+/// entries of the blocks it had added (the next turn stores them) — at every length to ~3,000.
+#[test]
+fn a_refused_continuation_leaves_the_runs_blocks_and_allocation_as_they_were() {
+    let mut ix = PrefixIndex::new(None).unwrap();
+    ix.store("b", &[1 << 40], None).unwrap();
+    ix.store("a", &[1], None).unwrap();
+    let leaf = ix.tree.find(1).expect("stored").0;
+    let run = |ix: &PrefixIndex| {
+        let hashes = &ix.tree.node(leaf).hashes;
+        (hashes.len(), hashes.capacity())
+    };
+    for turn in 0..1_000u64 {
+        let (len, capacity) = run(&ix);
+        let last = len as u64;
+        let room = (capacity - len) as u64;
+        let refused: Vec<u64> = (last + 1..=last + room + 1).chain([1 << 40]).collect();
+        assert!(ix.store("a", &refused, Some(last)).is_err());
+        assert_eq!(run(&ix), (len, capacity), "turn {turn}");
+        let more = 1 + turn % 5;
+        let next: Vec<u64> = (last + 1..=last + more).collect();
+        ix.store("a", &next, Some(last)).unwrap();
+    }
+    assert_eq!(ix.num_nodes(), 2);
+    ix.check_invariants().unwrap();
+}
