@@ -1,9 +1,11 @@
 """One upstream attempt's accounting (``kvroute.gateway.upstream``) against a reference model.
 
 A Hypothesis state machine begins, prefills and closes flights (in any order, closing twice,
-prefilling after close) on the real ``kvroute.Router``; a reference model says how many attempts
-each worker has in flight and how many of them wait for their first output, which workers are at
-their in-flight bound, and what the gateway's cache-usage counters hold. The router's own
+prefilling after close), has non-streamed ones expect their prefill at a predicted time (soon,
+later, never, or no prediction) and moves the loop's clock, on the real ``kvroute.Router``; a
+reference model says how many attempts each worker has in flight and how many of them wait for
+their first output, which workers are at their in-flight bound, and what the gateway's
+cache-usage counters hold. The router's own
 ``load()`` must agree after every step: a flight that forgot ``finish`` or ran it twice would
 leave a worker looking busy (or idle) for good.
 """
@@ -47,6 +49,8 @@ class FlightMachine(RuleBasedStateMachine):
     )
     def start(self, bound, connections, observe):
         self.loop = asyncio.new_event_loop()
+        self.now = 0.0  # the loop's clock: timers fire only when a rule moves it
+        self.loop.time = lambda: self.now  # type: ignore[method-assign]
         workers = tuple(
             WorkerConfig(name=n, url=f"http://127.0.0.1:{9 + k}", max_connections=connections)
             for k, n in enumerate(NAMES)
@@ -68,6 +72,11 @@ class FlightMachine(RuleBasedStateMachine):
         self.began: dict[object, tuple[float, float]] = {}  # the clock around begin()
         self.seconds: list[float] = []
         self.observe = observe  # the gateway leaves on_prefilled unset with a configured rate
+        self.expected: set[object] = set()  # flights told to expect their prefill
+        self.pending: dict[object, float] = {}  # flight -> predicted seconds, not yet reached
+        self.prediction: float | None = None
+        self.asked: list[float] = []  # the work each prediction was asked for
+        self.upstreams.predict_prefill = lambda work: (self.asked.append(work), self.prediction)[1]
         if observe:
             self.upstreams.on_prefilled = lambda work, seconds: (
                 self.prefill_work.append(work),
@@ -110,6 +119,7 @@ class FlightMachine(RuleBasedStateMachine):
             # Work ahead of it when it began (blocks being prefilled there) plus its own.
             work = self.queued_at_begin[flight] + max(d.prompt_tokens - d.cached_tokens, 0)
             self.expected_work.append(work)
+        self.pending.pop(flight, None)  # the first output came first
         before = time.perf_counter()
         flight.prefilled()
         after = time.perf_counter()
@@ -130,6 +140,7 @@ class FlightMachine(RuleBasedStateMachine):
         d = flight.decision
         engine_prompt = {None: None, "same": d.prompt_tokens, "double": 2 * d.prompt_tokens}[prompt]
         reported = usage(cached, engine_prompt)
+        self.pending.pop(flight, None)
         if flight in self.open:
             del self.open[flight]
             self.usages[flight] = reported  # what the rate limits charge (Gateway._ended)
@@ -141,6 +152,35 @@ class FlightMachine(RuleBasedStateMachine):
                 self.predicted[d.worker] += d.cached_tokens
         self.loop.run_until_complete(release(_Closed(), flight, reported))
         assert flight.usage == self.usages[flight]  # the first close's, kept
+
+    @rule(flight=flights, seconds=st.sampled_from([None, 0.01, 0.03, 3600.0, float("inf")]))
+    def expect_prefill(self, flight, seconds):
+        """A non-streamed attempt (once per flight, as the gateway does before sending)."""
+        if flight in self.expected:
+            return
+        self.expected.add(flight)
+        self.prediction = seconds
+        asked = len(self.asked)
+        self.loop.run_until_complete(self._expect(flight))
+        d = flight.decision
+        work = self.queued_at_begin[flight] + max(d.prompt_tokens - d.cached_tokens, 0)
+        assert self.asked[asked:] == [work]
+        if seconds is not None and seconds < float("inf") and self.open.get(flight) is False:
+            self.pending[flight] = seconds
+
+    async def _expect(self, flight) -> None:
+        flight.expect_prefill()
+
+    @rule()
+    def wait(self):
+        """20 ms pass on the loop's clock: the predictions then reached fire."""
+        self.now += 0.02
+        self.loop.run_until_complete(asyncio.sleep(0))
+        for flight, seconds in list(self.pending.items()):
+            self.pending[flight] = seconds - 0.02
+            if seconds <= 0.02 + 1e-9:
+                del self.pending[flight]
+                self.open[flight] = True  # prefilled, but no sample of the model
 
     @invariant()
     def accounting(self):
@@ -156,6 +196,7 @@ class FlightMachine(RuleBasedStateMachine):
         for w in NAMES:
             load = self.load(w)
             assert (load["active"], load["queued"]) == (active[w], waiting[w])
+        assert self.prefill_work == self.expected_work  # a prediction is never a sample
         m = self.upstreams.metrics
         assert {w: m.reported.get(w) for w in NAMES} == self.reported
         assert {w: m.predicted.get(w) for w in NAMES} == self.predicted

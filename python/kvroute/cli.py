@@ -189,8 +189,9 @@ def _simulate(args: argparse.Namespace) -> int:
                 f"kvroute simulate: warning: --export-trace {args.export_trace}: {lost}",
                 file=sys.stderr,
             )
+    options = _client_options(args, policies, endpoint.policy)
     if swept is not None:
-        return _sweep(args, workload, model, policies, *swept)
+        return _sweep(args, workload, model, policies, *swept, options=options)
     if args.replicas is not None:
         return _replicas(args, workload, model, policies)
     report, results = simulate(
@@ -204,6 +205,7 @@ def _simulate(args: argparse.Namespace) -> int:
         instrument=bool(args.explain or args.decisions),
         tenant_workloads=others,
         pressure=pressure,
+        policy_options=options,
     )
     if not args.explain:
         report.decisions = None
@@ -317,7 +319,20 @@ def _replicas(args, workload, model, policies) -> int:
     return 0
 
 
-def _sweep(args, workload, model, policies, axis: str, values: list[float]) -> int:
+def _client_options(args: argparse.Namespace, *names: Any) -> dict[str, dict[str, Any]]:
+    """``--non-streamed`` as the options of every kvroute policy among ``names`` (str or lists
+    of them); the peers' emulations take none."""
+    from .sim.policies import KVROUTE_POLICIES
+
+    if not args.non_streamed:
+        return {}
+    flat = [n for x in names for n in ([x] if isinstance(x, str) else x)]
+    return {n: {"non_streamed": args.non_streamed} for n in flat if n in KVROUTE_POLICIES}
+
+
+def _sweep(
+    args, workload, model, policies, axis: str, values: list[float], options: dict | None = None
+) -> int:
     """``kvroute simulate --sweep``: every policy at every point; tables, JSON and plot."""
     from .sim.sweep import render_sweep, sweep, write_sweep_json, write_sweep_plot
 
@@ -331,6 +346,7 @@ def _sweep(args, workload, model, policies, axis: str, values: list[float]) -> i
             index=args.index,
             seed=args.seed,
             progress=not args.quiet,
+            policy_options=options,
         )
     except ValueError as e:
         print(f"kvroute simulate: {e}", file=sys.stderr)
@@ -581,6 +597,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: 512, 16 or the file's own; checked against the trace's rows)",
     )
     sim.add_argument("--requests", type=int, help="replay only the first N requests")
+    sim.add_argument(
+        "--non-streamed",
+        type=float,
+        metavar="SHARE",
+        help="share of requests whose clients do not stream (0 to 1, default 0): the router "
+        "learns their prefill is over when kvroute serve's model predicts it, not at the first "
+        "token",
+    )
     sim.add_argument(
         "--time-scale", type=float, default=1.0, help="multiply arrival times (0.5 = 2x load)"
     )

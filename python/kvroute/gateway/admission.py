@@ -24,6 +24,9 @@ mostly hits the prefix cache — small work, ~base seconds — no longer teaches
 hundred tokens/s that sheds fresh long prompts the engine serves in a fraction of a second. Until
 a sample arrives, nothing is shed on the objective. Shedding answers 429 with ``Retry-After: 1``,
 counted by reason.
+
+The same prediction tells the router when a response that shows nothing until it is whole (not
+streamed) has done its prefill (``Flight.expect_prefill``); it is never a sample itself.
 """
 
 from __future__ import annotations
@@ -191,15 +194,18 @@ class Admission:
     def queued_tokens(self, worker: str) -> float:
         return self.router.load(worker)["prefill_blocks"] * self.block_size
 
+    def predict_prefill(self, work: float) -> float | None:
+        """Seconds to the first token for ``work`` prefill tokens (queued + the prompt's own
+        uncached), or None while nothing is known."""
+        if self.fixed_rate:
+            return work / self.fixed_rate
+        return self.prefill.predict(work)
+
     def predicted_ttft(self, d: Decision) -> float | None:
         """Seconds to the first token on the decision's worker, or None while nothing is
         known."""
         uncached = max(d.prompt_tokens - d.cached_tokens, 0)
-        if self.fixed_rate:
-            return (self.queued_tokens(d.worker) + uncached) / self.fixed_rate
-        if self.prefill.fit is None:
-            return None
-        return self.prefill.predict(self.queued_tokens(d.worker) + uncached)
+        return self.predict_prefill(self.queued_tokens(d.worker) + uncached)
 
     def check_slo(self, d: Decision, slo_seconds: float | None) -> Shed | None:
         if slo_seconds is None:

@@ -30,8 +30,10 @@ Request path (``POST /v1/chat/completions``, ``POST /v1/completions``):
    the caller's own. The KV hand-over fields of prefill/decode engines (``kv_transfer_params``,
    ``bootstrap_host`` / ``_port`` / ``_room``) are never forwarded from a caller.
 7. Load accounting (``kvroute.gateway.upstream``): ``router.begin`` when the upstream request
-   starts, ``router.prefilled`` at its first output, ``router.observe`` with the reported cached
-   tokens and ``router.finish`` exactly once when it ended, failed, or the client went away.
+   starts, ``router.prefilled`` at its first output (a response not streamed: when the
+   admission model predicts its prefill done, else at its end), ``router.observe`` with the
+   reported cached tokens and ``router.finish`` exactly once when it ended, failed, or the client
+   went away.
 
 Failover: each upstream failure is looked up in one table (``kvroute.gateway.errors``), which
 says how it is answered, whether the request moves on to the router's next choice among the
@@ -248,6 +250,7 @@ class Gateway:
         )
         if not s.prefill_tokens_per_second:
             self.upstreams.on_prefilled = self.admission.observe_prefill
+        self.upstreams.predict_prefill = self.admission.predict_prefill
         self.guard = ConnectionGuard(
             header_timeout=s.header_timeout,
             keep_alive_timeout=s.keep_alive_timeout,
@@ -779,6 +782,8 @@ class Gateway:
         """One upstream attempt: the response to send, or (failure, detail, the upstream's own
         5xx answer if any). The flight is closed unless a ``ProxyStream`` takes it over."""
         assert call.target is not None
+        if not stream:
+            flight.expect_prefill()
         resp = await flight.send(call.route, headers, body)
         if isinstance(resp, tuple):
             return resp

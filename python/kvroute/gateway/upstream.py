@@ -3,7 +3,10 @@
 ``Upstreams`` holds one keep-alive connection pool per worker (``kvroute.gateway.client.Pool``)
 and the count of requests begun and not finished. ``Upstreams.begin(decision, ...)`` starts one
 attempt as a ``Flight``: ``router.begin(decision)`` at once; ``prefilled()`` when the upstream's
-first output arrives; ``close(usage)`` exactly once whatever happens — the response read, the
+first output arrives — or, for a response that shows no output until it is whole (not
+streamed), when the prefill is predicted done (``expect_prefill``: ``Upstreams.predict_prefill``,
+the admission model's time for the flight's work; at ``close`` when there is no prediction);
+``close(usage)`` exactly once whatever happens — the response read, the
 stream ended or broken, the client gone, the attempt failed or cancelled — reporting the
 upstream's ``cached_tokens`` to ``router.observe`` first (in routing tokens; not for the decode
 half of a prefill/decode pair, whose engine counts the KV it received) and then calling
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import ssl as _ssl
 import time
 from collections.abc import Callable
@@ -105,6 +109,8 @@ class Upstreams:
         self.full: set[str] = set()  # workers at their in-flight bound
         #: Called with (prefill tokens, seconds) when a flight's first output arrives.
         self.on_prefilled: Callable[[float, float], None] | None = None
+        #: Seconds a prefill of so many tokens (queued + own) takes, None while unknown.
+        self.predict_prefill: Callable[[float], float | None] | None = None
 
     def start(self) -> None:
         """Opens the pools (in the running event loop)."""
@@ -177,6 +183,7 @@ class Flight:
         "decision",
         "pool",
         "prefill_done",
+        "prefill_timer",
         "queued",
         "routing_prompt",
         "upstreams",
@@ -191,6 +198,7 @@ class Flight:
         self.routing_prompt = routing_prompt
         self.closed = False
         self.prefill_done = False
+        self.prefill_timer: asyncio.TimerHandle | None = None
         self.usage: Any = None
         self.pool = upstreams.pools[self.worker]
         # The prefill queued ahead of this request (begin returns it): timed at its first output.
@@ -198,22 +206,44 @@ class Flight:
         upstreams._count(self.worker, 1)
         self.begun = time.perf_counter()
 
+    @property
+    def work(self) -> int:
+        """The prefill tokens ahead of this request's first token: queued + its own uncached."""
+        d = self.decision
+        return self.queued + max(d.prompt_tokens - d.cached_tokens, 0)
+
     def prefilled(self) -> None:
         """The upstream produced its first output: the prompt's prefill is done."""
         if not self.prefill_done and not self.closed:
-            self.prefill_done = True
-            u = self.upstreams
-            u.router.prefilled(self.decision)
-            if u.on_prefilled is not None:
-                d = self.decision
-                work = self.queued + max(d.prompt_tokens - d.cached_tokens, 0)
-                u.on_prefilled(work, time.perf_counter() - self.begun)
+            self._prefilled()
+            if self.upstreams.on_prefilled is not None:
+                self.upstreams.on_prefilled(self.work, time.perf_counter() - self.begun)
+
+    def expect_prefill(self) -> None:
+        """The response shows no output before it is whole (called as it is sent, right after
+        ``begin``): the router is told the prefill is done when it is predicted done (no
+        prediction: at ``close``). Not a sample of the prediction's model."""
+        predict = self.upstreams.predict_prefill
+        seconds = None if predict is None else predict(self.work)
+        if seconds is not None and seconds < math.inf and not self.closed:
+            self.prefill_timer = asyncio.get_running_loop().call_later(seconds, self._predicted)
+
+    def _predicted(self) -> None:
+        self.prefill_timer = None
+        if not self.prefill_done and not self.closed:
+            self._prefilled()
+
+    def _prefilled(self) -> None:
+        self.prefill_done = True
+        self._cancel_timer()
+        self.upstreams.router.prefilled(self.decision)
 
     def close(self, usage: Any = None) -> None:
         """Reports the upstream's usage (if it has cached tokens) and finishes; idempotent."""
         if self.closed:
             return
         self.closed = True
+        self._cancel_timer()
         self.usage = usage
         u = self.upstreams
         try:
@@ -242,11 +272,17 @@ class Flight:
         if self.closed:
             return
         self.closed = True
+        self._cancel_timer()
         u = self.upstreams
         try:
             u.router.withdraw(self.decision)
         finally:
             u._count(self.worker, -1)
+
+    def _cancel_timer(self) -> None:
+        if self.prefill_timer is not None:
+            self.prefill_timer.cancel()
+            self.prefill_timer = None
 
     async def send(self, path: str, headers: str, body: bytes) -> Response | Failed:
         """POSTs the request: the response with its body still to read, or how sending failed

@@ -100,6 +100,13 @@ def check_modes(args: Any) -> None:
         raise ValueError(
             f"--replica-scrape must be a finite number of seconds > 0, got {args.replica_scrape:g}"
         )
+    if args.non_streamed is not None and not 0 <= args.non_streamed <= 1:
+        raise ValueError(f"--non-streamed must be a share from 0 to 1, got {args.non_streamed:g}")
+    if args.pd is not None or args.replicas is not None:
+        _refuse(
+            given(args, "--non-streamed"),
+            "apply to --pd or --replicas (their requests are simulated as streamed)",
+        )
     if args.pd is None:
         _refuse(given(args, "--pd-thresholds"), "apply without --pd")
     if args.replicas is None:

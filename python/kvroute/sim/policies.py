@@ -3,7 +3,12 @@
 kvroute's own policies are one :class:`kvroute.Router` over the whole fleet, driven exactly as a
 gateway (``kvroute serve``) drives it: ``route(block_hashes=..., key=session, endpoint=...)`` at
 arrival, ``begin`` right after, ``prefilled`` at the first token, ``observe(decision,
-cached_tokens)`` with the engine-reported cached tokens and ``finish`` when the response ends. The
+cached_tokens)`` with the engine-reported cached tokens and ``finish`` when the response ends.
+A request its client does not stream (a share ``non_streamed`` of them, the same requests for
+every policy of a seed) shows the gateway no first token: ``prefilled`` comes when the gateway's
+admission model predicts the prefill done (``prefill_tokens_per_second`` when configured, else
+the fit learned from the streamed requests' first tokens: ``kvroute.gateway.admission``), or at
+``finish`` while it predicts nothing. The
 router therefore sees all traffic, public and dedicated, and the load it weighs is the fleet's.
 The scenario's dedicated endpoints (:class:`~.scenario.Scenario`) are declared to that router
 (``add_endpoint``), and their requests are routed with ``endpoint=``. With ``index="events"``
@@ -16,12 +21,15 @@ events (on by default), SGLang and llm-d approximate (they have no other mode by
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from kvroute import Router
+from kvroute.gateway.admission import PrefillModel
 
 from .engine import Fleet, Policy
 from .peers import DynamoKv, LlmdScheduler, SGLangCacheAware
@@ -90,7 +98,10 @@ class RouterPolicy(Policy):
     ``key``: the request's session id (when the workload has sessions) is passed as the
     consistent-hash key, as a gateway doing sticky sessions would; else the router's default key.
     ``options`` go to the Router's constructor (e.g. ``queue_weight``, ``ttl``); the block size,
-    seed and (approx mode) the modelled capacity are the simulation's.
+    seed and (approx mode) the modelled capacity are the simulation's. Two of them are the
+    gateway's and its clients' instead (module docs): ``non_streamed``, the share of requests not
+    streamed (0 to 1, default 0), and ``prefill_tokens_per_second`` (the gateway's setting;
+    default: learned).
     """
 
     routes_endpoints = True
@@ -111,6 +122,17 @@ class RouterPolicy(Policy):
         self.index_mode = index
         self.seed = seed
         self.options = dict(options or {})
+        self.router_options = dict(self.options)
+        share = self.router_options.pop("non_streamed", 0.0)
+        rate = self.router_options.pop("prefill_tokens_per_second", None)
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+            raise ValueError(f"non_streamed must be a share from 0 to 1, got {share!r}")
+        if rate is not None and not (
+            isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 < rate < math.inf
+        ):
+            raise ValueError(f"prefill_tokens_per_second must be positive, got {rate!r}")
+        self.non_streamed = float(share)
+        self.fixed_rate = rate
         self.router: Any = None
         self.decisions: dict[int, Any] = {}
         self.predicted: dict[int, int] = {}
@@ -118,7 +140,7 @@ class RouterPolicy(Policy):
     def bind(self, fleet: Fleet) -> None:
         super().bind(fleet)
         self.router = fleet_router(
-            fleet, self.name, index=self.index_mode, seed=self.seed, options=self.options
+            fleet, self.name, index=self.index_mode, seed=self.seed, options=self.router_options
         )
         if self.index_mode == "events":
             fleet.subscribe(self.router.index)
@@ -128,12 +150,20 @@ class RouterPolicy(Policy):
         self.priority = [0] * len(fleet.workload) if priority is None else priority.tolist()
         self.decisions = {}
         self.predicted = {}
+        n = len(fleet.workload)
+        # Which requests stream: a draw of the seed alone, so every policy sees the same ones.
+        draw = np.random.default_rng([self.seed, 0x73747265616D]).random(n)
+        self.streamed = (draw >= self.non_streamed).tolist()
+        self.prefill_model = PrefillModel()  # the gateway's, fed by streamed first tokens
+        self.work: dict[int, tuple[float, float]] = {}  # request -> (begun at, prefill tokens)
+        self.due: list[tuple[float, int]] = []  # (predicted prefill end, request)
 
     def endpoint_pool(self, endpoint_id: str) -> list[str]:
         """The pool of a dedicated endpoint (after :meth:`bind`)."""
         return list(self.router.endpoint_pool(endpoint_id))
 
     def route(self, request: int, chain: np.ndarray, now: float) -> int:
+        self._predicted_until(now)
         endpoint = self.endpoint_of[request]
         d = self.router.route(
             block_hashes=chain, key=self.sessions[request], endpoint=endpoint, now=now
@@ -145,17 +175,40 @@ class RouterPolicy(Policy):
                 f"request {request}: the router's decision has priority {d.priority}, the "
                 f"scenario runs it at {self.priority[request]}"
             )
-        self.router.begin(d)
+        queued = self.router.begin(d) * self.router.block_size
         self.decisions[request] = d
+        work = queued + max(d.prompt_tokens - d.cached_tokens, 0)
+        self.work[request] = (now, work)
+        if not self.streamed[request]:
+            seconds = (
+                work / self.fixed_rate if self.fixed_rate else self.prefill_model.predict(work)
+            )
+            if seconds is not None and seconds < math.inf:
+                heapq.heappush(self.due, (now + seconds, request))
         return self.fleet.position[d.worker]
 
     def first_token(self, request: int, worker: int, now: float) -> None:
-        self.router.prefilled(self.decisions[request])
+        self._predicted_until(now)
+        if self.streamed[request]:
+            self.router.prefilled(self.decisions[request])
+            begun, work = self.work[request]
+            if not self.fixed_rate:
+                self.prefill_model.add(work, now - begun)
 
     def finished(self, request: int, worker: int, cached_tokens: int, now: float) -> None:
+        self._predicted_until(now)
         d = self.decisions.pop(request)
+        self.work.pop(request)
         self.router.observe(d, cached_tokens, now=now)
         self.router.finish(d, now=now)
+
+    def _predicted_until(self, now: float) -> None:
+        """The non-streamed requests whose prefill is predicted done by ``now``, in that order:
+        ``prefilled`` as the gateway's timer does (unless the request ended first)."""
+        while self.due and self.due[0][0] <= now:
+            _, request = heapq.heappop(self.due)
+            if request in self.decisions:  # each is due once, unless it ended first
+                self.router.prefilled(self.decisions[request])
 
 
 _PEERS: dict[str, Callable[..., Policy]] = {

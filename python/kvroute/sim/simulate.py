@@ -259,7 +259,8 @@ def simulate(
 
     metrics = {name: summarize(results[name], num_workers=model.workers) for name in policies}
     report = Report(policies=metrics, oracles=oracles, title=_title(workload, model, index, seed))
-    report.notes.extend(_model_notes(workload, model))
+    share = max((float(o.get("non_streamed", 0.0)) for o in options.values()), default=0.0)
+    report.notes.extend(_model_notes(workload, model, share))
     if instrument:
         report.decisions = {
             name: explain(
@@ -315,7 +316,7 @@ def _title(workload: Workload, model: FleetModel, index: str, seed: int) -> str:
     )
 
 
-def _model_notes(workload: Workload, model: FleetModel) -> list[str]:
+def _model_notes(workload: Workload, model: FleetModel, non_streamed: float = 0.0) -> list[str]:
     s = workload.summary()
     load = s["prompt_tokens_per_s"] / (model.workers * model.prefill_rate)
     rate = f"{model.prefill_rate:,.0f} tokens/s"
@@ -337,10 +338,23 @@ def _model_notes(workload: Workload, model: FleetModel) -> list[str]:
         "max ÷ mean prefill tokens computed per worker.",
         "Peers (docs/peers.md) run in their default modes: dynamo with exact KV events, "
         "sglang_cache_aware and llmd with their approximate prefix trees.",
-        "Every request is simulated as streamed: the router is told a request's prefill is over "
-        "at its first token (Router.prefilled), which kvroute serve does only for stream=true "
-        "requests; a non-streamed one counts as prefilling until it finishes (not modelled).",
+        _streaming_note(non_streamed),
     ]
+
+
+def _streaming_note(share: float) -> str:
+    if not share:
+        return (
+            "Every request is simulated as streamed: the router is told a request's prefill is "
+            "over at its first token (Router.prefilled); --non-streamed SHARE models clients "
+            "that do not stream."
+        )
+    return (
+        f"{share:.0%} of the requests are not streamed (the same ones for every kvroute "
+        "policy): as kvroute serve does, the router is told their prefill is over when the "
+        "gateway's model, learned from the streamed requests' first tokens, predicts it done "
+        "(at their end before it has learned anything); the peers' emulations are unchanged."
+    )
 
 
 def _endpoint_notes(
