@@ -12,19 +12,13 @@ from kvroute.cli import main
 from kvroute.gateway.admission import PrefillModel
 from kvroute.sim import FleetModel, run
 from kvroute.sim.policies import RouterPolicy
-from support.sim_helpers import make_workload
+from support.sim_helpers import family_trace
 
 MODEL = FleetModel(workers=3, capacity_blocks=40, prefill_rate=400.0)
 
 
 def trace(n=240, seed=5):
-    rng = np.random.default_rng(seed)
-    rows = []
-    for k in range(n):
-        family = int(rng.integers(6))
-        ids = [2000 + family, *rng.integers(0, 4, size=int(rng.integers(1, 8))).tolist()]
-        rows.append((k * 0.02, ids, len(ids) * 4 - 1, int(rng.integers(1, 40))))
-    return make_workload(rows)
+    return family_trace(n, seed, families=6, first=2000, ids=4, extra=(1, 8), gap=0.02, out=40)
 
 
 class Reference(RouterPolicy):

@@ -8,17 +8,11 @@ import pytest
 from kvroute.sim import Endpoint, FleetModel, Scenario, endpoint_scenario, run, simulate
 from kvroute.sim.engine import worker_names
 from kvroute.sim.policies import RouterPolicy, make_policy, parse_policies
-from support.sim_helpers import make_workload
+from support.sim_helpers import family_trace
 
 
 def small_trace(n=300, seed=3):
-    rng = np.random.default_rng(seed)
-    rows = []
-    for k in range(n):
-        family = int(rng.integers(8))
-        ids = [1000 + family, *rng.integers(0, 3, size=int(rng.integers(0, 6))).tolist()]
-        rows.append((k * 0.03, ids, len(ids) * 4 - 1, int(rng.integers(1, 30))))
-    return make_workload(rows)
+    return family_trace(n, seed, families=8, first=1000, ids=3, extra=(0, 6), gap=0.03, out=30)
 
 
 @pytest.mark.parametrize("index", ["events", "approx"])

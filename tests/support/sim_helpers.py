@@ -22,6 +22,30 @@ def make_workload(rows, block_size=4, tenant=None):
     )
 
 
+def family_trace(
+    n: int,
+    seed: int,
+    *,
+    families: int,
+    first: int,
+    ids: int,
+    extra: tuple[int, int],
+    gap: float,
+    out: int,
+) -> Workload:
+    """``n`` requests ``gap`` seconds apart: each one of ``families`` prompts (first block id
+    ``first + family``) then a drawn number (``extra``: low, high) of blocks with ids below
+    ``ids``, and 1 to ``out`` - 1 output tokens."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for k in range(n):
+        family = int(rng.integers(families))
+        more = rng.integers(0, ids, size=int(rng.integers(*extra))).tolist()
+        block_ids = [first + family, *more]
+        rows.append((k * gap, block_ids, len(block_ids) * 4 - 1, int(rng.integers(1, out))))
+    return make_workload(rows)
+
+
 def metrics(hit=0.5, mean=1.0, p50=1.0, p90=1.0, p99=1.0, requests=10) -> PolicyMetrics:
     """A summary with the given hit rate and TTFT figures (seconds), the rest neutral."""
     return PolicyMetrics(
