@@ -46,8 +46,9 @@ def test_approx_affinity_capacity_and_ttl():
 
 
 def test_approx_index_is_read_only_from_python():
-    """The approx model is the router's: every write from Python raises ReadOnlyError naming why,
-    and changes nothing (routing and the model stay consistent); events mode stays writable."""
+    """The approx model is the router's: every write from Python (an event applier over it too)
+    raises ReadOnlyError naming why, and changes nothing (routing and the model stay
+    consistent); events mode stays writable."""
     r = kvroute.Router(["a", "b"], block_size=BS)
     t = toks(8, 32)
     d = r.route(t, now=0.0)
@@ -59,6 +60,7 @@ def test_approx_index_is_read_only_from_python():
         lambda: r.index.remove(d.worker, hashes[:1]),
         lambda: r.index.clear(d.worker),
         lambda: r.index.remove_worker(d.worker),
+        lambda: kvroute.KvEventApplier(r.index, mode="direct"),
     ]
     for write in writes:
         with pytest.raises(kvroute.ReadOnlyError, match='read-only with index="approx"'):

@@ -348,7 +348,8 @@ class KvEventApplier:
     (engine-hash -> own-hash map per worker); ``mode="direct"`` stores the engine's hashes as they
     are. Non-GPU media go to one index per tier (``tier_index``). Only KV-cache group
     ``group_idx`` is followed. A malformed payload raises ``ValueError`` and changes nothing;
-    events that cannot be placed exactly are skipped and counted (``stats``).
+    events that cannot be placed exactly are skipped and counted (``stats``). An index that is
+    ``read_only`` (another object owns it: an approx-mode router's) raises ``ReadOnlyError``.
     """
 
     def __new__(

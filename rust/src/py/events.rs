@@ -78,6 +78,7 @@ fn counters_dict<'py>(py: Python<'py>, c: &WorkerCounters) -> PyResult<Bound<'py
 /// index per tier (`tier_index(medium)`). Only KV-cache group `group_idx` is followed.
 /// `apply` raises `ValueError` for a malformed payload, which then changes nothing (it is
 /// counted as `malformed`); events that cannot be placed exactly are skipped and counted.
+/// An index that is read-only from Python (the router's approx model) raises `ReadOnlyError`.
 #[pyclass(frozen, module = "kvroute._core", name = "KvEventApplier")]
 pub struct PyKvEventApplier {
     core: Mutex<Applier>,
@@ -120,6 +121,9 @@ impl PyKvEventApplier {
         hash_algo: Option<Name<'_>>,
         vllm_version: Option<Name<'_>>,
     ) -> PyResult<Self> {
+        // An applier writes its index: one another object owns (the router's approx model) is
+        // refused as any write from Python is, before anything is built.
+        index.get().writable()?;
         let config = Config {
             mode: mode.parse::<Mode>()?,
             block_size,

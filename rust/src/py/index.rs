@@ -74,7 +74,7 @@ impl PyPrefixIndex {
     }
 
     /// Write access from Python, or the `ReadOnlyError` saying why not.
-    fn writable(&self) -> PyResult<()> {
+    pub(crate) fn writable(&self) -> PyResult<()> {
         match self.read_only {
             Some(why) => Err(ReadOnlyError::new_err(why)),
             None => Ok(()),
