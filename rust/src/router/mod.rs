@@ -110,7 +110,7 @@ pub use decision::{Decision, Half, Stage};
 pub use endpoints::{Endpoint, EndpointSpec};
 pub use pd::{PdConfig, PdDecision, PdReason, Phase, Role};
 pub use policy::{CostWeights, Policy, Reason, SplitMix64};
-pub use route::prompt_hashes;
+pub use route::{prepared_then_locked, prompt_hashes};
 pub use sync::ApplyStats;
 pub use workers::{Freshness, Load, Worker, WorkerTable};
 

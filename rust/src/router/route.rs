@@ -4,6 +4,8 @@
 
 use std::sync::Arc;
 
+use parking_lot::Mutex;
+
 use crate::blocks::{BlockHasher, ChainState, TokenId};
 use crate::cache::TouchMark;
 use crate::error::{Error, Result};
@@ -375,6 +377,19 @@ pub fn prompt_hashes<T: TokenId>(hasher: &BlockHasher, tokens: &[T]) -> Result<V
     let mut hashes = Vec::with_capacity(hasher.num_blocks(tokens.len()));
     hasher.hash_into(tokens, &ChainState::Root, &[], &mut hashes)?;
     Ok(hashes)
+}
+
+/// Runs `prepare` with `lock` free, then `f` on the router under `lock` with what `prepare`
+/// made: hashing a long prompt this way (the Python binding does), other callers of the router
+/// wait behind the routing only, never behind the hashing. An error from `prepare` takes no lock
+/// and runs no `f`.
+pub fn prepared_then_locked<P, R>(
+    lock: &Mutex<Router>,
+    prepare: impl FnOnce() -> Result<P>,
+    f: impl FnOnce(&mut Router, P) -> Result<R>,
+) -> Result<R> {
+    let prepared = prepare()?;
+    f(&mut lock.lock(), prepared)
 }
 
 /// The keys a pick uses: `hash` routes by the request's key, else its endpoint, else its first

@@ -683,3 +683,50 @@ mod pd {
         );
     }
 }
+
+mod prepared_then_locked {
+    use super::*;
+
+    /// A prompt is hashed with the router's lock free (callers of the router never wait behind
+    /// the hashing), then routed under it; a hashing error takes no lock and routes nothing.
+    #[test]
+    fn prepares_with_the_lock_free_then_runs_under_it() {
+        let lock = parking_lot::Mutex::new(router(Policy::KvAware, &["a", "b"]));
+        let (mut free_while_preparing, mut held_while_routing) = (None, None);
+        let t = tokens(1, 16);
+        let hasher = lock.lock().hasher_for(None).unwrap();
+        let d = super::super::prepared_then_locked(
+            &lock,
+            || {
+                free_while_preparing = Some(!lock.is_locked());
+                prompt_hashes(&hasher, &t)
+            },
+            |r, hashes| {
+                held_while_routing = Some(lock.is_locked());
+                r.route(RouteRequest {
+                    hashes,
+                    prompt_tokens: Some(t.len()),
+                    key: None,
+                    endpoint: None,
+                    exclude: &[],
+                    now: 0.0,
+                })
+            },
+        )
+        .unwrap();
+        assert_eq!(free_while_preparing, Some(true));
+        assert_eq!(held_while_routing, Some(true));
+        assert_eq!(d.prompt_blocks, 4);
+        let mut routed = false;
+        let err = super::super::prepared_then_locked(
+            &lock,
+            || -> Result<()> { Err(Error::Value("bad prompt".into())) },
+            |_, ()| {
+                routed = true;
+                Ok(())
+            },
+        );
+        assert_eq!(err, Err(Error::Value("bad prompt".into())));
+        assert!(!routed && !lock.is_locked());
+    }
+}

@@ -9,7 +9,7 @@ use crate::hashing::Key;
 use crate::py::convert::{
     names_from_py, optional, tokens_from_py, typed, u64_slice, with_key, Name, Negative, Tokens,
 };
-use crate::router::{prompt_hashes, RouteRequest, Router};
+use crate::router::{prepared_then_locked, prompt_hashes, RouteRequest, Router};
 
 /// A routing key copied out of Python (so routing can run without the GIL).
 enum OwnedKey {
@@ -88,8 +88,9 @@ impl PyRouter {
                     let request = hash()?;
                     self.run(py, true, |r| f(r, request))?
                 } else {
-                    // Hashing a long prompt is long work too: both run with the GIL released.
-                    py.detach(|| f(&mut self.core.lock(), hash()?))?
+                    // Hashing a long prompt is long work too: both run with the GIL released,
+                    // the hashing before the router's lock is taken.
+                    py.detach(|| prepared_then_locked(&self.core, hash, &f))?
                 }
             }
             (None, Some(hashes)) => {
