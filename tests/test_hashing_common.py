@@ -118,6 +118,11 @@ def snapshot(h) -> tuple:
         (lambda h: h.get_many(np.array([1, -2], dtype=np.int64)), ValueError),
         (lambda h: h.get_many(np.zeros(3, dtype=np.float64)), TypeError),
         (lambda h: h.get_many(5), TypeError),
+        # One key where a batch is wanted (a slip for get()): never iterated by character/byte.
+        (lambda h: h.get_many("session-42"), TypeError),
+        (lambda h: h.get_many(b"ab"), TypeError),
+        (lambda h: h.get_many(bytearray(b"ab")), TypeError),
+        (lambda h: h.get_many("ab", as_index=True), TypeError),
         (lambda h: h.preference("a", 0), ValueError),
         (lambda h: h.preference("a", -3), ValueError),
         (lambda h: h.preference("a", 1.0), TypeError),
@@ -139,6 +144,14 @@ def test_bad_input_raises_and_changes_nothing(make, call, exc):
     with pytest.raises(exc):
         call(h)
     assert snapshot(h) == before
+
+
+def test_get_many_of_one_key_names_it(make):
+    h = make(["a", "b"])
+    with pytest.raises(TypeError, match="keys must be a sequence of keys, not one, got str 'k1'"):
+        h.get_many("k1")
+    with pytest.raises(TypeError, match="got bytearray bytearray"):
+        h.get_many(bytearray(b"k1"))
 
 
 def test_bad_constructor_input(make):

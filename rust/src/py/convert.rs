@@ -326,9 +326,16 @@ fn copy_short(dst: &mut [u8], src: &[u8]) -> bool {
 
 impl KeyBatch {
     /// Replaces the batch's keys with those of `obj`, an iterable of `str`/`bytes`/`int` objects,
-    /// reusing its buffers. On error the batch holds an unspecified prefix of the keys.
+    /// reusing its buffers. One key (`str`, `bytes`, `bytearray`: iterable too, by character or
+    /// byte) raises `TypeError`. On error the batch holds an unspecified prefix of the keys.
     pub fn refill(&mut self, obj: &Bound<'_, PyAny>) -> PyResult<()> {
         self.clear();
+        if obj.is_instance_of::<PyString>()
+            || obj.is_instance_of::<PyBytes>()
+            || obj.is_instance_of::<PyByteArray>()
+        {
+            return Err(type_error(obj, "keys must be a sequence of keys, not one"));
+        }
         if let Some((n, get_item)) = list_or_tuple(obj) {
             // A list's length is its real size: reserved exactly, but fallibly.
             self.spans
