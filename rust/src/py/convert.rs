@@ -203,41 +203,75 @@ pub unsafe fn int_to_u64(obj: *mut pyo3::ffi::PyObject) -> Option<u64> {
     Some(v)
 }
 
-/// An unsigned 64-bit integer from a Python `int` (`bool` is refused), naming `what` (and the
-/// position `at`, for an element of a sequence) on error.
+/// `obj` as a Python `int`: itself, or through `__index__` (NumPy integer scalars, any value);
+/// `bool` (Python's, and NumPy's, whose `__index__` refuses) and anything else raise `TypeError`
+/// naming `name()` and the value.
+fn as_int<'py>(obj: &Bound<'py, PyAny>, name: &dyn Fn() -> String) -> PyResult<Bound<'py, PyInt>> {
+    let refused = || type_error(obj, format_args!("{} must be an int", name()));
+    if obj.is_instance_of::<PyBool>() {
+        return Err(refused());
+    }
+    if let Ok(int) = obj.cast::<PyInt>() {
+        return Ok(int.clone());
+    }
+    if !is_integer(obj) {
+        return Err(refused());
+    }
+    // SAFETY: as above; `PyNumber_Index` returns a new reference to an int, or NULL with the
+    // error set.
+    let int =
+        unsafe { Bound::from_owned_ptr_or_err(obj.py(), pyo3::ffi::PyNumber_Index(obj.as_ptr())) };
+    match int {
+        Ok(int) => int.cast_into::<PyInt>().map_err(|_| refused()),
+        Err(e) if e.is_instance_of::<PyTypeError>(obj.py()) => Err(refused()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Whether `obj` is an integer [`as_int`] may take: an `int` or an object with `__index__` (NumPy's
+/// `bool_` too, which it then refuses), not a `bool`.
+fn is_integer(obj: &Bound<'_, PyAny>) -> bool {
+    // SAFETY: `obj` is live and the GIL is held (`obj` is bound).
+    !obj.is_instance_of::<PyBool>()
+        && (obj.is_instance_of::<PyInt>() || unsafe { pyo3::ffi::PyIndex_Check(obj.as_ptr()) } != 0)
+}
+
+/// An unsigned 64-bit integer from a Python `int` or an integer with `__index__` (see
+/// [`as_int`]; `bool` is refused), naming `what` (and the position `at`, for an element of a
+/// sequence) on error.
 pub fn u64_from_int(obj: &Bound<'_, PyAny>, what: &str, at: Option<usize>) -> PyResult<u64> {
     let name = || match at {
         Some(i) => format!("{what}[{i}]"),
         None => what.to_owned(),
     };
-    if obj.is_instance_of::<PyBool>() || !obj.is_instance_of::<PyInt>() {
-        return Err(type_error(obj, format_args!("{} must be an int", name())));
-    }
-    // SAFETY: `obj` is an int (checked above) and the GIL is held (`obj` is bound).
-    if let Some(v) = unsafe { int_to_u64(obj.as_ptr()) } {
+    let int = as_int(obj, &name)?;
+    // SAFETY: `int` is an int and the GIL is held (`int` is bound).
+    if let Some(v) = unsafe { int_to_u64(int.as_ptr()) } {
         return Ok(v);
     }
-    obj.extract::<u64>().map_err(|_| {
-        let why = if obj.lt(0).unwrap_or(false) {
-            "is negative"
-        } else {
-            "is outside 0..2**64-1"
-        };
-        PyValueError::new_err(format!("{} = {} {why}", name(), describe(obj)))
-    })
+    let why = if int.lt(0).unwrap_or(false) {
+        "is negative"
+    } else {
+        "is outside 0..2**64-1"
+    };
+    Err(PyValueError::new_err(format!(
+        "{} = {} {why}",
+        name(),
+        describe(obj)
+    )))
 }
 
-/// A signed 32-bit integer from a Python `int` (`bool` is refused), naming `what` on error.
+/// A signed 32-bit integer from an integer (see [`as_int`]; `bool` is refused), naming `what` on
+/// error.
 pub fn i32_from_int(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<i32> {
-    if obj.is_instance_of::<PyBool>() || !obj.is_instance_of::<PyInt>() {
-        return Err(type_error(obj, format_args!("{what} must be an int")));
-    }
-    obj.extract::<i32>().map_err(|_| {
-        PyValueError::new_err(format!(
-            "{what} = {} is outside -2**31..2**31-1",
-            describe(obj)
-        ))
-    })
+    as_int(obj, &|| what.to_owned())?
+        .extract::<i32>()
+        .map_err(|_| {
+            PyValueError::new_err(format!(
+                "{what} = {} is outside -2**31..2**31-1",
+                describe(obj)
+            ))
+        })
 }
 
 /// A count or size from a Python `int` in `0..2**64` (see [`u64_from_int`]), saturating at
@@ -246,7 +280,8 @@ pub fn usize_from_int(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
     Ok(usize::try_from(u64_from_int(obj, what, None)?).unwrap_or(usize::MAX))
 }
 
-/// Calls `f` with the routing key held in `obj`: `str` (UTF-8 bytes), `bytes`, or `int` in 0..2^64.
+/// Calls `f` with the routing key held in `obj`: `str` (UTF-8 bytes), `bytes`, or an integer in
+/// 0..2^64 (an `int`, a NumPy integer scalar: see [`as_int`]).
 pub fn with_key<R>(obj: &Bound<'_, PyAny>, f: impl FnOnce(Key<'_>) -> R) -> PyResult<R> {
     // Exact `str` first: a pointer comparison, where the subclass check below is a call.
     let key = if let Ok(s) = obj.cast_exact::<PyString>() {
@@ -255,7 +290,7 @@ pub fn with_key<R>(obj: &Bound<'_, PyAny>, f: impl FnOnce(Key<'_>) -> R) -> PyRe
         Key::Bytes(str_bytes(s)?)
     } else if let Ok(b) = obj.cast::<PyBytes>() {
         Key::Bytes(b.as_bytes())
-    } else if obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>() {
+    } else if is_integer(obj) {
         Key::Int(u64_from_int(obj, "key", None)?)
     } else {
         return Err(type_error(obj, "key must be str, bytes or int"));
@@ -593,10 +628,7 @@ pub fn u64_slice<'py>(
     let item_u64 = |item: &Bound<'_, PyAny>, i: usize| -> PyResult<u64> {
         match negative {
             Negative::Reject => u64_from_int(item, what, Some(i)),
-            Negative::Reinterpret => match item.extract::<i64>() {
-                Ok(s) if !item.is_instance_of::<PyBool>() => Ok(s as u64),
-                _ => u64_from_int(item, what, Some(i)),
-            },
+            Negative::Reinterpret => block_hash(item, &|| format!("{what}[{i}]")),
         }
     };
     // Lists and tuples first: a type comparison, where the array checks below call into NumPy
@@ -863,28 +895,25 @@ impl MonotonicClock {
     }
 }
 
-/// A block hash from a Python int or NumPy integer scalar: a value in 0..2^64, or a negative
-/// int64 taken as its two's-complement bits (SGLang publishes signed hashes). `bool` is refused.
+/// A block hash from an integer (a Python int, a NumPy integer scalar: see [`as_int`]): a value
+/// in 0..2^64, or a negative int64 taken as its two's-complement bits (SGLang publishes signed
+/// hashes). `bool` is refused.
 pub fn block_hash_from_py(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
-    if obj.is_exact_instance_of::<PyInt>() {
-        // SAFETY: `obj` is an int and the GIL is held.
-        if let Some(v) = unsafe { int_to_u64(obj.as_ptr()) } {
-            return Ok(v);
-        }
+    block_hash(obj, &|| what.to_owned())
+}
+
+/// [`block_hash_from_py`] naming the value `name()` on error.
+fn block_hash(obj: &Bound<'_, PyAny>, name: &dyn Fn() -> String) -> PyResult<u64> {
+    let int = as_int(obj, name)?;
+    // SAFETY: `int` is an int and the GIL is held.
+    if let Some(v) = unsafe { int_to_u64(int.as_ptr()) } {
+        return Ok(v);
     }
-    if !obj.is_instance_of::<PyBool>() {
-        if let Ok(v) = obj.extract::<u64>() {
-            return Ok(v);
-        }
-        if let Ok(v) = obj.extract::<i64>() {
-            return Ok(v as u64);
-        }
-        if obj.is_instance_of::<PyInt>() || obj.hasattr("__index__")? {
-            return Err(PyValueError::new_err(format!(
-                "{what} = {} is outside -2**63..2**64-1",
-                describe(obj)
-            )));
-        }
-    }
-    Err(type_error(obj, format_args!("{what} must be an int")))
+    int.extract::<i64>().map(|v| v as u64).map_err(|_| {
+        PyValueError::new_err(format!(
+            "{} = {} is outside -2**63..2**64-1",
+            name(),
+            describe(obj)
+        ))
+    })
 }
