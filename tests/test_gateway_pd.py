@@ -211,9 +211,11 @@ def test_a_connector_without_transfer_params_hands_over_out_of_band(stream, capl
         assert "kv_transfer_params" not in d_body
         assert d_body["max_tokens"] == 12 and d_body.get("stream", False) is stream
         assert p_body["messages"] == d_body["messages"] == messages
-        # The decode engine loaded the prompt the prefill stored, and reports it cached.
+        # The decode engine loaded the prompt the prefill stored, and reports it cached; the
+        # client is told what the prefill found cached (a cold prompt: nothing).
         assert [k for k, _ in fleet.exchange.pulled] == ["storage"]
-        assert reply[-1].usage.prompt_tokens_details.cached_tokens > 1800
+        assert fleet["up-1"].records[-1]["cached_tokens"] > 1800
+        assert reply[-1].usage.prompt_tokens_details.cached_tokens == 0
         idle(gw)
     assert [r.getMessage() for r in caplog.records if r.name == "kvroute.gateway"] == [
         "prefill on up-0 returned no kv_transfer_params"

@@ -109,7 +109,7 @@ from .listener import ConnectionGuard
 from .metrics import GatewayMetrics
 from .pd import HANDOVER_FIELDS, PdForwarder
 from .prompt import OFFLOAD_CHARS, RequestError, Tokenizer, load_tokenizer
-from .rawjson import RawObject
+from .rawjson import RawObject, dumps
 from .request import ClientGone, Incoming, parse_payload, read_body, uncancel
 from .stream import (
     EventTooLarge,
@@ -735,11 +735,13 @@ class Gateway:
         body: bytes,
         upstream: UpstreamBody,
         stream: bool,
+        client_usage: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> Outcome:
-        """``body`` sent to ``d``'s worker as one flight: its answer (the client's) or failure."""
+        """``body`` sent to ``d``'s worker as one flight: its answer (the client's) or failure.
+        ``client_usage`` rewrites the usage the client is shown (a pair's decode half)."""
         flight = self.upstreams.begin(d, prompt)
         outcome = await self._attempt(
-            call, flight, call.upstream_headers, body, stream, upstream.strip_usage
+            call, flight, call.upstream_headers, body, stream, upstream.strip_usage, client_usage
         )
         if isinstance(outcome, Response):
             call.flight = flight
@@ -778,6 +780,7 @@ class Gateway:
         body: bytes,
         stream: bool,
         strip_usage: bool,
+        client_usage: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> Outcome:
         """One upstream attempt: the response to send, or (failure, detail, the upstream's own
         5xx answer if any). The flight is closed unless a ``ProxyStream`` takes it over."""
@@ -820,6 +823,7 @@ class Gateway:
                     flight,
                     strip_usage=strip_usage,
                     cache_fields=self.server.cache_usage_fields,
+                    client_usage=client_usage,
                     headers=reply_headers,
                     started=call.started,
                 )
@@ -830,6 +834,9 @@ class Gateway:
                 with contextlib.suppress(ValueError, RecursionError):
                     reply = json.loads(data)
                     usage = reply.get("usage") if isinstance(reply, dict) else None
+                    if client_usage is not None and isinstance(usage, dict):
+                        reply["usage"] = client_usage(usage)
+                        data = dumps(reply).encode()
                     if self.server.cache_usage_fields:
                         data = with_cache_fields_body(reply, data)
             self.metrics.first_byte.observe(time.perf_counter() - call.started, call.route)

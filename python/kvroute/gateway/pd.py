@@ -39,7 +39,8 @@ charge the decode's completion tokens), so nothing is billed twice.
 Load: each half is a ``Flight`` (``kvroute.gateway.upstream``) — begun when sent, prefilled at
 its first output, finished once; a vLLM prefill half is finished when the decode worker has
 answered (it holds the KV until the decode pulls it). Only the prefill half reports its engine's
-``cached_tokens`` to the router (the decode worker counts the KV it received as cached). A half
+``cached_tokens`` to the router (the decode worker counts the KV it received as cached), and the
+client's usage carries the prefill's ``cached_tokens`` too (``PrefillUsage``). A half
 never sent — a pair shed on ``x-slo-ttft-ms``, a vLLM decode whose prefill failed — is withdrawn
 (``Router.withdraw``), so its prompt leaves the router's model.
 """
@@ -68,6 +69,7 @@ from .errors import STATUS_5XX, TOO_LARGE, Failed, HTTPError, Outcome, body_fail
 from .rawjson import dumps
 from .stream import failed_answer
 from .upstream import Flight, release
+from .usage import cached_tokens, with_cached_tokens
 
 if TYPE_CHECKING:
     from .app import Call, Gateway, UpstreamBody
@@ -96,6 +98,20 @@ def bootstrap_host(url: str) -> str:
         if isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address):
             return f"[{host}]"
     return host
+
+
+class PrefillUsage:
+    """A pair's prefill usage, once its reply has been read; called with the decode's usage, the
+    usage the client is shown: the decode's, with the prefill's ``cached_tokens`` (none when the
+    prefill reported none, or — SGLang — its reply was not read yet)."""
+
+    __slots__ = ("usage",)
+
+    def __init__(self) -> None:
+        self.usage: Any = None
+
+    def __call__(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return with_cached_tokens(usage, cached_tokens(self.usage))
 
 
 class PdForwarder:
@@ -273,7 +289,8 @@ class PdForwarder:
             return self._refused(call, got), p.worker
         if isinstance(got, tuple):
             return got, p.worker
-        usage = got.get("usage")
+        usage = PrefillUsage()
+        usage.usage = got.get("usage")
         params = got.get("kv_transfer_params")
         try:
             if not isinstance(params, dict) or not params:
@@ -284,9 +301,9 @@ class PdForwarder:
                 log.debug("prefill on %s returned no kv_transfer_params", p.worker)
                 params = None
             body = self._body(upstream, d.worker, kv_transfer_params=params)
-            outcome = await g._send_to(call, d, prompt, body, upstream, stream)
+            outcome = await g._send_to(call, d, prompt, body, upstream, stream, usage)
         finally:
-            prefill.close(usage)
+            prefill.close(usage.usage)
         return outcome, d.worker
 
     # ---- SGLang --------------------------------------------------------------------------------
@@ -310,8 +327,9 @@ class PdForwarder:
         p_body = self._body(upstream, p.worker, **fields)
         d_body = self._body(upstream, d.worker, **fields)
         prefill = g.upstreams.begin(p, prompt)
-        p_task = asyncio.ensure_future(self._drain_prefill(call, prefill, p_body))
-        d_task = asyncio.ensure_future(g._send_to(call, d, prompt, d_body, upstream, stream))
+        usage = PrefillUsage()
+        p_task = asyncio.ensure_future(self._drain_prefill(call, prefill, p_body, usage))
+        d_task = asyncio.ensure_future(g._send_to(call, d, prompt, d_body, upstream, stream, usage))
         try:
             await asyncio.wait((p_task, d_task), return_when=asyncio.FIRST_COMPLETED)
             if not d_task.done():
@@ -337,11 +355,12 @@ class PdForwarder:
                 await _cancel(d_task)
 
     async def _drain_prefill(
-        self, call: Call, flight: Flight, body: bytes
+        self, call: Call, flight: Flight, body: bytes, found: PrefillUsage
     ) -> Response | Failed | None:
         """An SGLang prefill request, read to its end and dropped: None when it succeeded,
         else its 4xx answer or failure. The flight is closed either way. Of a 200 reply only the
-        last 64 KiB are kept, where its usage is looked for (``_last_usage``)."""
+        last 64 KiB are kept, where its usage is looked for (``_last_usage``; kept in
+        ``found``)."""
         g = self.g
         resp = await flight.send(call.route, call.upstream_headers, body)
         if isinstance(resp, tuple):
@@ -367,7 +386,7 @@ class PdForwarder:
                     tail = (tail + chunk)[-65536:]
             except UpstreamError as e:
                 return body_failed(e)
-            usage = _last_usage(tail)
+            usage = found.usage = _last_usage(tail)
             return None
         finally:
             await release(resp, flight, usage)

@@ -218,6 +218,7 @@ class ProxyStream(Response):
         *,
         strip_usage: bool,
         cache_fields: bool,
+        client_usage: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
         headers: dict[str, str],
         started: float,
     ) -> None:
@@ -235,6 +236,7 @@ class ProxyStream(Response):
         self.flight = flight
         self.strip_usage = strip_usage
         self.cache_fields = cache_fields
+        self.client_usage = client_usage
         self.started = started
         self.usage: Any = None
         self.done = False  # data: [DONE] seen
@@ -323,8 +325,11 @@ class ProxyStream(Response):
         self.usage = found.usage
         if self.strip_usage and found.usage_only:
             return b""
+        usage = self.usage
+        if self.client_usage is not None:
+            usage = self.client_usage(usage)
         if self.cache_fields:
-            usage = with_cache_fields(self.usage)
-            if usage is not self.usage:
-                return found.with_usage(usage)
+            usage = with_cache_fields(usage)
+        if usage is not self.usage:
+            return found.with_usage(usage)
         return event

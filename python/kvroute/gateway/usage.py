@@ -27,7 +27,12 @@ __all__ = [
     "usage_event",
     "with_cache_fields",
     "with_cache_fields_body",
+    "with_cached_tokens",
 ]
+
+
+#: The fields ``with_cache_fields`` adds.
+CACHE_FIELDS = ("prompt_cache_hit_tokens", "prompt_cache_miss_tokens")
 
 
 def cached_tokens(usage: Any) -> int | None:
@@ -112,6 +117,24 @@ def with_cache_fields(usage: Any) -> Any:
     out["prompt_cache_hit_tokens"] = cached
     if isinstance(prompt, int) and not isinstance(prompt, bool) and prompt >= cached:
         out["prompt_cache_miss_tokens"] = prompt - cached
+    return out
+
+
+def with_cached_tokens(usage: dict[str, Any], cached: int | None) -> dict[str, Any]:
+    """``usage`` (a new dict) with ``prompt_tokens_details.cached_tokens`` set to ``cached``, or
+    without it (and without the hit/miss fields) when ``cached`` is None: a disaggregated pair's
+    client is told what its prefill worker found cached, not the KV its decode worker received."""
+    out = {k: v for k, v in usage.items() if k not in CACHE_FIELDS}
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict):
+        details = {k: v for k, v in details.items() if k != "cached_tokens"}
+    elif cached is None:
+        return out  # nothing to take out
+    else:
+        details = {}
+    if cached is not None:
+        details["cached_tokens"] = cached
+    out["prompt_tokens_details"] = details
     return out
 
 

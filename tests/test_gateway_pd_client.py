@@ -1,0 +1,75 @@
+"""``kvroute serve`` with ``[pd]``: what a pair's client is told, and what is left upstream and
+in the router when the client goes away mid-pair (test upstreams of ``support.pd_upstream``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from support.gateway_fleet import LONG_SYSTEM, GatewayServer
+from test_gateway_pd import PdFleet
+
+
+def usage_of(gw: GatewayServer, question: str, *, stream: bool) -> dict[str, Any]:
+    """The usage a client is shown for one chat call (a stream's usage chunk)."""
+    client = gw.client("sk-acme")
+    messages = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": question}]
+    if not stream:
+        reply = client.chat.completions.create(model="ep-acme", messages=messages)
+        return reply.model_dump()["usage"]
+    chunks = client.chat.completions.create(
+        model="ep-acme", messages=messages, stream=True, stream_options={"include_usage": True}
+    )
+    usages = [c.usage.model_dump() for c in chunks if c.usage is not None]
+    assert len(usages) == 1
+    return usages[0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+def test_a_pairs_client_is_told_what_its_prefill_found_cached(protocol, stream):
+    """A disaggregated pair's usage reports the cached tokens of its prefill worker (what the
+    prefill engine's records say it had), never the KV its decode worker received: a cold
+    prompt is a miss, whole; a warm one is its prefill's hit. Both DeepSeek-style fields follow.
+    (An SGLang prefill's reply is read while the decode answers: should the decode's usage come
+    first, nothing is known and the client's usage has no cached count — never the decode's.)"""
+    fleet = PdFleet(protocol, 1, 1)
+    try:
+        with GatewayServer(fleet.config()) as gw:
+            for question in ("What fuels R7?", "And what fuels R8?"):
+                usage = usage_of(gw, question, stream=stream)
+                cached = fleet["up-0"].records[-1]["cached_tokens"]
+                if protocol == "sglang" and "prompt_cache_hit_tokens" not in usage:
+                    assert (usage.get("prompt_tokens_details") or {}).get("cached_tokens") is None
+                    continue
+                assert usage["prompt_tokens_details"]["cached_tokens"] == cached
+                assert usage["prompt_cache_hit_tokens"] == cached
+                assert usage["prompt_cache_miss_tokens"] == usage["prompt_tokens"] - cached
+            assert fleet["up-0"].records[0]["cached_tokens"] == 0
+            assert fleet["up-0"].records[1]["cached_tokens"] > 1500
+    finally:
+        fleet.close()
+    assert fleet.exchange.errors == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+def test_a_pair_whose_prefill_reports_no_cache_shows_none(protocol, stream):
+    """A prefill engine that reports no cached tokens (vLLM without
+    ``--enable-prompt-tokens-details``): the client's usage has no cached count and no hit/miss
+    fields, though the decode engine reported the KV it received."""
+    fleet = PdFleet(protocol, 1, 1)
+    fleet["up-0"].report_cached = False
+    try:
+        with GatewayServer(fleet.config()) as gw:
+            usage = usage_of(gw, "What fuels R7?", stream=stream)
+            assert fleet["up-1"].records[-1]["cached_tokens"] > 1500  # the decode's received KV
+            details = usage.get("prompt_tokens_details") or {}
+            assert details.get("cached_tokens") is None
+            assert "prompt_cache_hit_tokens" not in usage
+            assert "prompt_cache_miss_tokens" not in usage
+            assert usage["completion_tokens"] > 0
+    finally:
+        fleet.close()
+    assert fleet.exchange.errors == []
