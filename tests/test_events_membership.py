@@ -315,11 +315,13 @@ def test_changes_queued_when_the_poll_thread_dies_are_made_without_sockets(engin
     assert not thread.is_alive()
     assert sub.workers == ["x"] and sink.cleared == ["w"]
     assert all((v.sub, v.monitor, v.dealer) == (None,) * 3 for v in sub._workers.values())
-    sub._stop_sock.close(linger=0)  # stop() would block sending to the dead thread (COORD)
-    terminated = threading.Thread(target=ctx.term, daemon=True)
-    terminated.start()
-    terminated.join(10)
-    assert not terminated.is_alive()  # no socket left open
+    assert sub.stats()["x"]["stale"]  # no event reaches the index any more: said so
+    # stop() returns (it blocked sending to the dead thread's closed end), the context ends.
+    stopped = threading.Thread(target=sub.stop, kwargs={"timeout": 5}, daemon=True)
+    stopped.start()
+    stopped.join(10)
+    assert not stopped.is_alive()
+    assert sub._ctx is None and ctx.closed  # no socket left open: the context terminated
     assert x.subscriptions() == []  # x never had a subscriber
 
 

@@ -59,7 +59,9 @@ called when a worker goes stale (replay started) and when it has caught up; ``st
 each worker's seconds since its last message. One background thread polls every socket, reading
 at most 1,024 messages of one before it serves the other sockets ready and checks the replay
 deadlines (a flooded engine starves neither); ``stop()`` wakes it at once through an inproc
-socket, joins it and closes every socket and the ZMQ context.
+socket, joins it and closes every socket and the ZMQ context. A thread ended by an error its
+handlers do not catch (a ``BaseException`` from the sink) logs it and marks every worker stale:
+no event reaches the index any more; ``stop()`` still returns.
 
 Requires ``pyzmq`` (``pip install kvroute[events]``).
 """
@@ -67,6 +69,7 @@ Requires ``pyzmq`` (``pip install kvroute[events]``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -346,7 +349,9 @@ class KvEventSubscriber(Membership):
         try:
             with self._control:
                 self._accepting = False  # later changes are made by their caller
-                self._stop_sock.send(b"stop")
+                if thread.is_alive():  # a dead thread's end of the pair is closed: never wait
+                    with contextlib.suppress(self._zmq.ZMQError):
+                        self._stop_sock.send(b"stop", self._zmq.NOBLOCK)
         finally:
             thread.join(timeout)
             self._stop_sock.close(linger=0)
@@ -450,11 +455,13 @@ class KvEventSubscriber(Membership):
             self._ready.set()
             return
         self._ready.set()
+        stopped = False
         try:
             while True:
                 ready = dict(poller.poll(self._poll_timeout()))
                 if stop in ready:
                     if stop.recv() == b"stop":
+                        stopped = True
                         break
                     self._take_changes()  # b"change": add_worker / remove_worker
                 for sock in ready:
@@ -481,6 +488,10 @@ class KvEventSubscriber(Membership):
                 changes, self._changes = self._changes, []
                 for change in changes:
                     self._make(change, live=False)
+            if not stopped:  # ended by an error its handlers do not catch: events stop here
+                log.error("KV event subscriber: the poll thread ended unasked; workers stale")
+                for w in list(self._workers.values()):
+                    self._notify(w, True)
 
     def _open(self, w: _Worker) -> None:
         """Makes the worker's sockets and puts them on the poller (the poll thread); on failure
