@@ -87,6 +87,24 @@ def test_endpoint_salting_isolates_tenants():
     assert r.route(block_hashes=plain, now=0.0).cached_blocks == 0
 
 
+@pytest.mark.parametrize(
+    ("endpoint_id", "kw", "message"),
+    [
+        ("t", {"salt": ""}, 'endpoint "t": salt "" is no salt'),
+        ("", {}, 'endpoint "": an isolated endpoint is salted with its id'),
+        ("u", {"salt": "s", "isolate": False}, 'endpoint "u": salt "s" given with isolate=False'),
+    ],
+)
+def test_endpoint_salt_never_empty_nor_dropped(endpoint_id, kw, message):
+    """An empty salt hashed tokens unsalted (sharing untenanted blocks) but given block hashes
+    salted; a salt with isolate=False was dropped. Both raise naming the endpoint, add nothing."""
+    r = kvroute.Router(["a", "b"], block_size=BS, index="events")
+    with pytest.raises(ValueError) as e:
+        r.add_endpoint(endpoint_id, pool_size=2, **kw)
+    assert str(e.value).startswith(message)
+    assert r.endpoints == []
+
+
 def test_endpoint_priority_goes_on_its_decisions():
     r = kvroute.Router(["a", "b", "c"], block_size=BS)
     r.add_endpoint("gold", pool_size=2, priority=5)

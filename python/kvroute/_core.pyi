@@ -649,8 +649,9 @@ class Router:
         priority: int | None = None,
     ) -> None:
         """A dedicated endpoint: a sticky pool, its own block-hash salt (``isolate``, default
-        True), reserved blocks, and the scheduling ``priority`` of its requests (default 0;
-        higher is served first; ``Decision.priority``)."""
+        True; ``salt`` defaults to the id, is never empty, and is refused with
+        ``isolate=False``), reserved blocks, and the scheduling ``priority`` of its requests
+        (default 0; higher is served first; ``Decision.priority``)."""
 
     def endpoint_priority(self, endpoint_id: str) -> int:
         """The scheduling priority of the endpoint's requests (higher first)."""

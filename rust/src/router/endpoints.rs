@@ -49,6 +49,7 @@ use std::cmp::Ordering;
 use crate::blocks::BlockHasher;
 use crate::error::Result;
 use crate::hashing::{hash_key, RendezvousScore};
+use crate::value_err;
 
 use super::pd::Phase;
 use super::workers::{rendezvous_order, WorkerTable};
@@ -61,7 +62,8 @@ pub struct EndpointSpec<'a> {
     pub pool_size: usize,
     /// Blocks reserved in each member's modelled cache, approx mode (default none).
     pub reserved_blocks: Option<usize>,
-    /// The endpoint's hash namespace (default: the endpoint id).
+    /// The endpoint's hash namespace (default: the endpoint id; never empty, and only for an
+    /// isolated endpoint).
     pub salt: Option<&'a str>,
     /// Whether the endpoint has its own namespace (default true); `false` shares the router's.
     pub isolate: bool,
@@ -116,9 +118,33 @@ struct Part {
 }
 
 impl Endpoint {
-    /// A new endpoint (its pool is computed by the router).
+    /// A new endpoint (its pool is computed by the router). `Value` error, naming the endpoint:
+    /// a salt given to an endpoint that is not isolated (it would have none), or an empty salt
+    /// (given, or the id's): the hasher takes "" as no salt, so its tokens would hash as
+    /// untenanted requests' while its given block hashes were salted.
     pub(super) fn new(id: &str, spec: &EndpointSpec<'_>, base: &BlockHasher) -> Result<Self> {
-        let salt = spec.isolate.then(|| spec.salt.unwrap_or(id).to_owned());
+        let salt = match (spec.isolate, spec.salt) {
+            (false, Some(s)) => {
+                return value_err!(
+                    "endpoint {id:?}: salt {s:?} given with isolate=False, which shares the \
+                     router's unsalted namespace: leave out the salt or the isolate=False"
+                )
+            }
+            (false, None) => None,
+            (true, Some("")) => {
+                return value_err!(
+                    "endpoint {id:?}: salt \"\" is no salt (its requests would share blocks with \
+                     untenanted ones): give a non-empty salt, or isolate=False to share them"
+                )
+            }
+            (true, None) if id.is_empty() => {
+                return value_err!(
+                    "endpoint \"\": an isolated endpoint is salted with its id, and \"\" is no \
+                     salt: give a non-empty salt, or isolate=False"
+                )
+            }
+            (true, salt) => Some(salt.unwrap_or(id).to_owned()),
+        };
         let hasher = match &salt {
             None => base.clone(),
             Some(s) => {

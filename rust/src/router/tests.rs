@@ -214,6 +214,47 @@ fn endpoint_decisions_carry_the_endpoint_priority() {
     assert!(r.endpoint("big").is_err());
 }
 
+/// An endpoint salt is never empty (the hasher takes "" as no salt: the endpoint's tokens would
+/// hash as untenanted requests' while its given block hashes were salted), nor given to an
+/// endpoint that shares the router's namespace (it was dropped); each refusal names the endpoint
+/// and adds nothing.
+#[test]
+fn endpoint_salts_are_never_empty_nor_dropped() {
+    let mut r = router(Policy::KvAware, &["a", "b"]);
+    let spec = |salt, isolate| EndpointSpec {
+        salt,
+        isolate,
+        ..EndpointSpec::default()
+    };
+    for (id, s, why) in [
+        (
+            "t",
+            spec(Some(""), true),
+            "endpoint \"t\": salt \"\" is no salt",
+        ),
+        (
+            "",
+            spec(None, true),
+            "endpoint \"\": an isolated endpoint is salted with its id",
+        ),
+        (
+            "u",
+            spec(Some("s"), false),
+            "endpoint \"u\": salt \"s\" given with isolate=False",
+        ),
+    ] {
+        match r.add_endpoint(id, s) {
+            Err(Error::Value(m)) => assert!(m.starts_with(why), "{m}"),
+            other => panic!("{id:?} {s:?}: {other:?}"),
+        }
+        assert!(r.endpoint(id).is_err());
+    }
+    r.add_endpoint("", spec(Some("s"), true)).unwrap();
+    r.add_endpoint("t", spec(None, false)).unwrap();
+    assert_eq!(r.endpoint("").unwrap().salt.as_deref(), Some("s"));
+    assert_eq!(r.endpoint("t").unwrap().salt, None);
+}
+
 mod withdraw {
     use super::*;
 

@@ -508,7 +508,8 @@ impl PyRouter {
 
     /// Adds a dedicated endpoint: a pool of `pool_size` workers chosen by rendezvous hashing of
     /// `endpoint_id` over the healthy workers. Its requests are salted with `salt` (default: the
-    /// endpoint id; `isolate=False`: not salted). `reserved_blocks` (approx mode) reserves that
+    /// endpoint id; never empty; `isolate=False`: not salted, and no salt may be given).
+    /// `reserved_blocks` (approx mode) reserves that
     /// many blocks for it in each member's modelled cache. `priority` (default 0; higher is
     /// served first) goes on its decisions, for a gateway to pass to the engine.
     #[pyo3(signature = (
