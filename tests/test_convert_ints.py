@@ -114,3 +114,46 @@ def test_ring_key_scalars_equal_their_ints(kind):
 def test_bools_floats_and_out_of_range_scalars_are_refused(call, exc, message):
     with pytest.raises(exc, match=message):
         call()
+
+
+def applier(**kw):
+    return kvroute.KvEventApplier(kvroute.PrefixIndex(), **kw)
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "message"),
+    [
+        # KvEventApplier's ints go through the module's conversions, as everywhere else.
+        (lambda: applier(block_size=-1), ValueError, "block_size = -1 is negative"),
+        (lambda: applier(block_size=2**64), ValueError, r"block_size = 18446744073709551616 is"),
+        (lambda: applier(block_size=True), TypeError, "block_size must be an int, got bool"),
+        (lambda: applier(group_idx=2**63), ValueError, "group_idx = 9223372036854775808 is"),
+        (lambda: applier(group_idx=True), TypeError, "group_idx must be an int, got bool"),
+        # The value given, never a saturated one.
+        (lambda: kvroute.jump_hash(1, 2**70), ValueError, f"num_buckets .* got {2**70}$"),
+        (lambda: kvroute.jump_hash(1, -(2**70)), ValueError, f"num_buckets .* got {-(2**70)}$"),
+        (lambda: kvroute.jump_hash_many([1], 2**64), ValueError, f"got {2**64}$"),
+        (lambda: kvroute.HashRing(["a"], vnodes=2**64), ValueError, f"vnodes .* got {2**64}$"),
+        (lambda: kvroute.HashRing(["a"], vnodes=-(2**64)), ValueError, f"got {-(2**64)}$"),
+        (lambda: kvroute.Maglev(["a"], table_size=2**64), ValueError, f"prime .* got {2**64}$"),
+        (lambda: kvroute.Maglev(["a"], table_size=-(2**64)), ValueError, f"got {-(2**64)}$"),
+        (lambda: kvroute.HashRing(["a"]).preference("k", -(2**64)), ValueError, "n must be >= 1"),
+    ],
+)
+def test_int_arguments_name_themselves_and_the_value_given(call, exc, message):
+    with pytest.raises(exc, match=message) as e:
+        call()
+    if exc is ValueError and "must be" in str(e.value):
+        assert "9223372036854775807" not in str(e.value)
+
+
+def test_int_arguments_take_numpy_scalars():
+    a = applier(block_size=np.int64(8), group_idx=np.uint8(1))
+    assert (a.block_size, a.group_idx) == (8, 1)
+    assert kvroute.jump_hash(5, np.int32(9)) == kvroute.jump_hash(5, 9)
+    ring = kvroute.HashRing(["a", "b", "c"], vnodes=np.uint16(40))
+    assert ring.preference("k", np.int64(2)) == kvroute.HashRing(
+        ["a", "b", "c"], vnodes=40
+    ).preference("k", 2)
+    # A count beyond every node asks for all of them, however large.
+    assert sorted(ring.preference("k", 2**70)) == ["a", "b", "c"]

@@ -105,6 +105,24 @@ def test_endpoint_salt_never_empty_nor_dropped(endpoint_id, kw, message):
     assert r.endpoints == []
 
 
+def test_worker_weight_and_freshness_now_are_checked():
+    """add_worker's weight refuses bool (True was weight 1.0) as the constructor's does;
+    freshness(now) refuses a now that is not finite (NaN answered 1.0 for a stale worker)."""
+    r = kvroute.Router(["a"], index="events")
+    with pytest.raises(TypeError, match="weight must be a number, got bool"):
+        r.add_worker("x", True)
+    with pytest.raises(ValueError, match=f"weight is too large: {2**60}"):
+        r.add_worker("x", 2**60)
+    assert r.workers == ["a"]
+    r.add_worker("x", np.float32(2.0))
+    assert r.load("x")["weight"] == 2.0
+    r.mark_stale("a", 100.0)
+    for now, shown in ((float("nan"), "NaN"), (float("inf"), "inf")):
+        with pytest.raises(ValueError, match=f"now must be a finite number, got {shown}"):
+            r.freshness("a", now)
+    assert 0.0 < r.freshness("a", 110.0) < 1.0
+
+
 def test_endpoint_priority_goes_on_its_decisions():
     r = kvroute.Router(["a", "b", "c"], block_size=BS)
     r.add_endpoint("gold", pool_size=2, priority=5)

@@ -206,7 +206,10 @@ pub unsafe fn int_to_u64(obj: *mut pyo3::ffi::PyObject) -> Option<u64> {
 /// `obj` as a Python `int`: itself, or through `__index__` (NumPy integer scalars, any value);
 /// `bool` (Python's, and NumPy's, whose `__index__` refuses) and anything else raise `TypeError`
 /// naming `name()` and the value.
-fn as_int<'py>(obj: &Bound<'py, PyAny>, name: &dyn Fn() -> String) -> PyResult<Bound<'py, PyInt>> {
+pub fn as_int<'py>(
+    obj: &Bound<'py, PyAny>,
+    name: &dyn Fn() -> String,
+) -> PyResult<Bound<'py, PyInt>> {
     let refused = || type_error(obj, format_args!("{} must be an int", name()));
     if obj.is_instance_of::<PyBool>() {
         return Err(refused());
@@ -798,27 +801,33 @@ pub fn names_from_py(obj: &Bound<'_, PyAny>, what: &str, item: &str) -> PyResult
 /// A weight: an `int` (exactly representable, |w| <= 2^53) or a `float`, for the `item` called
 /// `name`. Whether it is in range (finite and positive, ...) is checked by the core.
 pub fn weight_from_py(obj: &Bound<'_, PyAny>, item: &str, name: &str) -> PyResult<f64> {
+    weight(obj, &format_args!("weight of {item} {name:?}"))
+}
+
+/// [`weight_from_py`] for a `weight` argument (the item it weighs is another argument).
+pub fn weight_arg(obj: &Bound<'_, PyAny>) -> PyResult<f64> {
+    weight(obj, &"weight")
+}
+
+/// [`weight_from_py`], the errors naming the value `whose`.
+fn weight(obj: &Bound<'_, PyAny>, whose: &dyn Display) -> PyResult<f64> {
     const EXACT: i64 = 1 << 53;
     if obj.is_instance_of::<PyBool>() {
         return Err(PyTypeError::new_err(format!(
-            "weight of {item} {name:?} must be a number, got bool"
+            "{whose} must be a number, got bool"
         )));
     }
     if obj.is_instance_of::<PyInt>() {
         return match obj.extract::<i64>() {
             Ok(w) if (-EXACT..=EXACT).contains(&w) => Ok(w as f64),
             _ => Err(PyValueError::new_err(format!(
-                "weight of {item} {name:?} is too large: {}",
+                "{whose} is too large: {}",
                 describe(obj)
             ))),
         };
     }
-    obj.extract::<f64>().map_err(|_| {
-        type_error(
-            obj,
-            format_args!("weight of {item} {name:?} must be a number"),
-        )
-    })
+    obj.extract::<f64>()
+        .map_err(|_| type_error(obj, format_args!("{whose} must be a number")))
 }
 
 /// `(name, weight)` pairs from a `{name: weight}` mapping or a list of names (weight 1). `what`

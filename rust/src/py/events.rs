@@ -5,11 +5,11 @@
 //! Reads of the applier's state take its lock with the GIL held only when it is free.
 
 use parking_lot::Mutex;
-use pyo3::exceptions::PyKeyError;
+use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
-use super::convert::{name_item, with_bytes, Name};
+use super::convert::{as_int, describe, name_item, usize_from_int, with_bytes, Name};
 use super::index::PyPrefixIndex;
 use super::with_mutex;
 use crate::blocks::Profile;
@@ -106,6 +106,23 @@ impl PyKvEventApplier {
     }
 }
 
+/// The `block_size` argument (a count: see `usize_from_int`).
+fn block_size_arg(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+    usize_from_int(obj, "block_size")
+}
+
+/// The `group_idx` argument: an integer (see `as_int`) in -2**63..2**63-1.
+fn group_idx_arg(obj: &Bound<'_, PyAny>) -> PyResult<i64> {
+    as_int(obj, &|| "group_idx".to_owned())?
+        .extract::<i64>()
+        .map_err(|_| {
+            PyValueError::new_err(format!(
+                "group_idx = {} is outside -2**63..2**63-1",
+                describe(obj)
+            ))
+        })
+}
+
 #[pymethods]
 impl PyKvEventApplier {
     #[new]
@@ -114,10 +131,10 @@ impl PyKvEventApplier {
     fn new(
         index: Bound<'_, PyPrefixIndex>,
         mode: &str,
-        block_size: usize,
+        #[pyo3(from_py_with = block_size_arg)] block_size: usize,
         hash_profile: &str,
         seed: Option<String>,
-        group_idx: i64,
+        #[pyo3(from_py_with = group_idx_arg)] group_idx: i64,
         hash_algo: Option<Name<'_>>,
         vllm_version: Option<Name<'_>>,
     ) -> PyResult<Self> {

@@ -21,11 +21,11 @@ use parking_lot::{Mutex, RwLock};
 use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyInt, PyList, PyMapping, PyString};
+use pyo3::types::{PyInt, PyList, PyMapping, PyString};
 
 use super::convert::{
-    int_to_u64, name_item, optional, type_error, u64_from_int, u64_slice, weight_from_py,
-    weighted_names, with_key, KeyBatch, Name, Negative,
+    as_int, describe, int_to_u64, name_item, optional, type_error, u64_from_int, u64_slice,
+    weight_from_py, weighted_names, with_key, KeyBatch, Name, Negative,
 };
 use super::in_place::{set_new_list_item, Seq};
 use super::names::NameCache;
@@ -60,13 +60,12 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-fn num_buckets_u32(num_buckets: i64) -> PyResult<u32> {
-    match u32::try_from(num_buckets) {
-        Ok(n) if (1..=i32::MAX as u32).contains(&n) => Ok(n),
-        _ => Err(PyValueError::new_err(format!(
-            "num_buckets must be in 1..2**31-1, got {num_buckets}"
-        ))),
-    }
+/// The `num_buckets` argument: an integer in 1..2**31-1.
+fn num_buckets_u32(num_buckets: &Bound<'_, PyAny>) -> PyResult<u32> {
+    let n = int_arg(num_buckets, "num_buckets", "in 1..2**31-1", |n| {
+        (1..=i64::from(i32::MAX)).contains(&n)
+    })?;
+    Ok(n as u32)
 }
 
 /// Stable 64-bit hash of a key: XXH3-64, seed 0, over a str's UTF-8 bytes, bytes as given, or an
@@ -182,7 +181,7 @@ fn jump_hash_of(key: &Bound<'_, PyAny>, num_buckets: &Bound<'_, PyAny>) -> PyRes
             return Ok(hashing::jump_hash(k, n as u32));
         }
     }
-    let n = num_buckets_u32(int_arg(num_buckets, "num_buckets")?)?;
+    let n = num_buckets_u32(num_buckets)?;
     let k = u64_from_int(key, "key", None)?;
     Ok(hashing::jump_hash(k, n))
 }
@@ -194,7 +193,7 @@ fn jump_hash_many<'py>(
     keys: &Bound<'py, PyAny>,
     num_buckets: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-    let n = num_buckets_u32(int_arg(num_buckets, "num_buckets")?)?;
+    let n = num_buckets_u32(num_buckets)?;
     let keys = u64_slice(keys, "keys", Negative::Reject)?;
     let slice = keys.as_slice();
     let mut out: Vec<i64> = Vec::new();
@@ -206,18 +205,32 @@ fn jump_hash_many<'py>(
     Ok(PyArray1::from_vec(py, out))
 }
 
-/// A Python `int` (not `bool`) as `i64`, saturating beyond its range; `TypeError` otherwise.
-fn int_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<i64> {
-    if obj.is_instance_of::<PyBool>() || !obj.is_instance_of::<PyInt>() {
-        return Err(type_error(obj, format_args!("{what} must be an int")));
-    }
-    Ok(obj.extract::<i64>().unwrap_or_else(|_| {
-        if obj.lt(0i64).unwrap_or(false) {
+/// An integer argument (see `as_int`: `bool` refused with `TypeError`) as `i64`, saturated
+/// beyond its range, when `ok` accepts it; else `ValueError` "{what} must be {expected}, got
+/// {the value given}" (never the saturated one).
+fn int_arg(
+    obj: &Bound<'_, PyAny>,
+    what: &str,
+    expected: &str,
+    ok: impl Fn(i64) -> bool,
+) -> PyResult<i64> {
+    let int = as_int(obj, &|| what.to_owned())?;
+    // Beyond i64 the extraction fails: saturated, so that `ok` still decides (a count can
+    // be "as many as there are"); comparing an int with 0 cannot fail.
+    let v = int.extract::<i64>().unwrap_or_else(|_| {
+        if int.lt(0i64).unwrap_or(false) {
             i64::MIN
         } else {
             i64::MAX
         }
-    }))
+    });
+    if ok(v) {
+        return Ok(v);
+    }
+    Err(PyValueError::new_err(format!(
+        "{what} must be {expected}, got {}",
+        describe(obj)
+    )))
 }
 
 /// `(name, weight)` pairs from `nodes` (an iterable of str, or a `{node: weight}` mapping) and an
@@ -539,10 +552,8 @@ impl<H: ConsistentHash + AsRing + Send + Sync> Shared<H> {
         key: &Bound<'py, PyAny>,
         n: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let n = int_arg(n, "n")?;
-        if n < 1 {
-            return Err(PyValueError::new_err(format!("n must be >= 1, got {n}")));
-        }
+        let n = int_arg(n, "n", ">= 1", |n| n >= 1)?;
+        // A count above the address space asks for every node, as usize::MAX does.
         let n = usize::try_from(n).unwrap_or(usize::MAX);
         let mut ids: Vec<NodeId> = Vec::new();
         let names = with_key(key, |k| {
@@ -694,11 +705,9 @@ hasher_class!(HashRing {
                 )))
             }
         };
-        let vnodes = vnodes.map_or(Ok(i64::from(hashing::DEFAULT_VNODES)), |v| int_arg(v, "vnodes"))?;
-        let vnodes = u32::try_from(vnodes)
-            .ok()
-            .filter(|&v| v >= 1)
-            .ok_or_else(|| PyValueError::new_err(format!("vnodes must be in 1..2**32-1, got {vnodes}")))?;
+        let vnodes = vnodes.map_or(Ok(i64::from(hashing::DEFAULT_VNODES)), |v| {
+            int_arg(v, "vnodes", "in 1..2**32-1", |v| (1..=i64::from(u32::MAX)).contains(&v))
+        })? as u32;
         let pairs = node_pairs(nodes, None)?;
         let core = py.detach(|| hashing::HashRing::new(pairs, vnodes, kind))?;
         Ok(Self { inner: Shared::new(core) })
@@ -762,8 +771,11 @@ hasher_class!(Maglev {
         text_signature = "(nodes, *, weights=None, table_size=65537)"
     )]
     fn new(py: Python<'_>, nodes: &Bound<'_, PyAny>, weights: Option<&Bound<'_, PyAny>>, table_size: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
-        let m = table_size.map_or(Ok(hashing::DEFAULT_TABLE_SIZE as i64), |m| int_arg(m, "table_size"))?;
-        let m = u64::try_from(m).map_err(|_| PyValueError::new_err(format!("table_size must be a prime, got {m}")))?;
+        // In range here; the core checks that it is a prime, naming the value.
+        let expected = format!("a prime in 2..={}", hashing::MAX_TABLE_SIZE);
+        let m = table_size.map_or(Ok(hashing::DEFAULT_TABLE_SIZE as i64), |m| {
+            int_arg(m, "table_size", &expected, |m| (2..=hashing::MAX_TABLE_SIZE as i64).contains(&m))
+        })? as u64;
         let pairs = node_pairs(nodes, weights)?;
         let core = py.detach(|| hashing::Maglev::new(pairs, m))?;
         Ok(Self { inner: Shared::new(core) })

@@ -13,7 +13,7 @@ use crate::{key_err, value_err};
 use super::approx::Model;
 use super::endpoints::{Endpoint, EndpointSpec};
 use super::pd::{Phase, Role};
-use super::workers::WorkerTable;
+use super::workers::{check_finite, WorkerTable};
 use super::{IndexMode, Router};
 
 impl Router {
@@ -130,8 +130,9 @@ impl Router {
         self.workers.set_freshness(name, value)
     }
 
-    /// Worker `name`'s freshness at `now`.
+    /// Worker `name`'s freshness at `now` (`Value` error when `now` is not finite).
     pub fn freshness(&self, name: &str, now: f64) -> Result<f64> {
+        check_finite(now, "now")?;
         let half_life = self.config.stale_half_life;
         Ok(self.workers.named(name)?.freshness_at(now, half_life))
     }

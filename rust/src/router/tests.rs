@@ -255,6 +255,26 @@ fn endpoint_salts_are_never_empty_nor_dropped() {
     assert_eq!(r.endpoint("t").unwrap().salt, None);
 }
 
+/// `freshness(now)` refuses a `now` that is not finite, as `mark_stale` and `route` do (NaN
+/// answered 1.0: a stale worker looked fresh).
+#[test]
+fn freshness_needs_a_finite_now() {
+    let mut r = router(Policy::KvAware, &["a"]);
+    r.mark_stale("a", 100.0).unwrap();
+    for now in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+        match r.freshness("a", now) {
+            Err(Error::Value(m)) => {
+                assert_eq!(m, format!("now must be a finite number, got {now}"))
+            }
+            other => panic!("{now}: {other:?}"),
+        }
+    }
+    let f = r
+        .freshness("a", 100.0 + r.config().stale_half_life)
+        .unwrap();
+    assert!((f - 0.5).abs() < 1e-12, "{f}");
+}
+
 mod withdraw {
     use super::*;
 

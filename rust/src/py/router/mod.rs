@@ -20,8 +20,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use super::convert::{
-    i32_from_int, optional, u64_array, u64_from_int, u64_slice, usize_from_int, weighted_names,
-    with_bytes, MonotonicClock, Name, Negative, NoWorkerError,
+    i32_from_int, optional, u64_array, u64_from_int, u64_slice, usize_from_int, weight_arg,
+    weighted_names, with_bytes, MonotonicClock, Name, Negative, NoWorkerError,
 };
 use super::events::PyKvEventApplier;
 use super::index::PyPrefixIndex;
@@ -302,7 +302,7 @@ impl PyRouter {
         &self,
         py: Python<'_>,
         name: Name<'_>,
-        weight: f64,
+        #[pyo3(from_py_with = weight_arg)] weight: f64,
         role: Option<&str>,
     ) -> PyResult<()> {
         let name = &*name;
