@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import pytest
-from support.gateway_fleet import LONG_SYSTEM, GatewayServer
+from support.gateway_fleet import LONG_SYSTEM, GatewayServer, metric_samples, wait_for
 from test_gateway_pd import PdFleet
 
 
@@ -70,6 +71,66 @@ def test_a_pair_whose_prefill_reports_no_cache_shows_none(protocol, stream):
             assert "prompt_cache_hit_tokens" not in usage
             assert "prompt_cache_miss_tokens" not in usage
             assert usage["completion_tokens"] > 0
+    finally:
+        fleet.close()
+    assert fleet.exchange.errors == []
+
+
+# ---- a client leaving mid-pair -------------------------------------------------------------------
+
+
+def leave(gw: GatewayServer, payload: dict[str, Any]) -> None:
+    """Sends ``payload`` and goes away before the answer (the prefill stalls far longer); returns
+    once the gateway has counted the request's 499 (its handler has unwound)."""
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            gw.url + "/v1/chat/completions",
+            json=payload,
+            headers={"authorization": "Bearer sk-acme"},
+            trust_env=False,
+            timeout=httpx.Timeout(10, read=0.5),
+        )
+
+    def gone() -> bool:
+        return any(
+            name == "kvroute_gateway_requests_total" and dict(labels)["status"] == "499" and v
+            for (name, labels), v in metric_samples(gw.metrics()).items()
+        )
+
+    wait_for(gone, "the request's 499")
+
+
+def test_a_vllm_client_leaving_during_the_prefill_withdraws_the_decode_half():
+    """The client goes away while the vLLM prefill runs: the prefill request is abandoned and
+    the decode half, routed but never sent, leaves the router's model — so the same prompt
+    again is disaggregated as a cold one (the decode workers never saw it), not kept whole on a
+    decode worker the router believes holds it."""
+    fleet = PdFleet("vllm", 1, 2)
+    system = LONG_SYSTEM + LONG_SYSTEM  # ~3800 tokens: above the default threshold (2048)
+    payload = {
+        "model": "ep-acme",
+        "max_tokens": 5,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Q?"}],
+    }
+    try:
+        with GatewayServer(fleet.config(threshold=None)) as gw:
+            fleet["up-0"].stall = 60.0
+            leave(gw, payload)
+            wait_for(lambda: len(fleet["up-0"].abandoned) == 1, "the prefill to be abandoned")
+            wait_for(lambda: all(v == 0 for v in gw.active().values()), "no flight left")
+            fleet["up-0"].stall = 0.0
+            assert all(fleet[w].bodies == [] for w in fleet.names("decode"))
+            r = httpx.post(
+                gw.url + "/v1/chat/completions",
+                json=payload,
+                headers={"authorization": "Bearer sk-acme"},
+                trust_env=False,
+                timeout=10,
+            )
+            assert r.status_code == 200
+            assert r.headers["x-kvroute-prefill-worker"] == "up-0"
+            assert r.headers["x-kvroute-worker"] in fleet.names("decode")
+            assert fleet.exchange.pulled  # handed over, not computed whole on the decode
     finally:
         fleet.close()
     assert fleet.exchange.errors == []

@@ -41,8 +41,9 @@ its first output, finished once; a vLLM prefill half is finished when the decode
 answered (it holds the KV until the decode pulls it). Only the prefill half reports its engine's
 ``cached_tokens`` to the router (the decode worker counts the KV it received as cached), and the
 client's usage carries the prefill's ``cached_tokens`` too (``PrefillUsage``). A half
-never sent — a pair shed on ``x-slo-ttft-ms``, a vLLM decode whose prefill failed — is withdrawn
-(``Router.withdraw``), so its prompt leaves the router's model.
+never sent — a pair shed on ``x-slo-ttft-ms``, a vLLM decode whose prefill failed or whose
+client left during the prefill — is withdrawn (``Router.withdraw``), so its prompt leaves the
+router's model.
 """
 
 from __future__ import annotations
@@ -282,9 +283,12 @@ class PdForwarder:
             min_completion_tokens=None,
         )
         prefill = g.upstreams.begin(p, prompt)
-        got = await self._read_prefill(call, prefill, body)
-        if not isinstance(got, dict):
-            g.router.withdraw(d)  # the decode half was never sent
+        got: dict[str, Any] | Response | Failed | None = None
+        try:
+            got = await self._read_prefill(call, prefill, body)
+        finally:
+            if not isinstance(got, dict):  # failed, refused, or the client left meanwhile
+                g.router.withdraw(d)  # the decode half was never sent
         if isinstance(got, Response):
             return self._refused(call, got), p.worker
         if isinstance(got, tuple):
