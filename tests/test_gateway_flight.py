@@ -322,3 +322,46 @@ def test_a_failing_observe_is_logged_and_the_flight_still_finishes(caplog):
     (record,) = [r for r in caplog.records if r.name == "kvroute.gateway"]
     assert record.getMessage() == "observe failed for worker a"
     assert record.exc_info[0] is RuntimeError
+
+
+@pytest.mark.parametrize("end", ["first_output", "close", "withdraw", "predicted", "no_model"])
+def test_a_predicted_prefill_ends_once_whatever_comes_first(end):
+    """A non-streamed attempt's predicted prefill (``expect_prefill``), ended by its first output,
+    its close, its withdrawal, its own timer — or never started, with no model to predict from
+    (``predict_prefill`` unset): the router hears ``prefilled`` at most once, the timer is gone
+    after, and ending the flight once more changes nothing."""
+
+    async def run() -> list[tuple[int, int]]:
+        workers = (WorkerConfig(name="a", url="http://127.0.0.1:9"),)
+        router = kvroute.Router(["a"], block_size=BS)
+        upstreams = Upstreams(workers, ServerConfig(), router, GatewayMetrics(dict, dict))
+        upstreams.start()
+        if end != "no_model":
+            upstreams.predict_prefill = lambda work: 0.001 if end == "predicted" else 3600.0
+        flight = upstreams.begin(router.route(tokens=np.arange(BS, dtype=np.uint32)), BS)
+        flight.expect_prefill()
+        seen = [(router.load("a")["active"], router.load("a")["queued"])]
+        if end == "first_output":
+            flight.prefilled()
+        elif end == "close":
+            flight.close()
+        elif end == "withdraw":
+            flight.withdraw()
+        await asyncio.sleep(0.05)
+        seen.append((router.load("a")["active"], router.load("a")["queued"]))
+        assert flight.prefill_timer is None
+        flight.prefilled()
+        flight.close()
+        flight.withdraw()
+        seen.append((router.load("a")["active"], router.load("a")["queued"]))
+        await upstreams.stop()
+        return seen
+
+    after = {
+        "first_output": (1, 0),
+        "close": (0, 0),
+        "withdraw": (0, 0),
+        "predicted": (1, 0),
+        "no_model": (1, 1),
+    }[end]
+    assert asyncio.run(run()) == [(1, 1), after, (0, 0)]
