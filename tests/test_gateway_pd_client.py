@@ -134,3 +134,23 @@ def test_a_vllm_client_leaving_during_the_prefill_withdraws_the_decode_half():
     finally:
         fleet.close()
     assert fleet.exchange.errors == []
+
+
+def test_an_sglang_client_leaving_mid_pair_cancels_the_prefill_too():
+    """The client goes away while an SGLang pair waits (prefill computing, decode waiting for
+    its room): the decode is aborted and the prefill request is given up too — no decode will
+    ever take its room — rather than left running to its end in the background."""
+    fleet = PdFleet("sglang", 1, 1)
+    fleet["up-0"].stall = 60.0
+    try:
+        with GatewayServer(fleet.config()) as gw:
+            leave(gw, {"model": "ep-acme", "messages": [{"role": "user", "content": "R1?"}]})
+            # Both halves were given up before the handler unwound (the prefill would otherwise
+            # be drained until the gateway's read timeout, 10 s here, or its 60 s stall).
+            assert gw.gateway.pd.background == set()
+            assert all(v == 0 for v in gw.active().values())
+            wait_for(lambda: len(fleet.exchange.aborted_rooms) == 1, "the decode to be aborted")
+            wait_for(lambda: len(fleet["up-0"].abandoned) == 1, "the prefill to be abandoned")
+            assert fleet.exchange.consumed_rooms == [] and fleet.exchange.rooms == {}
+    finally:
+        fleet.close()

@@ -43,7 +43,9 @@ answered (it holds the KV until the decode pulls it). Only the prefill half repo
 client's usage carries the prefill's ``cached_tokens`` too (``PrefillUsage``). A half
 never sent — a pair shed on ``x-slo-ttft-ms``, a vLLM decode whose prefill failed or whose
 client left during the prefill — is withdrawn (``Router.withdraw``), so its prompt leaves the
-router's model.
+router's model. A client that leaves an SGLang pair before the decode answered cancels both
+halves (no decode will take the prefill's KV); once the decode answered, the prefill's reply is
+drained in the background.
 """
 
 from __future__ import annotations
@@ -334,6 +336,7 @@ class PdForwarder:
         usage = PrefillUsage()
         p_task = asyncio.ensure_future(self._drain_prefill(call, prefill, p_body, usage))
         d_task = asyncio.ensure_future(g._send_to(call, d, prompt, d_body, upstream, stream, usage))
+        answered = False
         try:
             await asyncio.wait((p_task, d_task), return_when=asyncio.FIRST_COMPLETED)
             if not d_task.done():
@@ -347,14 +350,18 @@ class PdForwarder:
                     return got, p.worker
             outcome = await d_task
             if isinstance(outcome, Response):
+                answered = True
                 return outcome, d.worker
             await _cancel(p_task)
             return outcome, d.worker
         finally:
             if not p_task.done():
-                # The decode answered: the prefill's reply is drained in the background.
-                self.background.add(p_task)
-                p_task.add_done_callback(self.background.discard)
+                if answered:
+                    # The decode answered: the prefill's reply is drained in the background.
+                    self.background.add(p_task)
+                    p_task.add_done_callback(self.background.discard)
+                else:
+                    await _cancel(p_task)  # the client left: no decode will take its KV
             if not d_task.done():
                 await _cancel(d_task)
 
