@@ -93,7 +93,8 @@ Example (every key shown; only ``[[workers]]`` is required)::
     kv_replay = "tcp://10.0.0.1:5558"
     kv_events_bind = false           # true: the gateway binds kv_events and the engine connects
                                      # (vLLM connects when its endpoint names a concrete host)
-    role = "both"                    # "prefill" | "decode" | "both" (roles need [pd])
+    role = "both"                    # "prefill" | "decode" | "both" (roles need [pd];
+                                     # under protocol "sglang" only "prefill" | "decode")
     bootstrap_port = 8998            # SGLang prefill servers' --disaggregation-bootstrap-port
     bootstrap_host = "10.0.0.1"      # default: the url's host
 

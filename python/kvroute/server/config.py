@@ -534,7 +534,16 @@ def _pd(top: Table, workers: tuple[WorkerConfig, ...]) -> PdConfig | None:
     if pd.protocol == "sglang" and pd.threshold is not None:
         raise ValueError(
             "pd.threshold does not apply to SGLang: its decode servers take KV only from a "
-            "prefill server (every request is split, except on workers with role = 'both')"
+            "prefill server (every request is split)"
+        )
+    both = [w.name for w in workers if w.role == "both"]
+    if pd.protocol == "sglang" and both:
+        raise ValueError(
+            f"workers {both} have role = 'both' (the default), which pd.protocol = 'sglang' "
+            "cannot serve: a plain SGLang server neither takes KV from a prefill server nor "
+            "publishes its own, so a split pair on it would compute the whole prompt there and "
+            "leave the prefill's bootstrap room untaken; give each worker role = 'prefill' or "
+            "'decode' (SGLang PD-mode servers)"
         )
     return pd
 

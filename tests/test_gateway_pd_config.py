@@ -1,0 +1,41 @@
+"""``[pd]`` checked at load against the fleet it pairs (``kvroute.server.config``): each fleet or
+key the hand-over cannot serve is refused, naming why."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+from kvroute.gateway import parse_config
+
+
+def config(protocol: str, roles: list[str], **pd: Any) -> dict[str, Any]:
+    """A gateway config of one worker per role, all of ``protocol``'s kind."""
+    workers = [
+        {"name": f"w{i}", "url": f"http://127.0.0.1:{8001 + i}", "kind": protocol, "role": role}
+        for i, role in enumerate(roles)
+    ]
+    return {
+        "gateway": {"models": ["m"]},
+        "router": {"policy": "kv_aware", "block_size": 16},
+        "workers": workers,
+        "pd": {"protocol": protocol, **pd},
+    }
+
+
+def test_good_pd_fleets_load():
+    for protocol in ("vllm", "sglang"):
+        cfg = parse_config(config(protocol, ["prefill", "decode"]))
+        assert cfg.pd is not None and cfg.pd.protocol == protocol
+        assert [w.role for w in cfg.workers] == ["prefill", "decode"]
+    assert parse_config(config("vllm", ["both", "both"])).pd is not None
+
+
+@pytest.mark.parametrize("roles", [["both"], ["prefill", "both"], ["both", "decode"]])
+def test_sglang_refuses_workers_that_do_both(roles):
+    """SGLang's PD mode has no server that does both: a plain server would get the bootstrap
+    fields of a split pair and compute the whole prompt, the prefill's room never taken."""
+    names = [f"w{i}" for i, r in enumerate(roles) if r == "both"]
+    with pytest.raises(ValueError, match=re.escape(f"workers {names!r} have role = 'both'")):
+        parse_config(config("sglang", roles))
