@@ -39,3 +39,44 @@ def test_sglang_refuses_workers_that_do_both(roles):
     names = [f"w{i}" for i, r in enumerate(roles) if r == "both"]
     with pytest.raises(ValueError, match=re.escape(f"workers {names!r} have role = 'both'")):
         parse_config(config("sglang", roles))
+
+
+@pytest.mark.parametrize(
+    ("protocol", "roles", "message"),
+    [
+        ("vllm", ["prefill", "prefill"], "needs a worker that decodes"),
+        ("sglang", ["prefill"], "needs a worker that decodes"),
+        ("vllm", ["decode", "decode"], "needs a worker with role = 'both' or 'prefill': no pair"),
+        ("sglang", ["decode", "decode"], "needs a worker with role = 'prefill': SGLang's decode"),
+    ],
+)
+def test_a_fleet_that_cannot_form_a_pair_is_refused(protocol, roles, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_config(config(protocol, roles))
+
+
+@pytest.mark.parametrize(
+    ("protocol", "pd", "message"),
+    [
+        ("vllm", {"saturation": 0.0}, "pd.saturation must be > 0, got 0.0"),
+        ("sglang", {"saturation": 2.0}, "pd.saturation does not apply to SGLang"),
+        ("sglang", {"threshold": 10}, "pd.threshold does not apply to SGLang"),
+    ],
+)
+def test_pd_keys_that_would_do_nothing_are_refused(protocol, pd, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_config(config(protocol, ["prefill", "decode"], **pd))
+    assert parse_config(config("vllm", ["prefill", "decode"], saturation=0.5)).pd.saturation == 0.5
+
+
+@pytest.mark.parametrize(
+    "key", ["pd_threshold", "pd_saturation", "pd_local_prefill"], ids=lambda k: k
+)
+def test_router_options_cannot_override_pd(key):
+    """``[pd]`` sets the router's pd options (and checks them against the protocol): the same
+    keys in ``[router] options`` would override it unchecked."""
+    for protocol in ("vllm", "sglang"):
+        data = config(protocol, ["prefill", "decode"])
+        data["router"]["options"] = {key: 1}
+        with pytest.raises(ValueError, match=re.escape(f"router.options must not set ['{key}']")):
+            parse_config(data)

@@ -102,7 +102,8 @@ Example (every key shown; only ``[[workers]]`` is required)::
     protocol = "vllm"                # KV hand-over: "vllm" (KV connector, e.g. NIXL) | "sglang"
     threshold = 2048                 # Router pd_threshold: prefill on the decode worker when it
                                      # lacks at most this many prompt tokens (vllm only)
-    saturation = 2.0                 # Router pd_saturation (default: the router's)
+    saturation = 2.0                 # Router pd_saturation, > 0 (default: never saturated;
+                                     # vllm only)
 
     [[endpoints]]
     id = "ep-acme"

@@ -58,6 +58,8 @@ WORKER_KINDS = ("vllm", "sglang", "openai")
 SALTING_KINDS = frozenset({"vllm", "sglang"})
 #: What a worker does in a prefill/decode fleet (``kvroute.Router`` roles).
 ROLES = ("prefill", "decode", "both")
+#: ``[router] options`` that ``[pd]`` sets (``kvroute.server.routing``).
+PD_OPTIONS = ("pd_threshold", "pd_saturation", "pd_local_prefill")
 #: The prefill/decode hand-over protocols: vLLM's KV-connector proxy flow, SGLang's bootstrap.
 PD_PROTOCOLS = ("vllm", "sglang")
 #: SGLang's default ``--disaggregation-bootstrap-port``.
@@ -453,6 +455,12 @@ def parse_fleet(
     reserved = {"policy", "block_size", "hash_profile", "index"} & set(router.options)
     if reserved:
         raise ValueError(f"router.options must not repeat {sorted(reserved)}: set them in [router]")
+    reserved = set(PD_OPTIONS) & set(router.options)
+    if reserved:
+        raise ValueError(
+            f"router.options must not set {sorted(reserved)}: [pd] sets them (threshold, "
+            "saturation; the protocol decides whether decode workers prefill)"
+        )
 
     tk = top.table("tokenizer")
     tokenizer = TokenizerConfig(
@@ -475,7 +483,7 @@ def parse_fleet(
         topic=ev.get("topic", str, EventsConfig.topic), mode=ev.get("mode", str, EventsConfig.mode)
     )
     ev.done()
-    pd = _pd(top, workers)
+    pd = _pd(top, workers, discovered is not None)
     with_events = [w.name for w in workers if w.kv_events]
     if router.events and not with_events and discovered is None:
         raise ValueError("router.index = 'events' needs kv_events on at least one worker")
@@ -503,9 +511,10 @@ def parse_fleet(
     )
 
 
-def _pd(top: Table, workers: tuple[WorkerConfig, ...]) -> PdConfig | None:
+def _pd(top: Table, workers: tuple[WorkerConfig, ...], discovered: bool = False) -> PdConfig | None:
     """``[pd]``, checked against the workers: roles need it, its protocol needs workers of its
-    kind and (SGLang) bootstrap ports on the workers that prefill."""
+    kind, and (unless more workers are ``discovered`` at run time) a fleet that can form a
+    pair."""
     with_roles = [w.name for w in workers if w.role != "both"]
     if "pd" not in top.data:
         top.get("pd", dict, {})
@@ -520,7 +529,8 @@ def _pd(top: Table, workers: tuple[WorkerConfig, ...]) -> PdConfig | None:
     pd = PdConfig(
         protocol=t.get("protocol", str, d.protocol),
         threshold=t.positive("threshold", int, None, zero=True),
-        saturation=t.positive("saturation", float, None, zero=True),
+        # 0 would call every prefill side saturated: pairs never split (omit it: never).
+        saturation=t.positive("saturation", float, None),
     )
     t.done()
     if pd.protocol not in PD_PROTOCOLS:
@@ -531,11 +541,12 @@ def _pd(top: Table, workers: tuple[WorkerConfig, ...]) -> PdConfig | None:
             f"pd.protocol = {pd.protocol!r} hands KV over between {pd.protocol} engines: "
             f"workers {other} are of another kind"
         )
-    if pd.protocol == "sglang" and pd.threshold is not None:
-        raise ValueError(
-            "pd.threshold does not apply to SGLang: its decode servers take KV only from a "
-            "prefill server (every request is split)"
-        )
+    for key in ("threshold", "saturation"):
+        if pd.protocol == "sglang" and getattr(pd, key) is not None:
+            raise ValueError(
+                f"pd.{key} does not apply to SGLang: its decode servers take KV only from a "
+                "prefill server (every request is split)"
+            )
     both = [w.name for w in workers if w.role == "both"]
     if pd.protocol == "sglang" and both:
         raise ValueError(
@@ -544,6 +555,24 @@ def _pd(top: Table, workers: tuple[WorkerConfig, ...]) -> PdConfig | None:
             "publishes its own, so a split pair on it would compute the whole prompt there and "
             "leave the prefill's bootstrap room untaken; give each worker role = 'prefill' or "
             "'decode' (SGLang PD-mode servers)"
+        )
+    if discovered:
+        return pd
+    roles = {w.role for w in workers}
+    if not roles & {"decode", "both"}:
+        raise ValueError(
+            "[pd] needs a worker that decodes (role = 'decode' or 'both'): every worker has "
+            "role = 'prefill', so no request could be answered"
+        )
+    prefills = {"prefill"} if pd.protocol == "sglang" else {"prefill", "both"}
+    if not roles & prefills:
+        why = (
+            "SGLang's decode servers take KV only from a prefill server"
+            if pd.protocol == "sglang"
+            else "no pair would ever be split (every request computed whole on a decode worker)"
+        )
+        raise ValueError(
+            f"[pd] needs a worker with role = {' or '.join(map(repr, sorted(prefills)))}: {why}"
         )
     return pd
 
