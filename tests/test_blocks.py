@@ -606,3 +606,9 @@ def test_digests_only_for_digest_profiles():
         kvroute.BlockHasher(4).digests([1, 2, 3, 4])
     rows = kvroute.BlockHasher(4, profile="sglang").digests([1, 2, 3])
     assert rows.shape == (0, 32) and rows.dtype == np.uint8
+
+
+def test_lora_path_without_lora_name_names_the_path():
+    """The message shows the path given, not a Rust ``Some(...)``."""
+    with pytest.raises(ValueError, match=r"^lora_path \"p\" was given without lora_name$"):
+        kvroute.BlockHasher(16, lora_path="p")

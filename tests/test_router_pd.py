@@ -17,7 +17,10 @@ under churn.
 
 from __future__ import annotations
 
+import collections
 import math
+import re
+import types
 
 import kvroute
 import numpy as np
@@ -425,6 +428,34 @@ def test_bad_roles_and_pd_options_raise_and_change_nothing():
             call()
     assert r.roles == {"a": "both", "b": "both"} and r.workers == ["a", "b"]
     assert kvroute.Router(["a"], pd_saturation=math.inf).config["pd_saturation"] == math.inf
+
+
+def test_roles_and_tier_weights_take_any_mapping_and_name_the_bad_entry():
+    """The stub types ``roles``/``tier_weights`` as Mapping: any mapping is taken (a dict was
+    required); a bad value names its worker or tier."""
+    roles = {"a": "prefill", "b": "decode"}
+    for m in (types.MappingProxyType(roles), collections.UserDict(roles)):
+        assert kvroute.Router(["a", "b"], roles=m).roles == roles
+    tiers = collections.UserDict({"CPU": 0.5})
+    assert kvroute.Router(["a"], tier_weights=tiers).config["tier_weights"] == {"CPU": 0.5}
+    cases = [
+        (TypeError, 'role of worker "a" must be a str, got int 1', {"roles": {"a": 1}}),
+        (ValueError, 'worker "a": role must be', {"roles": {"a": "gpu"}}),
+        (
+            TypeError,
+            'weight of tier "CPU" must be a number, got str',
+            {"tier_weights": {"CPU": "x"}},
+        ),
+        (
+            TypeError,
+            'weight of tier "CPU" must be a number, got bool',
+            {"tier_weights": {"CPU": True}},
+        ),
+        (TypeError, "roles must be a mapping of worker name to role", {"roles": ["a"]}),
+    ]
+    for exc, message, kw in cases:
+        with pytest.raises(exc, match=re.escape(message)):
+            kvroute.Router(["a"], **kw)
 
 
 def test_a_fleet_without_roles_routes_pairs_on_single_workers():

@@ -218,8 +218,8 @@ impl BlockHasher {
             lora_path,
             seed,
         } = options;
-        if lora_path.is_some() && lora_name.is_none() {
-            return value_err!("lora_path {lora_path:?} was given without lora_name");
+        if let (Some(path), None) = (&lora_path, &lora_name) {
+            return value_err!("lora_path {path:?} was given without lora_name");
         }
         if seed.is_some() && profile.vllm_flavor().is_none() {
             return value_err!(

@@ -285,11 +285,10 @@ fn decode<'a>(data: &'a [u8], out: &mut Vec<Update<'a>>) -> Result<()> {
             data.len()
         );
     }
-    if data.get(MAGIC.len()) != Some(&VERSION) {
-        return value_err!(
-            "update batch version {:?} is not supported (expected {VERSION})",
-            data.get(MAGIC.len())
-        );
+    // Never missing (the header was checked above); were it, 0 is no version: refused below.
+    let version = data.get(MAGIC.len()).copied().unwrap_or_default();
+    if version != VERSION {
+        return value_err!("update batch version {version} is not supported (expected {VERSION})");
     }
     let mut r = Reader { data, at: HEADER };
     while r.at < data.len() {

@@ -721,7 +721,7 @@ fn every_malformed_batch_is_refused_at_its_byte_and_changes_nothing() {
     for v in [0u8, 2] {
         let mut bad = batch.clone();
         bad[4] = v;
-        let msg = format!("update batch version Some({v}) is not supported (expected 1)");
+        let msg = format!("update batch version {v} is not supported (expected 1)");
         check(&bad, Some(msg), &format!("version {v}"));
     }
     for &s in &starts[..3] {

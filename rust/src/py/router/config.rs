@@ -1,43 +1,52 @@
 //! The `Router` constructor's keyword conversions and `Router.config`, keyed alike.
 
 use parking_lot::Mutex;
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyMapping};
 
 use super::{PyRouter, APPROX_INDEX_OWNED};
-use crate::py::convert::{name_item, type_error, MonotonicClock};
+use crate::py::convert::{name_item, type_error, weight_from_py, MonotonicClock};
 use crate::py::events::PyKvEventApplier;
 use crate::py::index::PyPrefixIndex;
 use crate::router::{Config, IndexMode, Role, Router};
 
 /// `roles={name: role}`.
 pub(super) fn roles_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Vec<(String, Role)>> {
-    let expected = "roles must be a dict of worker name to role";
-    named_dict(obj, expected, "worker name in roles", |role| {
-        Ok(role.extract::<String>()?.parse::<Role>()?)
+    let expected = "roles must be a mapping of worker name to role";
+    named_mapping(obj, expected, "worker name in roles", |name, role| {
+        let role = name_item(role, &format!("role of worker {name:?}"))?;
+        role.parse::<Role>()
+            .map_err(|e| PyValueError::new_err(format!("worker {name:?}: {e}")))
     })
 }
 
 /// `tier_weights={tier: weight}`.
 pub(super) fn tier_weights_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Vec<(String, f64)>> {
-    let expected = "tier_weights must be a dict of tier name to weight";
-    named_dict(obj, expected, "tier name", |w| w.extract::<f64>())
+    let expected = "tier_weights must be a mapping of tier name to weight";
+    named_mapping(obj, expected, "tier name", |name, w| {
+        weight_from_py(w, "tier", name)
+    })
 }
 
-/// The `(name, value)` pairs of a dict keyed by names (`key` names a key in errors, `expected`
-/// says what the argument must be).
-fn named_dict<T>(
+/// The `(name, value)` pairs of a mapping keyed by names (`key` names a key in errors,
+/// `expected` says what the argument must be; `value(name, v)` converts the value of `name`).
+fn named_mapping<T>(
     obj: &Bound<'_, PyAny>,
     expected: &str,
     key: &str,
-    value: impl Fn(&Bound<'_, PyAny>) -> PyResult<T>,
+    value: impl Fn(&str, &Bound<'_, PyAny>) -> PyResult<T>,
 ) -> PyResult<Vec<(String, T)>> {
-    let dict = obj
-        .cast::<PyDict>()
+    let map = obj
+        .cast::<PyMapping>()
         .map_err(|_| type_error(obj, expected))?;
-    let mut out = Vec::with_capacity(dict.len());
-    for (name, v) in dict.iter() {
-        out.push((name_item(&name, key)?, value(&v)?));
+    // Keys, then each value: `items()` would build a list presized from `len()`, a claim.
+    let mut out = Vec::new();
+    for k in map.try_iter()? {
+        let k = k?;
+        let name = name_item(&k, key)?;
+        let v = value(&name, &map.get_item(&k)?)?;
+        out.push((name, v));
     }
     Ok(out)
 }
