@@ -285,3 +285,15 @@ def test_hash_key_bad_input(key, exc):
 @given(st.binary(max_size=300))
 def test_hash_key_matches_python_xxhash(data):
     assert kvroute.hash_key(data) == xxhash.xxh3_64_intdigest(data, seed=0)
+
+
+def test_a_bad_key_in_a_batch_names_its_position(make):
+    h = make(["a", "b"])
+    for keys in (["x", "y", 1.5], ("x", "y", 1.5), iter(["x", "y", 1.5])):
+        with pytest.raises(TypeError, match=r"^keys\[2\] must be str, bytes or int, got float 1.5"):
+            h.get_many(keys)
+    for keys in ([1, 2, -3], iter([1, 2, -3])):
+        with pytest.raises(ValueError, match=r"^keys\[2\] = -3 is negative"):
+            h.get_many(keys)
+    with pytest.raises(TypeError, match=r"^key must be str, bytes or int, got float"):
+        h.get(1.5)

@@ -286,6 +286,16 @@ pub fn usize_from_int(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
 /// Calls `f` with the routing key held in `obj`: `str` (UTF-8 bytes), `bytes`, or an integer in
 /// 0..2^64 (an `int`, a NumPy integer scalar: see [`as_int`]).
 pub fn with_key<R>(obj: &Bound<'_, PyAny>, f: impl FnOnce(Key<'_>) -> R) -> PyResult<R> {
+    with_key_at(obj, None, f)
+}
+
+/// [`with_key`] for the key at position `at` of a batch, which errors name (`keys[3] ...`).
+#[inline(always)]
+pub fn with_key_at<R>(
+    obj: &Bound<'_, PyAny>,
+    at: Option<usize>,
+    f: impl FnOnce(Key<'_>) -> R,
+) -> PyResult<R> {
     // Exact `str` first: a pointer comparison, where the subclass check below is a call.
     let key = if let Ok(s) = obj.cast_exact::<PyString>() {
         Key::Bytes(str_bytes(s)?)
@@ -294,9 +304,16 @@ pub fn with_key<R>(obj: &Bound<'_, PyAny>, f: impl FnOnce(Key<'_>) -> R) -> PyRe
     } else if let Ok(b) = obj.cast::<PyBytes>() {
         Key::Bytes(b.as_bytes())
     } else if is_integer(obj) {
-        Key::Int(u64_from_int(obj, "key", None)?)
+        Key::Int(u64_from_int(
+            obj,
+            if at.is_some() { "keys" } else { "key" },
+            at,
+        )?)
     } else {
-        return Err(type_error(obj, "key must be str, bytes or int"));
+        return Err(match at {
+            Some(i) => type_error(obj, format_args!("keys[{i}] must be str, bytes or int")),
+            None => type_error(obj, "key must be str, bytes or int"),
+        });
     };
     // One call site: `f` is inlined here rather than made a function of its own, whose result
     // would come back through memory.
@@ -380,22 +397,22 @@ impl KeyBatch {
                 .try_reserve(n)
                 .map_err(|_| memory_error(obj, "keys", n))?;
             let py = obj.py();
-            return for_each_item(obj, n, get_item, |item, _| {
+            return for_each_item(obj, n, get_item, |item, i| {
                 // SAFETY: `item` is a live borrowed reference (see `for_each_item`).
                 let item = unsafe { Borrowed::from_ptr(py, item) };
                 // An exact str is read in place (no Python code runs); anything else is
                 // converted through a strong reference, as its conversion may run Python code.
                 match item.cast_exact::<PyString>() {
                     Ok(s) => self.push(Key::Bytes(str_bytes(&s)?)),
-                    Err(_) => with_key(&item.to_owned(), |k| self.push(k))?,
+                    Err(_) => with_key_at(&item.to_owned(), Some(i), |k| self.push(k))?,
                 }
                 .map_err(|_| memory_error(obj, "keys", self.len() + 1))
             });
         }
         self.spans = presized(obj, "keys", std::mem::take(&mut self.spans))?;
-        for item in obj.try_iter()? {
+        for (i, item) in obj.try_iter()?.enumerate() {
             let item = item?;
-            with_key(&item, |k| self.push(k))?
+            with_key_at(&item, Some(i), |k| self.push(k))?
                 .map_err(|_| memory_error(obj, "keys", self.len() + 1))?;
         }
         Ok(())
