@@ -1,5 +1,6 @@
-"""``[pd]`` checked at load against the fleet it pairs (``kvroute.server.config``): each fleet or
-key the hand-over cannot serve is refused, naming why."""
+"""``[pd]`` checked at load against the fleet it pairs, and the workers' URLs
+(``kvroute.server.config``): each fleet, key or URL the gateway cannot serve is refused, naming
+why."""
 
 from __future__ import annotations
 
@@ -80,3 +81,30 @@ def test_router_options_cannot_override_pd(key):
         data["router"]["options"] = {key: 1}
         with pytest.raises(ValueError, match=re.escape(f"router.options must not set ['{key}']")):
             parse_config(data)
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("http://127.0.0.1:99999", "workers[1].url has a port outside 1..65535"),
+        ("http://127.0.0.1:0", "workers[1].url has a port outside 1..65535"),
+        ("http://127.0.0.1:8000/v1", "workers[1].url must be the worker's base URL"),
+        ("http://127.0.0.1:8000/v1/", "workers[1].url must be the worker's base URL"),
+        ("http://127.0.0.1:8000?x=1", "workers[1].url must be the worker's base URL"),
+        ("http://127.0.0.1:8000#f", "workers[1].url must be the worker's base URL"),
+        ("http://127.0.0.1:8001", "duplicate worker url(s): ['http://127.0.0.1:8001']"),
+        ("HTTP://127.0.0.1:8001/", "duplicate worker url(s): ['http://127.0.0.1:8001']"),
+        ("http://:8000", "workers[1].url must be an http(s) URL"),
+    ],
+)
+def test_a_worker_url_the_gateway_cannot_use_is_refused(url, message):
+    data = config("vllm", ["prefill", "decode"])
+    data["workers"][1]["url"] = url
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_config(data)
+
+
+def test_a_worker_url_may_have_a_proxys_path_prefix():
+    data = config("vllm", ["prefill", "decode"])
+    data["workers"][1]["url"] = "https://proxy.example:8443/engines/a/"
+    assert parse_config(data).workers[1].url == "https://proxy.example:8443/engines/a"

@@ -312,9 +312,23 @@ def _names(kinds: tuple[type, ...]) -> str:
 
 
 def _url(value: str, where: str) -> str:
+    """A worker's base URL: http(s), a host, a port in 1..65535 if any, a path prefix if any (a
+    proxy's) but not ``/v1`` — the gateway appends the request's own path, ``/v1/...`` — and no
+    query or fragment (they would be dropped)."""
     parts = urlsplit(value)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
+    if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{where} must be an http(s) URL, got {value!r}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if port == 0:
+        raise ValueError(f"{where} has a port outside 1..65535: {value!r}")
+    if parts.path.rstrip("/").endswith("/v1") or parts.query or parts.fragment:
+        raise ValueError(
+            f"{where} must be the worker's base URL (scheme, host, port, a proxy's path prefix), "
+            f"got {value!r}: the request's own path (/v1/...) is appended to it"
+        )
     return value.rstrip("/")
 
 
@@ -440,6 +454,9 @@ def parse_fleet(
     dup = duplicates([w.name for w in workers])
     if dup:
         raise ValueError(f"duplicate worker name(s): {dup}")
+    dup = duplicates([w.url.lower() for w in workers])
+    if dup:
+        raise ValueError(f"duplicate worker url(s): {dup}: each worker is one engine")
 
     r = top.table("router")
     router = RouterConfig(
