@@ -90,6 +90,7 @@ PYTHON: dict[str, tuple[list[str], list[str], list[str]]] = {
             "tests/test_gateway_faults.py",
             "tests/test_gateway_usage.py",
             "tests/test_gateway_limits.py",
+            "tests/test_gateway_nonstreamed.py",  # a predicted prefill through a real gateway
         ],
         [],
     ),
@@ -104,6 +105,7 @@ PYTHON: dict[str, tuple[list[str], list[str], list[str]]] = {
             "tests/test_gateway_limits.py",
             "tests/test_gateway.py",
             "tests/test_gateway_usage.py",  # _attempt's cache usage fields on a whole reply
+            "tests/test_gateway_nonstreamed.py",  # _attempt: a whole reply's predicted prefill
         ],
         [
             f"kvroute.gateway.app.xǁGatewayǁ{f}__mutmut_*"
