@@ -651,3 +651,56 @@ fn each_nodes_worker_set_counts_its_words_when_spilled() {
         assert_eq!(ix.memory_bytes(), inline + 2 * set, "worker {h}");
     }
 }
+
+/// cargo-mutants survivor (shard 20/40): `memory_bytes() > max` → `>=` in
+/// `PrefixIndex::after_mutation` also compacted after a refused op that left the index exactly
+/// at its budget (19/40's test above refuses far past it). The budget is "at most": for the
+/// boundary, the same refused store (its new blocks grew the table, the last one stored
+/// elsewhere) under a budget exactly the memory it leaves is not compacted — the memory stays at
+/// the budget — and one byte lower is, back within it.
+#[test]
+fn a_refused_op_exactly_at_the_budget_is_not_compacted() {
+    let run = |budget: usize| {
+        let mut ix = PrefixIndex::new(Some(budget)).unwrap();
+        for k in 0..20u64 {
+            ix.store("a", &[100 * k + 1, 100 * k + 2], None).unwrap();
+        }
+        let chain: Vec<u64> = (10_000..10_500).chain([1]).collect();
+        assert!(ix.store("a", &chain, None).is_err());
+        ix.check_invariants().unwrap();
+        ix.memory_bytes()
+    };
+    let left = run(1 << 30);
+    assert_eq!(run(left), left);
+    let over = left - 1;
+    assert!(run(over) <= over);
+}
+
+/// cargo-mutants survivor (shard 20/40): `+ self.free.capacity() * 4` → `-` in
+/// `Workers::heap_bytes` took the free list of removed workers' ids off the memory count (no test
+/// removed a worker and read the table's bytes). For the class — every allocation the worker
+/// table holds, each at its size (its invariant: `heap_bytes` accounts every one) — tables of
+/// 10 workers with 0 to 10 removed, shrunk to exact sizes, against the layout: each live name
+/// `len + 16` (the `Arc` counts) plus one allocator allowance, the name slots, the id map
+/// (hashbrown's own `allocation_size`), 8 bytes a block count and 4 an id free for reuse.
+#[test]
+fn the_worker_tables_memory_counts_each_allocation_at_its_size() {
+    let names: Vec<String> = (1..=10).map(|i| "w".repeat(i * 3)).collect();
+    for removed in 0..=names.len() {
+        let mut ix = PrefixIndex::new(None).unwrap();
+        for name in &names {
+            ix.add_worker(name).unwrap();
+        }
+        for name in names.iter().rev().take(removed) {
+            ix.remove_worker(name).unwrap();
+        }
+        ix.workers.shrink();
+        let live: usize = names[..names.len() - removed]
+            .iter()
+            .map(|n| n.len() + 16 + ALLOC_OVERHEAD)
+            .sum();
+        let slots = names.len() * std::mem::size_of::<Option<Arc<str>>>();
+        let want = live + slots + ix.workers.ids.allocation_size() + names.len() * 8 + removed * 4;
+        assert_eq!(ix.workers.heap_bytes(), want, "{removed} removed");
+    }
+}
