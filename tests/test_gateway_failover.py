@@ -205,9 +205,12 @@ GIVE_UP = {
 
 @pytest.mark.parametrize("name", list(FAILURES))
 def test_each_failure_on_the_only_worker_is_answered_logged_and_counted(servers, name, caplog):
+    """... and spends the caller's rate limit (key_requests_per_minute 1) unless it reached no
+    worker (the README: a request that connected to no worker — `upstream_unreachable`, `busy` —
+    takes nothing from its buckets): the next request is refused for the rate only then."""
     script, stream, error, kind, detail, _retried, health = FAILURES[name]
     url = servers(script)
-    with GatewayServer(fleet_config([url], **GIVE_UP)) as gw:
+    with GatewayServer(fleet_config([url], **GIVE_UP, key_requests_per_minute=1)) as gw:
         with caplog.at_level(logging.INFO):
             r = post(gw, "rq-1", stream)
         assert r.headers["x-request-id"] == "rq-1"
@@ -252,6 +255,9 @@ def test_each_failure_on_the_only_worker_is_answered_logged_and_counted(servers,
         assert samples(gw, "request_duration_seconds_count") == {(("route", ROUTE),): 1}
         assert samples(gw, "time_to_first_byte_seconds_count") == {}
         wait_for(lambda: samples(gw, "in_flight") == {}, "the attempt to finish")
+        again = post(gw, "rq-1b", stream)
+        limited = (again.status_code, again.json()["error"]["code"]) == (429, "rate_limited")
+        assert limited == (kind != "connect"), (again.status_code, again.content)
 
 
 @pytest.mark.parametrize("name", list(FAILURES))
