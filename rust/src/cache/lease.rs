@@ -78,6 +78,12 @@ impl Leases {
         previous.is_none()
     }
 
+    /// Whether a queued lease end is at or before `now` (a call taking `now` would first release
+    /// it, or drop its item if the lease was extended).
+    pub fn due(&self, now: f64) -> bool {
+        self.queue.peek().is_some_and(|Reverse(due)| due.end <= now)
+    }
+
     /// Ends and returns the next lease (earliest end, then earliest extension) that ends at or
     /// before `now`, if any.
     pub fn pop_due(&mut self, now: f64) -> Option<u32> {

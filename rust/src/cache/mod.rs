@@ -256,6 +256,14 @@ impl BlockCache {
         self.leases.len()
     }
 
+    /// Whether a call taking `now` (`insert`, `pin`, `unpin`, `expire`) would first have lease
+    /// work to do: a lease (or an extended lease's queued end) ending at or before `now`. The
+    /// work is unbounded (every lease ended since), so a caller that runs short calls inline can
+    /// ask first.
+    pub fn leases_due(&self, now: f64) -> bool {
+        self.leases.due(now)
+    }
+
     /// Number of leading blocks of `hashes` that are cached, without refreshing them.
     pub fn peek_prefix(&self, hashes: &[u64]) -> usize {
         hashes

@@ -419,6 +419,28 @@ fn leases_end_lazily_in_end_order() {
     assert!(c.insert(&[4], s, None, f64::INFINITY).is_err());
 }
 
+/// `leases_due(now)` is true exactly when a call taking `now` has lease work to do first: a lease
+/// (or an extended lease's earlier queued end) ending at or before `now`; false once done.
+#[test]
+fn leases_due_says_when_a_call_would_release_leases_first() {
+    let mut c = BlockCache::new(4).unwrap();
+    let s = PartitionId::SHARED;
+    c.insert(&[1, 2], s, None, 0.0).unwrap();
+    assert!(!c.leases_due(f64::MAX));
+    c.lease(&[1], 1.0, 0.0).unwrap();
+    c.lease(&[1], 3.0, 0.0).unwrap();
+    c.lease(&[2], 2.0, 0.0).unwrap();
+    assert!(!c.leases_due(0.5));
+    // The extended lease's first end is queued: due at 1.0, though it releases nothing.
+    assert!(c.leases_due(1.0));
+    assert_eq!(c.expire(1.0).unwrap(), 0);
+    assert!(!c.leases_due(1.5) && c.leases_due(2.0));
+    c.pin(&[2], 2.0).unwrap();
+    assert!(!c.leases_due(2.5) && c.leases_due(3.0));
+    assert_eq!(c.expire(3.0).unwrap(), 1);
+    assert!(!c.leases_due(f64::MAX));
+}
+
 #[test]
 fn expire_counts_the_leases_it_releases() {
     // The simulator and the Python `BlockCache.expire` report how many leases ended: each lease

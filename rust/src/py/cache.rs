@@ -68,6 +68,25 @@ impl PyBlockCache {
     ) -> R {
         with_mutex(py, &self.core, blocks <= INLINE_BLOCKS, f)
     }
+
+    /// [`Self::run`] for a call that first releases the leases ended at `now`: inline only when
+    /// none is due (releasing them is unbounded work), else with the GIL released.
+    fn run_at<R: Send>(
+        &self,
+        py: Python<'_>,
+        blocks: usize,
+        now: f64,
+        f: impl FnOnce(&mut BlockCache) -> R + Send,
+    ) -> R {
+        if blocks <= INLINE_BLOCKS {
+            if let Some(mut cache) = self.core.try_lock() {
+                if !cache.leases_due(now) {
+                    return f(&mut cache);
+                }
+            }
+        }
+        py.detach(|| f(&mut self.core.lock()))
+    }
 }
 
 /// The id of partition `name` in `core` (`None`: the shared pool); `KeyError` if undeclared.
@@ -126,7 +145,7 @@ impl PyBlockCache {
         let now = self.clock.now(now);
         let (slice, partition) = (hashes.as_slice(), partition.as_deref());
         let mut evicted = Vec::new();
-        let stored = self.run(py, slice.len(), |c| {
+        let stored = self.run_at(py, slice.len(), now, |c| {
             let part = partition_id(c, partition)?;
             c.insert_into(slice, part, parent, now, &mut evicted)
         })?;
@@ -163,7 +182,7 @@ impl PyBlockCache {
         let hashes = hash_array(block_hashes)?;
         let now = self.clock.now(now);
         let slice = hashes.as_slice();
-        self.run(py, slice.len(), |c| match ttl {
+        self.run_at(py, slice.len(), now, |c| match ttl {
             Some(ttl) => c.lease(slice, ttl, now),
             None => c.pin(slice, now),
         })?;
@@ -182,7 +201,7 @@ impl PyBlockCache {
         let hashes = hash_array(block_hashes)?;
         let now = self.clock.now(now);
         let slice = hashes.as_slice();
-        self.run(py, slice.len(), |c| c.unpin(slice, now))?;
+        self.run_at(py, slice.len(), now, |c| c.unpin(slice, now))?;
         Ok(())
     }
 
