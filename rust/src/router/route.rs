@@ -302,6 +302,14 @@ impl Router {
         }
     }
 
+    /// Whether routing at `now` would first drop blocks idle past the TTL (approx mode with a
+    /// TTL, a worker's idle deadline reached): work as long as the blocks, which a caller that
+    /// routes short requests inline can ask about first.
+    pub fn expiry_due(&self, now: f64) -> bool {
+        self.model.as_ref().is_some_and(|m| m.ttl.is_some())
+            && self.workers.iter().any(|w| now >= w.idle_deadline)
+    }
+
     /// Step 2: `scratch.overlap` (leading blocks of `hashes` each worker holds, by slot) and
     /// `scratch.credit` (freshness × the overlap, or the tiered sum in events mode); in events
     /// mode `scratch.inflight` (the prefix held by each worker's in-flight requests, which it

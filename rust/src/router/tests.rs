@@ -87,6 +87,28 @@ fn ttl_and_capacity_make_the_model_forget() {
     assert!(r.workers().get(slot).unwrap().cache.as_ref().unwrap().len() <= 16);
 }
 
+/// `expiry_due(now)` is true exactly when a route at `now` would first drop idle blocks: with a
+/// TTL, once a worker's oldest block has been idle that long; never without a TTL.
+#[test]
+fn expiry_is_due_when_a_route_would_drop_idle_blocks() {
+    let config = Config {
+        block_size: 4,
+        ttl: Some(10.0),
+        ..Config::default()
+    };
+    let mut r = Router::new([("a", 1.0), ("b", 1.0)], config).unwrap();
+    assert!(!r.expiry_due(1e9), "no blocks: nothing to expire");
+    r.route_tokens(&tokens(3, 32), None, None, 0.0).unwrap();
+    assert!(!r.expiry_due(9.5) && r.expiry_due(10.0));
+    r.route_tokens(&tokens(4, 32), None, None, 12.0).unwrap();
+    assert!(!r.expiry_due(12.0) && !r.expiry_due(21.5) && r.expiry_due(22.0));
+    let again = r.route_tokens(&tokens(3, 32), None, None, 12.0).unwrap();
+    assert_eq!(again.cached_blocks, 0, "expired at 12.0");
+    let mut plain = router(Policy::KvAware, &["a"]);
+    plain.route_tokens(&tokens(3, 32), None, None, 0.0).unwrap();
+    assert!(!plain.expiry_due(1e9), "no TTL: nothing expires");
+}
+
 #[test]
 fn observe_drops_what_the_engine_lacked() {
     let mut r = router(Policy::KvAware, &["a", "b"]);

@@ -107,6 +107,25 @@ impl PyRouter {
     ) -> R {
         with_mutex(py, &self.core, light, f)
     }
+
+    /// [`Self::run`] for a route at `now`: inline (when `light`) only if no idle blocks are due
+    /// to leave the model first (as long as the blocks), else with the GIL released.
+    fn run_at<R: Send>(
+        &self,
+        py: Python<'_>,
+        light: bool,
+        now: f64,
+        f: impl FnOnce(&mut Router) -> R + Send,
+    ) -> R {
+        if light {
+            if let Some(mut router) = self.core.try_lock() {
+                if !router.expiry_due(now) {
+                    return f(&mut router);
+                }
+            }
+        }
+        py.detach(|| f(&mut self.core.lock()))
+    }
 }
 
 #[pymethods]

@@ -56,13 +56,14 @@ impl PyRouter {
             optional(exclude, |e| names_from_py(e, "exclude", "exclude item"))?.unwrap_or_default();
         let excluded: Vec<&str> = exclude.iter().map(String::as_str).collect();
         let endpoint = endpoint.as_deref();
+        let now = self.clock.now(now);
         let request = RouteRequest {
             hashes: Vec::new(),
             prompt_tokens: None,
             key: key.as_ref().map(OwnedKey::as_key),
             endpoint,
             exclude: &excluded,
-            now: self.clock.now(now),
+            now,
         };
         let out = match (tokens, block_hashes) {
             (Some(_), Some(_)) => {
@@ -71,7 +72,7 @@ impl PyRouter {
                 ))
             }
             // No prompt: nothing to hash or match (routed by key, endpoint or load).
-            (None, None) => self.run(py, true, |r| f(r, request))?,
+            (None, None) => self.run_at(py, true, now, |r| f(r, request))?,
             (Some(tokens), None) => {
                 let array = tokens_from_py(tokens)?;
                 let tokens = Tokens::of(&array);
@@ -86,7 +87,7 @@ impl PyRouter {
                 };
                 if n < DETACH_MIN_TOKENS {
                     let request = hash()?;
-                    self.run(py, true, |r| f(r, request))?
+                    self.run_at(py, true, now, |r| f(r, request))?
                 } else {
                     // Hashing a long prompt is long work too: both run with the GIL released,
                     // the hashing before the router's lock is taken.
@@ -96,7 +97,7 @@ impl PyRouter {
             (None, Some(hashes)) => {
                 let hashes = u64_slice(hashes, "block_hashes", Negative::Reinterpret)?;
                 let mut hashes = hashes.as_slice().to_vec();
-                self.run(py, hashes.len() < DETACH_MIN_BLOCKS, |r| {
+                self.run_at(py, hashes.len() < DETACH_MIN_BLOCKS, now, |r| {
                     r.salt_block_hashes(endpoint, &mut hashes)?;
                     f(r, RouteRequest { hashes, ..request })
                 })?
