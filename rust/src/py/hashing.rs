@@ -25,9 +25,10 @@ use pyo3::types::{PyInt, PyList, PyMapping, PyString};
 
 use super::convert::{
     as_int, describe, int_to_u64, name_item, optional, type_error, u64_from_int, u64_slice,
-    weight_from_py, weighted_names, with_key, KeyBatch, Name, Negative,
+    weight_from_py, weighted_names, Name, Negative,
 };
 use super::in_place::{set_new_list_item, Seq};
+use super::keys::{with_key, KeyBatch};
 use super::names::NameCache;
 use super::{direct_call, with_read, with_write};
 use crate::hashing::{self, ConsistentHash, Key, KeyHasher, NodeId, RingHash, SeenNodes};

@@ -8,7 +8,7 @@
 //! sets a new list's items directly; the abi3 build does the same through the stable API's calls.
 //!
 //! Guarantees:
-//! - The bytes of a key are exactly those [`super::convert::with_key`] gives: a `str`'s UTF-8
+//! - The bytes of a key are exactly those [`super::keys::with_key`] gives: a `str`'s UTF-8
 //!   encoding, a `bytes`' contents, an `int`'s value. Anything [`str_utf8`] cannot read in place
 //!   goes through the stable API (`PyUnicode_AsUTF8AndSize`, which also caches the UTF-8 copy).
 //! - Python objects are read only with the GIL held. [`Seq::hash_keys`] holds it for at most
@@ -21,7 +21,8 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyString, PyTuple};
 
-use super::convert::{memory_error, with_key_at};
+use super::convert::memory_error;
+use super::keys::with_key_at;
 use crate::hashing::{Key, KeyHasher};
 
 /// Keys hashed per hold of the GIL by [`Seq::hash_keys`] (~0.1 ms of ketama hashing).
@@ -153,7 +154,7 @@ impl<'a, 'py> Seq<'a, 'py> {
     }
 
     /// Hashes every key with `hasher`, appending the hashes to `hashes` (see [`KeyHasher`]).
-    /// Keys are `str`, `bytes` or `int`, as [`super::convert::with_key`] takes them; the first
+    /// Keys are `str`, `bytes` or `int`, as [`super::keys::with_key`] takes them; the first
     /// other raises `TypeError` or `ValueError` naming its position. The GIL is released between
     /// chunks of [`GIL_CHUNK`] keys (see the module guarantees for a list changed meanwhile).
     pub fn hash_keys(&self, hasher: &mut KeyHasher, hashes: &mut Vec<u64>) -> PyResult<()> {

@@ -12,6 +12,7 @@ mod events;
 mod hashing;
 mod in_place;
 mod index;
+mod keys;
 mod names;
 mod router;
 

@@ -7,8 +7,9 @@ use pyo3::prelude::*;
 use super::{PyRouter, DETACH_MIN_BLOCKS, DETACH_MIN_TOKENS};
 use crate::hashing::Key;
 use crate::py::convert::{
-    names_from_py, optional, tokens_from_py, typed, u64_slice, with_key, Name, Negative, Tokens,
+    names_from_py, optional, tokens_from_py, typed, u64_slice, Name, Negative, Tokens,
 };
+use crate::py::keys::with_key;
 use crate::router::{prepared_then_locked, prompt_hashes, RouteRequest, Router};
 
 /// A routing key copied out of Python (so routing can run without the GIL).
