@@ -181,3 +181,79 @@ def test_make_mutants_python_diff_is_the_changed_functions():
     assert at(source, "p.q", {6, 10}) == ["p.q.xǁCǁm__mutmut_*", "p.q.xǁCǁn__mutmut_*"]
     patch = "@@ -3 +3 @@\n-a\n+b\n@@ -8,2 +9,0 @@\n-c\n-d\n@@ -20,0 +21,2 @@\n+e\n+f\n"
     assert mutants.changed_lines(patch) == {3, 9, 10, 21, 22}
+
+
+def test_make_mutants_python_groups_run_under_a_wall_clock_limit():
+    """Every Python group's mutmut config passes pytest-timeout's limit through
+    ``pytest_add_cli_args`` (so the stats, the clean run and every mutant run under it), with the
+    group's files and tests."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    mutants = make_mutants()
+    files, tests, _ = mutants.PYTHON["py-gateway-client"]
+    config = tomllib.loads(mutants.mutmut_config(files, tests))["tool"]["mutmut"]
+    assert config["pytest_add_cli_args"] == [
+        "-p",
+        "no:cacheprovider",
+        "-x",
+        "-q",
+        f"--timeout={mutants.TEST_TIMEOUT_S}",
+        "--timeout-method=thread",
+    ]
+    assert config["only_mutate"] == [
+        "src/kvroute/gateway/client.py",
+        "src/kvroute/gateway/stream.py",
+    ]
+    assert config["pytest_add_cli_args_test_selection"] == tests
+
+
+HUNG = {  # where: (the scratch test file, the function its stack dump shows hung)
+    # A request that never gets its head: a future nobody resolves, on a running loop.
+    "call": (
+        "import asyncio\n"
+        "def test_before():\n"
+        "    pass\n"
+        "def test_hangs():\n"
+        "    async def main():\n"
+        "        await asyncio.get_running_loop().create_future()\n"
+        "    asyncio.run(main())\n"
+        "def test_after():\n"
+        "    pass\n",
+        "test_hangs",
+    ),
+    # A clean-up that waits forever (a stop joining a thread that never ends).
+    "teardown": (
+        "import threading\n"
+        "import pytest\n"
+        "@pytest.fixture\n"
+        "def stuck():\n"
+        "    yield\n"
+        "    threading.Event().wait()\n"
+        "def test_hangs(stuck):\n"
+        "    pass\n"
+        "def test_after():\n"
+        "    pass\n",
+        "stuck",
+    ),
+}
+
+
+@pytest.mark.parametrize("where", sorted(HUNG))
+def test_make_mutants_limit_ends_a_hung_test_as_a_failure(tmp_path, where):
+    """run.py's pytest arguments end a test hung without using CPU — in its body or its
+    teardown — by themselves: pytest-timeout dumps the stacks and ends the process with exit
+    code 1, which mutmut counts as a killed mutant (its exit code 1: ``killed``), and no later
+    test runs. (A 1 s limit here in place of ``TEST_TIMEOUT_S``.)"""
+    mutants = make_mutants()
+    source, hung = HUNG[where]
+    (tmp_path / "test_hung.py").write_text(source)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")  # the scratch dir is the rootdir
+    cmd = [sys.executable, "-m", "pytest", *mutants.pytest_args(timeout_s=1), "-v", "test_hung.py"]
+    # The guard only: without the limit the child would wait forever.
+    result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, out
+    assert "+ Timeout +" in out and f"in {hung}" in out, out  # the hung test's stack
+    assert "test_hung.py::test_after" not in out

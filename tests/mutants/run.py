@@ -18,6 +18,16 @@ together are the whole set. Every run is niced, one job at a time by default (``
 writes under ``target/mutants/<module>/``; the score table goes to ``target/mutants/summary.md``
 (a sample's score counts the sample's mutants only).
 
+Every Python group's tests run under a wall-clock limit of ``TEST_TIMEOUT_S`` (300 s) a test —
+its setup, call and teardown — through pytest-timeout (the ``mutants`` extra), passed in
+mutmut's ``pytest_add_cli_args``, so the stats run, the clean run and every mutant run under
+it: a mutant that hangs without using CPU (a request never given its head) fails its test then
+and counts as caught — mutmut reports it ``killed`` (pytest's exit code 1) — as a cargo-mutants
+timeout does for Rust. mutmut's own limits are CPU time, which such a hang never uses, and a
+wall clock of 15× the summed durations of every test calling the mutated function, 11–21 min
+for ``py-gateway-client``'s connection callbacks. A work directory made before the limit re-runs
+every mutant once (mutmut forgets its results when ``pytest_add_cli_args`` changes).
+
 Score per module: caught ÷ (caught + missed − accepted equivalents); timeouts count as caught,
 unviable mutants (that do not build) as nothing. Accepted equivalent mutants — ones no test can
 observe — are listed with the reason in ``docs/mutants.md``; a surviving mutant not listed there
@@ -30,6 +40,7 @@ import argparse
 import ast
 import filecmp
 import fnmatch
+import importlib.util
 import json
 import os
 import re
@@ -366,6 +377,58 @@ def rust_score(module: str, results: Path, equivalents: set[str]) -> Score:
     return score
 
 
+# The wall-clock limit on each test of a Python group (setup, call and teardown), in seconds.
+# Measured at 53ccf8f on this 2-core machine at load 11-18, every group's stats and clean runs
+# under it: the slowest test is the prefill/decode load test (`test_load_loses_and_duplicates_
+# nothing`, 34 s in mutmut's stats run, 29 s clean); every other group's slowest is 4-9 s. ~9x
+# that, so that a busier machine (a nice-19 run beside other sessions' builds) does not fail a
+# test, while a mutant that hangs ends in 5 minutes. pytest-timeout's "thread" method: a timer
+# thread dumps the stacks and ends the whole test process with exit code 1 (mutmut: killed),
+# whatever the hung test is blocked in; "signal" raises in the main thread, which a hang in a C
+# call, or a teardown that hangs again after it, would outlast.
+TEST_TIMEOUT_S = 300
+
+
+def pytest_args(timeout_s: int = TEST_TIMEOUT_S) -> list[str]:
+    """mutmut's ``pytest_add_cli_args`` for a Python group: every run (the stats, the clean
+    tests, each mutant) stops at its first failure, and a test that runs ``timeout_s`` seconds
+    ends the process (pytest-timeout) and fails the run."""
+    return [
+        "-p",
+        "no:cacheprovider",
+        "-x",
+        "-q",
+        f"--timeout={timeout_s}",
+        "--timeout-method=thread",
+    ]
+
+
+def mutmut_config(files: list[str], tests: list[str]) -> str:
+    """The ``[tool.mutmut]`` table of a group's work directory: ``files`` mutated (paths under
+    python/), ``tests`` run."""
+    mutated = [f.replace("python/", "src/", 1) for f in files]
+    lines = [
+        "[tool.mutmut]",
+        'source_paths = ["src"]',
+        'also_copy = ["examples"]',
+        f"only_mutate = {json.dumps(mutated)}",
+        f"pytest_add_cli_args_test_selection = {json.dumps(tests)}",
+        f"pytest_add_cli_args = {json.dumps(pytest_args())}",
+        "use_git_change_detection = false",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def require_pytest_timeout() -> None:
+    """Refuses to run a Python group without pytest-timeout: mutmut would stop at its first
+    pytest run (``--timeout`` unknown) with a message that does not say why."""
+    if importlib.util.find_spec("pytest_timeout") is None:
+        raise SystemExit(
+            "tests/mutants/run.py: pytest-timeout is not installed (the `mutants` extra: "
+            "`make mutants`, or `pip install -e '.[mutants]'`)"
+        )
+
+
 # Writes the mutants (mutants/ in the work directory, as `mutmut run` does first) without running
 # any test, so that a sample can be drawn from their names. mutmut has no command for it: these
 # are the first steps of mutmut 3's `run` (pyproject.toml pins mutmut < 4).
@@ -420,6 +483,7 @@ def run_python(
 ) -> Score:
     """Runs one group's mutants: all of them, or of ``functions`` (name globs) only, or sample
     ``args.sample`` of either."""
+    require_pytest_timeout()
     files, tests, names = PYTHON[group]
     work = OUT / group
     if work.exists() and args.fresh:
@@ -432,18 +496,8 @@ def run_python(
         if not link.exists():
             link.symlink_to(ROOT / target)
     refresh_extensions(ROOT / "python" / "kvroute", work / "mutants" / "src" / "kvroute")
-    mutated = [f.replace("python/", "src/", 1) for f in files]
-    lines = [
-        "[tool.mutmut]",
-        'source_paths = ["src"]',
-        'also_copy = ["examples"]',
-        f"only_mutate = {json.dumps(mutated)}",
-        f"pytest_add_cli_args_test_selection = {json.dumps(tests)}",
-        'pytest_add_cli_args = ["-p", "no:cacheprovider", "-x", "-q"]',
-        "use_git_change_detection = false",
-    ]
     pyproject = (ROOT / "pyproject.toml").read_text()  # the project's pytest settings
-    (work / "pyproject.toml").write_text(pyproject + "\n" + "\n".join(lines) + "\n")
+    (work / "pyproject.toml").write_text(pyproject + "\n" + mutmut_config(files, tests))
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
     chosen = None
     if args.sample or functions is not None:
