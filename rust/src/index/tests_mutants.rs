@@ -704,3 +704,26 @@ fn the_worker_tables_memory_counts_each_allocation_at_its_size() {
         assert_eq!(ix.workers.heap_bytes(), want, "{removed} removed");
     }
 }
+
+/// cargo-mutants survivor (shard 23/40): the guard `!*s` → `true` in `Tree::check`'s "reached
+/// twice" test (12/40's class test broke every other invariant, not this one). Every node but the
+/// root is visited only after its parent link and previous sibling are checked, so the first node
+/// a corrupt tree can reach twice is the root: linked as a leaf's only child, the checker reports
+/// it whole (under the mutant it walks the cycle for ever).
+#[test]
+fn the_checker_reports_the_root_reached_again_as_a_child() {
+    use crate::index::tree::{NIL, ROOT};
+    let mut ix = PrefixIndex::new(None).unwrap();
+    ix.store("a", &[1, 2], None).unwrap();
+    ix.store("b", &[1, 3], None).unwrap();
+    ix.check_invariants().unwrap();
+    let leaf = ix.tree.find(2).expect("stored").0;
+    ix.tree.nodes[leaf as usize].first_child = ROOT;
+    ix.tree.nodes[leaf as usize].num_children = 1;
+    let root = &mut ix.tree.nodes[ROOT as usize];
+    (root.parent, root.prev_sibling, root.next_sibling) = (leaf, NIL, NIL);
+    assert_eq!(
+        ix.check_invariants().unwrap_err(),
+        "node 0 reached twice or out of range"
+    );
+}
