@@ -342,21 +342,8 @@ fn a_continued_run_grows_by_the_larger_of_its_new_blocks_and_an_eighth() {
 /// nodes), the bound holds.
 #[test]
 fn the_compacted_size_bounds_the_rebuilt_trees_memory_for_every_table_size() {
-    for blocks in 1..=2_000u64 {
-        if blocks > 64 && blocks % 37 != 0 {
-            continue;
-        }
-        // One chain of `blocks` blocks (one node), and the same split into nodes of 3 blocks
-        // by a second worker holding every third prefix (up to ~660 nodes).
-        let mut one = PrefixIndex::new(None).unwrap();
-        let chain: Vec<u64> = (1..=blocks).collect();
-        one.store("a", &chain, None).unwrap();
-        let mut split = PrefixIndex::new(None).unwrap();
-        split.store("a", &chain, None).unwrap();
-        for end in (3..=blocks as usize).step_by(3) {
-            split.store("b", &chain[..end], None).unwrap();
-        }
-        for ix in [&one, &split] {
+    for (blocks, indexes) in one_and_split() {
+        for ix in &indexes {
             let bound = ix.tree.compacted_bytes();
             let real = ix.tree.rebuilt().memory_bytes();
             assert!(
@@ -366,6 +353,25 @@ fn the_compacted_size_bounds_the_rebuilt_trees_memory_for_every_table_size() {
             );
         }
     }
+}
+
+/// For every table size the size estimates treat by a rule of their own (1 to 64 blocks, then
+/// every 37th to 2,000): one chain of that many blocks (one node), and the same split into nodes
+/// of 3 blocks by a second worker holding every third prefix (up to ~660 nodes).
+fn one_and_split() -> impl Iterator<Item = (u64, [PrefixIndex; 2])> {
+    (1..=2_000u64)
+        .filter(|&blocks| blocks <= 64 || blocks % 37 == 0)
+        .map(|blocks| {
+            let chain: Vec<u64> = (1..=blocks).collect();
+            let mut one = PrefixIndex::new(None).unwrap();
+            one.store("a", &chain, None).unwrap();
+            let mut split = PrefixIndex::new(None).unwrap();
+            split.store("a", &chain, None).unwrap();
+            for end in (3..=blocks as usize).step_by(3) {
+                split.store("b", &chain[..end], None).unwrap();
+            }
+            (blocks, [one, split])
+        })
 }
 
 /// cargo-mutants survivor (shard 14/40): `memory_bytes() > max` → `==` in
@@ -476,19 +482,8 @@ fn the_budget_reads_back_as_given_to_new_and_load_through_every_mutation() {
 #[test]
 fn the_compacted_size_is_the_compacted_trees_memory_for_every_table_size() {
     let slack = if cfg!(target_feature = "sse2") { 0 } else { 24 };
-    for blocks in 1..=2_000u64 {
-        if blocks > 64 && blocks % 37 != 0 {
-            continue;
-        }
-        let chain: Vec<u64> = (1..=blocks).collect();
-        let mut one = PrefixIndex::new(None).unwrap();
-        one.store("a", &chain, None).unwrap();
-        let mut split = PrefixIndex::new(None).unwrap();
-        split.store("a", &chain, None).unwrap();
-        for end in (3..=blocks as usize).step_by(3) {
-            split.store("b", &chain[..end], None).unwrap();
-        }
-        for ix in [&one, &split] {
+    for (blocks, indexes) in one_and_split() {
+        for ix in &indexes {
             let compact = ix.tree.rebuilt();
             let (estimate, real) = (compact.compacted_bytes(), compact.memory_bytes());
             assert!(
