@@ -149,6 +149,7 @@ class Call:
     __slots__ = (
         "digest",
         "flight",
+        "paired",
         "rid",
         "route",
         "slo",
@@ -171,6 +172,7 @@ class Call:
         self.tenant = "-"
         self.slo: float | None = None
         self.flight: Flight | None = None  # the attempt that answered
+        self.paired = False  # counted in pd_pairs_total (once, by its first pair's reason)
 
 
 def _not_found(req: Incoming) -> HTTPError:

@@ -31,7 +31,9 @@ Failures (each looked up in ``kvroute.gateway.errors`` as for single requests, a
 worker that failed): a prefill that fails before the decode has started is retried with another
 prefill worker (the pair routed again without it: for SGLang the waiting decode request is
 aborted first, and the retry gets a new room); a decode failure before the first event retries
-the pair from scratch without that decode worker; a prefill's 4xx answer is the client's. Every
+the pair from scratch without that decode worker — vLLM: a new prefill under the same
+``x-request-id``, the first prefill's KV (offered, never pulled) held by its engine until the
+engine's own timeout frees it; a prefill's 4xx answer is the client's. Every
 attempt of either half counts toward ``max_attempts``. The client gets exactly one answer, the
 decode worker's; the prefill's one token is never forwarded nor charged to rate limits (which
 charge the decode's completion tokens), so nothing is billed twice.
@@ -135,8 +137,8 @@ class PdForwarder:
         self.pairs = gateway.metrics.registry.add(
             Counter(
                 "kvroute_gateway_pd_pairs_total",
-                "Requests routed as prefill/decode pairs, by why they were (remote) or were not "
-                "disaggregated.",
+                "Requests routed as prefill/decode pairs, by why their first pair was (remote) or "
+                "was not disaggregated (a retried pair is not counted again).",
                 ("reason",),
             )
         )
@@ -184,7 +186,9 @@ class PdForwarder:
         """One attempt of ``Gateway._forward``'s loop for a pair: its outcome and the worker it
         is charged to (the prefill's when the prefill failed or refused, else the decode's)."""
         g = self.g
-        self.pairs.inc(pair.reason)
+        if not call.paired:  # a request, not an attempt: counted by its first pair's reason
+            call.paired = True
+            self.pairs.inc(pair.reason)
         p, d = pair.prefill, pair.decode
         for half in (p, d) if pair.disaggregate else (d,):
             g.metrics.decisions.inc(half.policy, half.reason, half.worker)
