@@ -316,13 +316,30 @@ def test_changes_queued_when_the_poll_thread_dies_are_made_without_sockets(engin
     assert sub.workers == ["x"] and sink.cleared == ["w"]
     assert all((v.sub, v.monitor, v.dealer) == (None,) * 3 for v in sub._workers.values())
     assert sub.stats()["x"]["stale"]  # no event reaches the index any more: said so
-    # stop() returns (it blocked sending to the dead thread's closed end), the context ends.
+    # stop() returns (it blocked sending to the dead thread's closed end), the context ends —
+    # also when the thread dies between stop's look at it and its send: a double of the thread
+    # (alive at the look, gone at the send: a race the real one shows only by chance).
+    sub._thread = _AliveAtFirst(thread)
     stopped = threading.Thread(target=sub.stop, kwargs={"timeout": 5}, daemon=True)
     stopped.start()
     stopped.join(10)
     assert not stopped.is_alive()
     assert sub._ctx is None and ctx.closed  # no socket left open: the context terminated
     assert x.subscriptions() == []  # x never had a subscriber
+
+
+class _AliveAtFirst:
+    """A thread that says it is alive once (then as the real, ended one)."""
+
+    def __init__(self, real: threading.Thread) -> None:
+        self.real, self.asked = real, 0
+
+    def is_alive(self) -> bool:
+        self.asked += 1
+        return self.asked == 1 or self.real.is_alive()
+
+    def join(self, timeout: float | None = None) -> None:
+        self.real.join(timeout)
 
 
 def test_a_worker_that_leaves_a_running_subscriber_is_taken_off_its_poller(engines):
