@@ -14,7 +14,7 @@ use super::convert::{
     block_hash_from_py, name_item, optional, type_error, u64_array, u64_slice, usize_from_int,
     MonotonicClock, Name, Negative, U64Slice,
 };
-use super::with_mutex;
+use super::{with_mutex, with_mutex_unless};
 use crate::cache::{BlockCache, PartitionId};
 
 /// Largest call that may run without releasing the GIL.
@@ -78,14 +78,8 @@ impl PyBlockCache {
         now: f64,
         f: impl FnOnce(&mut BlockCache) -> R + Send,
     ) -> R {
-        if blocks <= INLINE_BLOCKS {
-            if let Some(mut cache) = self.core.try_lock() {
-                if !cache.leases_due(now) {
-                    return f(&mut cache);
-                }
-            }
-        }
-        py.detach(|| f(&mut self.core.lock()))
+        let inline = blocks <= INLINE_BLOCKS;
+        with_mutex_unless(py, &self.core, inline, |c| c.leases_due(now), f)
     }
 }
 

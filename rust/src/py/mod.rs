@@ -44,9 +44,23 @@ fn with_mutex<T: Send, R: Send>(
     inline: bool,
     f: impl FnOnce(&mut T) -> R + Send,
 ) -> R {
+    with_mutex_unless(py, lock, inline, |_| false, f)
+}
+
+/// [`with_mutex`] for a call that may first have unbounded work pending in the core (expiry):
+/// inline only when `pending` says there is none.
+fn with_mutex_unless<T: Send, R: Send>(
+    py: Python<'_>,
+    lock: &Mutex<T>,
+    inline: bool,
+    pending: impl FnOnce(&T) -> bool,
+    f: impl FnOnce(&mut T) -> R + Send,
+) -> R {
     if inline {
         if let Some(mut guard) = lock.try_lock() {
-            return f(&mut guard);
+            if !pending(&guard) {
+                return f(&mut guard);
+            }
         }
     }
     py.detach(|| f(&mut lock.lock()))

@@ -25,7 +25,7 @@ use super::convert::{
 };
 use super::events::PyKvEventApplier;
 use super::index::PyPrefixIndex;
-use super::{with_mutex, DETACH_MIN_TOKENS};
+use super::{with_mutex, with_mutex_unless, DETACH_MIN_TOKENS};
 use crate::blocks::Options;
 use crate::router::{Config, CostWeights, EndpointSpec, PdConfig, Phase, Role, Router};
 use config::{config_dict, roles_from_py, tier_weights_from_py};
@@ -117,14 +117,7 @@ impl PyRouter {
         now: f64,
         f: impl FnOnce(&mut Router) -> R + Send,
     ) -> R {
-        if light {
-            if let Some(mut router) = self.core.try_lock() {
-                if !router.expiry_due(now) {
-                    return f(&mut router);
-                }
-            }
-        }
-        py.detach(|| f(&mut self.core.lock()))
+        with_mutex_unless(py, &self.core, light, |r| r.expiry_due(now), f)
     }
 }
 
