@@ -66,6 +66,8 @@ def replays_again(sub, engine, payloads, ctx: RefusingDealers, caplog) -> dict:
     replayed over it; returns the stats at the end."""
     wait_for(lambda: ctx.made == 1, "the retry's DEALER")
     wait_for(lambda: sub._workers["w"].dealer is not None, "the DEALER in use")
+    # logged by the poll thread after it put the DEALER in use
+    wait_for(lambda: "made again" in caplog.text, "the recovery's log line")
     records = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "kvroute.events"]
     assert records == [
         (
