@@ -5,12 +5,15 @@ with): tests/test_events_subscriber.py.
 
 from __future__ import annotations
 
+import errno
+import logging
 import threading
 
 import zmq
 from kvroute import PrefixIndex
 from kvroute.events import KvEventSubscriber
 from support.events_engine import stored
+from support.helpers import wait_for
 
 
 def test_stop_waits_at_most_its_timeout_for_a_stuck_poll_thread(engines):
@@ -70,3 +73,104 @@ def test_a_start_that_fails_at_the_first_worker_raises_and_leaves_no_socket():
     assert not starter.is_alive()  # start returned
     assert [type(e) for e in raised] == [zmq.ZMQError] and not sub.running
     assert all((w.sub, w.monitor, w.dealer) == (None,) * 3 for w in sub._workers.values())
+
+
+class _JoinRecorded:
+    """The poll thread, with the timeouts ``join`` is called with recorded."""
+
+    def __init__(self, real: threading.Thread) -> None:
+        self.real, self.joins = real, []
+
+    def is_alive(self) -> bool:
+        return self.real.is_alive()
+
+    def join(self, timeout: float | None = None) -> None:
+        self.joins.append(timeout)
+        self.real.join(timeout)
+
+
+def test_stop_waits_five_seconds_by_default_for_the_poll_thread():
+    """The documented default ``timeout`` of ``stop`` (5 s) is what the poll thread is joined
+    with, read from the join itself; a timeout given is passed as is."""
+    for kwargs, expected in (({}, [5.0]), ({"timeout": 0.25}, [0.25])):
+        sub = KvEventSubscriber(PrefixIndex(), {"w": "tcp://127.0.0.1:1"}).start()
+        ctx = sub._ctx
+        thread = sub._thread = _JoinRecorded(sub._thread)
+        sub.stop(**kwargs)
+        assert thread.joins == expected
+        assert not thread.is_alive() and not sub.running and ctx.closed
+
+
+class _RefusingPairs:
+    """pyzmq whose contexts refuse their first PAIR socket (the poll thread's end of the stop
+    pair, the first socket ``start`` makes) as a process out of file descriptors does."""
+
+    class Context:
+        def __init__(self) -> None:
+            self.ctx, self.refused = zmq.Context(), False
+
+        def socket(self, kind: int):
+            if kind == zmq.PAIR and not self.refused:
+                self.refused = True
+                raise zmq.ZMQError(errno.EMFILE)
+            return self.ctx.socket(kind)
+
+        def __getattr__(self, name: str):
+            return getattr(self.ctx, name)
+
+    def __getattr__(self, name: str):
+        return getattr(zmq, name)
+
+
+def test_a_start_that_cannot_make_its_stop_socket_raises_and_can_start_again(engines):
+    """``start()`` failing at its very first socket (the poll thread's stop PAIR, before any
+    worker's): the error reaches the caller — the poll thread's clean-up has no stop socket to
+    close, and must not fail on it, or ``start`` would wait forever — the context is
+    terminated, and the next ``start`` runs as usual."""
+    engine = engines(replay=False)
+    sub = KvEventSubscriber(PrefixIndex(), {"w": engine.endpoint})
+    sub._zmq = _RefusingPairs()
+    raised: list[BaseException] = []
+
+    def start():
+        try:
+            sub.start()
+        except BaseException as e:
+            raised.append(e)
+
+    starter = threading.Thread(target=start, daemon=True)
+    starter.start()
+    starter.join(10)
+    assert not starter.is_alive()  # start returned
+    assert [str(e) for e in raised] == [str(zmq.ZMQError(errno.EMFILE))] and not sub.running
+    assert sub._ctx is None and sub._workers["w"].sub is None
+    sub._zmq = zmq
+    with sub:
+        engine.wait_subscriber()
+        seq = engine.publish(stored([1], None, range(16)))
+        wait_for(lambda: sub.stats()["w"]["last_seq"] == seq, "the batch applied")
+
+
+def test_a_clean_stop_leaves_every_worker_fresh_and_logs_nothing(engines, caplog):
+    """``stop()`` ends the poll thread as asked: no worker is marked stale (that is for a
+    thread ended by an error, tests/test_events_membership.py), the freshness sink is not
+    called, and nothing is logged."""
+    caplog.set_level(logging.INFO, logger="kvroute.events")
+    engine = engines(replay=False)
+    marked: list[tuple[str, str]] = []
+
+    class Freshness:
+        def mark_stale(self, worker):
+            marked.append(("stale", worker))
+
+        def mark_fresh(self, worker):
+            marked.append(("fresh", worker))
+
+    sub = KvEventSubscriber(PrefixIndex(), {"w": engine.endpoint}, freshness=Freshness())
+    with sub:
+        engine.wait_subscriber()
+        seq = engine.publish(stored([1], None, range(16)))
+        wait_for(lambda: sub.stats()["w"]["last_seq"] == seq, "the batch applied")
+    assert not sub.running and not sub.is_stale("w") and not sub.stats()["w"]["stale"]
+    assert marked == []
+    assert [r for r in caplog.records if r.name == "kvroute.events"] == []

@@ -342,7 +342,9 @@ class KvEventSubscriber(Membership):
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stops the poll thread and closes every socket; idempotent."""
+        """Stops the poll thread and closes every socket; idempotent. Waits at most ``timeout``
+        seconds (default 5) for the poll thread: one stuck in the event sink is left the ZMQ
+        context, which it closes once it sees the stop."""
         thread = self._thread
         if thread is None:
             return
