@@ -108,3 +108,31 @@ def test_a_worker_url_may_have_a_proxys_path_prefix():
     data = config("vllm", ["prefill", "decode"])
     data["workers"][1]["url"] = "https://proxy.example:8443/engines/a/"
     assert parse_config(data).workers[1].url == "https://proxy.example:8443/engines/a"
+
+
+@pytest.mark.parametrize(
+    ("kind", "role", "key"),
+    [
+        ("vllm", "prefill", "bootstrap_port"),
+        ("vllm", "both", "bootstrap_host"),
+        ("sglang", "decode", "bootstrap_port"),
+        ("sglang", "both", "bootstrap_host"),
+    ],
+)
+def test_bootstrap_address_only_on_sglang_prefill_servers(kind, role, key):
+    """Only an SGLang prefill server publishes KV at a bootstrap address: the keys on any other
+    worker would do nothing (a wrong port unnoticed until a pair fails), so they are refused,
+    naming the worker."""
+    value = 9000 if key == "bootstrap_port" else "10.0.0.9"
+    data = config(kind, ["prefill", "decode"])
+    data["workers"][0].update(role=role, **{key: value})
+    message = (
+        f"workers[0].{key} applies to SGLang prefill servers only (kind = 'sglang', "
+        f"role = 'prefill'); worker 'w0' has kind = {kind!r}, role = {role!r}"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_config(data)
+    data = config("sglang", ["prefill", "decode"])
+    data["workers"][0].update(bootstrap_port=9000, bootstrap_host="10.0.0.9")
+    w = parse_config(data).workers[0]
+    assert (w.bootstrap_host, w.bootstrap_port) == ("10.0.0.9", 9000)

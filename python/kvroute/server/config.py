@@ -367,6 +367,14 @@ def _worker(data: Any, i: int) -> WorkerConfig:
         raise ValueError(f"{t.where}.role must be one of {ROLES}, got {w.role!r}")
     if w.bootstrap_port is not None and not 0 < w.bootstrap_port < 65536:
         raise ValueError(f"{t.where}.bootstrap_port must be in 1..65535, got {w.bootstrap_port}")
+    given = [k for k in ("bootstrap_host", "bootstrap_port") if getattr(w, k) is not None]
+    if given and (w.kind, w.role) != ("sglang", "prefill"):
+        # Only an SGLang prefill server publishes KV at a bootstrap address: on any other
+        # worker the key would do nothing, and a wrong port would go unnoticed.
+        raise ValueError(
+            f"{t.where}.{given[0]} applies to SGLang prefill servers only (kind = 'sglang', "
+            f"role = 'prefill'); worker {name!r} has kind = {w.kind!r}, role = {w.role!r}"
+        )
     if w.kv_events_bind and kv_events is None:
         raise ValueError(f"{t.where}.kv_events_bind given without kv_events")
     return w
