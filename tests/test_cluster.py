@@ -700,3 +700,54 @@ def test_batches_dropped_in_an_outage_do_not_hold_back_the_ones_kept(nats_server
             await sb.stop()
 
     asyncio.run(main())
+
+
+def test_a_replica_of_another_block_size_refuses_the_snapshot_and_the_batches(nats_server):
+    """Replicas share one hash space or nothing: a replica started with another block size than
+    the one whose snapshot and batches are in NATS refuses the snapshot and skips every batch
+    (counted, named in ``/health``'s ``last_error``), its model its own; one of the same settings
+    started beside it loads the snapshot and knows the prompt."""
+    workers = ["gpu-0", "gpu-1"]
+    prompt = np.arange(5_000, 5_512, dtype=np.uint32)
+
+    async def until(cond: Any, timeout: float = 15.0) -> bool:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if cond():
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+    async def main() -> None:
+        cfg = ClusterConfig(nats=(nats_server.url,), snapshot_interval=0.2, connect_timeout=1.0)
+        a = kvroute.Router(workers, block_size=16, updates=True)
+        sa = ReplicaSync(a, cfg)
+        sa.start()
+        syncs = [sa]
+        try:
+            assert await until(lambda: sa.connected)
+            d = a.route(tokens=prompt)
+            a.begin(d)
+            a.finish(d)
+            written = sa.snapshots.get("written")
+            assert await until(lambda: sa.snapshots.get("written") >= written + 2)
+            other = kvroute.Router(workers, block_size=32, updates=True)
+            same = kvroute.Router(workers, block_size=16, updates=True)
+            so, ss = ReplicaSync(other, cfg), ReplicaSync(same, cfg)
+            syncs += [so, ss]
+            so.start()
+            ss.start()
+            assert await until(lambda: so.connected and ss.connected)
+            assert await until(lambda: so.skipped.get("hashing_mismatch") >= 1)
+            assert so.loaded_snapshot is None and so.snapshots.get("refused") == 1
+            assert len(other.index) == 0
+            assert "block_size=16" in so.last_error and "block_size=32" in so.last_error
+            assert ss.loaded_snapshot is not None and ss.snapshots.get("refused") == 0
+            match = same.index.match(kvroute.BlockHasher(16).hash(prompt))
+            assert match == {d.worker: 32}
+            assert ss.skipped.get("hashing_mismatch") == 0
+        finally:
+            for s in syncs:
+                await s.stop()
+
+    asyncio.run(main())

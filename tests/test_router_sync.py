@@ -203,3 +203,57 @@ def test_set_load_is_a_baseline_for_the_routers_own_requests():
         r.set_load("nope", active=1)
     with pytest.raises((ValueError, OverflowError)):
         r.set_load(d.worker, active=-1)
+
+
+def test_batches_hashed_under_other_settings_are_skipped_and_named(caplog):
+    """A block hash means something only under the settings that made it: a batch from a
+    replica of another block size, hash profile, seed or salt is skipped (``hashing_mismatch``),
+    changing nothing, and both settings are named (the seed and salt as a digest only), logged
+    once per publisher; one of the same settings is applied, and one without the header (an
+    older replica) too."""
+    from kvroute.cluster.sync import hashing_of
+
+    a = replica()
+    p = np.arange(1000, 1040, dtype=np.uint32)
+    d = a.route(tokens=p, now=1.0)
+    a.begin(d)
+    a.finish(d, now=1.0)
+    batch = a.take_updates()
+    mine = hashing_of(a)
+    assert mine == hashing_of(replica()) and "block_size=4 profile=native" in mine
+    others = {
+        "block size": kvroute.Router(WORKERS, block_size=8, updates=True),
+        "profile": replica(hash_profile="vllm"),
+        "seed": replica(hash_profile="vllm", hash_seed="s3cret-seed"),
+        "salt": replica(salt="s3cret-salt"),
+    }
+    vllm = hashing_of(replica(hash_profile="vllm"))
+    assert hashing_of(others["seed"]) != vllm  # the seed alone tells them apart
+    for what, c in others.items():
+        theirs = hashing_of(c)
+        assert theirs != mine, what
+        assert "s3cret" not in theirs, what
+        sync = ReplicaSync(c, ClusterConfig(name="c"))
+        with caplog.at_level("ERROR", logger="kvroute.cluster"):
+            caplog.clear()
+            for n in (1, 2):
+                sync.apply(
+                    {"Kvroute-Replica": "a", "Kvroute-Seq": str(n), "Kvroute-Hashing": mine},
+                    batch,
+                )
+        assert sync.skipped.get("hashing_mismatch") == 2, what
+        assert c.index.match(kvroute.BlockHasher(4).hash(p)) == {}, what
+        assert sync.last_error == (
+            f"batch a/2 hashed with {mine}; this replica hashes with {theirs}"
+        )
+        assert [r.getMessage() for r in caplog.records] == [
+            f"cluster: batch a/1 hashed with {mine}; this replica hashes with {theirs}: "
+            "not applied (another hash space)"
+        ], what
+        assert sync.describe()["hashing"] == theirs
+    for headers in ({"Kvroute-Hashing": mine}, {}):
+        c = replica()
+        sync = ReplicaSync(c, ClusterConfig(name="c"))
+        sync.apply({"Kvroute-Replica": "a", "Kvroute-Seq": "1", **headers}, batch)
+        assert held(c, [p]) == held(a, [p]) and held(c, [p]) != [{}]
+        assert sync.skipped.get("hashing_mismatch") == 0 and sync.last_error == ""

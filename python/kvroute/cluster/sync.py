@@ -26,6 +26,13 @@ router's ``sync`` module). This class only moves bytes:
   the newest snapshot, re-applies whatever it routed before it could connect, and consumes the
   stream from the snapshot's sequence on; without a snapshot, from the stream's start. Its model
   is then the others' within the updates still in flight.
+- **One hash space.** A block hash means something only under the block size and hash
+  settings that made it. Every batch names its publisher's (``Kvroute-Hashing``: block size,
+  hash profile and algorithm, vLLM version, and a digest of the hash seed and salt — never the
+  secrets themselves), and so does every snapshot: a replica configured otherwise skips the
+  batch (``hashing_mismatch``) and refuses the snapshot (``kvroute_cluster_snapshots_total{op=
+  "refused"}``), logging both settings once per publisher, and routes on what it sees itself.
+  A batch without the header (an older replica) is applied as before.
 - **Faults.** NATS unreachable, down or restarted: the replica keeps routing on its own state
   (nothing on the request path waits for NATS), keeps its outbox in up to ``max_pending``
   batches (the oldest are dropped beyond, counted), reconnects with backoff, publishes what it
@@ -42,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -56,7 +64,7 @@ from kvroute.server.tasks import cancel_tasks
 from .bus import StreamConsumer, cancel, connect, ensure_stream
 from .config import ClusterConfig
 
-__all__ = ["MAX_BATCH", "MAX_HELD", "ReplicaSync"]
+__all__ = ["MAX_BATCH", "MAX_HELD", "ReplicaSync", "hashing_of"]
 
 log = logging.getLogger("kvroute.cluster")
 
@@ -90,6 +98,18 @@ class _Publisher:
 MAX_HELD = 256
 
 
+def hashing_of(router: Any) -> str:
+    """What ``router``'s block hashes depend on, as one header-safe line: replicas exchange
+    updates and snapshots only when theirs are equal. The hash seed and salt appear as a digest
+    (a replica's peers need to know they are equal, not what they are)."""
+    c = router.config
+    secret = hashlib.sha256(repr((c.get("hash_seed"), c.get("salt"))).encode()).hexdigest()
+    return (
+        f"block_size={c.get('block_size')} profile={c.get('hash_profile')} "
+        f"algo={c.get('hash_algo')} vllm={c.get('vllm_version')} seeds={secret[:12]}"
+    )
+
+
 def _number(value: str | None) -> int:
     """A batch number header's value; 0 when absent or not a number."""
     try:
@@ -111,6 +131,8 @@ class ReplicaSync(StreamConsumer):
             raise ValueError("replica sync needs a Router built with updates=True")
         self.router = router
         self.config = config
+        self.hashing = hashing_of(router)
+        self._mismatched: set[str] = set()  # publishers logged for another hash space
         # Unique per process: a restarted replica is a new publisher.
         self.replica = f"{config.replica_name}-{uuid.uuid4().hex[:8]}"
         self.connected = False
@@ -138,7 +160,8 @@ class ReplicaSync(StreamConsumer):
                 P + "skipped_total",
                 "Batches or updates not applied: duplicate, malformed, gap (batches given up), "
                 "unanchored, unknown_worker, inconsistent; stream_reset (the stream was made "
-                "anew: consumed from its start).",
+                "anew: consumed from its start); hashing_mismatch (a batch hashed under other "
+                "settings).",
                 ("reason",),
             )
         )
@@ -149,7 +172,11 @@ class ReplicaSync(StreamConsumer):
             Counter(P + "bus_errors_total", "NATS failures (connect, publish, snapshot).", ("op",))
         )
         self.snapshots = reg.add(
-            Counter(P + "snapshots_total", "Model snapshots written and loaded.", ("op",))
+            Counter(
+                P + "snapshots_total",
+                "Model snapshots written, loaded, and refused (hashed under other settings).",
+                ("op",),
+            )
         )
         self.disconnected_seconds = 0.0
         self._down_since: float | None = time.monotonic()
@@ -210,6 +237,7 @@ class ReplicaSync(StreamConsumer):
             "pending_batches": len(self._pending),
             "publishers_seen": len(self._seen),
             "snapshot_loaded_at_seq": self.loaded_snapshot,
+            "hashing": self.hashing,
             "local_only_seconds": round(self._local_seconds(), 3),
             "last_error": self.last_error,
         }
@@ -323,6 +351,7 @@ class ReplicaSync(StreamConsumer):
                 "Nats-Msg-Id": f"{self.replica}-{n}",
                 "Kvroute-Replica": self.replica,
                 "Kvroute-Seq": str(n),
+                "Kvroute-Hashing": self.hashing,
             }
             if self._gone:
                 headers["Kvroute-Gone"] = str(self._gone)
@@ -345,6 +374,11 @@ class ReplicaSync(StreamConsumer):
         n = _number(headers.get("Kvroute-Seq"))
         if not publisher or n < 1:
             self.skipped.inc("malformed")
+            return
+        theirs = headers.get("Kvroute-Hashing")
+        if theirs is not None and theirs != self.hashing:
+            self.skipped.inc("hashing_mismatch")
+            self._mismatch(f"batch {publisher}/{n}", publisher, theirs)
             return
         pub = self._seen.setdefault(publisher, _Publisher())
         if pub.upto < 0:
@@ -374,6 +408,12 @@ class ReplicaSync(StreamConsumer):
         while pub.upto + 1 in pub.held:
             pub.upto += 1
             self._apply_batch(publisher, pub.upto, pub.held.pop(pub.upto))
+
+    def _mismatch(self, what: str, publisher: str, theirs: str) -> None:
+        self.last_error = f"{what} hashed with {theirs}; this replica hashes with {self.hashing}"
+        if publisher not in self._mismatched:
+            self._mismatched.add(publisher)
+            log.error("cluster: %s: not applied (another hash space)", self.last_error)
 
     def on_stream_reset(self) -> None:
         for pub in self._seen.values():
@@ -410,7 +450,12 @@ class ReplicaSync(StreamConsumer):
         from nats.js import api
 
         data = self.router.dump_model()
-        meta = {"seq": self.stream_seq, "replica": self.replica, "time": time.time()}
+        meta = {
+            "seq": self.stream_seq,
+            "replica": self.replica,
+            "time": time.time(),
+            "hashing": self.hashing,
+        }
         try:
             await self._objects.put(
                 SNAPSHOT, data, meta=api.ObjectMeta(name=SNAPSHOT, description=json.dumps(meta))
@@ -433,6 +478,12 @@ class ReplicaSync(StreamConsumer):
         except (NotFoundError, ObjectNotFoundError):
             return
         meta = json.loads(result.info.description or "{}")
+        theirs = meta.get("hashing")
+        if theirs is not None and theirs != self.hashing:
+            # Consumed from the stream's start instead, whose batches of that space are skipped.
+            self.snapshots.inc("refused")
+            self._mismatch(f"the snapshot of {meta.get('replica')}", "snapshot", theirs)
+            return
         seq = int(meta.get("seq", 0))
         self.router.load_model(result.data)
         # What this replica routed before it could connect is not in the snapshot.
