@@ -162,6 +162,16 @@ def predictions(gateways: list[GatewayServer], probes: list[tuple[int, str]]) ->
     ]
 
 
+async def until(cond: Any, timeout: float = 15.0) -> bool:
+    """Whether ``cond()`` holds within ``timeout`` seconds (polled, the event loop running)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
 def test_three_replicas_keep_the_single_routers_hit_rate(nats_server, capsys):
     """Tenant hit rate over three replicas (requests round robin): with [cluster] at least 0.95
     of one replica's on the same workloads; without it, measurably lower. Two workloads each
@@ -655,14 +665,6 @@ def test_batches_dropped_in_an_outage_do_not_hold_back_the_ones_kept(nats_server
         m = r.index.match(hasher.hash(prompt(i)))
         return max(m.values()) if m else 0
 
-    async def until(cond: Any, timeout: float = 15.0) -> bool:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if cond():
-                return True
-            await asyncio.sleep(0.02)
-        return False
-
     async def main() -> None:
         cfg = ClusterConfig(
             nats=(nats_server.url,), max_pending=3, snapshot_interval=3600, connect_timeout=1.0
@@ -709,14 +711,6 @@ def test_a_replica_of_another_block_size_refuses_the_snapshot_and_the_batches(na
     started beside it loads the snapshot and knows the prompt."""
     workers = ["gpu-0", "gpu-1"]
     prompt = np.arange(5_000, 5_512, dtype=np.uint32)
-
-    async def until(cond: Any, timeout: float = 15.0) -> bool:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if cond():
-                return True
-            await asyncio.sleep(0.02)
-        return False
 
     async def main() -> None:
         cfg = ClusterConfig(nats=(nats_server.url,), snapshot_interval=0.2, connect_timeout=1.0)
