@@ -533,6 +533,13 @@ def test_bad_tokens_raise_and_change_nothing(profile):
         h.hash([True, 2, 3, 4])
     with pytest.raises(TypeError):
         h.hash(np.zeros(8, dtype=np.int16))
+    # Text and bytes iterate as ints but are no token lists: refused whole, naming the value.
+    for bad in ["abcdefgh", b"abcdefgh", bytearray(b"abcdefgh")]:
+        with pytest.raises(
+            TypeError,
+            match=re.escape(f"tokens must be a sequence of ints, got {type(bad).__name__} {bad!r}"),
+        ):
+            h.hash(bad)
     assert h.hash(good).tolist() == before
 
 

@@ -380,6 +380,10 @@ def test_semantics_by_example():
     assert idx.match([1, 2, 3, 4]) == {"a": 2, "b": 2}
     assert idx.num_nodes() == 2  # the split after block 2 for "a" merged away
     assert 3 not in idx and 2 in idx
+    # An int no block hash can equal is not held, as in BlockCache; a non-int is refused.
+    assert 2**64 not in idx and -(2**63) - 1 not in idx and 2**70 not in idx
+    with pytest.raises(TypeError, match="block_hash must be an int, got str 'x'"):
+        "x" in idx  # noqa: B015
     assert idx.clear("a") == 2 and idx.workers == ["a", "b"]
     assert idx.remove_worker("a") == 0 and idx.workers == ["b"]
 

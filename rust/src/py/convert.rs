@@ -492,7 +492,11 @@ pub fn u64_slice<'py>(
             obj.getattr("dtype")?
         )));
     }
-    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+    // Iterable as ints, but text or bytes: taken for tokens, a mistake.
+    if obj.is_instance_of::<PyString>()
+        || obj.is_instance_of::<PyBytes>()
+        || obj.is_instance_of::<PyByteArray>()
+    {
         return Err(type_error(
             obj,
             format_args!("{what} must be a sequence of ints"),

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::{PyBytes, PyDict, PyInt};
 
 use super::convert::{
     block_hash_from_py, optional, u64_slice, usize_from_int, with_bytes, Name, Negative,
@@ -228,8 +228,12 @@ impl PyPrefixIndex {
 
     /// True when some worker holds block `block_hash`.
     fn __contains__(&self, py: Python<'_>, block_hash: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let h = block_hash_from_py(block_hash, "block_hash")?;
-        Ok(self.read(py, |c| c.contains(h)))
+        // As `BlockCache`: an int no block hash can equal is simply not held.
+        match block_hash_from_py(block_hash, "block_hash") {
+            Ok(h) => Ok(self.read(py, |c| c.contains(h))),
+            Err(_) if block_hash.is_instance_of::<PyInt>() => Ok(false),
+            Err(e) => Err(e),
+        }
     }
 
     /// Heap bytes of the whole structure (what `max_bytes` bounds).
