@@ -876,3 +876,8 @@ mod memory;
 /// every truncation, refused at its byte (`tests_strings.rs`).
 #[path = "tests_strings.rs"]
 mod strings;
+
+/// The pages' token arena: each live page's tokens kept, compaction by its rule, and the
+/// test-only padding that takes an insert to the arena's `u32` bound (`tests_arena.rs`).
+#[path = "tests_arena.rs"]
+mod arena;
