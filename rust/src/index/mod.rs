@@ -737,3 +737,6 @@ impl PrefixIndex {
 
 #[cfg(test)]
 mod tests;
+/// Tests for the survivors of the never-run even shards 22/40-38/40 (`tests_shards_even.rs`).
+#[cfg(test)]
+mod tests_shards_even;
