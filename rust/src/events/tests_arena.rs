@@ -5,6 +5,18 @@ use std::collections::HashMap;
 
 use super::super::pages::{Cursor, Pages};
 
+/// The arena holds the live pages' tokens plus the dead ones, and those never exceed the larger
+/// of 4,096 and the live ones.
+fn assert_bounded(pages: &Pages, live: &HashMap<u64, Vec<u32>>) {
+    let held: usize = live.values().map(Vec::len).sum();
+    assert_eq!(pages.tokens.len(), held + pages.dead);
+    assert!(
+        pages.dead <= held.max(4096),
+        "{} dead, {held} live",
+        pages.dead
+    );
+}
+
 /// Pages stored and forgotten in bulk: every live page keeps its own tokens through the
 /// compactions, the arena holds the live tokens plus the dead ones not yet compacted away, and
 /// those never exceed the larger of 4,096 and the live ones.
@@ -33,13 +45,7 @@ fn the_arena_keeps_each_pages_tokens_and_stays_bounded() {
             assert!(!pages.remove(h), "removed once");
             compactions += usize::from(pages.tokens.len() < before);
             live.remove(&h);
-            let held: usize = live.values().map(Vec::len).sum();
-            assert_eq!(pages.tokens.len(), held + pages.dead);
-            assert!(
-                pages.dead <= held.max(4096),
-                "{} dead, {held} live",
-                pages.dead
-            );
+            assert_bounded(&pages, &live);
         }
         for (h, tokens) in &live {
             let page = pages.map[h];
@@ -63,13 +69,7 @@ fn the_arena_keeps_each_pages_tokens_and_stays_bounded() {
     for h in 1_000_000..1_003_000u64 {
         assert!(pages.remove(h));
         live.remove(&h);
-        let held: usize = live.values().map(Vec::len).sum();
-        assert_eq!(pages.tokens.len(), held + pages.dead);
-        assert!(
-            pages.dead <= held.max(4096),
-            "{} dead, {held} live",
-            pages.dead
-        );
+        assert_bounded(&pages, &live);
     }
     for h in live.keys().copied().collect::<Vec<_>>() {
         assert!(pages.remove(h));
