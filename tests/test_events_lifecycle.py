@@ -13,7 +13,7 @@ import zmq
 from kvroute import PrefixIndex
 from kvroute.events import KvEventSubscriber
 from support.events_engine import stored
-from support.helpers import wait_for
+from support.helpers import start_raising, wait_for
 
 
 def test_stop_waits_at_most_its_timeout_for_a_stuck_poll_thread(engines):
@@ -59,18 +59,7 @@ def test_a_start_that_fails_at_the_first_worker_raises_and_leaves_no_socket():
     caller (the poll thread's clean-up must not fail on them, or ``start`` would wait forever)."""
     endpoints = {"a": "not-a-transport://x", "b": "tcp://127.0.0.1:1", "c": "tcp://127.0.0.1:2"}
     sub = KvEventSubscriber(PrefixIndex(), endpoints, replay={"b": "tcp://127.0.0.1:3"})
-    raised: list[BaseException] = []
-
-    def start():
-        try:
-            sub.start()
-        except BaseException as e:
-            raised.append(e)
-
-    starter = threading.Thread(target=start, daemon=True)
-    starter.start()
-    starter.join(10)
-    assert not starter.is_alive()  # start returned
+    raised = start_raising(sub)
     assert [type(e) for e in raised] == [zmq.ZMQError] and not sub.running
     assert all((w.sub, w.monitor, w.dealer) == (None,) * 3 for w in sub._workers.values())
 
@@ -130,18 +119,7 @@ def test_a_start_that_cannot_make_its_stop_socket_raises_and_can_start_again(eng
     engine = engines(replay=False)
     sub = KvEventSubscriber(PrefixIndex(), {"w": engine.endpoint})
     sub._zmq = _RefusingPairs()
-    raised: list[BaseException] = []
-
-    def start():
-        try:
-            sub.start()
-        except BaseException as e:
-            raised.append(e)
-
-    starter = threading.Thread(target=start, daemon=True)
-    starter.start()
-    starter.join(10)
-    assert not starter.is_alive()  # start returned
+    raised = start_raising(sub)
     assert [str(e) for e in raised] == [str(zmq.ZMQError(errno.EMFILE))] and not sub.running
     assert sub._ctx is None and sub._workers["w"].sub is None
     sub._zmq = zmq

@@ -20,7 +20,7 @@ import zmq
 from kvroute import PrefixIndex
 from kvroute.events import KvEventSubscriber
 from support.events_engine import own
-from support.helpers import wait_for
+from support.helpers import start_raising, wait_for
 from test_events_replay import (
     chain,
     counters,
@@ -189,17 +189,6 @@ def test_a_start_whose_replay_endpoint_is_refused_raises_and_leaves_no_socket():
     sub = KvEventSubscriber(
         PrefixIndex(), {"w": "tcp://127.0.0.1:1"}, replay={"w": "not-a-transport://x"}
     )
-    raised: list[BaseException] = []
-
-    def start():
-        try:
-            sub.start()
-        except BaseException as e:
-            raised.append(e)
-
-    starter = threading.Thread(target=start, daemon=True)
-    starter.start()
-    starter.join(10)
-    assert not starter.is_alive()  # start returned
+    raised = start_raising(sub)
     assert [type(e) for e in raised] == [zmq.ZMQError] and not sub.running
     assert (sub._workers["w"].dealer, sub._owner) == (None, {})

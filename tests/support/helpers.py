@@ -40,6 +40,24 @@ def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 20.0) -> 
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def start_raising(sub: Any, timeout: float = 10.0) -> list[BaseException]:
+    """Calls ``sub.start()`` in a thread and returns what it raised (nothing: ``[]``); fails the
+    test if ``start`` has not returned within ``timeout`` seconds (a clean-up that hangs)."""
+    raised: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            sub.start()
+        except BaseException as e:
+            raised.append(e)
+
+    starter = threading.Thread(target=start, daemon=True)
+    starter.start()
+    starter.join(timeout)
+    assert not starter.is_alive(), "start() did not return"
+    return raised
+
+
 def paper_jump(key: int, n: int) -> int:
     """The loop of Lamping & Veach's jump consistent hash reference code, in Python floats."""
     b, j = -1, 0
