@@ -70,8 +70,12 @@ impl Node {
     }
 }
 
+/// The hash of block `h` in the block table and the table of run starts: a multiply-fold that
+/// spreads any set of block hashes (sequential, strided, random) over both parts of the hash
+/// hashbrown uses — the low bits (the bucket) and the top 7 (the tag compared before the key) —
+/// so that a lookup probes O(1) entries whatever the hashes look like.
 #[inline]
-fn mix(h: u64) -> u64 {
+pub(super) fn mix(h: u64) -> u64 {
     let p = u128::from(h) * 0x9E37_79B9_7F4A_7C15_u128;
     (p as u64) ^ ((p >> 64) as u64)
 }
