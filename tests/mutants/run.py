@@ -117,6 +117,7 @@ PYTHON: dict[str, tuple[list[str], list[str], list[str]]] = {
             "tests/test_gateway.py",
             "tests/test_gateway_usage.py",  # _attempt's cache usage fields on a whole reply
             "tests/test_gateway_nonstreamed.py",  # _attempt: a whole reply's predicted prefill
+            "tests/test_gateway_pd_client.py",  # _attempt: a pair's usage shown to its client
         ],
         [
             f"kvroute.gateway.app.xǁGatewayǁ{f}__mutmut_*"
@@ -127,7 +128,11 @@ PYTHON: dict[str, tuple[list[str], list[str], list[str]]] = {
     # prefill-then-decode handoff, SGLang's bootstrap fields) and charging a failed half.
     "py-gateway-pd": (
         ["python/kvroute/gateway/pd.py"],
-        ["tests/test_gateway_pd.py", "tests/test_gateway_pd_failover.py"],
+        [
+            "tests/test_gateway_pd.py",
+            "tests/test_gateway_pd_failover.py",
+            "tests/test_gateway_pd_client.py",  # the client's usage; a client leaving mid-pair
+        ],
         [
             *(
                 f"kvroute.gateway.pd.xǁPdForwarderǁ{f}__mutmut_*"
