@@ -106,7 +106,8 @@ PYTHON: dict[str, tuple[list[str], list[str], list[str]]] = {
         [],
     ),
     # Forwarding and failover in the gateway: the choice among untried workers, retries, the
-    # give-up answer, and charging failures to workers. Only these functions: the rest of app.py
+    # give-up answer, charging failures to workers, and one flight's send (``_send_to``, which a
+    # pair's decode half passes its client usage through). Only these functions: the rest of app.py
     # (request parsing, admin routes) runs in every request of ~40 server tests per mutant.
     "py-gateway-failover": (
         ["python/kvroute/gateway/app.py"],
@@ -121,7 +122,15 @@ PYTHON: dict[str, tuple[list[str], list[str], list[str]]] = {
         ],
         [
             f"kvroute.gateway.app.xǁGatewayǁ{f}__mutmut_*"
-            for f in ("_choose", "_failed", "_settle", "_forward", "_give_up", "_attempt")
+            for f in (
+                "_choose",
+                "_failed",
+                "_settle",
+                "_forward",
+                "_give_up",
+                "_attempt",
+                "_send_to",
+            )
         ],
     ),
     # Prefill/decode pairs: routing a pair among untried workers, sending each half (the vLLM
@@ -152,6 +161,8 @@ PYTHON: dict[str, tuple[list[str], list[str], list[str]]] = {
                 f"kvroute.gateway.pd.x_{f}__mutmut_*"
                 for f in ("bootstrap_host", "_json_object", "_last_usage", "_cancel")
             ),
+            # the usage a pair's client is shown: the decode's, with the prefill's cached tokens
+            *(f"kvroute.gateway.pd.xǁPrefillUsageǁ{f}__mutmut_*" for f in ("__init__", "__call__")),
         ],
     ),
     # The upstream client's connection pool — which connection a request goes out on (reuse,
