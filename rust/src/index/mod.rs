@@ -740,3 +740,6 @@ mod tests;
 /// Tests for the survivors of the never-run even shards 22/40-38/40 (`tests_shards_even.rs`).
 #[cfg(test)]
 mod tests_shards_even;
+/// Tests for the survivors of the never-run odd shards 23/40-39/40 (`tests_shards_odd.rs`).
+#[cfg(test)]
+mod tests_shards_odd;
