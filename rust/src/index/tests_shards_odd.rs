@@ -86,3 +86,82 @@ fn the_recency_clock_continues_past_every_tick_of_a_loaded_image() {
         }
     }
 }
+
+/// cargo-mutants survivor (shard 39/40): `k < c.hashes.len()` → `k > …` in `match_into` went on
+/// into a run's children after a query left the run part-way, so a query that diverged there on a
+/// hash the tree holds deeper (the first block of one of the run's children) was credited with
+/// blocks past its divergence. For the class — a worker's answer is the longest *leading* run of
+/// the query it holds, whatever else the tree holds — queries that follow a stored chain for a
+/// while and then jump to a hash held anywhere in the tree (deeper on the same branch, on another
+/// branch, at the root), against a reference of each worker's held prefixes.
+#[test]
+fn a_match_counts_only_the_leading_blocks_whatever_the_tree_holds_elsewhere() {
+    use std::collections::{HashMap, HashSet};
+
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let mut draw = |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    for round in 0..40 {
+        // A trie of unique block hashes (node k's hash: 1000 + k), 3 children per node at most.
+        let mut children: Vec<Vec<usize>> = vec![Vec::new()];
+        let mut path_of: Vec<Vec<u64>> = vec![Vec::new()];
+        let mut ix = PrefixIndex::new(None).unwrap();
+        let mut held: HashMap<&str, HashSet<Vec<u64>>> = HashMap::new();
+        let workers = ["a", "b", "c"];
+        for _ in 0..12 {
+            // A chain from the root: at each level an existing child or a new one.
+            let (mut node, depth) = (0usize, 1 + draw(8) as usize);
+            for _ in 0..depth {
+                let kids = &children[node];
+                node = if !kids.is_empty() && (kids.len() == 3 || draw(2) == 0) {
+                    kids[draw(kids.len() as u64) as usize]
+                } else {
+                    let id = path_of.len();
+                    let mut path = path_of[node].clone();
+                    path.push(1000 + id as u64);
+                    path_of.push(path);
+                    children.push(Vec::new());
+                    children[node].push(id);
+                    id
+                };
+            }
+            let w = workers[draw(3) as usize];
+            let chain = path_of[node].clone();
+            ix.store(w, &chain, None).unwrap();
+            let set = held.entry(w).or_default();
+            for k in 1..=chain.len() {
+                set.insert(chain[..k].to_vec());
+            }
+        }
+        let all: Vec<u64> = path_of.iter().filter_map(|p| p.last().copied()).collect();
+        for q in 0..60 {
+            let along = &path_of[1 + draw(path_of.len() as u64 - 1) as usize];
+            let mut query = along[..draw(along.len() as u64 + 1) as usize].to_vec();
+            for _ in 0..1 + draw(3) {
+                query.push(all[draw(all.len() as u64) as usize]);
+            }
+            let mut expected: Vec<(String, u32)> = workers
+                .iter()
+                .filter_map(|&w| {
+                    let set = held.get(w)?;
+                    let n = (1..=query.len())
+                        .take_while(|&k| set.contains(&query[..k]))
+                        .count();
+                    (n > 0).then(|| (w.to_owned(), n as u32))
+                })
+                .collect();
+            expected.sort();
+            let mut got: Vec<(String, u32)> = ix
+                .match_names(&query)
+                .into_iter()
+                .map(|(w, n)| (w.to_string(), n))
+                .collect();
+            got.sort();
+            assert_eq!(got, expected, "round {round}, query {q}: {query:?}");
+        }
+    }
+}
