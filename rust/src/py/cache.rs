@@ -8,11 +8,11 @@
 use parking_lot::Mutex;
 use pyo3::exceptions::PyKeyError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyInt};
+use pyo3::types::PyDict;
 
 use super::convert::{
-    block_hash_from_py, name_item, optional, type_error, u64_array, u64_slice, usize_from_int,
-    MonotonicClock, Name, Negative, U64Slice,
+    block_hash_from_py, block_hash_to_find, name_item, optional, type_error, u64_array, u64_slice,
+    usize_from_int, MonotonicClock, Name, Negative, U64Slice,
 };
 use super::{with_mutex, with_mutex_unless};
 use crate::cache::{BlockCache, PartitionId};
@@ -344,11 +344,10 @@ impl PyBlockCache {
     }
 
     fn __contains__(&self, py: Python<'_>, block_hash: &Bound<'_, PyAny>) -> PyResult<bool> {
-        match block_hash_from_py(block_hash, "block_hash") {
-            Ok(h) => Ok(self.run(py, 0, |c| c.contains(h))),
-            Err(_) if block_hash.is_instance_of::<PyInt>() => Ok(false),
-            Err(e) => Err(e),
-        }
+        Ok(match block_hash_to_find(block_hash)? {
+            Some(h) => self.run(py, 0, |c| c.contains(h)),
+            None => false,
+        })
     }
 
     fn __repr__(&self, py: Python<'_>) -> String {

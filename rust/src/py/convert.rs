@@ -743,6 +743,17 @@ pub fn block_hash_from_py(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
     block_hash(obj, &|| what.to_owned())
 }
 
+/// `obj` as the block hash a membership test (`h in cache`, `h in index`) looks for: `None` for
+/// an int no block hash can equal (outside -2**63..2**64-1, or a `bool`), which no container
+/// holds; anything else that is no block hash raises as [`block_hash_from_py`] does.
+pub fn block_hash_to_find(obj: &Bound<'_, PyAny>) -> PyResult<Option<u64>> {
+    match block_hash_from_py(obj, "block_hash") {
+        Ok(h) => Ok(Some(h)),
+        Err(_) if obj.is_instance_of::<PyInt>() => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 /// [`block_hash_from_py`] naming the value `name()` on error.
 fn block_hash(obj: &Bound<'_, PyAny>, name: &dyn Fn() -> String) -> PyResult<u64> {
     let int = as_int(obj, name)?;

@@ -9,11 +9,11 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyInt};
+use pyo3::types::{PyBytes, PyDict};
 
 use super::convert::{
-    block_hash_from_py, optional, u64_slice, usize_from_int, with_bytes, Name, Negative,
-    ReadOnlyError,
+    block_hash_from_py, block_hash_to_find, optional, u64_slice, usize_from_int, with_bytes, Name,
+    Negative, ReadOnlyError,
 };
 use super::names::NameCache;
 use super::{with_read, with_write};
@@ -228,12 +228,10 @@ impl PyPrefixIndex {
 
     /// True when some worker holds block `block_hash`.
     fn __contains__(&self, py: Python<'_>, block_hash: &Bound<'_, PyAny>) -> PyResult<bool> {
-        // As `BlockCache`: an int no block hash can equal is simply not held.
-        match block_hash_from_py(block_hash, "block_hash") {
-            Ok(h) => Ok(self.read(py, |c| c.contains(h))),
-            Err(_) if block_hash.is_instance_of::<PyInt>() => Ok(false),
-            Err(e) => Err(e),
-        }
+        Ok(match block_hash_to_find(block_hash)? {
+            Some(h) => self.read(py, |c| c.contains(h)),
+            None => false,
+        })
     }
 
     /// Heap bytes of the whole structure (what `max_bytes` bounds).
