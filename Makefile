@@ -67,6 +67,10 @@ lint: build
 	cargo clippy --all-targets --locked -- -D warnings
 	cargo clippy --all-targets --no-default-features --locked -- -D warnings
 	cargo clippy --lib --features pyo3/abi3-py310 --locked -- -D warnings  # the abi3 build's path
+	# A free-threaded CPython's (`Py_GIL_DISABLED`: rust/src/py/gil.rs takes locks there), from a
+	# PyO3 config: no such interpreter is needed to check it.
+	PYO3_CONFIG_FILE=$(CURDIR)/.ci/pyo3-free-threaded.cfg cargo clippy --lib --locked \
+		--target-dir target/free-threaded -- -D warnings
 	$(RUN) ruff check python tests benches
 	$(RUN) ruff format --check python tests benches
 

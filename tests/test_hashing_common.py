@@ -262,6 +262,45 @@ def test_concurrent_lookups_and_changes_are_safe(make):
     assert h.nodes == [f"w{i}" for i in range(16)]
 
 
+def test_lookups_during_changes_see_one_version_whole(make):
+    # Lookups read the hasher in place while another thread adds and removes a node: each answer
+    # (a single get, a short batch read with the GIL held, a long one read without it) must be
+    # the whole answer of one version the writer published, never a mix or a half-made one.
+    nodes = [f"w{i}" for i in range(16)]
+    h = make(nodes)
+    rounds = 40
+    versions = [make(nodes)] + [make([*nodes, f"extra{i}"]) for i in range(rounds)]
+    short = [f"k{i}" for i in range(40)]
+    long = [f"k{i}" for i in range(3000)]
+    answers = {tuple(keys): {tuple(v.get_many(keys)) for v in versions} for keys in (short, long)}
+    per_key = {k: {v.get(k) for v in versions} for k in short}
+    moved = {k for k, seen in per_key.items() if len(seen) > 1}
+    assert moved, "no key moves between versions: the test could not see a mix"
+    done = []
+
+    def reader():
+        seen = 0
+        while not done or seen < 3:
+            seen += 1
+            for k in short:
+                assert h.get(k) in per_key[k], k
+            for keys in (short, long):
+                assert tuple(h.get_many(keys)) in answers[tuple(keys)]
+
+    def writer():
+        for i in range(rounds):
+            h.add(f"extra{i}")
+            h.remove(f"extra{i}")
+        done.append(True)
+
+    run_threads((reader, ()), (reader, ()), (writer, ()))
+    assert h.get_many(long) == versions[0].get_many(long)
+    # The last change stays: every path reads it.
+    h.add("extra0")
+    assert [h.get(k) for k in short] == h.get_many(short) == versions[1].get_many(short)
+    assert h.get_many(long) == versions[1].get_many(long)
+
+
 # -- hash_key (the stable key hash every hasher reads str/bytes keys through) --------------
 
 

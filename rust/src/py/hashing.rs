@@ -1,13 +1,12 @@
 //! Bindings for `crate::hashing`: `hash_key`, `jump_hash`, `jump_hash_many` and the hasher
 //! classes `HashRing`, `Maglev`, `Rendezvous` and `JumpHash`, which share one Python face.
 //!
-//! Each class keeps its core hasher behind a `parking_lot::RwLock`. Lookups on fewer than
-//! [`DETACH_MIN_KEYS`] keys take the read lock with the GIL held when it is free (they last well
-//! under a microsecond); larger batches, lookups that find the lock taken, and every mutation run
-//! with the GIL released, taking the lock inside `py.detach`. Results come back as node ids plus
-//! the node names they refer to, captured under the same lock, and are turned into Python `str`
-//! objects after the lock is released, from a per-object cache that creates each node's `str`
-//! once.
+//! Each class keeps its core hasher in a [`Published`]: a change (`add`, `remove`) is made to a
+//! copy with the GIL released and published whole, so lookups on fewer than [`DETACH_MIN_KEYS`]
+//! keys read the hasher in place with the GIL held, taking no lock; larger batches run with the
+//! GIL released, under its read lock. Results come back as node ids plus the node names they
+//! refer to, and are turned into Python `str` objects from a per-object cache that creates each
+//! node's `str` once.
 //!
 //! `HashRing.get_many` on an exact list or tuple hashes its keys first, reading each where it
 //! lies with the GIL held (released between chunks, see [`Seq::hash_keys`]), then looks the
@@ -17,7 +16,7 @@ use std::sync::Arc;
 
 use hashbrown::HashMap;
 use numpy::{PyArray1, PyUntypedArray};
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -27,10 +26,11 @@ use super::convert::{
     as_int, describe, int_to_u64, name_item, optional, type_error, u64_from_int, u64_slice,
     weight_from_py, weighted_names, Name, Negative,
 };
+use super::direct_call;
+use super::gil::Published;
 use super::in_place::{set_new_list_item, Seq};
 use super::keys::{with_key, KeyBatch};
 use super::names::NameCache;
-use super::{direct_call, with_read, with_write};
 use crate::hashing::{self, ConsistentHash, Key, KeyHasher, NodeId, RingHash, SeenNodes};
 
 /// Batches at least this long are looked up (and, but for a ring's list or tuple, hashed) with the
@@ -379,16 +379,16 @@ impl AsRing for hashing::JumpHash {}
 
 /// A core hasher shared between Python threads, with its name cache.
 struct Shared<H> {
-    core: RwLock<H>,
+    core: Published<H>,
     names: NameCache,
     /// Taken with `try_lock` only: a concurrent batch uses fresh buffers instead of waiting.
     scratch: Mutex<Scratch>,
 }
 
-impl<H: ConsistentHash + AsRing + Send + Sync> Shared<H> {
+impl<H: ConsistentHash + AsRing + Clone + Send + Sync> Shared<H> {
     fn new(core: H) -> Self {
         Self {
-            core: RwLock::new(core),
+            core: Published::new(core),
             names: NameCache::default(),
             scratch: Mutex::new(Scratch::default()),
         }
@@ -396,11 +396,11 @@ impl<H: ConsistentHash + AsRing + Send + Sync> Shared<H> {
 
     /// Runs read-only work on `keys` keys (lookups on one key last well under a microsecond).
     fn read<R: Send>(&self, py: Python<'_>, keys: usize, f: impl FnOnce(&H) -> R + Send) -> R {
-        with_read(py, &self.core, keys < DETACH_MIN_KEYS, f)
+        self.core.read(py, keys < DETACH_MIN_KEYS, f)
     }
 
     fn write<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut H) -> R + Send) -> R {
-        with_write(py, &self.core, f)
+        self.core.write(py, f)
     }
 
     /// A list of the `str` of every id in `ids`; `names` holds the name of each distinct id
@@ -417,7 +417,7 @@ impl<H: ConsistentHash + AsRing + Send + Sync> Shared<H> {
             .max()
             .unwrap_or(0);
         let mut strs: Vec<Option<Bound<'py, PyString>>> = vec![None; len];
-        let mut cache = self.names.view();
+        let mut cache = self.names.view(py);
         for (id, name) in names {
             if let Some(dest) = strs.get_mut(*id as usize) {
                 *dest = Some(cache.get(py, *id, name));
@@ -447,31 +447,21 @@ impl<H: ConsistentHash + AsRing + Send + Sync> Shared<H> {
 
     /// Inlined into its two callers (the direct method and the PyO3 one): returned from a call,
     /// the `PyResult` came back through memory, read wider than it was written (a store-forwarding
-    /// stall per call).
+    /// stall per call). Takes no lock (see [`Published`], [`NameCache`]).
     #[inline(always)]
     fn get<'py>(&self, py: Python<'py>, key: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
-        let no_node = |id| PyRuntimeError::new_err(format!("internal error: no node {id}"));
-        with_key(key, |k| -> PyResult<Bound<'py, PyString>> {
-            if let Some(h) = self.core.try_read() {
-                // The lock was free: the lookup runs with the GIL held, which it keeps to the
-                // end, so the name cache (changed only under the GIL) stays as read under the
-                // lock, and the node's name is copied only when its cached `str` is stale.
-                let id = h.get(k)?;
-                let mut cache = self.names.view();
-                let name = h.name(id).ok_or_else(|| no_node(id))?;
-                let stale = (!cache.holds(id, name)).then(|| Arc::clone(name));
-                drop(h);
-                return match stale {
-                    Some(name) => Ok(cache.get(py, id, &name)),
-                    None => cache.cached(py, id).ok_or_else(|| no_node(id)),
-                };
+        with_key(key, |k| {
+            // SAFETY: the lookup is Rust; then at most a `str` is made and one replaced in the
+            // cache (no Python code runs, the GIL is kept).
+            unsafe {
+                self.core.attached(py, |h| {
+                    let id = h.get(k)?;
+                    let name = h.name(id).ok_or_else(|| {
+                        PyRuntimeError::new_err(format!("internal error: no node {id}"))
+                    })?;
+                    Ok(self.names.view(py).get(py, id, name))
+                })
             }
-            let (id, name) = py.detach(|| {
-                let h = self.core.read();
-                h.get(k).map(|id| (id, h.name(id).map(Arc::clone)))
-            })?;
-            let name = name.ok_or_else(|| no_node(id))?;
-            Ok(self.names.get(py, id, &name))
         })?
     }
 

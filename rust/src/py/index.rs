@@ -171,7 +171,7 @@ impl PyPrefixIndex {
             Some(core) => {
                 let mut ids = Vec::new();
                 core.match_into(slice, &mut ids);
-                let cache = self.names.view();
+                let cache = self.names.view(py);
                 for (w, n) in ids {
                     if let Some(name) = core.worker_name_ref(w) {
                         found.push((w, n, (!cache.holds(w, name)).then(|| Arc::clone(name))));
@@ -201,7 +201,7 @@ impl PyPrefixIndex {
                     .filter_map(|(w, n)| core.worker_name_arc(w).map(|name| (w, n, name)))
                     .collect::<Vec<_>>()
             });
-            let mut cache = self.names.view();
+            let mut cache = self.names.view(py);
             for (w, n, name) in found {
                 out.set_item(cache.get(py, w, &name), n)?;
             }

@@ -9,6 +9,7 @@ mod cache;
 mod convert;
 mod direct_call;
 mod events;
+mod gil;
 mod hashing;
 mod in_place;
 mod index;
