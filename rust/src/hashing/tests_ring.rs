@@ -99,6 +99,30 @@ mod ketama {
         }
     }
 
+    /// Both one-key MD5s (general registers, and AVX-512's 128-bit vectors where the CPU has
+    /// them), whichever `ketama_hash` dispatches to, on every one-block length and random keys.
+    #[test]
+    fn both_scalar_md5s_match_md5() {
+        let data: Vec<u8> = (0..56u32).map(|i| (i * 91 + 5) as u8).collect();
+        let mut keys: Vec<Vec<u8>> = (0..=55).map(|n| data[..n].to_vec()).collect();
+        keys.extend(random_keys(400, 21).into_iter().map(|mut k| {
+            k.truncate(k.len() % 56);
+            k
+        }));
+        for k in &keys {
+            let mut m: Block<1> = [[0]; 16];
+            pad_lane(&mut m, 0, k);
+            assert_eq!(md5_word0_by::<1, 1, 14>(&m)[0], reference(k), "{k:?}");
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512vl")
+            {
+                // SAFETY: the CPU supports AVX-512F and VL (checked just above).
+                assert_eq!(unsafe { md5_word0_xmm(&m) }, reference(k), "{k:?}");
+            }
+        }
+    }
+
     /// Every compiled variant (not only the one this CPU dispatches to) on one-block keys, for
     /// each message-word variant: keys of up to `4 * w - 1` bytes use words `0..w` and 14.
     #[test]
