@@ -171,6 +171,36 @@ fn i<const L: usize>(t: u32, x: u32, y: u32, z: u32) -> u32 {
     settled::<L>(t).wrapping_add(y ^ (x | settled::<L>(!z)))
 }
 
+/// The 61 steps of MD5 that feed digest word 0 (RFC 1321's message word and rotation for each),
+/// as calls of the caller's `$step!(round, a, b, c, d, step, word, rotation)`, with `$f $g $h $i`
+/// standing for the four round functions and `$a $b $c $d` for the caller's state.
+macro_rules! md5_word0_schedule {
+    ($step:ident, [$f:tt, $g:tt, $h:tt, $i:tt], $a:ident, $b:ident, $c:ident, $d:ident) => {
+        md5_word0_schedule!(@four $step, $f, 0, [0, 1, 2, 3], [7, 12, 17, 22], $a, $b, $c, $d);
+        md5_word0_schedule!(@four $step, $f, 4, [4, 5, 6, 7], [7, 12, 17, 22], $a, $b, $c, $d);
+        md5_word0_schedule!(@four $step, $f, 8, [8, 9, 10, 11], [7, 12, 17, 22], $a, $b, $c, $d);
+        md5_word0_schedule!(@four $step, $f, 12, [12, 13, 14, 15], [7, 12, 17, 22], $a, $b, $c, $d);
+        md5_word0_schedule!(@four $step, $g, 16, [1, 6, 11, 0], [5, 9, 14, 20], $a, $b, $c, $d);
+        md5_word0_schedule!(@four $step, $g, 20, [5, 10, 15, 4], [5, 9, 14, 20], $a, $b, $c, $d);
+        md5_word0_schedule!(@four $step, $g, 24, [9, 14, 3, 8], [5, 9, 14, 20], $a, $b, $c, $d);
+        md5_word0_schedule!(@four $step, $g, 28, [13, 2, 7, 12], [5, 9, 14, 20], $a, $b, $c, $d);
+        md5_word0_schedule!(@four $step, $h, 32, [5, 8, 11, 14], [4, 11, 16, 23], $a, $b, $c, $d);
+        md5_word0_schedule!(@four $step, $h, 36, [1, 4, 7, 10], [4, 11, 16, 23], $a, $b, $c, $d);
+        md5_word0_schedule!(@four $step, $h, 40, [13, 0, 3, 6], [4, 11, 16, 23], $a, $b, $c, $d);
+        md5_word0_schedule!(@four $step, $h, 44, [9, 12, 15, 2], [4, 11, 16, 23], $a, $b, $c, $d);
+        md5_word0_schedule!(@four $step, $i, 48, [0, 7, 14, 5], [6, 10, 15, 21], $a, $b, $c, $d);
+        md5_word0_schedule!(@four $step, $i, 52, [12, 3, 10, 1], [6, 10, 15, 21], $a, $b, $c, $d);
+        md5_word0_schedule!(@four $step, $i, 56, [8, 15, 6, 13], [6, 10, 15, 21], $a, $b, $c, $d);
+        $step!($i, $a, $b, $c, $d, 60, 4, 6);
+    };
+    (@four $step:ident, $r:tt, $n:expr, [$g0:tt, $g1:tt, $g2:tt, $g3:tt], [$s0:tt, $s1:tt, $s2:tt, $s3:tt], $a:ident, $b:ident, $c:ident, $d:ident) => {
+        $step!($r, $a, $b, $c, $d, $n, $g0, $s0);
+        $step!($r, $d, $a, $b, $c, $n + 1, $g1, $s1);
+        $step!($r, $c, $d, $a, $b, $n + 2, $g2, $s2);
+        $step!($r, $b, $c, $d, $a, $n + 3, $g3, $s3);
+    };
+}
+
 /// Word 0 of the MD5 digest (the first four digest bytes, little-endian) of each lane's block.
 ///
 /// `rows[w]` holds message word `w` of every lane; words `W..14` and 15 must be zero in every lane
@@ -196,30 +226,7 @@ fn md5_word0<const L: usize, const W: usize>(rows: [&[u32; L]; 16]) -> [u32; L] 
             }
         };
     }
-    macro_rules! four {
-        ($fun:ident, $i:expr, [$g0:expr, $g1:expr, $g2:expr, $g3:expr], [$s0:expr, $s1:expr, $s2:expr, $s3:expr]) => {
-            step!($fun, a, b, c, d, $i, $g0, $s0);
-            step!($fun, d, a, b, c, $i + 1, $g1, $s1);
-            step!($fun, c, d, a, b, $i + 2, $g2, $s2);
-            step!($fun, b, c, d, a, $i + 3, $g3, $s3);
-        };
-    }
-    four!(f, 0, [0, 1, 2, 3], [7, 12, 17, 22]);
-    four!(f, 4, [4, 5, 6, 7], [7, 12, 17, 22]);
-    four!(f, 8, [8, 9, 10, 11], [7, 12, 17, 22]);
-    four!(f, 12, [12, 13, 14, 15], [7, 12, 17, 22]);
-    four!(g, 16, [1, 6, 11, 0], [5, 9, 14, 20]);
-    four!(g, 20, [5, 10, 15, 4], [5, 9, 14, 20]);
-    four!(g, 24, [9, 14, 3, 8], [5, 9, 14, 20]);
-    four!(g, 28, [13, 2, 7, 12], [5, 9, 14, 20]);
-    four!(h, 32, [5, 8, 11, 14], [4, 11, 16, 23]);
-    four!(h, 36, [1, 4, 7, 10], [4, 11, 16, 23]);
-    four!(h, 40, [13, 0, 3, 6], [4, 11, 16, 23]);
-    four!(h, 44, [9, 12, 15, 2], [4, 11, 16, 23]);
-    four!(i, 48, [0, 7, 14, 5], [6, 10, 15, 21]);
-    four!(i, 52, [12, 3, 10, 1], [6, 10, 15, 21]);
-    four!(i, 56, [8, 15, 6, 13], [6, 10, 15, 21]);
-    step!(i, a, b, c, d, 60, 4, 6);
+    md5_word0_schedule!(step, [f, g, h, i], a, b, c, d);
     for x in a.iter_mut() {
         *x = x.wrapping_add(a0);
     }
@@ -345,30 +352,7 @@ pub(super) fn md5_word0_xmm(m: &Block<1>) -> u32 {
             $a = _mm_add_epi32($b, _mm_rol_epi32::<$s>(_mm_add_epi32(t, f)));
         };
     }
-    macro_rules! four {
-        ($imm:literal, $i:expr, [$g0:expr, $g1:expr, $g2:expr, $g3:expr], [$s0:literal, $s1:literal, $s2:literal, $s3:literal]) => {
-            step!($imm, a, b, c, d, $i, $g0, $s0);
-            step!($imm, d, a, b, c, $i + 1, $g1, $s1);
-            step!($imm, c, d, a, b, $i + 2, $g2, $s2);
-            step!($imm, b, c, d, a, $i + 3, $g3, $s3);
-        };
-    }
-    four!(0xca, 0, [0, 1, 2, 3], [7, 12, 17, 22]);
-    four!(0xca, 4, [4, 5, 6, 7], [7, 12, 17, 22]);
-    four!(0xca, 8, [8, 9, 10, 11], [7, 12, 17, 22]);
-    four!(0xca, 12, [12, 13, 14, 15], [7, 12, 17, 22]);
-    four!(0xe4, 16, [1, 6, 11, 0], [5, 9, 14, 20]);
-    four!(0xe4, 20, [5, 10, 15, 4], [5, 9, 14, 20]);
-    four!(0xe4, 24, [9, 14, 3, 8], [5, 9, 14, 20]);
-    four!(0xe4, 28, [13, 2, 7, 12], [5, 9, 14, 20]);
-    four!(0x96, 32, [5, 8, 11, 14], [4, 11, 16, 23]);
-    four!(0x96, 36, [1, 4, 7, 10], [4, 11, 16, 23]);
-    four!(0x96, 40, [13, 0, 3, 6], [4, 11, 16, 23]);
-    four!(0x96, 44, [9, 12, 15, 2], [4, 11, 16, 23]);
-    four!(0x39, 48, [0, 7, 14, 5], [6, 10, 15, 21]);
-    four!(0x39, 52, [12, 3, 10, 1], [6, 10, 15, 21]);
-    four!(0x39, 56, [8, 15, 6, 13], [6, 10, 15, 21]);
-    step!(0x39, a, b, c, d, 60, 4, 6);
+    md5_word0_schedule!(step, [0xca, 0xe4, 0x96, 0x39], a, b, c, d);
     (_mm_cvtsi128_si32(a) as u32).wrapping_add(a0)
 }
 
