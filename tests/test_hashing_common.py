@@ -3,7 +3,11 @@ movement on membership changes, balance and thread safety (the stubs: test_stubs
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import kvroute
 import numpy as np
@@ -262,13 +266,25 @@ def test_concurrent_lookups_and_changes_are_safe(make):
     assert h.nodes == [f"w{i}" for i in range(16)]
 
 
-def test_lookups_during_changes_see_one_version_whole(make):
-    # Lookups read the hasher in place while another thread adds and removes a node: each answer
-    # (a single get, a short batch read with the GIL held, a long one read without it) must be
-    # the whole answer of one version the writer published, never a mix or a half-made one.
+# Hashers big enough that their tables are allocations of their own (beyond glibc's default
+# mmap threshold, 128 KiB): a lookup reading a freed one faults, or reads the fill byte
+# MALLOC_PERTURB_ writes over freed memory, instead of the old answer left there.
+BIG_KINDS = {
+    **KINDS,
+    "ring-ketama": lambda nodes: kvroute.HashRing(nodes, vnodes=4096),
+    "ring-xxh3": lambda nodes: kvroute.HashRing(nodes, vnodes=4096, hash="xxh3"),
+}
+
+
+def check_one_version_whole(kind: str, rounds: int = 40) -> None:
+    """Lookups read the hasher in place while another thread adds and removes a node, and tries
+    changes that fail: each answer (a single get, a short batch read with the GIL held, a long one
+    read without it) must be the whole answer of one version the writer published, never a mix,
+    a half-made one or a freed one; a failed change publishes nothing (the cached name `str`s
+    stay the very objects they were)."""
+    make = BIG_KINDS[kind]
     nodes = [f"w{i}" for i in range(16)]
     h = make(nodes)
-    rounds = 40
     versions = [make(nodes)] + [make([*nodes, f"extra{i}"]) for i in range(rounds)]
     short = [f"k{i}" for i in range(40)]
     long = [f"k{i}" for i in range(3000)]
@@ -278,27 +294,67 @@ def test_lookups_during_changes_see_one_version_whole(make):
     assert moved, "no key moves between versions: the test could not see a mix"
     done = []
 
-    def reader():
+    def singles():  # the path that reads without a lock, back to back
         seen = 0
         while not done or seen < 3:
             seen += 1
             for k in short:
                 assert h.get(k) in per_key[k], k
+
+    def batches():
+        seen = 0
+        while not done or seen < 3:
+            seen += 1
             for keys in (short, long):
                 assert tuple(h.get_many(keys)) in answers[tuple(keys)]
 
     def writer():
         for i in range(rounds):
             h.add(f"extra{i}")
+            with pytest.raises(ValueError):
+                h.add("w0")
             h.remove(f"extra{i}")
+            with pytest.raises(KeyError):
+                h.remove(f"extra{i}")
         done.append(True)
 
-    run_threads((reader, ()), (reader, ()), (writer, ()))
+    run_threads((singles, ()), (batches, ()), (writer, ()))
     assert h.get_many(long) == versions[0].get_many(long)
+    named = h.get("k1")
+    for bad in (lambda: h.add("w1"), lambda: h.remove("missing")):
+        with pytest.raises((ValueError, KeyError)):
+            bad()
+        assert h.get("k1") is named
     # The last change stays: every path reads it.
     h.add("extra0")
     assert [h.get(k) for k in short] == h.get_many(short) == versions[1].get_many(short)
     assert h.get_many(long) == versions[1].get_many(long)
+
+
+@pytest.mark.parametrize("kind", sorted(BIG_KINDS))
+def test_lookups_during_changes_see_one_version_whole(kind):
+    check_one_version_whole(kind)
+
+
+def test_lookups_during_changes_never_read_a_freed_version():
+    # The same in a fresh interpreter whose allocator unmaps every table it frees and fills
+    # every other freed block with a byte no hasher writes.
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "import test_hashing_common as t\n"
+        "for kind in sorted(t.BIG_KINDS): t.check_one_version_whole(kind, rounds=20)\n"
+    )
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "MALLOC_PERTURB_": "165", "MALLOC_MMAP_THRESHOLD_": "65536"}
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(here)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
 
 
 # -- hash_key (the stable key hash every hasher reads str/bytes keys through) --------------

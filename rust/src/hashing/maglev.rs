@@ -172,12 +172,23 @@ impl ConsistentHash for Maglev {
     }
 
     fn add(&mut self, name: &str, weight: f64) -> Result<()> {
-        *self = Self::build(self.nodes.with_node(name, weight)?, self.table_size);
+        *self = self.with_added(name, weight)?;
         Ok(())
     }
 
     fn remove(&mut self, name: &str) -> Result<()> {
-        *self = Self::build(self.nodes.without_node(name)?, self.table_size);
+        *self = self.with_removed(name)?;
         Ok(())
+    }
+
+    fn with_added(&self, name: &str, weight: f64) -> Result<Self> {
+        Ok(Self::build(
+            self.nodes.with_node(name, weight)?,
+            self.table_size,
+        ))
+    }
+
+    fn with_removed(&self, name: &str) -> Result<Self> {
+        Ok(Self::build(self.nodes.without_node(name)?, self.table_size))
     }
 }

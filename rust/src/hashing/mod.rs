@@ -116,6 +116,30 @@ pub trait ConsistentHash {
     /// Removes a node. Fails with [`Error::Key`](crate::Error::Key) when it is unknown.
     fn remove(&mut self, name: &str) -> Result<()>;
 
+    /// A new hasher: this one with the node added (`self` unchanged). Fails as
+    /// [`ConsistentHash::add`] does. A hasher that rebuilds on a change builds it from `self`
+    /// without copying itself first.
+    fn with_added(&self, name: &str, weight: f64) -> Result<Self>
+    where
+        Self: Clone,
+    {
+        let mut next = self.clone();
+        next.add(name, weight)?;
+        Ok(next)
+    }
+
+    /// A new hasher: this one with the node removed (`self` unchanged). Fails as
+    /// [`ConsistentHash::remove`] does, before copying anything.
+    fn with_removed(&self, name: &str) -> Result<Self>
+    where
+        Self: Clone,
+    {
+        self.node_set().require(name)?;
+        let mut next = self.clone();
+        next.remove(name)?;
+        Ok(next)
+    }
+
     /// Number of nodes.
     fn len(&self) -> usize {
         self.node_set().len()

@@ -453,12 +453,20 @@ impl ConsistentHash for HashRing {
     }
 
     fn add(&mut self, name: &str, weight: f64) -> Result<()> {
-        *self = Self::build(self.nodes.with_node(name, weight)?, self.vnodes, self.hash)?;
+        *self = self.with_added(name, weight)?;
         Ok(())
     }
 
     fn remove(&mut self, name: &str) -> Result<()> {
-        *self = Self::build(self.nodes.without_node(name)?, self.vnodes, self.hash)?;
+        *self = self.with_removed(name)?;
         Ok(())
+    }
+
+    fn with_added(&self, name: &str, weight: f64) -> Result<Self> {
+        Self::build(self.nodes.with_node(name, weight)?, self.vnodes, self.hash)
+    }
+
+    fn with_removed(&self, name: &str) -> Result<Self> {
+        Self::build(self.nodes.without_node(name)?, self.vnodes, self.hash)
     }
 }

@@ -600,3 +600,75 @@ mod rings;
 /// Tests written for cargo-mutants survivors since shard 5/40 (`tests_mutants.rs`).
 #[path = "tests_mutants.rs"]
 mod mutants;
+
+/// `with_added` / `with_removed` of every hasher: the hasher `add` / `remove` make in place,
+/// `self` unchanged; an error (a duplicate, a bad weight, an unknown node) returned as the
+/// in-place call returns it.
+mod copies {
+    use super::*;
+
+    fn check<H: ConsistentHash + Clone>(h: &H) {
+        let keys: Vec<u64> = (0..500u64)
+            .map(|k| k.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+            .collect();
+        let answers = |h: &H| -> Vec<Option<String>> {
+            keys.iter()
+                .map(|&k| {
+                    h.get(Key::Int(k))
+                        .ok()
+                        .and_then(|id| h.name(id))
+                        .map(|n| n.to_string())
+                })
+                .collect()
+        };
+        let before = answers(h);
+        let names =
+            |h: &H| -> Vec<String> { h.node_set().names().iter().map(|n| n.to_string()).collect() };
+        let added = h.with_added("new", 1.0).unwrap();
+        let mut want = h.clone();
+        want.add("new", 1.0).unwrap();
+        assert_eq!(
+            (names(&added), answers(&added)),
+            (names(&want), answers(&want))
+        );
+        assert_ne!(answers(&added), before, "no key moved to the new node");
+        let removed = added.with_removed("n1").unwrap();
+        want.remove("n1").unwrap();
+        assert_eq!(
+            (names(&removed), answers(&removed)),
+            (names(&want), answers(&want))
+        );
+        assert_eq!(added.len(), h.len() + 1);
+        assert_eq!(answers(h), before, "self changed");
+        assert!(matches!(
+            h.with_added("n0", 1.0),
+            Err(crate::Error::Value(_))
+        ));
+        assert!(matches!(
+            h.with_removed("missing"),
+            Err(crate::Error::Key(_))
+        ));
+        let mut same = h.clone();
+        assert!(same.add("n0", 1.0).is_err() && same.remove("missing").is_err());
+        assert_eq!(answers(&same), before);
+    }
+
+    #[test]
+    fn with_added_and_with_removed_are_add_and_remove_on_a_copy() {
+        let nodes: Vec<(String, f64)> = (0..8).map(|i| (format!("n{i}"), 1.0)).collect();
+        let pairs = || nodes.iter().map(|(n, w)| (n.as_str(), *w));
+        check(&HashRing::new(pairs(), 160, RingHash::Ketama).unwrap());
+        check(&HashRing::new(pairs(), 160, RingHash::Xxh3).unwrap());
+        check(&Maglev::new(pairs(), 65_537).unwrap());
+        check(&Rendezvous::new(pairs()).unwrap());
+        let mut jump = JumpHash::default();
+        for (n, w) in &nodes {
+            jump.add(n, *w).unwrap();
+        }
+        check(&jump);
+        assert!(
+            matches!(jump.with_added("w", 2.0), Err(crate::Error::Value(_))),
+            "JumpHash is unweighted"
+        );
+    }
+}

@@ -1,26 +1,29 @@
-//! State that threads holding the GIL share without a lock: the GIL already excludes them from
-//! one another, and on the hot paths (`HashRing.get`: a 14-byte key in ~100 ns) an atomic
-//! read-modify-write per lock and unlock was a tenth of the call.
+//! State shared by threads without a lock on the paths where the GIL already keeps them apart:
+//! on the hot paths (`HashRing.get`: a 14-byte key in ~100 ns) an atomic read-modify-write per
+//! lock and unlock was a tenth of the call.
 //!
-//! - [`Published`]: a value read in place by threads holding the GIL and replaced whole (copy,
-//!   change, publish). Guarantees: a reader sees the value before or after a change, never
-//!   part of one; a change that fails or panics publishes nothing; writers are serialised, so no
-//!   change is lost; readers without the GIL (long batches) read under a read lock, which holds
-//!   the value they see until they let go.
+//! - [`Published`]: a value replaced whole (`replace`: the next value made from the current one
+//!   with the GIL released, then swapped in). `attached` reads it in place with the GIL held and
+//!   no lock; `read` under a read lock (with the GIL held when it is free at once, else released).
+//!   Guarantees: a reader sees the value before or after a change, never part of one; a change
+//!   that fails or panics publishes nothing; writers are serialised, so no change is lost; a
+//!   replaced value is freed only once no reader can hold it.
 //! - [`GilCell`]: a value one thread holding the GIL at a time borrows mutably. A second borrow
 //!   while the first lives (re-entry, or a borrow held across a GIL release) is refused (`None`),
 //!   never granted.
 //!
 //! Both rely on the GIL being a mutual exclusion between the threads that touch them: CPython with
 //! the GIL (PyO3 refuses sub-interpreters, which could each have their own). On a free-threaded
-//! build (`Py_GIL_DISABLED`) they are ordinary locks instead: [`Published`] reads take its read
-//! lock, [`GilCell`] a mutex (never waited for while attached — a wait there could hold up a
-//! stop-the-world pause that the holder needs).
+//! build (`Py_GIL_DISABLED`) they are ordinary locks instead: `attached` takes the read lock,
+//! [`GilCell`] a mutex, and neither waits for its lock while attached (a wait there could hold up
+//! a stop-the-world pause that the holder needs).
 
 #[cfg(not(Py_GIL_DISABLED))]
 use std::cell::UnsafeCell;
+use std::marker::PhantomData;
 #[cfg(not(Py_GIL_DISABLED))]
-use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicPtr, Ordering};
 
 use parking_lot::RwLock;
 #[cfg(Py_GIL_DISABLED)]
@@ -29,27 +32,47 @@ use pyo3::prelude::*;
 
 /// A value read without a lock by threads holding the GIL; see the module docs.
 pub struct Published<T> {
-    /// The current value. A writer holds the write lock from its copy to the publication;
-    /// readers without the GIL hold the read lock.
-    lock: RwLock<Box<T>>,
-    /// The address of the value in `lock`: stored only with both the write lock and the GIL
-    /// held, and the value it replaced freed only after that store.
-    #[cfg(not(Py_GIL_DISABLED))]
+    /// Held by a writer from its read of the value to the publication of the next, and by
+    /// readers that do not rely on the GIL while they read.
+    lock: RwLock<()>,
+    /// The current value, owned (made by `Box::into_raw`). Replaced only with the write lock and
+    /// (but on a free-threaded build) the GIL held; the value it replaced is freed after.
     live: AtomicPtr<T>,
+    /// `Send` and `Sync` as an `RwLock<T>` is.
+    _value: PhantomData<RwLock<T>>,
 }
 
-impl<T: Clone + Send + Sync> Published<T> {
+impl<T> Drop for Published<T> {
+    fn drop(&mut self) {
+        // SAFETY: `live` holds a pointer from `Box::into_raw` that only `self` owns.
+        drop(unsafe { Box::from_raw(*self.live.get_mut()) });
+    }
+}
+
+impl<T: Send + Sync> Published<T> {
     pub fn new(value: T) -> Self {
-        let value = Box::new(value);
         Self {
-            #[cfg(not(Py_GIL_DISABLED))]
-            live: AtomicPtr::new(std::ptr::from_ref::<T>(&value).cast_mut()),
-            lock: RwLock::new(value),
+            lock: RwLock::new(()),
+            live: AtomicPtr::new(Box::into_raw(Box::new(value))),
+            _value: PhantomData,
         }
     }
 
+    /// The current value.
+    ///
+    /// # Safety
+    /// The caller holds `lock` (either way) until it no longer uses the value, or — on a build
+    /// with the GIL — holds the GIL and keeps it that long.
+    #[inline(always)]
+    unsafe fn current(&self) -> &T {
+        // SAFETY: `live` is never null and is freed only after being replaced, with the write
+        // lock and the GIL held, which the caller's contract excludes during the borrow.
+        unsafe { &*self.live.load(Ordering::Acquire) }
+    }
+
     /// Runs `f` on the current value with the GIL held and no lock taken. (On a free-threaded
-    /// build: under the read lock, waited for with this thread detached if a writer holds it.)
+    /// build: under the read lock, waited for with this thread detached and holding nothing when
+    /// it attaches again — PyO3 may run finalisers then — if a writer holds it.)
     ///
     /// # Safety
     /// `f` must not release the GIL: not detach, not run Python code, not drop a Python object
@@ -61,59 +84,79 @@ impl<T: Clone + Send + Sync> Published<T> {
         {
             let _ = py;
             // SAFETY: this thread holds the GIL (`py`) and keeps it until `f` returns (the
-            // caller's contract). `live` is replaced only by a thread holding the GIL, and the
-            // value it pointed to freed only after that, so the value loaded here outlives `f`.
-            f(unsafe { &*self.live.load(Ordering::Acquire) })
+            // caller's contract).
+            f(unsafe { self.current() })
         }
         #[cfg(Py_GIL_DISABLED)]
-        {
-            use parking_lot::lock_api::RawRwLock as _;
-            let value = self.lock.try_read().unwrap_or_else(|| {
-                // SAFETY: the read lock is taken here (detached) and handed to the guard, which
-                // releases it.
-                unsafe {
-                    py.detach(|| self.lock.raw().lock_shared());
-                    self.lock.make_read_guard_unchecked()
-                }
-            });
-            f(&value)
+        loop {
+            if let Some(_held) = self.lock.try_read() {
+                // SAFETY: the read lock is held until `f` returns.
+                return f(unsafe { self.current() });
+            }
+            py.detach(|| drop(self.lock.read()));
         }
     }
 
-    /// Runs `f` on the current value: when `inline` (short work), at once with the GIL held;
-    /// otherwise with the GIL released, under the read lock.
+    /// Runs `f` on the current value under the read lock: with the GIL held when `inline` (short
+    /// work) and the lock is free at once, else with the GIL released.
     pub fn read<R: Send>(&self, py: Python<'_>, inline: bool, f: impl FnOnce(&T) -> R + Send) -> R {
         if inline {
-            // SAFETY: `f` is `Send`, so it holds no GIL token and no Python object: pure Rust,
-            // which cannot release the GIL.
-            return unsafe { self.attached(py, f) };
+            if let Some(_held) = self.lock.try_read() {
+                // SAFETY: the read lock is held until `f` returns.
+                return f(unsafe { self.current() });
+            }
         }
-        py.detach(|| f(&self.lock.read()))
-    }
-
-    /// Changes a copy of the value with `f` (the GIL released), then publishes the copy (the
-    /// GIL held for the swap alone). The copy is published whatever `f` returns; `f` that
-    /// changes nothing on error leaves the value as it was. A panic in `f` publishes nothing.
-    pub fn write<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut T) -> R + Send) -> R {
         py.detach(|| {
-            let mut current = self.lock.write();
-            let mut next = Box::new(T::clone(&current));
-            let r = f(&mut next);
-            let old = Python::attach(|_| {
-                let old = std::mem::replace(&mut *current, next);
-                #[cfg(not(Py_GIL_DISABLED))]
-                self.live.store(
-                    std::ptr::from_ref::<T>(&current).cast_mut(),
-                    Ordering::Release,
-                );
-                old
-            });
-            // Freed with the GIL released: no reader holds it (see `live`).
-            drop(current);
-            drop(old);
-            r
+            let _held = self.lock.read();
+            // SAFETY: as above.
+            f(unsafe { self.current() })
         })
     }
+
+    /// Replaces the value with `f(value)`, made with the GIL released, when `f` succeeds; its
+    /// error (or panic) leaves the value as it was. The GIL is taken for the swap alone, through
+    /// the C API, which runs no Python code (PyO3's `attach` may run finalisers, which could
+    /// call back into this value and wait for its write lock, held here).
+    pub fn replace<E: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&T) -> Result<T, E> + Send,
+    ) -> Result<(), E> {
+        py.detach(|| {
+            let held = self.lock.write();
+            // SAFETY: the write lock is held.
+            let next = Box::into_raw(Box::new(f(unsafe { self.current() })?));
+            let old = with_gil(|| self.live.swap(next, Ordering::AcqRel));
+            drop(held);
+            // SAFETY: `old` came from `Box::into_raw` and nothing can reach it now: readers
+            // under the lock were excluded by the write lock at the swap; readers relying on the
+            // GIL read it before the swap (whose thread held the GIL) or read `next`.
+            drop(unsafe { Box::from_raw(old) });
+            Ok(())
+        })
+    }
+}
+
+/// Runs `f` holding the GIL (on a free-threaded build, none to take: `f` runs as is), on a
+/// thread detached from its Python thread state (inside `py.detach`). Runs no Python code.
+fn with_gil<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(not(Py_GIL_DISABLED))]
+    {
+        /// Gives the GIL back however `f` ends.
+        struct Release(pyo3::ffi::PyGILState_STATE);
+        impl Drop for Release {
+            fn drop(&mut self) {
+                // SAFETY: the state `PyGILState_Ensure` returned, given back once.
+                unsafe { pyo3::ffi::PyGILState_Release(self.0) }
+            }
+        }
+        // SAFETY: this thread has a Python thread state (it detached from it), which `Ensure`
+        // makes current again, taking the GIL; `Release` detaches it again.
+        let _gil = Release(unsafe { pyo3::ffi::PyGILState_Ensure() });
+        f()
+    }
+    #[cfg(Py_GIL_DISABLED)]
+    f()
 }
 
 /// A value borrowed mutably by one thread holding the GIL at a time; see the module docs.

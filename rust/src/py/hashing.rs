@@ -1,12 +1,12 @@
 //! Bindings for `crate::hashing`: `hash_key`, `jump_hash`, `jump_hash_many` and the hasher
 //! classes `HashRing`, `Maglev`, `Rendezvous` and `JumpHash`, which share one Python face.
 //!
-//! Each class keeps its core hasher in a [`Published`]: a change (`add`, `remove`) is made to a
-//! copy with the GIL released and published whole, so lookups on fewer than [`DETACH_MIN_KEYS`]
-//! keys read the hasher in place with the GIL held, taking no lock; larger batches run with the
-//! GIL released, under its read lock. Results come back as node ids plus the node names they
-//! refer to, and are turned into Python `str` objects from a per-object cache that creates each
-//! node's `str` once.
+//! Each class keeps its core hasher in a [`Published`]: a change (`add`, `remove`) makes a new
+//! hasher with the GIL released and publishes it whole. `get` reads the hasher in place with the
+//! GIL held, taking no lock; other lookups take its read lock, with the GIL held for fewer than
+//! [`DETACH_MIN_KEYS`] keys when the lock is free, else with the GIL released. Results come back
+//! as node ids plus the node names they refer to, and are turned into Python `str` objects from a
+//! per-object cache that creates each node's `str` once.
 //!
 //! `HashRing.get_many` on an exact list or tuple hashes its keys first, reading each where it
 //! lies with the GIL held (released between chunks, see [`Seq::hash_keys`]), then looks the
@@ -399,8 +399,13 @@ impl<H: ConsistentHash + AsRing + Clone + Send + Sync> Shared<H> {
         self.core.read(py, keys < DETACH_MIN_KEYS, f)
     }
 
-    fn write<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut H) -> R + Send) -> R {
-        self.core.write(py, f)
+    /// Replaces the hasher with `f(hasher)` when it succeeds.
+    fn replace(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&H) -> crate::Result<H> + Send,
+    ) -> crate::Result<()> {
+        self.core.replace(py, f)
     }
 
     /// A list of the `str` of every id in `ids`; `names` holds the name of each distinct id
@@ -564,12 +569,12 @@ impl<H: ConsistentHash + AsRing + Clone + Send + Sync> Shared<H> {
     ) -> PyResult<()> {
         let name = node.to_owned_string();
         let weight = optional(weight, |w| weight_from_py(w, "node", &name))?.unwrap_or(1.0);
-        Ok(self.write(py, |h| h.add(&name, weight))?)
+        Ok(self.replace(py, |h| h.with_added(&name, weight))?)
     }
 
     fn remove(&self, py: Python<'_>, node: Name<'_>) -> PyResult<()> {
         let name = node.to_owned_string();
-        Ok(self.write(py, |h| h.remove(&name))?)
+        Ok(self.replace(py, |h| h.with_removed(&name))?)
     }
 
     fn nodes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
