@@ -280,8 +280,8 @@ def check_one_version_whole(kind: str, rounds: int = 40) -> None:
     """Lookups read the hasher in place while another thread adds and removes a node, and tries
     changes that fail: each answer (a single get, a short batch read with the GIL held, a long one
     read without it) must be the whole answer of one version the writer published, never a mix,
-    a half-made one or a freed one; a failed change publishes nothing (the cached name `str`s
-    stay the very objects they were)."""
+    a half-made one or a freed one; a failed change leaves the answers, down to the very `str`
+    objects returned, as they were."""
     make = BIG_KINDS[kind]
     nodes = [f"w{i}" for i in range(16)]
     h = make(nodes)
