@@ -407,15 +407,14 @@ fn decimal(value: u64, buf: &mut [u8; 20]) -> &[u8] {
 fn scalar_word0(msg: &[u8]) -> u32 {
     if msg.len() <= ONE_BLOCK {
         let mut m: Block<1> = [[0]; 16];
+        pad_lane(&mut m, 0, msg);
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512vl")
         {
-            pad_lane(&mut m, 0, msg);
             // SAFETY: the running CPU supports AVX-512F and VL (checked just above).
             return unsafe { md5_word0_xmm(&m) };
         }
-        pad_lane(&mut m, 0, msg);
         return md5_word0_by::<1, 1, 14>(&m)[0];
     }
     let digest = Md5::digest(msg);

@@ -30,6 +30,8 @@ use parking_lot::RwLock;
 use parking_lot::{Mutex, MutexGuard};
 use pyo3::prelude::*;
 
+use super::{with_read, with_write};
+
 /// A value read without a lock by threads holding the GIL; see the module docs.
 pub struct Published<T> {
     /// Held by a writer from its read of the value to the publication of the next, and by
@@ -98,19 +100,10 @@ impl<T: Send + Sync> Published<T> {
     }
 
     /// Runs `f` on the current value under the read lock: with the GIL held when `inline` (short
-    /// work) and the lock is free at once, else with the GIL released.
+    /// work) and the lock is free at once, else with the GIL released ([`with_read`]).
     pub fn read<R: Send>(&self, py: Python<'_>, inline: bool, f: impl FnOnce(&T) -> R + Send) -> R {
-        if inline {
-            if let Some(_held) = self.lock.try_read() {
-                // SAFETY: the read lock is held until `f` returns.
-                return f(unsafe { self.current() });
-            }
-        }
-        py.detach(|| {
-            let _held = self.lock.read();
-            // SAFETY: as above.
-            f(unsafe { self.current() })
-        })
+        // SAFETY: the read lock is held while `f` runs.
+        with_read(py, &self.lock, inline, |()| f(unsafe { self.current() }))
     }
 
     /// Replaces the value with `f(value)`, made with the GIL released, when `f` succeeds; its
@@ -122,15 +115,13 @@ impl<T: Send + Sync> Published<T> {
         py: Python<'_>,
         f: impl FnOnce(&T) -> Result<T, E> + Send,
     ) -> Result<(), E> {
-        py.detach(|| {
-            let held = self.lock.write();
+        with_write(py, &self.lock, |()| {
             // SAFETY: the write lock is held.
             let next = Box::into_raw(Box::new(f(unsafe { self.current() })?));
             let old = with_gil(|| self.live.swap(next, Ordering::AcqRel));
-            drop(held);
             // SAFETY: `old` came from `Box::into_raw` and nothing can reach it now: readers
-            // under the lock were excluded by the write lock at the swap; readers relying on the
-            // GIL read it before the swap (whose thread held the GIL) or read `next`.
+            // under the lock are excluded by the write lock; readers relying on the GIL read it
+            // before the swap (whose thread held the GIL) or read `next`.
             drop(unsafe { Box::from_raw(old) });
             Ok(())
         })
