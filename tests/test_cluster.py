@@ -23,6 +23,7 @@ from kvroute.cluster.sync import ReplicaSync
 from kvroute.server.config import Table
 from support.gateway_fleet import Fleet, GatewayServer, config_dict, wait_for
 from support.gateway_upstream import reference_render, reference_tokens
+from support.helpers import until
 from support.nats_server import NatsServer
 
 TENANTS = 24
@@ -160,16 +161,6 @@ def predictions(gateways: list[GatewayServer], probes: list[tuple[int, str]]) ->
     return [
         [g.gateway.router.index.match(hasher.hash(tokens_of(*p))) for p in probes] for g in gateways
     ]
-
-
-async def until(cond: Any, timeout: float = 15.0) -> bool:
-    """Whether ``cond()`` holds within ``timeout`` seconds (polled, the event loop running)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        await asyncio.sleep(0.02)
-    return False
 
 
 def test_three_replicas_keep_the_single_routers_hit_rate(nats_server, capsys):

@@ -23,6 +23,7 @@ from support.gateway_fleet import (
     metric_samples,
     wait_for,
 )
+from support.limits_reference import ReferenceBucket
 
 
 @pytest.fixture
@@ -33,21 +34,6 @@ def fleet():
 
 
 # ---- the buckets against a reference ---------------------------------------------------------
-
-
-class ReferenceBucket:
-    """Written from the documentation: capacity per_minute, refill per_minute/60 per second,
-    admitted while it holds at least 1, balances may go negative."""
-
-    def __init__(self, per_minute: int) -> None:
-        self.cap = per_minute
-        self.balance = float(per_minute)
-        self.t = 0.0
-
-    def at(self, t: float) -> float:
-        self.balance = min(self.cap, self.balance + (t - self.t) * (self.cap / 60))
-        self.t = t
-        return self.balance
 
 
 @settings(max_examples=150, deadline=None)

@@ -207,6 +207,13 @@ PYTHON: dict[str, tuple[list[str], list[str], list[str]]] = {
             ),
         ],
     ),
+    # Rate limits: the buckets against their reference model, and shared by replicas (the
+    # two-replica reference, the wire format, real NATS).
+    "py-limits": (
+        ["python/kvroute/gateway/limits.py", "python/kvroute/cluster/limits.py"],
+        ["tests/test_gateway_limits.py", "tests/test_cluster_limits.py"],
+        [],
+    ),
     "py-sim-engine": (
         ["python/kvroute/sim/engine.py"],
         ["tests/test_sim_engine.py", "tests/test_sim_policies.py", "tests/test_sim_oracles.py"],

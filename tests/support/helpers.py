@@ -3,6 +3,7 @@ independent references that more than one module checks against."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable
@@ -94,3 +95,13 @@ def hit_rate(usages: list[Any]) -> float:
     prompt = sum(field(u, "prompt_tokens") for u in usages)
     cached = sum(field(field(u, "prompt_tokens_details"), "cached_tokens") for u in usages)
     return cached / prompt
+
+
+async def until(cond: Callable[[], Any], timeout: float = 15.0) -> bool:
+    """Whether ``cond()`` holds within ``timeout`` seconds (polled, the event loop running)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        await asyncio.sleep(0.01)
+    return False

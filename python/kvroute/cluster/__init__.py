@@ -14,6 +14,8 @@ JetStream, and reads the engines' own load:
 - :mod:`.relay` — events mode: ``kvroute relay`` (:class:`EventRelay`) reads every engine's KV
   events once and republishes them into JetStream; each replica's :class:`EventFollower`
   (``[cluster] relay = true``) applies them with the subscriber's gap and restart semantics.
+- :mod:`.limits` — :class:`LimitShare`: the gateway's rate limits, held by all replicas
+  together (each sends the others what it takes from its buckets).
 - :mod:`.config` — the ``[cluster]`` section of ``kvroute serve``'s TOML file.
 
 Nothing below the router knows about NATS: the router only fills an outbox of bytes and
@@ -23,14 +25,18 @@ applies batches of bytes (``Router.take_updates`` / ``apply_updates``, ``dump_mo
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvroute.server.metrics import Registry
 
 from .config import ClusterConfig, parse_cluster
+from .limits import LimitShare
 from .relay import EventFollower, EventRelay
 from .scrape import EngineLoad, EngineScraper, parse_engine_metrics
 from .sync import ReplicaSync
+
+if TYPE_CHECKING:
+    from kvroute.gateway.limits import RateLimits
 
 __all__ = [
     "Cluster",
@@ -39,6 +45,7 @@ __all__ = [
     "EngineScraper",
     "EventFollower",
     "EventRelay",
+    "LimitShare",
     "ReplicaSync",
     "parse_cluster",
     "parse_engine_metrics",
@@ -46,8 +53,9 @@ __all__ = [
 
 
 class Cluster:
-    """A server's cluster side: replica sync, the engine scraper and (``relay = true``, which
-    needs an events-mode router) the follower of ``kvroute relay``'s stream, from ``[cluster]``.
+    """A server's cluster side: replica sync, the engine scraper, (``relay = true``, which
+    needs an events-mode router) the follower of ``kvroute relay``'s stream and (a gateway's
+    rate ``limits`` with ``share_limits``) their sharing, from ``[cluster]``.
 
     ``workers``: ``(name, base url, kind, api key or None)`` of the fleet; ``event_mode``: how
     the follower applies events (``[events] mode``).
@@ -61,6 +69,7 @@ class Cluster:
         *,
         registry: Registry | None = None,
         event_mode: str = "rehash",
+        limits: RateLimits | None = None,
     ) -> None:
         self.config = config
         self.follower: EventFollower | None = None
@@ -72,6 +81,9 @@ class Cluster:
         if config.relay:
             self.follower = EventFollower(router, config, mode=event_mode, registry=registry)
         self.sync = ReplicaSync(router, config, registry=registry)
+        self.limits: LimitShare | None = None
+        if limits is not None and limits.active and config.share_limits:
+            self.limits = LimitShare(limits, config, registry=registry)
         self.scraper = EngineScraper(
             router,
             workers,
@@ -84,12 +96,16 @@ class Cluster:
         """Starts both in the background (on the running event loop)."""
         self.sync.start()
         self.scraper.start()
+        if self.limits is not None:
+            self.limits.start()
         if self.follower is not None:
             self.follower.start()
 
     async def stop(self) -> None:
         if self.follower is not None:
             await self.follower.stop()
+        if self.limits is not None:
+            await self.limits.stop()
         await self.scraper.stop()
         await self.sync.stop()
 
@@ -98,4 +114,6 @@ class Cluster:
         out = {**self.sync.describe(), "engine_load": self.scraper.describe()}
         if self.follower is not None:
             out["relay"] = self.follower.describe()
+        if self.limits is not None:
+            out["limits"] = self.limits.describe()
         return out

@@ -24,6 +24,10 @@ server runs alone, exactly as before. Example (every key shown, with its default
     relay_heartbeat = 0.5            # seconds between the relay's heartbeats; a follower that
                                      # hears none for 3 of the relay's intervals marks its
                                      # workers stale (fresh again at the next one)
+    share_limits = true              # the gateway's rate limits hold for all replicas together
+    limits_subject = "kvroute.limits"  # plain NATS subject of what each replica takes from them
+    limits_interval = 0.002          # seconds at least between two of a replica's messages
+                                     # there (sent as soon as it takes, coalesced meanwhile)
 """
 
 from __future__ import annotations
@@ -59,6 +63,9 @@ class ClusterConfig:
     events_stream: str = "KVROUTE_EVENTS"
     events_subject: str = "kvroute.events"
     relay_heartbeat: float = 0.5
+    share_limits: bool = True
+    limits_subject: str = "kvroute.limits"
+    limits_interval: float = 0.002
 
     @property
     def replica_name(self) -> str:
@@ -113,15 +120,30 @@ def parse_cluster(top: Table) -> ClusterConfig | None:
         events_stream=_token(c, "events_stream", d.events_stream),
         events_subject=_token(c, "events_subject", d.events_subject, "."),
         relay_heartbeat=c.positive("relay_heartbeat", float, d.relay_heartbeat),
+        share_limits=c.get("share_limits", bool, d.share_limits),
+        limits_subject=_token(c, "limits_subject", d.limits_subject, "."),
+        limits_interval=c.positive("limits_interval", float, d.limits_interval),
     )
     c.done()
-    for key in ("subject", "events_subject"):
+    for key in ("subject", "events_subject", "limits_subject"):
         subject = getattr(config, key)
         if subject.startswith(".") or subject.endswith(".") or ".." in subject:
             raise ValueError(f"{c.where}.{key} must be dot-separated tokens, got {subject!r}")
     if config.stream == config.events_stream or config.subject == config.events_subject:
         raise ValueError(f"{c.where}: the events stream and subject must differ from the sync's")
-    for key in ("snapshot_interval", "publish_interval", "max_age", "relay_heartbeat"):
+    if config.limits_subject in (config.subject, config.events_subject):
+        # A streams' subject: JetStream would keep the messages, and its consumers read them.
+        raise ValueError(
+            f"{c.where}.limits_subject must differ from subject and events_subject, "
+            f"got {config.limits_subject!r}"
+        )
+    for key in (
+        "snapshot_interval",
+        "publish_interval",
+        "max_age",
+        "relay_heartbeat",
+        "limits_interval",
+    ):
         if not math.isfinite(getattr(config, key)):
             raise ValueError(f"{c.where}.{key} must be finite")
     return config

@@ -278,6 +278,7 @@ class Gateway:
                 [(w.name, w.url, w.kind, w.api_key) for w in config.workers],
                 registry=self.metrics.registry,
                 event_mode=config.events.mode,
+                limits=self.limits,
             )
         self.pd = PdForwarder(self) if config.pd is not None else None
         # Who routes and sends each attempt of _forward's loop: single requests or pairs.

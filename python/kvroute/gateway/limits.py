@@ -15,9 +15,20 @@ fair-share refusals (decided before the buckets) spend nothing.
 Buckets exist for configured things only: each endpoint with a limit, and — with
 ``key_requests_per_minute`` / ``key_tokens_per_minute`` — each configured API key (by digest) and
 one shared bucket for callers without a configured key, so that callers cannot create buckets
-by inventing keys. Everything runs on the gateway's event loop; no lock is taken. The buckets are
-this process's own: ``[cluster]`` replicas do not share them (N replicas admit N times the
-configured rates; README, "Limits and admission").
+by inventing keys. Everything runs on the gateway's event loop; no lock is taken.
+
+Shared by ``[cluster]`` replicas (``share``): every amount a replica takes from or gives back to a
+bucket is also added to its ledger, which ``kvroute.cluster.limits`` drains (``drain_spent``) and
+sends to the other replicas, which apply it to their bucket of the same name (``apply_spent``):
+what was given back first, then what was taken. Exchanged as they happen, the replicas' buckets
+hold exactly what one gateway seeing every request would hold. While amounts are in flight
+between replicas a replica's bucket may hold more than that: a peer's take has not arrived yet
+(so requests reaching different replicas within one message's delay may each take the same last
+unit); the bucket refilled while a peer's give-back was on its way, which one gateway's, full,
+would have lost (at most its rate times that delay); and a peer's give-back applied after the
+replica's own takes of the meantime may fill the bucket over them (at most the give-back). A
+give-back is a request that reached no worker, so the last is rare. Amounts a replica never hears
+of (NATS down) are not taken from its buckets; it then admits up to the rates on its own.
 """
 
 from __future__ import annotations
@@ -27,7 +38,11 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-__all__ = ["Bucket", "Limited", "RateLimits"]
+__all__ = ["Bucket", "Limited", "RateLimits", "Spent"]
+
+#: One ledger entry: the limit (``requests`` | ``tokens``), the bucket's scope (``endpoint`` |
+#: ``key``) and name (an endpoint's name, a key's digest), and the net amount taken.
+Spent = tuple[str, str, object, float]
 
 
 class Bucket:
@@ -56,10 +71,11 @@ class Bucket:
         self.refill(now)
         self.balance -= amount
 
-    def give(self, amount: float, now: float) -> None:
-        """Returns ``amount`` taken earlier, never above capacity."""
-        self.refill(now)
-        self.balance = min(self.capacity, self.balance + amount)
+    def give(self, amount: float, now: float) -> float:
+        """Returns ``amount`` taken earlier, never above capacity; the amount given back."""
+        before = self.refill(now)
+        self.balance = min(self.capacity, before + amount)
+        return self.balance - before
 
 
 @dataclass(frozen=True)
@@ -105,9 +121,67 @@ class RateLimits:
             if key_tokens_per_minute:
                 self.tokens["key", digest] = Bucket(key_tokens_per_minute, now)
 
+        #: Per bucket, the amounts taken and given back since the last ``drain_spent``
+        #: (``share``d limits only).
+        self.ledger: dict[tuple[str, tuple[str, object]], list[float]] | None = None
+        #: Called when the ledger gets its first entry since the last drain.
+        self.on_spend: Callable[[], None] | None = None
+
     @property
     def active(self) -> bool:
         return bool(self.requests or self.tokens)
+
+    def share(self) -> None:
+        """Records every amount taken or given back from now on, for ``drain_spent``."""
+        if self.ledger is None:
+            self.ledger = {}
+
+    def _spend(self, limit: str, k: tuple[str, object], amount: float) -> None:
+        if self.ledger is not None and amount:
+            if not self.ledger and self.on_spend is not None:
+                self.on_spend()
+            sums = self.ledger.setdefault((limit, k), [0.0, 0.0])
+            sums[amount < 0] += abs(amount)
+
+    def drain_spent(self) -> list[Spent]:
+        """The amounts taken from each bucket since the last drain, and those given back
+        (negative), each summed; the ledger is then empty. Given back and taken are not netted:
+        a bucket at its capacity keeps the one but not the other (``apply_spent``)."""
+        if not self.ledger:
+            return []
+        out: list[Spent] = []
+        for (limit, (scope, name)), (taken, given) in self.ledger.items():
+            if given:
+                out.append((limit, scope, name, -given))
+            if taken:
+                out.append((limit, scope, name, taken))
+        self.ledger.clear()
+        return out
+
+    def restore_spent(self, spent: list[Spent]) -> None:
+        """Puts drained entries back (they could not be sent): the next drain has them again."""
+        for limit, scope, name, amount in spent:
+            self._spend(limit, (scope, name), amount)
+
+    def apply_spent(self, spent: list[Spent]) -> int:
+        """Takes another replica's amounts from the buckets of the same limit, scope and name,
+        what it gave back first (never above capacity) and then what it took: so a bucket
+        holds at most what it would have, had it seen them as they happened. An entry for a
+        bucket this gateway does not have is ignored. Returns the number applied. Recorded in
+        no ledger: each replica sends only what it took itself."""
+        now = self.clock()
+        applied = 0
+        for limit, scope, name, amount in sorted(spent, key=lambda e: e[3] >= 0):
+            table = self.requests if limit == "requests" else self.tokens
+            bucket = table.get((scope, name)) if limit in ("requests", "tokens") else None
+            if bucket is None:
+                continue
+            if amount >= 0:
+                bucket.take(amount, now)
+            else:
+                bucket.give(-amount, now)
+            applied += 1
+        return applied
 
     def _keys(self, endpoint: str | None, digest: bytes | None) -> tuple[tuple[str, object], ...]:
         key = digest if digest in self.known_digests else self.ANONYMOUS
@@ -133,8 +207,10 @@ class RateLimits:
         for k in keys:
             if (b := self.requests.get(k)) is not None:
                 b.take(1, now)
+                self._spend("requests", k, 1)
             if (b := self.tokens.get(k)) is not None:
                 b.take(tokens, now)
+                self._spend("tokens", k, tokens)
         return None
 
     def refund(self, endpoint: str | None, digest: bytes | None, tokens: int) -> None:
@@ -144,10 +220,11 @@ class RateLimits:
             return
         now = self.clock()
         for k in self._keys(endpoint, digest):
+            # The amount given back, not the one asked: a bucket full meanwhile takes less.
             if (b := self.requests.get(k)) is not None:
-                b.give(1, now)
+                self._spend("requests", k, -b.give(1, now))
             if (b := self.tokens.get(k)) is not None:
-                b.give(tokens, now)
+                self._spend("tokens", k, -b.give(tokens, now))
 
     def charge(self, endpoint: str | None, digest: bytes | None, tokens: int) -> None:
         """Takes tokens used after admission (the completion) from the token buckets."""
@@ -157,3 +234,4 @@ class RateLimits:
         for k in self._keys(endpoint, digest):
             if (b := self.tokens.get(k)) is not None:
                 b.take(tokens, now)
+                self._spend("tokens", k, tokens)
