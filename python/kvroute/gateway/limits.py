@@ -41,7 +41,8 @@ from dataclasses import dataclass
 __all__ = ["Bucket", "Limited", "RateLimits", "Spent"]
 
 #: One ledger entry: the limit (``requests`` | ``tokens``), the bucket's scope (``endpoint`` |
-#: ``key``) and name (an endpoint's name, a key's digest), and the net amount taken.
+#: ``key``) and name (an endpoint's name, a key's digest), and the amount taken (given back:
+#: negative).
 Spent = tuple[str, str, object, float]
 
 
@@ -72,7 +73,7 @@ class Bucket:
         self.balance -= amount
 
     def give(self, amount: float, now: float) -> float:
-        """Returns ``amount`` taken earlier, never above capacity; the amount given back."""
+        """Gives back ``amount`` taken earlier, never above capacity; returns what it gave."""
         before = self.refill(now)
         self.balance = min(self.capacity, before + amount)
         return self.balance - before
