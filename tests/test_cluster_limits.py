@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvroute.cluster.config import ClusterConfig, parse_cluster
-from kvroute.cluster.limits import LimitShare, decode_spent, encode_spent
+from kvroute.cluster.limits import MAX_AMOUNT, LimitShare, decode_spent, encode_spent
 from kvroute.gateway.limits import RateLimits
 from kvroute.server.config import Table
 from prometheus_client import parser as prometheus_parser
@@ -162,6 +162,16 @@ def test_drain_sums_each_bucket_and_skips_unknown_buckets():
     # What was given back first (at capacity: nothing), then what was taken.
     assert other.requests["endpoint", "ep"].balance == 8.0
     assert other.tokens["endpoint", "ep"].balance == 943.0
+    before = limits.tokens["endpoint", "ep"].balance
+    for tokens in (0, -5):  # nothing to charge: no bucket changes, nothing recorded
+        limits.charge("ep", b"k1", tokens)
+    assert limits.tokens["endpoint", "ep"].balance == before and limits.drain_spent() == []
+    limits.charge("ep", b"k1", 1)
+    assert limits.tokens["endpoint", "ep"].balance == before - 1
+    assert sorted(limits.drain_spent(), key=repr) == [
+        ("tokens", "endpoint", "ep", 1.0),
+        ("tokens", "key", b"k1", 1.0),
+    ]
     limits.restore_spent(spent[:2])
     assert sorted(limits.drain_spent(), key=repr) == spent[:2]
 
@@ -169,10 +179,13 @@ def test_drain_sums_each_bucket_and_skips_unknown_buckets():
 def test_messages_round_trip_and_malformed_ones_name_the_fault():
     spent = [("requests", "key", b"\x01\xff", 1.0), ("tokens", "endpoint", "ep-a", -12.0)]
     assert decode_spent(encode_spent("r1", spent)) == ("r1", spent)
+    most = [("tokens", "key", b"", MAX_AMOUNT), ("tokens", "key", b"", -MAX_AMOUNT)]
+    assert decode_spent(encode_spent("r1", most)) == ("r1", most)
     for data, match in [
         (b"\xff", "not JSON"),
-        (b"[]", "replica"),
-        (b'{"replica": "r"}', "spent"),
+        (b"[]", "^no 'replica' string$"),
+        (b'{"replica": "r"}', "^no 'spent' list$"),
+        (b'{"replica": "r", "spent": [["tokens", "endpoint", 5, 1]]}', "names no bucket"),
         (b'{"replica": "r", "spent": [[1, 2]]}', "limit, scope"),
         (b'{"replica": "r", "spent": [["seconds", "key", "", 1]]}', "names no bucket"),
         (b'{"replica": "r", "spent": [["tokens", "key", "zz", 1]]}', "hex"),

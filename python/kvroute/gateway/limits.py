@@ -166,15 +166,16 @@ class RateLimits:
 
     def apply_spent(self, spent: list[Spent]) -> int:
         """Takes another replica's amounts from the buckets of the same limit, scope and name,
-        what it gave back first (never above capacity) and then what it took: so a bucket
-        holds at most what it would have, had it seen them as they happened. An entry for a
-        bucket this gateway does not have is ignored. Returns the number applied. Recorded in
-        no ledger: each replica sends only what it took itself."""
+        what it gave back first (never above capacity) and then what it took (the bounds this
+        holds to: the module docs). An entry for a bucket this gateway does not have is ignored.
+        Returns the number applied. Recorded in no ledger: each replica sends only what it took
+        itself. ``spent`` is another replica's ``drain_spent``
+        (``kvroute.cluster.limits.decode_spent`` checks what arrives)."""
         now = self.clock()
         applied = 0
         for limit, scope, name, amount in sorted(spent, key=lambda e: e[3] >= 0):
             table = self.requests if limit == "requests" else self.tokens
-            bucket = table.get((scope, name)) if limit in ("requests", "tokens") else None
+            bucket = table.get((scope, name))
             if bucket is None:
                 continue
             if amount >= 0:
