@@ -20,6 +20,7 @@ from kvroute.cluster.config import ClusterConfig, parse_cluster
 from kvroute.cluster.limits import MAX_AMOUNT, LimitShare, decode_spent, encode_spent
 from kvroute.gateway.limits import RateLimits
 from kvroute.server.config import Table
+from kvroute.server.metrics import Registry
 from prometheus_client import parser as prometheus_parser
 from support.gateway_fleet import Fleet, GatewayServer, config_dict, metric_samples, wait_for
 from support.helpers import until
@@ -247,14 +248,19 @@ def test_two_replicas_share_their_buckets_over_nats(nats_server, caplog):
         import nats
 
         a, b = limits(), limits()
-        share_a, share_b = LimitShare(a, config), LimitShare(b, config)
-        assert share_a.describe() == {"connected": False, "last_error": ""}
+        registry = Registry()
+        share_a, share_b = LimitShare(a, config, registry=registry), LimitShare(b, config)
+
+        def gauge() -> float:
+            return metric_samples(registry.render())[("kvroute_cluster_limits_connected", ())]
+
+        assert share_a.describe() == {"connected": False, "last_error": ""} and gauge() == 0
         share_a.start()
         share_b.start()
         tok_a, tok_b = a.tokens["endpoint", "ep"], b.tokens["endpoint", "ep"]
         try:
             assert await until(lambda: share_a.connected and share_b.connected)
-            assert share_a.describe() == {"connected": True, "last_error": ""}
+            assert share_a.describe() == {"connected": True, "last_error": ""} and gauge() == 1
             assert sorted(said(logging.INFO)) == sorted(
                 f"cluster: sharing rate limits on kvroute.limits as {s.replica}"
                 for s in (share_a, share_b)
@@ -283,7 +289,7 @@ def test_two_replicas_share_their_buckets_over_nats(nats_server, caplog):
             assert await until(lambda: not share_a.connected and not share_b.connected)
             lost = "ConnectionError: NATS connection lost"
             assert f"cluster: rate limits not shared ({lost}); retrying" in said(logging.WARNING)
-            assert share_a.describe()["connected"] is False
+            assert share_a.describe()["connected"] is False and gauge() == 0
             assert share_a.describe()["last_error"]  # the loss, or a reconnection refused since
             assert a.admit("ep", None, 40_000) is None  # NATS down: never sent
             nats_server.start()
@@ -299,6 +305,7 @@ def test_two_replicas_share_their_buckets_over_nats(nats_server, caplog):
             assert a.admit("ep", None, 4_000) is None  # held back: stop() sends it
             await asyncio.sleep(0)
             await share_a.stop()
+            assert not share_a.connected  # its connection closed
             assert await until(lambda: tok_b.balance == 40_000)
         finally:
             await share_a.stop()

@@ -161,8 +161,9 @@ class LimitShare:
             return
         nc = self._nc
         if nc is not None and self.connected:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # stopping: nothing left to do with a failure
                 await asyncio.wait_for(self._send(nc), 1.0)
+                # Written out now: closing the connection only signals its flusher.
                 await asyncio.wait_for(nc.flush(), 1.0)
         await cancel(task)
 
