@@ -40,12 +40,13 @@ import logging
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from kvroute.gateway.limits import LIMITS, SCOPES
 from kvroute.server.metrics import Counter, Gauge, Registry
 
 from .bus import cancel, keep_connected
 from .config import ClusterConfig
 
-if TYPE_CHECKING:  # the gateway's; the cluster package does not import it to run
+if TYPE_CHECKING:
     from kvroute.gateway.limits import RateLimits, Spent
 
 __all__ = ["LimitShare", "decode_spent", "encode_spent"]
@@ -59,9 +60,6 @@ CHECK_CONNECTED = 1.0
 MAX_AMOUNT = 1e12
 #: Entries per message (each well under 200 bytes): far below NATS' 1 MiB ``max_payload``.
 MAX_ENTRIES = 2000
-
-_LIMITS = ("requests", "tokens")
-_SCOPES = ("endpoint", "key")
 
 
 def encode_spent(replica: str, spent: list[Spent]) -> bytes:
@@ -89,7 +87,7 @@ def decode_spent(data: bytes) -> tuple[str, list[Spent]]:
         if not (isinstance(e, list) and len(e) == 4):
             raise ValueError(f"entry {e!r:.80} is not [limit, scope, name, amount]")
         limit, scope, name, amount = e
-        if limit not in _LIMITS or scope not in _SCOPES or not isinstance(name, str):
+        if limit not in LIMITS or scope not in SCOPES or not isinstance(name, str):
             raise ValueError(f"entry {e!r:.80} names no bucket")
         if isinstance(amount, bool) or not isinstance(amount, (int, float)):
             raise ValueError(f"entry {e!r:.80} has no numeric amount")

@@ -38,7 +38,11 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-__all__ = ["Bucket", "Limited", "RateLimits", "Spent"]
+__all__ = ["LIMITS", "SCOPES", "Bucket", "Limited", "RateLimits", "Spent"]
+
+#: What a bucket limits, and whose it is: the first two parts of a ledger entry (``Spent``).
+LIMITS = ("requests", "tokens")
+SCOPES = ("endpoint", "key")
 
 #: One ledger entry: the limit (``requests`` | ``tokens``), the bucket's scope (``endpoint`` |
 #: ``key``) and name (an endpoint's name, a key's digest), and the amount taken (given back:
