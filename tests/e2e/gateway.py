@@ -43,14 +43,15 @@ def config_text(
     index: str = "events",
     mode: str = "direct",
     hash_algo: str = "sha256",
-    endpoints: tuple[str, ...] = (),
+    endpoints: tuple[str | dict[str, Any], ...] = (),
     roles: dict[str, str] | None = None,
     pd: dict[str, Any] | None = None,
     router_block_size: int | None = None,
 ) -> str:
     """The gateway's TOML for one scenario: events (direct/rehash) or approx index; ``roles``
     (worker name to role) and ``pd`` (the ``[pd]`` table) for a prefill/decode fleet. The
-    router's block size is the engines' unless ``router_block_size`` says otherwise."""
+    router's block size is the engines' unless ``router_block_size`` says otherwise.
+    ``endpoints``: ids (pools of one) or ``[[endpoints]]`` tables (``model`` is added)."""
     block_size = router_block_size or engines[0].block_size
     direct = index == "events" and mode == "direct"
     router: dict[str, Any] = {
@@ -105,8 +106,10 @@ def config_text(
                 f"kv_events_bind = {_toml(e.subscriber_binds)}",
             ]
         lines.append("")
-    for ep in endpoints:
-        lines += ["[[endpoints]]", f"id = {_toml(ep)}", 'model = "tiny"', "pool_size = 1", ""]
+    for ep in endpoints:  # an id (a pool of one), or the table's keys
+        table = {"id": ep, "pool_size": 1} if isinstance(ep, str) else ep
+        lines += ["[[endpoints]]", 'model = "tiny"']
+        lines += [*(f"{k} = {_toml(v)}" for k, v in table.items()), ""]
     return "\n".join(lines)
 
 

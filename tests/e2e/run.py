@@ -37,6 +37,7 @@ from scenarios import (
     scenario_restart,
     scenario_two_calls,
 )
+from warm import scenario_warm
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -178,6 +179,10 @@ def main() -> int:
         two = scenario_two_calls(tmp, fleet.engines, args.model, ROOT)
         sc["two_calls"] = two
         check("two_calls", two["ok"], {k: two[k] for k in ("first_hit", "second_hit", "system")})
+
+        fleet.reset()
+        warm = sc["warm"] = scenario_warm(tmp, fleet.engines, args.model)
+        check("warm_pool", warm["ok"], warm)
 
         sizes: dict[str, Any] = {}
         events: dict[str, Any] = {}

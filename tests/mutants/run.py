@@ -214,6 +214,13 @@ PYTHON: dict[str, tuple[list[str], list[str], list[str]]] = {
         ["tests/test_gateway_limits.py", "tests/test_cluster_limits.py"],
         [],
     ),
+    # Keeping endpoints warm: what is learnt against its reference, the passes against the
+    # upstream doubles' prefix caches.
+    "py-warm": (
+        ["python/kvroute/gateway/warm.py"],
+        ["tests/test_gateway_warm.py"],
+        [],
+    ),
     "py-sim-engine": (
         ["python/kvroute/sim/engine.py"],
         ["tests/test_sim_engine.py", "tests/test_sim_policies.py", "tests/test_sim_oracles.py"],

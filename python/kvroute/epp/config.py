@@ -44,6 +44,7 @@ too), and ``relay = true`` takes KV events from ``kvroute relay``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,8 @@ from ..server.config import (
 )
 
 __all__ = ["EppConfig", "PickerConfig", "PoolConfig", "load_config", "parse_config"]
+
+log = logging.getLogger("kvroute.epp")
 
 
 @dataclass(frozen=True)
@@ -173,6 +176,13 @@ def parse_config(data: Mapping[str, Any]) -> EppConfig:
             raise ValueError("router.index = 'events' needs epp.pool.kv_events_port")
     workers = None if pool is not None else len(fleet.workers)
     endpoints = parse_endpoints(top, server.models, "epp.models", workers)
+    for ep in endpoints:
+        if ep.warm_interval is not None:
+            log.warning(
+                "endpoints %r: warm_interval is kept by kvroute serve only; kvroute epp sends no "
+                "requests of its own, so this endpoint is not kept warm here",
+                ep.id,
+            )
     top.get("gateway", dict, {})  # kvroute serve's section of a shared file
     top.done()
     return fleet.served(EppConfig, endpoints=endpoints, server=server, pool=pool)

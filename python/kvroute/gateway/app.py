@@ -124,6 +124,7 @@ from .stream import (
 )
 from .upstream import CACHE_KEY_FIELDS, Flight, UpstreamBody, Upstreams, release_now
 from .usage import with_cache_fields_body
+from .warm import WarmEndpoint, Warmer
 
 __all__ = ["Gateway"]
 
@@ -281,6 +282,18 @@ class Gateway:
                 limits=self.limits,
             )
         self.pd = PdForwarder(self) if config.pd is not None else None
+        warm = {
+            ep.id: WarmEndpoint(
+                ep.id,
+                ep.model,
+                ep.warm_interval,
+                None if ep.reserved_blocks is None else ep.reserved_blocks * self.router.block_size,
+                self.salts.get(ep.id),
+            )
+            for ep in config.endpoints
+            if ep.warm_interval is not None
+        }
+        self.warmer = Warmer(self, warm) if warm else None
         # Who routes and sends each attempt of _forward's loop: single requests or pairs.
         self._via: Gateway | PdForwarder = self if self.pd is None else self.pd
         self.routes: dict[str, dict[str, Handler]] = {
@@ -370,6 +383,8 @@ class Gateway:
         if self.cluster is not None:
             self.cluster.start()
         self.engine_sizes.start()
+        if self.warmer is not None:
+            self.warmer.start()
         if not self.server.admin_port and not self.auth.admin:
             log.info("/metrics is off: set gateway.admin_port or gateway.admin_api_keys")
         c = self.config
@@ -379,6 +394,8 @@ class Gateway:
             await self.subscriber.__aenter__()
 
     async def stop(self) -> None:
+        if self.warmer is not None:
+            await self.warmer.stop()
         if self.cluster is not None:
             await self.cluster.stop()
         await self.engine_sizes.stop()
@@ -432,6 +449,7 @@ class Gateway:
                 "tokenizer": self.tokenizer.describe(),
                 **self._events_health(),
                 **({"cluster": self.cluster.describe()} if self.cluster is not None else {}),
+                **({"warm": self.warmer.describe()} if self.warmer is not None else {}),
             },
             status_code=200 if ok else 503,
         )
@@ -524,6 +542,8 @@ class Gateway:
                     "rate_limited",
                     {"retry-after": limited.retry_after_header},
                 )
+            if self.warmer is not None:
+                self.warmer.learn(target.endpoint, tokens)
         except ClientGone:
             self.metrics.done(route, model, 499, started)
             self.metrics.rejected.inc("client_gone")

@@ -118,6 +118,9 @@ Example (every key shown; only ``[[workers]]`` is required)::
     requests_per_minute = 120        # the endpoint's own limits (token buckets, 429 + Retry-After)
     tokens_per_minute = 500000
     weight = 1.0                     # its fair share of the fleet under overload
+    warm_interval = 60.0             # keep the pool's shared prefix warm: every 60 s (and as
+                                     # soon as it is learnt from two requests) each pool member
+                                     # gets it as a 1-token request (needs [tokenizer] model_dir)
     priority = 1                     # engine scheduling priority of its requests, higher first
                                      # (others: 0); sent to vllm workers as -1 (vLLM: lower
                                      # first; needs --scheduling-policy priority) and to sglang
@@ -266,6 +269,18 @@ def parse_config(data: Mapping[str, Any]) -> GatewayConfig:
             )
 
     endpoints = parse_endpoints(top, server.models, "gateway.models", pool_limit(fleet.workers))
+    warm = [ep.id for ep in endpoints if ep.warm_interval is not None]
+    if warm and fleet.tokenizer.model_dir is None:
+        raise ValueError(
+            f"endpoint(s) {warm} set warm_interval, which needs [tokenizer] model_dir: a warm "
+            "request sends the prefix as the engine's own token ids, which only the served "
+            "model's tokenizer and chat template give"
+        )
+    if warm and fleet.pd is not None:
+        raise ValueError(
+            f"endpoint(s) {warm} set warm_interval, which [pd] does not support yet: a pair's "
+            "prefill may run on either side of it"
+        )
     top.get("epp", dict, {})  # kvroute epp's section of a shared file (kvroute.epp.config)
     top.done()
     return fleet.served(GatewayConfig, endpoints=endpoints, server=server)

@@ -19,6 +19,8 @@ Series (``kvroute_gateway_`` prefix):
   limit ``requests``/``tokens``).
 - ``shed_total{reason}`` — 429s of admission control (``worker_queue``, ``fleet_queue``,
   ``fair_share``, ``slo``).
+- ``warm_requests_total{endpoint,worker,result}`` — requests keeping an endpoint's prefix warm
+  (``kvroute.gateway.warm``): ``hit``, ``filled``, ``sent``, ``failed``.
 - ``in_flight{worker}`` — upstream requests begun and not finished.
 - ``worker_healthy{worker}`` — 1 when the router may choose the worker.
 """
@@ -109,6 +111,15 @@ class GatewayMetrics:
         )
         self.shed = reg.add(
             Counter(P + "shed_total", "Requests shed by admission control.", ("reason",))
+        )
+        self.warm = reg.add(
+            Counter(
+                P + "warm_requests_total",
+                "Requests keeping an endpoint's shared prefix warm on its pool, by result: hit "
+                "(the worker held it), filled (it prefilled part of it), sent (no cached tokens "
+                "reported), failed.",
+                ("endpoint", "worker", "result"),
+            )
         )
         reg.add(
             Gauge(

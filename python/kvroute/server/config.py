@@ -176,6 +176,9 @@ class EndpointConfig:
     weight: float = 1.0
     #: Scheduling priority of its requests, higher first (see :func:`engine_fields`).
     priority: int = 0
+    #: Seconds between passes that keep its shared prefix warm on every pool member
+    #: (``kvroute.gateway.warm``; ``kvroute serve`` only); None: not kept warm.
+    warm_interval: float | None = None
 
     @property
     def open(self) -> bool:
@@ -394,6 +397,7 @@ def _endpoint(data: Any, i: int) -> EndpointConfig:
         tokens_per_minute=t.positive("tokens_per_minute", int, None),
         weight=t.positive("weight", float, 1.0),
         priority=t.get("priority", int, 0),
+        warm_interval=t.positive("warm_interval", float, None),
     )
     if not ep.id or not ep.model:
         raise ValueError(f"{t.where}: id and model must not be empty")
