@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -77,7 +78,7 @@ def test_the_prefix_learnt_follows_consecutive_requests(
     """Each request: one of four shared starts (``start`` token repeated), cut at ``keep``
     tokens, then ``tail`` tokens of its own. Reference: after each request, the prefix is the
     whole blocks it shares with the one before (capped), when that is at least a block; else
-    unchanged."""
+    unchanged. Only the first prefix wakes the warmer."""
     from kvroute.gateway.warm import WarmEndpoint, Warmer
 
     warmer = Warmer(_Gateway(), {"ep": WarmEndpoint("ep", "m", 1.0, cap, None)})  # type: ignore[arg-type]
@@ -89,17 +90,18 @@ def test_the_prefix_learnt_follows_consecutive_requests(
         warmer.wake.clear()
         warmer.learn("ep", np.array(tokens, np.uint32))
         warmer.learn("other", np.array(tokens, np.uint32))  # not an endpoint kept warm
-        changed = False
+        first = False  # the first prefix learnt starts a pass at once; later ones wait
         if last is not None:
             n = reference_shared(last, tokens, BLOCK)
             if cap is not None:
                 n = min(n, cap - cap % BLOCK)
-            if n and tokens[:n] != want:
-                want, changed = tokens[:n], True
+            if n:
+                first = want is None
+                want = tokens[:n]
         last = tokens
         got = None if ep.prefix is None else ep.prefix.tolist()
         assert got == want
-        assert warmer.wake.is_set() is changed
+        assert warmer.wake.is_set() is first
     assert list(warmer.endpoints) == ["ep"]
 
 
@@ -130,7 +132,7 @@ def tenant_prompt(tail: int) -> list[int]:
 
 
 def warm_records(fleet: Fleet) -> list[dict[str, Any]]:
-    return [r for r in fleet.records() if r["upstream_id"] == "kvroute-warm"]
+    return [r for r in fleet.records() if r["upstream_id"].startswith("kvroute-warm-")]
 
 
 def holds(fleet: Fleet, worker: str, tokens: list[int]) -> int:
@@ -193,7 +195,7 @@ def test_a_warm_request_is_one_token_of_the_prefix_ids(fleet: Fleet) -> None:
         original = u._answer
 
         async def answer(request: Any, body: Any, *args: Any, _o: Any = original, **kw: Any) -> Any:
-            if request.headers.get("x-request-id") == "kvroute-warm":
+            if request.headers.get("x-request-id", "").startswith("kvroute-warm-"):
                 bodies.append(body)
             return await _o(request, body, *args, **kw)
 
@@ -324,3 +326,23 @@ def test_kvroute_epp_reads_a_shared_file_and_says_it_does_not_warm(
     with caplog.at_level("WARNING", logger="kvroute.epp"):
         parse_epp(data)
     assert "warm_interval" not in caplog.text
+
+
+def test_a_new_prefix_waits_for_the_next_pass(fleet: Fleet) -> None:
+    """However often the tenant's prefix changes, a member gets one warm request per interval:
+    the first prefix is warmed at once, a second one only at the next pass (30 s away here)."""
+    server = GatewayServer(warm_config(fleet, interval=30.0, requests_per_minute=60))
+    try:
+        client = server.client("sk-acme")
+        for i in range(2):
+            client.completions.create(model="ep-acme", prompt=tenant_prompt(i), max_tokens=2)
+        wait_for(lambda: sum(warm_counts(server).values()) >= 2, "the first pass answered")
+        other = [[9, *tenant_prompt(i)] for i in range(2)]  # another start: a new prefix
+        for prompt in other:
+            client.completions.create(model="ep-acme", prompt=prompt, max_tokens=2)
+        assert server.get("/health").json()["warm"]["ep-acme"]["prefix_tokens"] == 64
+        assert server.gateway.warmer.endpoints["ep-acme"].prefix.tolist()[0] == 9
+        time.sleep(0.5)
+        assert len(warm_records(fleet)) == 2
+    finally:
+        server.stop()

@@ -17,7 +17,9 @@ Guarantees:
   most its ``reserved_blocks``. A new one replaces the last (a tenant that changes its system
   prompt is followed); a pair that shares less than a block changes nothing. Nothing is warmed
   before two requests share a block.
-- On each pass — every ``warm_interval`` seconds, and at once when a new prefix is learned — each
+- On each pass — at once when the first prefix is learnt, then every ``warm_interval`` seconds
+  (a new prefix waits for the next: warm requests stay at most one per pool member and
+  interval, however often the tenant's prefix changes, as an agent's growing context does) — each
   healthy pool member not at its in-flight bound gets one ``/v1/completions`` request of the
   prefix as token ids, ``max_tokens = 1``, with the endpoint's ``cache_salt`` (its blocks are the
   tenant's) and priority 0 (never ahead of anyone's real request). A member still answering the
@@ -36,6 +38,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -94,7 +97,7 @@ class Warmer:
         self.endpoints = dict(endpoints)
         self.block_size = gateway.router.block_size
         self.busy: set[tuple[str, str]] = set()
-        self.tasks: set[asyncio.Task[None]] = set()
+        self.tasks: set[asyncio.Task[str]] = set()
         self.wake = asyncio.Event()
         self.runner: asyncio.Task[None] | None = None
         self.clock: Callable[[], float] = time.monotonic
@@ -113,10 +116,12 @@ class Warmer:
         if n == 0:
             return
         prefix = tokens[:n]
-        if ep.prefix is None or not np.array_equal(ep.prefix, prefix):
-            ep.prefix = prefix.copy()
-            ep.due = 0.0  # warmed on the next pass, which starts now
+        if ep.prefix is None:
+            ep.due = 0.0  # the first prefix: a pass starts now
             self.wake.set()
+        elif np.array_equal(ep.prefix, prefix):
+            return
+        ep.prefix = prefix.copy()
 
     def describe(self) -> dict[str, dict[str, object]]:
         """Per endpoint: the tokens kept warm (0 before any is learnt), the interval, and the
@@ -207,7 +212,8 @@ class Warmer:
         upstream = UpstreamBody(body, ep.salt, 0, False).get(g.workers[worker].kind)
         flight = g.upstreams.begin(d, len(prefix))
         flight.expect_prefill()
-        headers = "content-type: application/json\r\nx-request-id: kvroute-warm\r\n"
+        rid = f"kvroute-warm-{os.urandom(8).hex()}"  # engines may key requests by it: unique
+        headers = f"content-type: application/json\r\nx-request-id: {rid}\r\n"
         resp = await flight.send(PATH, headers, upstream)
         if isinstance(resp, tuple):
             failure: UpstreamFailure = resp[0]
