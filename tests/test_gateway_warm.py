@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvroute import BlockHasher
 from kvroute.gateway.config import parse_config
-from kvroute.gateway.warm import shared_prefix
+from kvroute.server.warm import WarmPrefix, shared_prefix
 from support.gateway_fleet import Fleet, GatewayServer, config_dict
 from support.helpers import wait_for
 
@@ -81,7 +81,8 @@ def test_the_prefix_learnt_follows_consecutive_requests(
     unchanged. Only the first prefix wakes the warmer."""
     from kvroute.gateway.warm import WarmEndpoint, Warmer
 
-    warmer = Warmer(_Gateway(), {"ep": WarmEndpoint("ep", "m", 1.0, cap, None)})  # type: ignore[arg-type]
+    learnt = WarmPrefix(BLOCK, cap)
+    warmer = Warmer(_Gateway(), {"ep": WarmEndpoint("ep", "m", 1.0, learnt, None)})  # type: ignore[arg-type]
     ep = warmer.endpoints["ep"]
     want: list[int] | None = None
     last: list[int] | None = None

@@ -39,6 +39,8 @@ def refused(capsys, *args) -> str:
     [
         (["--reserved-blocks", "100000"], "--reserved-blocks: 100000 per pool worker) do not fit"),
         (["--reserved-blocks", "-1"], "--reserved-blocks must be >= 0, got -1"),
+        (["--warm-interval", "0"], "--warm-interval must be > 0 seconds and finite, got 0"),
+        (["--warm-interval", "inf"], "--warm-interval must be > 0 seconds and finite, got inf"),
         (["--capacity-blocks", "10"], "default: 2x the tenant's system prompt: 126 per pool"),
         (["--seed", "-1"], "--seed must be in [0, 2**64), got -1"),
         (["--seed", str(2**64)], f"--seed must be in [0, 2**64), got {2**64}"),
@@ -124,6 +126,11 @@ REPLICAS = [*TRACE, "--policies", "kv_aware", "--replicas", "2"]
             "scenario's (not --scenario rag's)",
         ),
         ([*TRACE, "--reserved-blocks", "5"], "--reserved-blocks does not apply without a tenant"),
+        ([*TRACE, "--warm-interval", "5"], "--warm-interval does not apply without a tenant"),
+        (
+            ["--scenario", "mooncake", "--pd", "2:2", "--warm-interval", "5"],
+            "--warm-interval do not apply to --pd",
+        ),
         ([*TRACE, "--pd-thresholds", "1"], "--pd-thresholds does not apply without --pd"),
         ([*TRACE, "--replica-sync", "bogus"], "--replica-sync does not apply without --replicas"),
         ([*TRACE, "--replica-scrape", "1"], "--replica-scrape does not apply without --replicas"),

@@ -167,6 +167,7 @@ def _simulate(args: argparse.Namespace) -> int:
             pool_size=4 if args.pool_size is None else args.pool_size,
             reserved_blocks=args.reserved_blocks,
             priority=1 if args.priority is None else args.priority,
+            warm_interval=args.warm_interval,
         )
         workload = prepare(args.seed)
         others = {}
@@ -242,6 +243,7 @@ def _pd(args: argparse.Namespace, prepare) -> int:
             "--pool-size": args.pool_size,
             "--priority": args.priority,
             "--reserved-blocks": args.reserved_blocks,
+            "--warm-interval": args.warm_interval,
             "--export-trace": args.export_trace,
         }
         given = [flag for flag, v in alone.items() if v is not None and v is not False]
@@ -620,6 +622,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="endpoint's reserved blocks per pool worker (default: 2x its system prompt); "
         "modelled in the simulated engines: it needs engine support (stock vLLM and SGLang have "
         "none) — the report's 'no reserve' row is the endpoint without it",
+    )
+    sim.add_argument(
+        "--warm-interval",
+        type=float,
+        help="keep the endpoint's shared prefix warm on its pool every this many seconds, as "
+        "kvroute serve's [[endpoints]] warm_interval does (default: not kept warm)",
     )
     sim.add_argument(
         "--sweep",

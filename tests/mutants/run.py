@@ -217,8 +217,12 @@ PYTHON: dict[str, tuple[list[str], list[str], list[str]]] = {
     # Keeping endpoints warm: what is learnt against its reference, the passes against the
     # upstream doubles' prefix caches.
     "py-warm": (
-        ["python/kvroute/gateway/warm.py"],
-        ["tests/test_gateway_warm.py"],
+        [
+            "python/kvroute/gateway/warm.py",
+            "python/kvroute/server/warm.py",
+            "python/kvroute/sim/warm.py",
+        ],
+        ["tests/test_gateway_warm.py", "tests/test_sim_warm.py"],
         [],
     ),
     "py-sim-engine": (

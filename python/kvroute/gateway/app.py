@@ -87,6 +87,7 @@ from kvroute import Decision, Router
 from kvroute.server.events import event_subscriber
 from kvroute.server.health import Health
 from kvroute.server.routing import NoWorkerError, build_router
+from kvroute.server.warm import WarmPrefix
 
 from .admission import Admission, Shed
 from .auth import Access, Auth, Target
@@ -282,12 +283,15 @@ class Gateway:
                 limits=self.limits,
             )
         self.pd = PdForwarder(self) if config.pd is not None else None
+        block = self.router.block_size
         warm = {
             ep.id: WarmEndpoint(
                 ep.id,
                 ep.model,
                 ep.warm_interval,
-                None if ep.reserved_blocks is None else ep.reserved_blocks * self.router.block_size,
+                WarmPrefix(
+                    block, None if ep.reserved_blocks is None else ep.reserved_blocks * block
+                ),
                 self.salts.get(ep.id),
             )
             for ep in config.endpoints

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvroute import NoWorkerError
+from kvroute.server.warm import WarmPrefix
 
 from .client import BodyTooLarge, UpstreamError
 from .errors import UpstreamFailure
@@ -56,7 +57,7 @@ from .usage import routed_cached_tokens
 if TYPE_CHECKING:
     from .app import Gateway
 
-__all__ = ["WarmEndpoint", "Warmer", "shared_prefix"]
+__all__ = ["WarmEndpoint", "Warmer"]
 
 log = logging.getLogger("kvroute.gateway")
 
@@ -66,14 +67,6 @@ PATH = "/v1/completions"
 MAX_ANSWER_BYTES = 1 << 20
 
 
-def shared_prefix(a: np.ndarray, b: np.ndarray, block_size: int) -> int:
-    """Tokens of the whole blocks ``a`` and ``b`` share from their start."""
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    common = int(differ[0]) if differ.size else n
-    return common // block_size * block_size
-
-
 @dataclass
 class WarmEndpoint:
     """One endpoint's warming: what it keeps warm and when it runs next."""
@@ -81,12 +74,14 @@ class WarmEndpoint:
     id: str
     upstream_model: str
     interval: float
-    #: The most tokens kept warm (its reserved blocks), None: no bound.
-    max_tokens: int | None
+    #: What is kept warm, learnt from the endpoint's routing tokens (at most its reserved blocks).
+    learnt: WarmPrefix
     salt: str | None
-    last: np.ndarray | None = None
-    prefix: np.ndarray | None = None
     due: float = 0.0
+
+    @property
+    def prefix(self) -> np.ndarray | None:
+        return self.learnt.prefix
 
 
 class Warmer:
@@ -107,21 +102,9 @@ class Warmer:
         ep = self.endpoints.get(endpoint) if endpoint is not None else None
         if ep is None:
             return
-        last, ep.last = ep.last, tokens
-        if last is None:
-            return
-        n = shared_prefix(last, tokens, self.block_size)
-        if ep.max_tokens is not None:
-            n = min(n, ep.max_tokens // self.block_size * self.block_size)
-        if n == 0:
-            return
-        prefix = tokens[:n]
-        if ep.prefix is None:
+        if ep.learnt.learn(tokens) == "first":
             ep.due = 0.0  # the first prefix: a pass starts now
             self.wake.set()
-        elif np.array_equal(ep.prefix, prefix):
-            return
-        ep.prefix = prefix.copy()
 
     def describe(self) -> dict[str, dict[str, object]]:
         """Per endpoint: the tokens kept warm (0 before any is learnt), the interval, and the

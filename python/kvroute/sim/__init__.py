@@ -10,6 +10,8 @@
   one router for all traffic;
 - :mod:`.peers` — emulations of SGLang ``cache_aware``, Dynamo's KV router and llm-d's scheduler;
 - :mod:`.simulate` — :func:`simulate`: every policy on the same arrivals, oracles, tenant view;
+- :mod:`.tenant` / :mod:`.warm` — the dedicated-endpoint study over seeds and cache pressures,
+  and the gateway's warm requests (``--warm-interval``) added to its workload;
 
 - :mod:`.workloads` — :class:`Request` / :class:`Workload` (prefix-chained ``uint64`` block hashes
   in one buffer), :func:`chain_block_ids`;

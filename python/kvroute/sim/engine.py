@@ -53,11 +53,12 @@ Model (each worker is one GPU serving one model; see :class:`FleetModel` for the
   and each request's priority; the policy never changes it.
 
 Guarantees: deterministic for a given workload, policy, scenario and model (ties in time are
-broken by event creation order, completions before arrivals); every request is routed, admitted
-once and finishes; per worker, prefills never overlap and, among requests of equal priority, run
-in routing order; ``len(cache) <= capacity`` always, and pinned blocks are never evicted (the
-cache enforces both); a reserved partition's blocks, up to its reservation, are evicted only by
-inserts into that partition.
+broken by event creation order, completions before arrivals); every request is routed, and all
+but those the policy drops (:data:`DROPPED`: a warm request the gateway would not send; worker
+``-1``, no times) are admitted once and finish; per worker, prefills never overlap and, among
+requests of equal priority, run in routing order; ``len(cache) <= capacity`` always, and pinned
+blocks are never evicted (the cache enforces both); a reserved partition's blocks, up to its
+reservation, are evicted only by inserts into that partition.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ from .workloads import Workload
 
 __all__ = [
     "DEFAULT_KV_TOKENS",
+    "DROPPED",
     "Fleet",
     "FleetModel",
     "Policy",
@@ -208,7 +210,9 @@ class Policy:
     its index there (:meth:`Fleet.subscribe`). ``route`` is handed the request's chain from the
     workload (unsalted). A policy that sets ``routes_endpoints`` sends a request of a dedicated
     endpoint (``fleet.scenario.endpoint_of``) to that endpoint; the others cannot run a scenario
-    with endpoints. A policy object serves one run."""
+    with endpoints. ``route`` may return :data:`DROPPED` for a warm request
+    (``fleet.scenario.warm_target``) the gateway would not send; never for another. A policy
+    object serves one run."""
 
     name: str = "policy"
     routes_endpoints: bool = False
@@ -231,6 +235,8 @@ class Policy:
 
 
 _FINISH, _PREFILL_DONE = 0, 1
+#: What ``Policy.route`` returns for a request that is not sent to any worker.
+DROPPED = -1
 
 
 def run(
@@ -386,6 +392,7 @@ def run(
             try_admit(w, now)
 
     route = policy.route
+    warm_target = scenario.warm_target
     inf = math.inf
     nxt = 0
     while True:
@@ -402,6 +409,8 @@ def run(
         i = nxt
         nxt += 1
         w = route(i, req_hashes[req_off[i] : req_off[i + 1]], t_arrival)
+        if w == DROPPED and warm_target is not None and warm_target[i] is not None:
+            continue  # worker_of stays -1: never sent
         if not 0 <= w < num_workers:
             raise ValueError(f"policy {policy.name!r} chose worker {w} of {num_workers}")
         worker_of[i] = w

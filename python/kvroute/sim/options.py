@@ -69,7 +69,7 @@ def check_outputs(args: Any) -> None:
 
 
 #: The dedicated endpoint's options (the endpoint scenario's tenant study only).
-ENDPOINT_OPTIONS = ("--pool-size", "--priority", "--reserved-blocks")
+ENDPOINT_OPTIONS = ("--pool-size", "--priority", "--reserved-blocks", "--warm-interval")
 
 
 def given(args: Any, *options: str) -> list[str]:

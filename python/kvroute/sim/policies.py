@@ -31,7 +31,7 @@ import numpy as np
 from kvroute import Router
 from kvroute.gateway.admission import PrefillModel
 
-from .engine import Fleet, Policy
+from .engine import DROPPED, Fleet, Policy
 from .peers import DynamoKv, LlmdScheduler, SGLangCacheAware
 
 __all__ = [
@@ -136,6 +136,8 @@ class RouterPolicy(Policy):
         self.router: Any = None
         self.decisions: dict[int, Any] = {}
         self.predicted: dict[int, int] = {}
+        #: The warm requests' result records, when the run had some (``tenant.run_setup``).
+        self.warm_results: np.ndarray | None = None
 
     def bind(self, fleet: Fleet) -> None:
         super().bind(fleet)
@@ -154,9 +156,15 @@ class RouterPolicy(Policy):
         # Which requests stream: a draw of the seed alone, so every policy sees the same ones.
         draw = np.random.default_rng([self.seed, 0x73747265616D]).random(n)
         self.streamed = (draw >= self.non_streamed).tolist()
+        self.warm_target = fleet.scenario.warm_target
+        if self.warm_target is not None:  # warm requests are never streamed
+            for i, target in enumerate(self.warm_target):
+                if target is not None:
+                    self.streamed[i] = False
         self.prefill_model = PrefillModel()  # the gateway's, fed by streamed first tokens
         self.work: dict[int, tuple[float, float]] = {}  # request -> (begun at, prefill tokens)
         self.due: list[tuple[float, int]] = []  # (predicted prefill end, request)
+        self.warming: dict[int, int] = {}  # worker -> its warm request still running
 
     def endpoint_pool(self, endpoint_id: str) -> list[str]:
         """The pool of a dedicated endpoint (after :meth:`bind`)."""
@@ -165,6 +173,9 @@ class RouterPolicy(Policy):
     def route(self, request: int, chain: np.ndarray, now: float) -> int:
         self._predicted_until(now)
         endpoint = self.endpoint_of[request]
+        target = self.warm_target[request] if self.warm_target is not None else None
+        if target is not None:
+            return self._warm(request, chain, endpoint, target, now)
         d = self.router.route(
             block_hashes=chain, key=self.sessions[request], endpoint=endpoint, now=now
         )
@@ -175,6 +186,12 @@ class RouterPolicy(Policy):
                 f"request {request}: the router's decision has priority {d.priority}, the "
                 f"scenario runs it at {self.priority[request]}"
             )
+        self._begin(request, d, now)
+        return self.fleet.position[d.worker]
+
+    def _begin(self, request: int, d: Any, now: float) -> None:
+        """The request is sent: begun on its worker; a non-streamed one is told prefilled when
+        the gateway predicts it done."""
         queued = self.router.begin(d) * self.router.block_size
         self.decisions[request] = d
         work = queued + max(d.prompt_tokens - d.cached_tokens, 0)
@@ -185,7 +202,21 @@ class RouterPolicy(Policy):
             )
             if seconds is not None and seconds < math.inf:
                 heapq.heappush(self.due, (now + seconds, request))
-        return self.fleet.position[d.worker]
+
+    def _warm(self, request: int, chain: np.ndarray, endpoint: Any, target: int, now: float) -> int:
+        """A warm request (``kvroute.sim.warm``), routed as the gateway's warmer routes it: to
+        its pool member alone, sent at priority 0, not streamed — or dropped while the member's
+        last one is still running."""
+        if target in self.warming:
+            return DROPPED
+        names = self.fleet.names
+        others = [w for k, w in enumerate(names) if k != target]
+        d = self.router.route(block_hashes=chain, endpoint=endpoint, exclude=others, now=now)
+        if self.fleet.position[d.worker] != target:
+            raise ValueError(f"warm request {request} routed to {d.worker}, not {names[target]}")
+        self._begin(request, d, now)
+        self.warming[target] = request
+        return target
 
     def first_token(self, request: int, worker: int, now: float) -> None:
         self._predicted_until(now)
@@ -199,6 +230,8 @@ class RouterPolicy(Policy):
         self._predicted_until(now)
         d = self.decisions.pop(request)
         self.work.pop(request)
+        if self.warming.get(worker) == request:
+            del self.warming[worker]
         self.router.observe(d, cached_tokens, now=now)
         self.router.finish(d, now=now)
 

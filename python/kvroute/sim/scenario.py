@@ -23,6 +23,7 @@ size (``run`` calls it) and names the bad field.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -40,13 +41,15 @@ class Endpoint:
     """A dedicated endpoint (see ``Router.add_endpoint``): a sticky pool of ``pool_size`` workers,
     ``reserved_blocks`` per pool worker that other tenants' blocks never evict (``None``: no
     reservation), scheduling ``priority`` of its requests on the engines (higher is served
-    first; the public traffic has 0), and its own block-hash namespace when ``isolate``."""
+    first; the public traffic has 0), its own block-hash namespace when ``isolate``, and the
+    gateway's ``warm_interval`` (seconds; ``None``: not kept warm; ``kvroute.sim.warm``)."""
 
     id: str
     pool_size: int = 2
     reserved_blocks: int | None = None
     priority: int = 0
     isolate: bool = True
+    warm_interval: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
@@ -59,6 +62,9 @@ class Endpoint:
             raise ValueError(f"reserved_blocks must be >= 0, got {self.reserved_blocks}")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise TypeError(f"priority must be an int, got {self.priority!r}")
+        w = self.warm_interval
+        if w is not None and not (w > 0 and math.isfinite(w)):
+            raise ValueError(f"warm_interval must be > 0 and finite, got {w!r}")
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,9 @@ class Scenario:
       and announce (``None``: the workload's own). Policies are still handed the workload's
       hashes: a router salts endpoint requests itself;
     - ``priority``: per request, its scheduling priority on the engine (higher first; ties in
-      arrival order); ``None``: all 0.
+      arrival order); ``None``: all 0;
+    - ``warm_target``: per request, the worker (index) a warm request of its endpoint is sent to
+      (``kvroute.sim.warm``), ``None`` for every other request; ``None``: no warm requests.
     """
 
     endpoints: tuple[Endpoint, ...] = ()
@@ -85,21 +93,31 @@ class Scenario:
     partitions: Sequence[str | None] | None = None
     chains: tuple[np.ndarray, np.ndarray] | None = None
     priority: np.ndarray | None = None
+    warm_target: Sequence[int | None] | None = None
 
     @classmethod
     def dedicated(
-        cls, workload: Workload, names: Sequence[str], endpoint: Endpoint, tenant: str
+        cls,
+        workload: Workload,
+        names: Sequence[str],
+        endpoint: Endpoint,
+        tenant: str,
+        warm_member: np.ndarray | None = None,
     ) -> Scenario:
         """``tenant``'s requests go to ``endpoint`` on the fleet of workers ``names``; every
         other request is public. The pool workers reserve ``endpoint.reserved_blocks`` for the
         endpoint's partition (named by its id), the tenant's blocks go there, are salted when the
-        endpoint is isolated, and run at ``endpoint.priority``."""
+        endpoint is isolated, and run at ``endpoint.priority``. ``warm_member`` (per request,
+        ``kvroute.sim.warm.WarmPlan.member``) marks the endpoint's warm requests, each with the
+        rank of the pool member it goes to: their blocks are the tenant's (salted, its
+        partition), they run at priority 0."""
         router = Router(list(names), index="events", block_size=workload.block_size)
         router.add_endpoint(endpoint.id, pool_size=endpoint.pool_size, isolate=endpoint.isolate)
         pool = router.endpoint_pool(endpoint.id)
         position = {name: k for k, name in enumerate(names)}
         mask = workload.tenant_mask(tenant)
-        mine = np.flatnonzero(mask).tolist()
+        warm = np.zeros(len(workload), dtype=bool) if warm_member is None else warm_member >= 0
+        mine = np.flatnonzero(mask | warm).tolist()
         endpoint_of: list[str | None] = [None] * len(workload)
         for i in mine:
             endpoint_of[i] = endpoint.id
@@ -118,6 +136,10 @@ class Scenario:
         priority = None
         if endpoint.priority:
             priority = np.where(mask, endpoint.priority, 0).astype(np.int64)
+        warm_target = None
+        if warm.any():
+            assert warm_member is not None
+            warm_target = tuple(position[pool[k]] if k >= 0 else None for k in warm_member.tolist())
         return cls(
             endpoints=(endpoint,),
             endpoint_of=tuple(endpoint_of),
@@ -125,6 +147,7 @@ class Scenario:
             partitions=None if partitions is None else tuple(partitions),
             chains=chains,
             priority=priority,
+            warm_target=warm_target,
         )
 
     def endpoint(self, endpoint_id: str) -> Endpoint:
@@ -139,7 +162,7 @@ class Scenario:
         ids = [ep.id for ep in self.endpoints]
         if len(set(ids)) != len(ids):
             raise ValueError(f"scenario: duplicate endpoint ids {ids}")
-        for name in ("endpoint_of", "partitions", "priority"):
+        for name in ("endpoint_of", "partitions", "priority", "warm_target"):
             col = getattr(self, name)
             if col is not None and len(col) != n:
                 raise ValueError(
@@ -151,6 +174,19 @@ class Scenario:
                 raise ValueError(
                     f"scenario: endpoint_of names undeclared endpoints {sorted(unknown)}"
                 )
+        if self.warm_target is not None:
+            bad_targets = sorted(
+                {w for w in self.warm_target if w is not None and not 0 <= w < num_workers}
+            )
+            if bad_targets:
+                raise ValueError(
+                    f"scenario: warm_target names workers {bad_targets} of {num_workers}"
+                )
+            if self.endpoint_of is None or any(
+                w is not None and e is None
+                for w, e in zip(self.warm_target, self.endpoint_of, strict=True)
+            ):
+                raise ValueError("scenario: a warm request must belong to an endpoint")
         bad = [w for w in self.reserved if not 0 <= w < num_workers]
         if bad:
             raise ValueError(f"scenario: reserved names workers {bad} of {num_workers}")

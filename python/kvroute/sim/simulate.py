@@ -116,12 +116,14 @@ class EndpointOptions:
     engine scheduling ``priority`` of its requests (default 1, one above the public traffic's 0:
     the engines run priority scheduling, vLLM ``--scheduling-policy priority``), and ``policy``,
     the router's policy for all traffic in the endpoint setup (inside the pool for the
-    endpoint's requests)."""
+    endpoint's requests), and ``warm_interval``: the gateway keeps the endpoint's shared prefix
+    warm on its pool every so many seconds (``kvroute.sim.warm``; default: not kept warm)."""
 
     pool_size: int = 4
     reserved_blocks: int | None = None
     policy: str = "kv_aware"
     priority: int = 1
+    warm_interval: float | None = None
 
     def reserved_for(self, workload: Workload) -> int:
         if self.reserved_blocks is not None:
@@ -137,6 +139,9 @@ class EndpointOptions:
             raise ValueError(
                 f"pool_size must be between 1 and the {model.workers} workers, got {self.pool_size}"
             )
+        w = self.warm_interval
+        if w is not None and not (w > 0 and math.isfinite(w)):
+            raise ValueError(f"--warm-interval must be > 0 seconds and finite, got {w:g}")
         reserved = self.reserved_for(workload)
         given = (
             "--reserved-blocks"
@@ -160,6 +165,7 @@ class EndpointOptions:
             pool_size=self.pool_size,
             reserved_blocks=self.reserved_for(workload),
             priority=self.priority,
+            warm_interval=self.warm_interval,
         )
 
 

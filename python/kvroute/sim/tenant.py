@@ -45,6 +45,7 @@ from .engine import FleetModel, run, worker_names
 from .policies import KVROUTE_POLICIES, RouterPolicy, make_policy
 from .report import PolicyMetrics, json_ready, summarize
 from .scenario import Endpoint, Scenario
+from .warm import with_warm
 from .workloads import Workload
 
 __all__ = [
@@ -232,6 +233,15 @@ class TenantStudy:
             f"dedicated endpoint (pool of {ep.pool_size}, {reserve} per pool worker, salted "
             f"blocks, engine priority {ep.priority} over the public traffic's 0).",
         ]
+        if ep.warm_interval is not None:
+            lines.append(
+                f"Kept warm (warm {ep.warm_interval:g} s): the gateway's warm requests "
+                "(kvroute serve's warm_interval) run too — the endpoint's shared prefix, learnt "
+                "from two of its requests, sent to every pool member at once and then every "
+                f"{ep.warm_interval:g} s (a member still running the last one skipped), at "
+                "priority 0, 1 output token; they load the workers and are counted in neither "
+                "the tenant's nor the public figures."
+            )
         if ep.reserved_blocks:
             lines.append(
                 "The reservation is the simulated engines': keeping a reserved cache partition "
@@ -325,6 +335,8 @@ class TenantStudy:
             "public": {k: s.to_json(PUBLIC_METRICS, public=True) for k, s in self.setups.items()},
             "seeds": list(self.seeds),
         }
+        if self.endpoint.warm_interval is not None:
+            doc["warm_interval"] = self.endpoint.warm_interval
         if self.pressure:
             doc["pressure"] = [p.to_json() for p in self.pressure]
             doc["pressure_wins_from"] = self.wins_from()
@@ -332,10 +344,12 @@ class TenantStudy:
 
 
 def _setup_label(name: str, study: TenantStudy) -> str:
+    warm = study.endpoint.warm_interval
+    kind = study.policy if warm is None else f"{study.policy}, warm {warm:g} s"
     if name == "endpoint":
-        return f"endpoint ({study.policy})"
+        return f"endpoint ({kind})"
     if name == "no_reserve":
-        return f"endpoint ({study.policy}), no reserve"
+        return f"endpoint ({kind}), no reserve"
     return f"shared, {name}"
 
 
@@ -438,6 +452,7 @@ def run_setup(
         raise ValueError(f"workload {workload.name!r} has no tenant (meta['tenant'])")
     opts = dict(options or {})
     scenario = None
+    ep = endpoint
     if setup in KVROUTE_POLICIES:  # the shared fleet under that policy
         p = make_policy(setup, index=index, seed=seed, options=opts)
     elif setup in ("endpoint", "no_reserve"):
@@ -449,7 +464,23 @@ def run_setup(
             f"unknown tenant setup {setup!r}; one of {TENANT_SETUPS + PRESSURE_SETUPS}"
         )
     assert isinstance(p, RouterPolicy)
-    return run(workload, p, model, scenario=scenario, progress=progress), p
+    if scenario is None or ep.warm_interval is None:
+        return run(workload, p, model, scenario=scenario, progress=progress), p
+    # Kept warm: the run has the gateway's warm requests too; the results are the workload's.
+    plan = with_warm(
+        workload,
+        tenant,
+        interval=ep.warm_interval,
+        pool_size=ep.pool_size,
+        max_blocks=ep.reserved_blocks,
+    )
+    names = worker_names(model.workers)
+    scenario = Scenario.dedicated(plan.workload, names, ep, tenant, plan.member)
+    results = run(plan.workload, p, model, scenario=scenario, progress=progress)
+    position = np.flatnonzero(plan.original)  # original request -> its row in the run
+    p.predicted = {i: p.predicted[int(r)] for i, r in enumerate(position) if int(r) in p.predicted}
+    p.warm_results = results[~plan.original]
+    return results[plan.original], p
 
 
 def study_setups(policy: str, reserve: bool = False) -> list[str]:
@@ -463,13 +494,7 @@ def study_setups(policy: str, reserve: bool = False) -> list[str]:
 
 
 def _without_reserve(endpoint: Endpoint) -> Endpoint:
-    return Endpoint(
-        endpoint.id,
-        pool_size=endpoint.pool_size,
-        reserved_blocks=None,
-        priority=endpoint.priority,
-        isolate=endpoint.isolate,
-    )
+    return dataclasses.replace(endpoint, reserved_blocks=None)
 
 
 def _summaries(results: np.ndarray, workload: Workload, model: FleetModel):
