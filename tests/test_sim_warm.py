@@ -255,3 +255,15 @@ def test_a_study_kept_warm_says_so():
     assert any(
         n.startswith("Kept warm (warm 7.5 s): the gateway's warm requests") for n in study.notes()
     )
+
+
+def test_without_reservation_the_prefix_is_still_capped_by_the_configured_one():
+    """``no_reserve`` is the same gateway config on engines that reserve nothing: the prefix
+    kept warm stays capped by the endpoint's ``reserved_blocks`` (here 2 of the 8 shared)."""
+    w = tenant_workload()
+    model = FleetModel(workers=4, capacity_blocks=64, prefill_rate=100.0)
+    ep = Endpoint("t", pool_size=2, reserved_blocks=2, priority=1, warm_interval=4.0)
+    for setup in ("endpoint", "no_reserve"):
+        _, policy = run_setup(setup, w, model, ep)
+        assert policy.warm_results is not None
+        assert set(policy.warm_results["prompt_tokens"].tolist()) == {2 * BS}, setup

@@ -467,12 +467,14 @@ def run_setup(
     if scenario is None or ep.warm_interval is None:
         return run(workload, p, model, scenario=scenario, progress=progress), p
     # Kept warm: the run has the gateway's warm requests too; the results are the workload's.
+    # The prefix is capped by the reservation the gateway is configured with, which an engine
+    # without reservations (no_reserve) does not change.
     plan = with_warm(
         workload,
         tenant,
         interval=ep.warm_interval,
         pool_size=ep.pool_size,
-        max_blocks=ep.reserved_blocks,
+        max_blocks=endpoint.reserved_blocks,
     )
     names = worker_names(model.workers)
     scenario = Scenario.dedicated(plan.workload, names, ep, tenant, plan.member)
