@@ -14,9 +14,11 @@ tests/e2e/scenarios.py's ``warm`` check.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -132,6 +134,23 @@ def tenant_prompt(tail: int) -> list[int]:
     return [*range(1, 71), 5000 + tail, 6000 + tail]
 
 
+@contextlib.contextmanager
+def serving(config: dict[str, Any]) -> Iterator[GatewayServer]:
+    """A gateway over ``config``, stopped however the block ends."""
+    server = GatewayServer(config)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def ask(client: Any, i: int, prompt: list[int] | None = None) -> Any:
+    """One tenant request (``tenant_prompt(i)`` unless ``prompt``) through the endpoint."""
+    return client.completions.create(
+        model="ep-acme", prompt=prompt or tenant_prompt(i), max_tokens=2
+    )
+
+
 def warm_records(fleet: Fleet) -> list[dict[str, Any]]:
     return [r for r in fleet.records() if r["upstream_id"].startswith("kvroute-warm-")]
 
@@ -157,13 +176,12 @@ def fleet() -> Any:
 
 
 def test_two_requests_sharing_a_prefix_warm_every_pool_member_and_no_other(fleet: Fleet) -> None:
-    server = GatewayServer(warm_config(fleet))
-    try:
+    with serving(warm_config(fleet)) as server:
         client = server.client("sk-acme")
-        client.completions.create(model="ep-acme", prompt=tenant_prompt(0), max_tokens=2)
+        ask(client, 0)
         assert server.get("/health").json()["warm"]["ep-acme"]["prefix_tokens"] == 0
         assert not warm_records(fleet)  # one request teaches nothing
-        client.completions.create(model="ep-acme", prompt=tenant_prompt(1), max_tokens=2)
+        ask(client, 1)
         pool = server.gateway.router.endpoint_pool("ep-acme")
         shared = list(range(1, 65))
         wait_for(lambda: all(holds(fleet, w, shared) == 4 for w in pool), "both pool members warm")
@@ -177,7 +195,7 @@ def test_two_requests_sharing_a_prefix_warm_every_pool_member_and_no_other(fleet
         assert all(fleet[u.name].records for u in fleet.upstreams if u.name in pool)
         assert server.get("/health").json()["warm"]["ep-acme"]["prefix_tokens"] == 64
         # The tenant's third request is its third admission: the warm requests took none.
-        client.completions.create(model="ep-acme", prompt=tenant_prompt(2), max_tokens=2)
+        ask(client, 2)
         # Later passes touch what the pool holds: hits on both members.
         wait_for(
             lambda: all(warm_counts(server).get((w, "hit"), 0) >= 1 for w in pool),
@@ -186,8 +204,6 @@ def test_two_requests_sharing_a_prefix_warm_every_pool_member_and_no_other(fleet
         counts = warm_counts(server)
         assert not any(w == outside for w, _ in counts)
         assert not any(result == "failed" for _, result in counts)
-    finally:
-        server.stop()
 
 
 def test_a_warm_request_is_one_token_of_the_prefix_ids(fleet: Fleet) -> None:
@@ -201,11 +217,10 @@ def test_a_warm_request_is_one_token_of_the_prefix_ids(fleet: Fleet) -> None:
             return await _o(request, body, *args, **kw)
 
         u._answer = answer  # type: ignore[method-assign]
-    server = GatewayServer(warm_config(fleet, interval=30.0))
-    try:
+    with serving(warm_config(fleet, interval=30.0)) as server:
         client = server.client("sk-acme")
         for i in range(2):
-            client.completions.create(model="ep-acme", prompt=tenant_prompt(i), max_tokens=2)
+            ask(client, i)
         wait_for(lambda: len(bodies) >= 2, "the first pass's warm requests")
         for body in bodies:
             assert body["prompt"] == list(range(1, 65))
@@ -213,52 +228,40 @@ def test_a_warm_request_is_one_token_of_the_prefix_ids(fleet: Fleet) -> None:
             assert body["stream"] is False
             assert body["cache_salt"] == SALT
             assert "priority" not in body
-    finally:
-        server.stop()
 
 
 def test_the_prefix_is_capped_at_the_reserved_blocks(fleet: Fleet) -> None:
-    server = GatewayServer(warm_config(fleet, reserved_blocks=2))
-    try:
+    with serving(warm_config(fleet, reserved_blocks=2)) as server:
         client = server.client("sk-acme")
         for i in range(2):
-            client.completions.create(model="ep-acme", prompt=tenant_prompt(i), max_tokens=2)
+            ask(client, i)
         wait_for(lambda: len(warm_records(fleet)) >= 2, "warm requests")
         assert server.get("/health").json()["warm"]["ep-acme"]["prefix_tokens"] == 32
-    finally:
-        server.stop()
 
 
 def test_a_failing_member_is_counted_not_ejected_and_retried(fleet: Fleet) -> None:
-    server = GatewayServer(warm_config(fleet, interval=0.1))
-    try:
+    with serving(warm_config(fleet, interval=0.1)) as server:
         client = server.client("sk-acme")
-        client.completions.create(model="ep-acme", prompt=tenant_prompt(0), max_tokens=2)
+        ask(client, 0)
         pool = server.gateway.router.endpoint_pool("ep-acme")
         served = next(w for w in pool if fleet[w].records)
         other = next(w for w in pool if w != served)
         fleet[other].fail(500)
-        client.completions.create(model="ep-acme", prompt=tenant_prompt(1), max_tokens=2)
+        ask(client, 1)
         wait_for(lambda: warm_counts(server).get((other, "failed"), 0) >= 3, "failed passes")
         assert server.get("/health").json()["workers"][other] is True
         fleet[other].fail(500, times=0)
         wait_for(lambda: holds(fleet, other, list(range(1, 65))) == 4, "the retried warm")
-    finally:
-        server.stop()
 
 
 def test_a_member_is_never_warmed_twice_at_once(fleet: Fleet) -> None:
-    server = GatewayServer(warm_config(fleet, interval=0.05))
-    try:
+    with serving(warm_config(fleet, interval=0.05)) as server:
         client = server.client("sk-acme")
-        client.completions.create(model="ep-acme", prompt=tenant_prompt(0), max_tokens=2)
+        ask(client, 0)
         pool = server.gateway.router.endpoint_pool("ep-acme")
         for w in pool:
             fleet[w].stall = 0.6
-        second = threading.Thread(
-            target=client.completions.create,
-            kwargs={"model": "ep-acme", "prompt": tenant_prompt(1), "max_tokens": 2},
-        )
+        second = threading.Thread(target=ask, args=(client, 1))
         second.start()
         wait_for(lambda: len(warm_records(fleet)) >= 2, "the first pass")
         warming = server.get("/health").json()["warm"]["ep-acme"]["warming"]
@@ -267,8 +270,6 @@ def test_a_member_is_never_warmed_twice_at_once(fleet: Fleet) -> None:
         wait_for(lambda: sum(warm_counts(server).values()) >= 2, "the first pass answered", 5)
         # Twelve intervals passed while each member answered: one warm request each.
         assert len(warm_records(fleet)) <= 4
-    finally:
-        server.stop()
 
 
 @pytest.mark.parametrize(
@@ -296,16 +297,13 @@ def test_config_errors_name_the_fault(change: dict[str, Any], message: str) -> N
 def test_without_warm_interval_nothing_is_warmed(fleet: Fleet) -> None:
     data = warm_config(fleet)
     del data["endpoints"][0]["warm_interval"]
-    server = GatewayServer(data)
-    try:
+    with serving(data) as server:
         assert server.gateway.warmer is None
         assert "warm" not in server.get("/health").json()
         client = server.client("sk-acme")
         for i in range(3):
-            client.completions.create(model="ep-acme", prompt=tenant_prompt(i), max_tokens=2)
+            ask(client, i)
         assert not warm_records(fleet)
-    finally:
-        server.stop()
 
 
 def test_kvroute_epp_reads_a_shared_file_and_says_it_does_not_warm(
@@ -332,18 +330,15 @@ def test_kvroute_epp_reads_a_shared_file_and_says_it_does_not_warm(
 def test_a_new_prefix_waits_for_the_next_pass(fleet: Fleet) -> None:
     """However often the tenant's prefix changes, a member gets one warm request per interval:
     the first prefix is warmed at once, a second one only at the next pass (30 s away here)."""
-    server = GatewayServer(warm_config(fleet, interval=30.0, requests_per_minute=60))
-    try:
+    with serving(warm_config(fleet, interval=30.0, requests_per_minute=60)) as server:
         client = server.client("sk-acme")
         for i in range(2):
-            client.completions.create(model="ep-acme", prompt=tenant_prompt(i), max_tokens=2)
+            ask(client, i)
         wait_for(lambda: sum(warm_counts(server).values()) >= 2, "the first pass answered")
         other = [[9, *tenant_prompt(i)] for i in range(2)]  # another start: a new prefix
         for prompt in other:
-            client.completions.create(model="ep-acme", prompt=prompt, max_tokens=2)
+            ask(client, 0, prompt)
         assert server.get("/health").json()["warm"]["ep-acme"]["prefix_tokens"] == 64
         assert server.gateway.warmer.endpoints["ep-acme"].prefix.tolist()[0] == 9
         time.sleep(0.5)
         assert len(warm_records(fleet)) == 2
-    finally:
-        server.stop()
