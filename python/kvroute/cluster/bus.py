@@ -26,9 +26,12 @@ async def cancel(task: asyncio.Task[Any]) -> None:
         await cancel_tasks(task)
 
 
-async def connect(config: ClusterConfig, name: str, error_cb: Any = None) -> Any:
+async def connect(
+    config: ClusterConfig, name: str, error_cb: Any = None, *, no_echo: bool = False
+) -> Any:
     """A NATS connection that does not reconnect by itself: the caller's loop reconnects and
-    resumes from its own stream sequence (so no message is applied twice or skipped)."""
+    resumes from its own stream sequence (so no message is applied twice or skipped). With
+    ``no_echo`` the server does not deliver the connection's own messages back to it."""
     import nats
 
     async def ignore(e: Exception) -> None:
@@ -42,6 +45,7 @@ async def connect(config: ClusterConfig, name: str, error_cb: Any = None) -> Any
             max_reconnect_attempts=0,
             connect_timeout=config.connect_timeout,
             error_cb=error_cb or ignore,
+            no_echo=no_echo,
         ),
         config.connect_timeout * (len(config.nats) + 1),
     )
@@ -73,15 +77,17 @@ async def keep_connected(
     *,
     failed: Callable[[BaseException], None],
     closed: Callable[[], None],
+    no_echo: bool = False,
 ) -> None:
-    """Connects and runs ``session(connection)`` until the connection is lost or anything in it
-    fails (``failed(error)``); then ``closed()``, closes the connection, waits (50 ms, doubling
-    to 2 s, reset by every connection made) and starts again. Returns only when cancelled."""
+    """Connects (``no_echo``: see :func:`connect`) and runs ``session(connection)`` until the
+    connection is lost or anything in it fails (``failed(error)``); then ``closed()``, closes
+    the connection, waits (50 ms, doubling to 2 s, reset by every connection made) and starts
+    again. Returns only when cancelled."""
     backoff = 0.05
     while True:
         nc = None
         try:
-            nc = await connect(config, name)
+            nc = await connect(config, name, no_echo=no_echo)
             backoff = 0.05
             await session(nc)
             raise ConnectionError("NATS connection lost")

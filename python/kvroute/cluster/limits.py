@@ -12,7 +12,8 @@ flight between them (a message's delay: up to ``limits_interval`` plus NATS' del
 
 Guarantees:
 
-- A replica's own messages are not applied again (each names its sender); a message another
+- A replica's own messages are not delivered back to it (its connection is ``no_echo``) and,
+  should one come, not applied again (each names its sender); a message another
   replica cannot read — not JSON, nested too deep, an entry naming no bucket, an amount not a
   finite number of at most ``MAX_AMOUNT`` — is counted
   (``kvroute_cluster_limit_messages_total{op="malformed"}``), logged, and changes nothing; an
@@ -149,6 +150,7 @@ class LimitShare:
                     self._session,
                     failed=self._failed,
                     closed=self._closed,
+                    no_echo=True,  # its own messages never come back to be decoded and dropped
                 )
             )
 
