@@ -5,6 +5,7 @@ of the test upstreams (a vLLM-like prefix cache each, reporting ``cached_tokens`
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import shutil
 import threading
@@ -736,3 +737,28 @@ def test_a_replica_of_another_block_size_refuses_the_snapshot_and_the_batches(na
                 await s.stop()
 
     asyncio.run(main())
+
+
+def test_a_stopped_replica_leaves_no_nats_task_behind(nats_server):
+    """``stop()`` ends the ordered consumer's heartbeat and flow-control tasks (nats-py starts
+    them with the subscription and only its ``unsubscribe`` cancels them): nothing is pending
+    when the loop closes."""
+    leftovers: list[str] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _, ctx: leftovers.append(ctx["message"]))
+        cfg = ClusterConfig(nats=(nats_server.url,), connect_timeout=1.0)
+        sync = ReplicaSync(kvroute.Router(["gpu-0"], block_size=16, updates=True), cfg)
+        sync.start()
+        try:
+            assert await until(lambda: sync.connected)
+        finally:
+            await sync.stop()
+        pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        names = [t.get_coro().__qualname__ for t in pending]
+        assert not [n for n in names if "activity_check" in n or "flow_control" in n], names
+
+    asyncio.run(main())
+    gc.collect()
+    assert not [m for m in leftovers if "destroyed" in m], leftovers

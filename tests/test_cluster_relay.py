@@ -471,3 +471,28 @@ def test_a_cluster_built_with_relay_refuses_an_approx_router():
 
     with pytest.raises(ValueError, match="needs an events-mode router"):
         Cluster(kvroute.Router(["w"]), ClusterConfig(relay=True), [])
+
+
+def test_a_stopped_follower_leaves_no_nats_task_behind(tmp_path: Path) -> None:
+    """As ``ReplicaSync`` (tests/test_cluster.py): ``stop()`` ends the ordered consumer's
+    heartbeat and flow-control tasks, nothing of nats-py's is pending afterwards."""
+    nats = NatsServer(tmp_path / "js")
+
+    async def main() -> list[str]:
+        f = EventFollower(applier(), ClusterConfig(nats=(nats.url,), connect_timeout=0.5))
+        f.start()
+        try:
+            deadline = time.monotonic() + 10
+            while not f.connected and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert f.connected
+        finally:
+            await f.stop()
+        pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        return [t.get_coro().__qualname__ for t in pending]
+
+    try:
+        names = asyncio.run(main())
+    finally:
+        nats.kill()
+    assert not [n for n in names if "activity_check" in n or "flow_control" in n], names

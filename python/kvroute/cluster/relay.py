@@ -538,7 +538,7 @@ class EventFollower(StreamConsumer):
         js = nc.jetstream(timeout=cfg.connect_timeout)
         await ensure_stream(js, cfg.events_stream, cfg.events_subject, cfg)
         start = await self.resume_from(js, cfg.events_stream)
-        await js.subscribe(
+        sub = await js.subscribe(
             cfg.events_subject,
             stream=cfg.events_stream,
             cb=self._on_msg,
@@ -547,11 +547,16 @@ class EventFollower(StreamConsumer):
                 deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start
             ),
         )
-        self.connected = True
-        self._refresh()
-        while nc.is_connected:
-            await asyncio.sleep(0.2)
-            self._refresh()  # a relay whose heartbeats stopped: its workers stale
+        try:
+            self.connected = True
+            self._refresh()
+            while nc.is_connected:
+                await asyncio.sleep(0.2)
+                self._refresh()  # a relay whose heartbeats stopped: its workers stale
+        finally:
+            if nc.is_connected:  # stops the ordered consumer's tasks now (see sync._close)
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(sub.unsubscribe(), 1.0)
 
     def _failed(self, e: BaseException) -> None:
         self.last_error = f"{type(e).__name__}: {e}"

@@ -313,8 +313,14 @@ class ReplicaSync(StreamConsumer):
         if self.connected:
             self.connected = False
             self._down_since = time.monotonic()
+        sub = self._sub
         nc, self._nc, self._js, self._sub, self._objects = self._nc, None, None, None, None
         if nc is not None:
+            with contextlib.suppress(Exception):
+                if sub is not None and nc.is_connected:
+                    # Stops the ordered consumer's heartbeat and flow-control tasks now (on a
+                    # lost connection they end by themselves when they next wake).
+                    await asyncio.wait_for(sub.unsubscribe(), 1.0)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(nc.close(), 1.0)
 
