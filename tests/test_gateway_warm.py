@@ -230,13 +230,17 @@ def test_a_warm_request_is_one_token_of_the_prefix_ids(fleet: Fleet) -> None:
             assert "priority" not in body
 
 
-def test_the_prefix_is_capped_at_the_reserved_blocks(fleet: Fleet) -> None:
-    with serving(warm_config(fleet, reserved_blocks=2)) as server:
+@pytest.mark.parametrize(("reserved", "tokens"), [(2, 32), (0, 64)])
+def test_the_prefix_is_capped_at_the_reserved_blocks(
+    fleet: Fleet, reserved: int, tokens: int
+) -> None:
+    """At most the reserved blocks; ``reserved_blocks = 0`` reserves nothing: no bound."""
+    with serving(warm_config(fleet, reserved_blocks=reserved)) as server:
         client = server.client("sk-acme")
         for i in range(2):
             ask(client, i)
         wait_for(lambda: len(warm_records(fleet)) >= 2, "warm requests")
-        assert server.get("/health").json()["warm"]["ep-acme"]["prefix_tokens"] == 32
+        assert server.get("/health").json()["warm"]["ep-acme"]["prefix_tokens"] == tokens
 
 
 def test_a_failing_member_is_counted_not_ejected_and_retried(fleet: Fleet) -> None:

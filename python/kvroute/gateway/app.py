@@ -289,9 +289,8 @@ class Gateway:
                 ep.id,
                 ep.model,
                 ep.warm_interval,
-                WarmPrefix(
-                    block, None if ep.reserved_blocks is None else ep.reserved_blocks * block
-                ),
+                # At most its reserved blocks, when it has some (0 reserves nothing: no bound).
+                WarmPrefix(block, ep.reserved_blocks * block if ep.reserved_blocks else None),
                 self.salts.get(ep.id),
             )
             for ep in config.endpoints

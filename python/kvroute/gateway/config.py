@@ -118,9 +118,10 @@ Example (every key shown; only ``[[workers]]`` is required)::
     requests_per_minute = 120        # the endpoint's own limits (token buckets, 429 + Retry-After)
     tokens_per_minute = 500000
     weight = 1.0                     # its fair share of the fleet under overload
-    warm_interval = 60.0             # keep the pool's shared prefix warm: every 60 s (and as
-                                     # soon as it is learnt from two requests) each pool member
-                                     # gets it as a 1-token request (needs [tokenizer] model_dir)
+    warm_interval = 60.0             # keep the pool's shared prefix warm: every 60 s (the
+                                     # first one learnt from two requests: at once) each pool
+                                     # member gets it as a 1-token request (needs [tokenizer]
+                                     # model_dir; at most reserved_blocks of it)
     priority = 1                     # engine scheduling priority of its requests, higher first
                                      # (others: 0); sent to vllm workers as -1 (vLLM: lower
                                      # first; needs --scheduling-policy priority) and to sglang

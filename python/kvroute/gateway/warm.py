@@ -14,7 +14,7 @@ Guarantees:
 
 - The prefix is learned from the endpoint's own requests: the longest run of whole routing
   blocks that a request shares with the endpoint's previous request, at least one block and at
-  most its ``reserved_blocks``. A new one replaces the last (a tenant that changes its system
+  most its ``reserved_blocks`` (when it has some). A new one replaces the last (a tenant that changes its system
   prompt is followed); a pair that shares less than a block changes nothing. Nothing is warmed
   before two requests share a block.
 - On each pass — at once when the first prefix is learnt, then every ``warm_interval`` seconds
