@@ -14,9 +14,9 @@ Guarantees:
 
 - The prefix is learned from the endpoint's own requests: the longest run of whole routing
   blocks that a request shares with the endpoint's previous request, at least one block and at
-  most its ``reserved_blocks`` (when it has some). A new one replaces the last (a tenant that changes its system
-  prompt is followed); a pair that shares less than a block changes nothing. Nothing is warmed
-  before two requests share a block.
+  most its ``reserved_blocks`` (when it has some). A new one replaces the last (a tenant that
+  changes its system prompt is followed); a pair that shares less than a block changes nothing.
+  Nothing is warmed before two requests share a block.
 - On each pass — at once when the first prefix is learnt, then every ``warm_interval`` seconds
   (a new prefix waits for the next: warm requests stay at most one per pool member and
   interval, however often the tenant's prefix changes, as an agent's growing context does) — each
