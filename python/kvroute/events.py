@@ -78,6 +78,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from ._core import KvEventApplier, PrefixIndex
+from ._events_diagnostics import check_block_size, check_hashes
 from ._events_membership import Change, Membership
 
 __all__ = ["END_SEQ", "Freshness", "KvEventSubscriber", "applier_for"]
@@ -688,115 +689,10 @@ class KvEventSubscriber(Membership):
                 w.last_seq = seq
                 w.last_message = time.monotonic()
         if not w.block_size_checked:
-            self._check_block_size(w)
+            counts = self._router_counts_engine_blocks
+            w.block_size_checked = check_block_size(self.applier, w.name, counts)
         if not w.foreign_logged and self._direct:
-            self._check_hashes(w)
-
-    def _check_hashes(self, w: _Worker) -> None:
-        """Direct mode: logs (once per engine run) an engine whose block hashes are not the
-        router's, counted by the applier on root stores (``foreign_hashes``)."""
-        foreign = self.applier.stats(w.name)["foreign_hashes"]
-        if not foreign:
-            return
-        w.foreign_logged = True
-        log.error(
-            "worker %s: the engine's block hashes are not the router's (%d root stores so far; "
-            "direct mode, hash_profile %r): nothing it stores can match a request. Hash as the "
-            "engine does (vLLM: its --prefix-caching-hash-algo, sha256 by default, and "
-            "PYTHONHASHSEED; SGLang: hash_profile 'sglang'), or use mode 'rehash', which needs "
-            "no common hash.",
-            w.name,
-            foreign,
-            self.applier.hash_profile,
-        )
-
-    def _check_block_size(self, w: _Worker) -> None:
-        """Once the worker's engine has stored a block, logs a block size the router cannot use
-        (error), gathers into its own larger blocks (info: SGLang's pages) or indexes at its own
-        finer size (info for a router, which counts the worker's matches in whole engine blocks;
-        a warning for an index read directly, which does not)."""
-        if not isinstance(self.applier, KvEventApplier):
-            w.block_size_checked = True  # an event sink (the relay's outbox): no sizes to compare
-            return
-        engine = self.applier.stats(w.name)["engine_block_size"]
-        if not engine:
-            return  # no store seen yet
-        w.block_size_checked = True
-        router, mode = self.applier.block_size, self.applier.mode
-        if engine == router:
-            return
-        if engine < router and mode == "rehash" and not router % engine:
-            # Pages (e.g. SGLang's default of 1 token) gathered into router blocks.
-            log.info(
-                "worker %s: the engine's KV blocks (pages) are %d tokens and the router's %d: "
-                "each router block is indexed once the engine holds all %d of its pages "
-                "(block_size %d would credit up to %d more tokens per request, with %d times "
-                "more blocks to index).",
-                w.name,
-                engine,
-                router,
-                router // engine,
-                engine,
-                router - engine,
-                router // engine,
-            )
-        elif engine < router:
-            # Fewer tokens than a router block, and not gathered (direct mode, or not a divisor
-            # of the router's block): skipped as partial blocks.
-            log.error(
-                "worker %s: the engine's KV blocks (pages) are %d tokens, fewer than the router's "
-                "%d, so every store of this engine is skipped (stats: skipped_partial) and it is "
-                "never credited with a cached prefix. Set the router's block_size to %d, or start "
-                "the engine with blocks of %d tokens (vLLM: --block-size, SGLang: --page-size).",
-                w.name,
-                engine,
-                router,
-                engine,
-                router,
-            )
-        elif mode == "direct" or engine % router:
-            need = "equal" if mode == "direct" else "a multiple of the router's"
-            log.error(
-                "worker %s: the engine's KV blocks are %d tokens and the router's %d: %s mode "
-                "needs the engine's block size %s, so every store of this engine is skipped "
-                "(stats: skipped_block_size) and it is never credited with a cached prefix. Set "
-                "the router's block_size to %d, or start the engine with --block-size %d "
-                "(vLLM >= 0.34 defaults to 64 on GPU).",
-                w.name,
-                engine,
-                router,
-                mode,
-                need,
-                engine,
-                router,
-            )
-        elif self._router_counts_engine_blocks:
-            log.info(
-                "worker %s: the engine's KV blocks are %d tokens and the router's %d: each is "
-                "indexed as %d router blocks, and the router counts this worker's matches in "
-                "whole %d-token blocks (block_size %d would index %d times fewer blocks).",
-                w.name,
-                engine,
-                router,
-                engine // router,
-                engine,
-                engine,
-                engine // router,
-            )
-        else:
-            log.warning(
-                "worker %s: the engine's KV blocks are %d tokens and the router's %d: its stores "
-                "are indexed as %d-token blocks, so a match read from this index counts up to %d "
-                "tokens more than the engine's whole blocks hold (a Router fed by its "
-                "event_applier counts whole engine blocks). Set block_size to %d for exact "
-                "matches.",
-                w.name,
-                engine,
-                router,
-                router,
-                engine - router,
-                engine,
-            )
+            w.foreign_logged = check_hashes(self.applier, w.name)
 
     def _refused(self, w: _Worker, what: str) -> None:
         """Logs a frame or payload refused (counted in ``malformed``; nothing of it applied): the

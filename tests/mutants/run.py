@@ -61,8 +61,13 @@ RUST = ["hashing", "blocks", "index", "cache", "router", "events"]
 # runs, for each mutant, only the listed tests that call the mutated function.
 PYTHON: dict[str, tuple[list[str], list[str], list[str]]] = {
     "py-events": (
-        # _events_membership.py: the subscriber's workers joining and leaving while it runs.
-        ["python/kvroute/events.py", "python/kvroute/_events_membership.py"],
+        # _events_membership.py: the subscriber's workers joining and leaving while it runs;
+        # _events_diagnostics.py: what it logs about hashes and block sizes it cannot use.
+        [
+            "python/kvroute/events.py",
+            "python/kvroute/_events_membership.py",
+            "python/kvroute/_events_diagnostics.py",
+        ],
         [
             "tests/test_events_replay.py",
             "tests/test_events_subscriber.py",
