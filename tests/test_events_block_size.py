@@ -254,3 +254,26 @@ def test_direct_mode_names_an_engine_hashing_otherwise(engines, caplog):
         engine.publish(store([43], tokens[48:], 16))
         wait_for(lambda: len(records(caplog)) == 2, "the second engine run's check")
         assert sub.stats()["w"]["errors"] == 0
+
+
+def test_direct_mode_names_an_engine_whose_foreign_roots_come_later(engines, caplog):
+    """The check runs on every batch until it finds a foreign root: an engine whose first stores
+    are hashed as the router's (nothing to say yet) and a later root is not, is still named."""
+    caplog.set_level(logging.WARNING, logger="kvroute.events")
+    engine = engines(replay=False)
+    tokens = list(range(48))
+    sub = KvEventSubscriber(
+        PrefixIndex(), {"w": engine.endpoint}, mode="direct", hash_profile="vllm"
+    )
+    with sub:
+        engine.wait_subscriber()
+        engine.publish(store(own(tokens[:16], profile="vllm"), tokens[:16], 16))
+        assert published(sub, 0)["foreign_hashes"] == 0
+        assert not records(caplog)
+        engine.publish(store([77], tokens[16:32], 16))
+        assert published(sub, 1)["foreign_hashes"] == 1
+        (record,) = records(caplog)
+        assert record.levelno == logging.ERROR
+        assert record.getMessage().startswith(
+            "worker w: the engine's block hashes are not the router's (1 root stores so far;"
+        )
