@@ -14,11 +14,13 @@ tests/e2e/scenarios.py's ``warm`` check.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,6 +31,7 @@ from hypothesis import strategies as st
 from kvroute import BlockHasher
 from kvroute.gateway.config import parse_config
 from kvroute.server.warm import WarmPrefix, shared_prefix
+from starlette.responses import Response
 from support.gateway_fleet import Fleet, GatewayServer, config_dict
 from support.helpers import wait_for
 
@@ -86,6 +89,7 @@ def test_the_prefix_learnt_follows_consecutive_requests(
     learnt = WarmPrefix(BLOCK, cap)
     warmer = Warmer(_Gateway(), {"ep": WarmEndpoint("ep", "m", 1.0, learnt, None)})  # type: ignore[arg-type]
     ep = warmer.endpoints["ep"]
+    alone = WarmPrefix(BLOCK, cap)  # the rule by itself: what each request did
     want: list[int] | None = None
     last: list[int] | None = None
     for i, (start, keep, tail) in enumerate(requests):
@@ -93,18 +97,22 @@ def test_the_prefix_learnt_follows_consecutive_requests(
         warmer.wake.clear()
         warmer.learn("ep", np.array(tokens, np.uint32))
         warmer.learn("other", np.array(tokens, np.uint32))  # not an endpoint kept warm
+        kind = alone.learn(np.array(tokens, np.uint32))
         first = False  # the first prefix learnt starts a pass at once; later ones wait
+        want_kind = "same"
         if last is not None:
             n = reference_shared(last, tokens, BLOCK)
             if cap is not None:
                 n = min(n, cap - cap % BLOCK)
-            if n:
+            if n and tokens[:n] != want:
                 first = want is None
+                want_kind = "first" if first else "new"
                 want = tokens[:n]
         last = tokens
         got = None if ep.prefix is None else ep.prefix.tolist()
         assert got == want
         assert warmer.wake.is_set() is first
+        assert kind == want_kind
     assert list(warmer.endpoints) == ["ep"]
 
 
@@ -149,6 +157,21 @@ def ask(client: Any, i: int, prompt: list[int] | None = None) -> Any:
     return client.completions.create(
         model="ep-acme", prompt=prompt or tenant_prompt(i), max_tokens=2
     )
+
+
+def in_loop(server: GatewayServer, coro: Any) -> Any:
+    """Runs ``coro`` on the gateway's event loop (where its router and warmer live)."""
+    loop = server.gateway.warmer.runner.get_loop()
+    return asyncio.run_coroutine_threadsafe(coro, loop).result(10)
+
+
+async def route_on(server: GatewayServer, worker: str, tokens: list[int]) -> Any:
+    """The router's decision for the tenant's ``tokens`` on ``worker`` (then withdrawn)."""
+    router = server.gateway.router
+    others = [w for w in server.gateway.workers if w != worker]
+    d = router.route(tokens=np.array(tokens, np.uint32), endpoint="ep-acme", exclude=others)
+    router.withdraw(d)
+    return d
 
 
 def warm_records(fleet: Fleet) -> list[dict[str, Any]]:
@@ -204,6 +227,24 @@ def test_two_requests_sharing_a_prefix_warm_every_pool_member_and_no_other(fleet
         counts = warm_counts(server)
         assert not any(w == outside for w, _ in counts)
         assert not any(result == "failed" for _, result in counts)
+        # The member the tenant had not used: its first warm request filled the prefix, later
+        # ones found it; the router knows it holds it (its prediction for the tenant there),
+        # from the engine's report (counted as any request's).
+        tenants = {
+            w
+            for w in pool
+            for r in fleet[w].records
+            if not r["upstream_id"].startswith("kvroute-warm-")
+        }
+        (unused,) = set(pool) - tenants
+        assert counts[unused, "filled"] == 1
+        d = in_loop(server, route_on(server, unused, [*range(1, 71), 7]))
+        assert d.cached_tokens == 64
+        page = server.metrics()
+        assert f'prompt_tokens_total{{worker="{unused}"}}' in page
+        assert all(re.fullmatch(r"kvroute-warm-[0-9a-f]{16}", r["upstream_id"]) for r in records)
+        warmer = server.gateway.warmer
+        wait_for(lambda: not warmer.tasks and not warmer.busy, "the passes' tasks to end", 5)
 
 
 def test_a_warm_request_is_one_token_of_the_prefix_ids(fleet: Fleet) -> None:
@@ -346,3 +387,159 @@ def test_a_new_prefix_waits_for_the_next_pass(fleet: Fleet) -> None:
         assert server.gateway.warmer.endpoints["ep-acme"].prefix.tolist()[0] == 9
         time.sleep(0.5)
         assert len(warm_records(fleet)) == 2
+
+
+def answer_warm_with(fleet: Fleet, reply: Callable[[], Any]) -> None:
+    """Every upstream answers warm requests with ``reply()`` (a Starlette response)."""
+    for u in fleet.upstreams:
+        original = u._answer
+
+        async def answer(request: Any, *args: Any, _o: Any = original, **kw: Any) -> Any:
+            if request.headers.get("x-request-id", "").startswith("kvroute-warm-"):
+                return reply()
+            return await _o(request, *args, **kw)
+
+        u._answer = answer  # type: ignore[method-assign]
+
+
+REPLIES = {
+    # (what the engine answers, the result counted, what is logged)
+    "no cached tokens": (None, "sent", None),
+    "a JSON list": (lambda: Response(b"[1]", media_type="application/json"), "sent", None),
+    "not JSON": (lambda: Response(b"<html>", media_type="text/html"), "sent", None),
+    "JSON nested too deep": (lambda: Response(b"[" * 100_000), "sent", None),
+    "too large": (
+        lambda: Response(b" " * (2 << 20), media_type="application/json"),
+        "failed",
+        "warm request of endpoint ep-acme on {w}: BodyTooLarge(",
+    ),
+    "a 503": (
+        lambda: Response(b"{}", status_code=503),
+        "failed",
+        "warm request of endpoint ep-acme on {w}: status 503",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REPLIES))
+def test_each_warm_result_says_what_the_engine_answered(
+    fleet: Fleet, case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    reply, result, logged = REPLIES[case]
+    if reply is None:
+        for u in fleet.upstreams:
+            u.report_cached = False
+    else:
+        answer_warm_with(fleet, reply)
+    caplog.set_level(logging.INFO, logger="kvroute.gateway")
+    with serving(warm_config(fleet, interval=30.0)) as server:
+        client = server.client("sk-acme")
+        for i in range(2):
+            ask(client, i)
+        pool = server.gateway.router.endpoint_pool("ep-acme")
+        wait_for(lambda: sum(warm_counts(server).values()) >= 2, "the first pass answered")
+        assert warm_counts(server) == {(w, result): 1.0 for w in pool}
+        for w in pool:
+            assert server.get("/health").json()["workers"][w] is True  # nobody ejected
+            if logged is not None:
+                assert any(m.startswith(logged.format(w=w)) for m in caplog.messages), w
+
+
+def test_a_member_the_router_cannot_route_to_is_a_failed_warm(
+    fleet: Fleet, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvroute.gateway")
+    with serving(warm_config(fleet, interval=30.0)) as server:
+        client = server.client("sk-acme")
+        for i in range(2):
+            ask(client, i)
+        warmer = server.gateway.warmer
+        pool = server.gateway.router.endpoint_pool("ep-acme")
+        outside = next(w for w in server.gateway.workers if w not in pool)
+        result = in_loop(server, warmer.warm(warmer.endpoints["ep-acme"], outside))
+        assert result == "failed"
+        assert warm_counts(server)[outside, "failed"] == 1
+        said = f"warm request of endpoint ep-acme: {outside} cannot be routed to now"
+        assert said in caplog.messages
+        assert not [r for r in fleet[outside].records if r["upstream_id"].startswith("kvroute")]
+
+
+def test_what_raises_in_a_pass_is_logged_and_warming_goes_on(
+    fleet: Fleet, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A warm request that raises (not an upstream failure) is a ``failed`` one; a pass that
+    raises is logged; the next pass runs."""
+    caplog.set_level(logging.INFO, logger="kvroute.gateway")
+    with serving(warm_config(fleet, interval=0.1)) as server:
+        warmer = server.gateway.warmer
+        warm_pool, raw = warmer.warm_pool, warmer._warm
+        raised: list[str] = []
+
+        def pool_once(ep: Any) -> None:
+            if "pass" not in raised:
+                raised.append("pass")
+                raise RuntimeError("pass broke")
+            warm_pool(ep)
+
+        async def warm_once(ep: Any, worker: str) -> str:
+            if "warm" not in raised:
+                raised.append("warm")
+                raise RuntimeError("warm broke")
+            return await raw(ep, worker)
+
+        warmer.warm_pool, warmer._warm = pool_once, warm_once  # type: ignore[method-assign]
+        client = server.client("sk-acme")
+        for i in range(2):
+            ask(client, i)
+        pool = server.gateway.router.endpoint_pool("ep-acme")
+        wait_for(lambda: all(holds(fleet, w, list(range(1, 65))) == 4 for w in pool), "warm")
+        assert sum(v for (_, r), v in warm_counts(server).items() if r == "failed") == 1
+        assert "warm pass of endpoint ep-acme" in caplog.messages
+        broke = [r for r in caplog.records if r.getMessage().startswith("warm request of")]
+        assert broke and broke[0].exc_info is not None
+
+
+def test_a_busy_or_unhealthy_member_holds_up_no_other(fleet: Fleet) -> None:
+    """Members are skipped one by one: the first in the pool's order unhealthy, then busy, the
+    second is warmed on every pass all the same."""
+    with serving(warm_config(fleet, interval=0.1)) as server:
+        client = server.client("sk-acme")
+        router = server.gateway.router
+        first, second = router.endpoint_pool("ep-acme")
+
+        def answered(w: str) -> float:
+            return sum(v for (m, _), v in warm_counts(server).items() if m == w)
+
+        in_loop(server, _set_healthy(router, first, False))
+        for i in range(2):
+            ask(client, i)
+        wait_for(lambda: answered(second) >= 3, "passes on the second member")
+        assert answered(first) == 0
+        fleet[first].stall = 3.0  # its next warm request runs for 3 s: it is busy
+        in_loop(server, _set_healthy(router, first, True))
+        wait_for(
+            lambda: server.get("/health").json()["warm"]["ep-acme"]["warming"] == [first],
+            "a warm request stalled on the first member",
+            5,
+        )
+        before = answered(second)
+        wait_for(lambda: answered(second) >= before + 3, "passes while the first is busy", 5)
+
+
+async def _set_healthy(router: Any, worker: str, ok: bool) -> None:
+    router.set_healthy(worker, ok)
+
+
+def test_start_runs_one_warmer_and_stop_ends_it(fleet: Fleet) -> None:
+    with serving(warm_config(fleet, interval=0.1)) as server:
+        warmer = server.gateway.warmer
+        runner = warmer.runner
+        assert runner is not None
+        in_loop(server, _start_again(warmer))
+        assert warmer.runner is runner
+    assert warmer.runner is None and runner.done()
+    assert all(t.done() for t in warmer.tasks)
+
+
+async def _start_again(warmer: Any) -> None:
+    warmer.start()

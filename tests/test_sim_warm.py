@@ -86,6 +86,9 @@ def test_passes_follow_the_gateways_rule(reqs, interval, pool, cap):
         assert aug.block_hashes(r).tolist() == w.block_hashes(i).tolist()
         assert aug.tenant[r] == w.tenant[i]
     assert (plan.member[orig] == -1).all()
+    assert (aug.name, aug.description, aug.meta) == (w.name, w.description, w.meta)
+    assert [aug.session[r] for r in orig.tolist()] == list(w.session)
+    assert aug.output_tokens.dtype == np.int64 and aug.arrival.dtype == np.float64
     # The warm requests: pool_size per pass, members 0..pool-1, the reference's prefixes.
     warm = np.flatnonzero(~plan.original).tolist()
     want = reference_passes(rows, tenant_of, interval, pool, cap)

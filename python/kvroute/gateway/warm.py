@@ -137,7 +137,10 @@ class Warmer:
             for ep in self.endpoints.values():
                 if ep.prefix is not None and ep.due <= now:
                     ep.due = now + ep.interval
-                    self.warm_pool(ep)
+                    try:
+                        self.warm_pool(ep)
+                    except Exception:  # one endpoint's failure stops no one's warming
+                        log.exception("warm pass of endpoint %s", ep.id)
             pending = [ep.due for ep in self.endpoints.values() if ep.prefix is not None]
             self.wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
@@ -189,7 +192,6 @@ class Warmer:
             "model": ep.upstream_model,
             "prompt": prefix.tolist(),
             "max_tokens": 1,
-            "temperature": 0.0,
             "stream": False,
         }
         upstream = UpstreamBody(body, ep.salt, 0, False).get(g.workers[worker].kind)
