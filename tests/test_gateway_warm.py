@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -216,7 +217,8 @@ def test_two_requests_sharing_a_prefix_warm_every_pool_member_and_no_other(fleet
         assert {r["priority"] for r in records} == {None}  # priority 0: vLLM's default
         assert {r["model"] for r in records} == {"acme-model"}
         assert all(fleet[u.name].records for u in fleet.upstreams if u.name in pool)
-        assert server.get("/health").json()["warm"]["ep-acme"]["prefix_tokens"] == 64
+        warm = server.get("/health").json()["warm"]["ep-acme"]
+        assert (warm["prefix_tokens"], warm["interval"]) == (64, 0.2)
         # The tenant's third request is its third admission: the warm requests took none.
         ask(client, 2)
         # Later passes touch what the pool holds: hits on both members.
@@ -495,13 +497,15 @@ def test_what_raises_in_a_pass_is_logged_and_warming_goes_on(
         wait_for(lambda: all(holds(fleet, w, list(range(1, 65))) == 4 for w in pool), "warm")
         assert sum(v for (_, r), v in warm_counts(server).items() if r == "failed") == 1
         assert "warm pass of endpoint ep-acme" in caplog.messages
-        broke = [r for r in caplog.records if r.getMessage().startswith("warm request of")]
-        assert broke and broke[0].exc_info is not None
+        (broke,) = [r for r in caplog.records if r.getMessage().startswith("warm request of")]
+        assert broke.getMessage() in {f"warm request of endpoint ep-acme on {w}" for w in pool}
+        assert broke.exc_info is not None
 
 
 def test_a_busy_or_unhealthy_member_holds_up_no_other(fleet: Fleet) -> None:
-    """Members are skipped one by one: the first in the pool's order unhealthy, then busy, the
-    second is warmed on every pass all the same."""
+    """Members are skipped one by one: the first in the pool's order unhealthy (the router's
+    pool then has another worker in its place, warmed instead), then busy; the second is
+    warmed on every pass all the same."""
     with serving(warm_config(fleet, interval=0.1)) as server:
         client = server.client("sk-acme")
         router = server.gateway.router
@@ -515,7 +519,9 @@ def test_a_busy_or_unhealthy_member_holds_up_no_other(fleet: Fleet) -> None:
             ask(client, i)
         wait_for(lambda: answered(second) >= 3, "passes on the second member")
         assert answered(first) == 0
-        fleet[first].stall = 3.0  # its next warm request runs for 3 s: it is busy
+        (stand_in,) = set(router.endpoint_pool("ep-acme")) - {second}
+        assert stand_in != first and answered(stand_in) >= 1
+        fleet[first].stall = 10.0  # its next warm request runs for 10 s: it is busy
         in_loop(server, _set_healthy(router, first, True))
         wait_for(
             lambda: server.get("/health").json()["warm"]["ep-acme"]["warming"] == [first],
@@ -523,7 +529,7 @@ def test_a_busy_or_unhealthy_member_holds_up_no_other(fleet: Fleet) -> None:
             5,
         )
         before = answered(second)
-        wait_for(lambda: answered(second) >= before + 3, "passes while the first is busy", 5)
+        wait_for(lambda: answered(second) >= before + 3, "passes while the first is busy", 4)
 
 
 async def _set_healthy(router: Any, worker: str, ok: bool) -> None:
@@ -537,9 +543,46 @@ def test_start_runs_one_warmer_and_stop_ends_it(fleet: Fleet) -> None:
         assert runner is not None
         in_loop(server, _start_again(warmer))
         assert warmer.runner is runner
-    assert warmer.runner is None and runner.done()
-    assert all(t.done() for t in warmer.tasks)
+        client = server.client("sk-acme")
+        for i in range(2):
+            ask(client, i)
+        (first, _) = server.gateway.router.endpoint_pool("ep-acme")
+        fleet[first].stall = 10.0  # a warm request in flight when the warmer stops
+        wait_for(lambda: warmer.busy, "a warm request in flight", 5)
+        tasks = list(warmer.tasks)
+        # Stopped while the gateway still runs: the runner and the requests in flight end.
+        assert in_loop(server, _stop(warmer)) is True
+        assert warmer.runner is None and runner.done()
+        assert tasks and all(t.done() for t in tasks)
 
 
 async def _start_again(warmer: Any) -> None:
     warmer.start()
+
+
+async def _stop(warmer: Any) -> bool:
+    runner = warmer.runner
+    tasks = list(warmer.tasks)
+    await warmer.stop()
+    return runner.done() and all(t.done() for t in tasks)
+
+
+def test_a_member_nobody_answers_is_a_failed_warm_and_is_not_ejected(
+    fleet: Fleet, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A warm request that cannot connect is counted and logged with the failure's kind; only
+    health checks eject (a warm request does not count as a request's failure)."""
+    caplog.set_level(logging.INFO, logger="kvroute.gateway")
+    data = warm_config(fleet, interval=30.0, pool_size=4)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nobody listens there
+    data["workers"].append({"name": "dead", "url": f"http://127.0.0.1:{port}", "kind": "vllm"})
+    with serving(data) as server:
+        client = server.client("sk-acme")
+        for i in range(2):
+            ask(client, i)
+        wait_for(lambda: warm_counts(server).get(("dead", "failed")) == 1, "the dead member")
+        said = "warm request of endpoint ep-acme on dead: connect"
+        assert said in caplog.messages
+        assert server.get("/health").json()["workers"]["dead"] is True

@@ -76,6 +76,8 @@ def test_passes_follow_the_gateways_rule(reqs, interval, pool, cap):
         rows.append((q / 4, ids, len(ids) * BS, 2))
         tenant_of.append("t" if mine else None)
     w = make_workload(rows, block_size=BS, tenant=tenant_of)
+    w.meta["source"] = "test"
+    w.session = [f"s{k % 3}" for k in range(len(w))]
     plan = with_warm(w, "t", interval=interval, pool_size=pool, max_blocks=cap)
     aug = plan.workload
     # The original requests, in their order, unchanged.

@@ -150,10 +150,10 @@ class Warmer:
     def warm_pool(self, ep: WarmEndpoint) -> None:
         """Starts one warm request on each pool member that can take one now."""
         g = self.gateway
+        # The pool's current members: healthy ones (the router stands another in for one
+        # that is not, as for the endpoint's requests).
         for worker in g.router.endpoint_pool(ep.id):
             if (ep.id, worker) in self.busy or worker in g.upstreams.full:
-                continue
-            if not g.router.is_healthy(worker):
                 continue
             self.busy.add((ep.id, worker))
             task = asyncio.get_running_loop().create_task(self.warm(ep, worker))
@@ -184,9 +184,6 @@ class Warmer:
             d = g.router.route(tokens=prefix, endpoint=ep.id, exclude=others)
         except NoWorkerError:
             log.info("warm request of endpoint %s: %s cannot be routed to now", ep.id, worker)
-            return "failed"
-        if d.worker != worker:  # not possible with the others excluded; never sent elsewhere
-            g.router.withdraw(d)
             return "failed"
         body = {
             "model": ep.upstream_model,
