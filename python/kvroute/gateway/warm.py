@@ -26,7 +26,8 @@ Guarantees:
   last pass's request is skipped: never two warm requests on one worker.
 - A warm request is routed, begun, observed and finished as any request (the router's load, its
   prefix model, the in-flight bound), takes nothing from rate limits or admission, and ejects no
-  one when it fails (health checks judge workers): it is counted and logged.
+  one when it fails (health checks judge workers): it is counted and logged. A pass that raises
+  is logged and the next one runs.
 - ``kvroute_gateway_warm_requests_total{endpoint,worker,result}``: ``hit`` (the worker held the
   prefix: the request only touched it), ``filled`` (it prefilled part of it), ``sent`` (the
   engine reports no cached tokens), ``failed``.
