@@ -223,15 +223,22 @@ def test_sglang_pages_are_gathered_into_router_blocks_in_rehash_mode(engines, ca
     )
 
 
-def test_direct_mode_names_an_engine_hashing_otherwise(engines, caplog):
-    """Roots stored under hashes that are not the router's hash of their tokens (an engine on
-    another --prefix-caching-hash-algo or seed) can never match: logged once per engine run."""
+def direct_vllm(engines, caplog):
+    """An engine without replay and a direct-mode subscriber to it hashing as vLLM; the
+    subscriber's warnings captured."""
     caplog.set_level(logging.WARNING, logger="kvroute.events")
     engine = engines(replay=False)
-    tokens = list(range(64))
     sub = KvEventSubscriber(
         PrefixIndex(), {"w": engine.endpoint}, mode="direct", hash_profile="vllm"
     )
+    return engine, sub
+
+
+def test_direct_mode_names_an_engine_hashing_otherwise(engines, caplog):
+    """Roots stored under hashes that are not the router's hash of their tokens (an engine on
+    another --prefix-caching-hash-algo or seed) can never match: logged once per engine run."""
+    engine, sub = direct_vllm(engines, caplog)
+    tokens = list(range(64))
     with sub:
         engine.wait_subscriber()
         engine.publish(store([41], tokens[:16], 16))
@@ -259,12 +266,8 @@ def test_direct_mode_names_an_engine_hashing_otherwise(engines, caplog):
 def test_direct_mode_names_an_engine_whose_foreign_roots_come_later(engines, caplog):
     """The check runs on every batch until it finds a foreign root: an engine whose first stores
     are hashed as the router's (nothing to say yet) and a later root is not, is still named."""
-    caplog.set_level(logging.WARNING, logger="kvroute.events")
-    engine = engines(replay=False)
+    engine, sub = direct_vllm(engines, caplog)
     tokens = list(range(48))
-    sub = KvEventSubscriber(
-        PrefixIndex(), {"w": engine.endpoint}, mode="direct", hash_profile="vllm"
-    )
     with sub:
         engine.wait_subscriber()
         engine.publish(store(own(tokens[:16], profile="vllm"), tokens[:16], 16))
