@@ -14,7 +14,7 @@ from kvroute.server.tasks import cancel_tasks
 
 from .config import ClusterConfig
 
-__all__ = ["StreamConsumer", "cancel", "connect", "ensure_stream", "keep_connected"]
+__all__ = ["StreamConsumer", "cancel", "connect", "ensure_stream", "keep_connected", "unsubscribe"]
 
 log = logging.getLogger("kvroute.cluster")
 
@@ -49,6 +49,15 @@ async def connect(
         ),
         config.connect_timeout * (len(config.nats) + 1),
     )
+
+
+async def unsubscribe(nc: Any, sub: Any) -> None:
+    """Ends a JetStream subscription while ``nc`` is still connected: nats-py cancels an ordered
+    consumer's heartbeat and flow-control tasks only there (on a lost connection they end when
+    they next wake). Failures are ignored: the caller is closing."""
+    if sub is not None and nc.is_connected:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(sub.unsubscribe(), 1.0)
 
 
 async def ensure_stream(js: Any, stream: str, subject: str, config: ClusterConfig) -> None:

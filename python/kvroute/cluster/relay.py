@@ -66,7 +66,7 @@ from typing import Any
 
 from kvroute.server.metrics import Counter, Gauge, Registry
 
-from .bus import StreamConsumer, cancel, ensure_stream, keep_connected
+from .bus import StreamConsumer, cancel, ensure_stream, keep_connected, unsubscribe
 from .config import ClusterConfig
 
 __all__ = ["EventFollower", "EventRelay"]
@@ -554,9 +554,7 @@ class EventFollower(StreamConsumer):
                 await asyncio.sleep(0.2)
                 self._refresh()  # a relay whose heartbeats stopped: its workers stale
         finally:
-            if nc.is_connected:  # stops the ordered consumer's tasks now (see sync._close)
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(sub.unsubscribe(), 1.0)
+            await unsubscribe(nc, sub)
 
     def _failed(self, e: BaseException) -> None:
         self.last_error = f"{type(e).__name__}: {e}"

@@ -61,7 +61,7 @@ from typing import Any
 from kvroute.server.metrics import Counter, Gauge, Registry
 from kvroute.server.tasks import cancel_tasks
 
-from .bus import StreamConsumer, cancel, connect, ensure_stream
+from .bus import StreamConsumer, cancel, connect, ensure_stream, unsubscribe
 from .config import ClusterConfig
 
 __all__ = ["MAX_BATCH", "MAX_HELD", "ReplicaSync", "hashing_of"]
@@ -316,11 +316,7 @@ class ReplicaSync(StreamConsumer):
         sub = self._sub
         nc, self._nc, self._js, self._sub, self._objects = self._nc, None, None, None, None
         if nc is not None:
-            with contextlib.suppress(Exception):
-                if sub is not None and nc.is_connected:
-                    # Stops the ordered consumer's heartbeat and flow-control tasks now (on a
-                    # lost connection they end by themselves when they next wake).
-                    await asyncio.wait_for(sub.unsubscribe(), 1.0)
+            await unsubscribe(nc, sub)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(nc.close(), 1.0)
 

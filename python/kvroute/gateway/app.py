@@ -87,7 +87,6 @@ from kvroute import Decision, Router
 from kvroute.server.events import event_subscriber
 from kvroute.server.health import Health
 from kvroute.server.routing import NoWorkerError, build_router
-from kvroute.server.warm import WarmPrefix
 
 from .admission import Admission, Shed
 from .auth import Access, Auth, Target
@@ -123,9 +122,16 @@ from .stream import (
     forwarded_headers,
     wait_disconnect,
 )
-from .upstream import CACHE_KEY_FIELDS, Flight, UpstreamBody, Upstreams, release_now
+from .upstream import (
+    CACHE_KEY_FIELDS,
+    Flight,
+    UpstreamBody,
+    Upstreams,
+    release_now,
+    request_head,
+)
 from .usage import with_cache_fields_body
-from .warm import WarmEndpoint, Warmer
+from .warm import Warmer
 
 __all__ = ["Gateway"]
 
@@ -165,9 +171,7 @@ class Call:
         self.route = route
         self.rid = rid
         # The request head every upstream attempt sends (both halves of a pair alike).
-        self.upstream_headers = (
-            f"content-type: application/json\r\nx-request-id: {upstream_rid}\r\n"
-        )
+        self.upstream_headers = request_head(upstream_rid)
         self.started = started
         self.target: Target | None = None
         self.digest: bytes | None = None
@@ -283,20 +287,7 @@ class Gateway:
                 limits=self.limits,
             )
         self.pd = PdForwarder(self) if config.pd is not None else None
-        block = self.router.block_size
-        warm = {
-            ep.id: WarmEndpoint(
-                ep.id,
-                ep.model,
-                ep.warm_interval,
-                # At most its reserved blocks, when it has some (0 reserves nothing: no bound).
-                WarmPrefix(block, ep.reserved_blocks * block if ep.reserved_blocks else None),
-                self.salts.get(ep.id),
-            )
-            for ep in config.endpoints
-            if ep.warm_interval is not None
-        }
-        self.warmer = Warmer(self, warm) if warm else None
+        self.warmer = Warmer.for_endpoints(self, config.endpoints)
         # Who routes and sends each attempt of _forward's loop: single requests or pairs.
         self._via: Gateway | PdForwarder = self if self.pd is None else self.pd
         self.routes: dict[str, dict[str, Handler]] = {

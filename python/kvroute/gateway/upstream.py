@@ -42,9 +42,15 @@ from .usage import routed_cached_tokens
 #: SGLang's ``cache_salt`` and ``extra_key``, which it joins — never forwarded.
 CACHE_KEY_FIELDS = ("cache_salt", "extra_key")
 
-__all__ = ["Flight", "UpstreamBody", "Upstreams", "release", "release_now"]
+__all__ = ["Flight", "UpstreamBody", "Upstreams", "release", "release_now", "request_head"]
 
 log = logging.getLogger("kvroute.gateway")
+
+
+def request_head(request_id: str) -> str:
+    """The head lines every upstream request sends besides the pool's own: the JSON body's type
+    and ``x-request-id`` (which engines may key the request by)."""
+    return f"content-type: application/json\r\nx-request-id: {request_id}\r\n"
 
 
 class UpstreamBody:

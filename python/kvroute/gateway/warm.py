@@ -41,7 +41,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -52,10 +52,12 @@ from kvroute.server.warm import WarmPrefix
 
 from .client import BodyTooLarge, UpstreamError
 from .errors import UpstreamFailure
-from .upstream import UpstreamBody, release_now
+from .upstream import UpstreamBody, release_now, request_head
 from .usage import routed_cached_tokens
 
 if TYPE_CHECKING:
+    from kvroute.server.config import EndpointConfig
+
     from .app import Gateway
 
 __all__ = ["WarmEndpoint", "Warmer"]
@@ -97,6 +99,24 @@ class Warmer:
         self.wake = asyncio.Event()
         self.runner: asyncio.Task[None] | None = None
         self.clock: Callable[[], float] = time.monotonic
+
+    @classmethod
+    def for_endpoints(cls, gateway: Gateway, endpoints: Iterable[EndpointConfig]) -> Warmer | None:
+        """The warmer of the ``endpoints`` with a ``warm_interval`` (None when none has one): each
+        prefix at most its reserved blocks, when it has some (0 reserves nothing: no bound)."""
+        block = gateway.router.block_size
+        warm = {
+            ep.id: WarmEndpoint(
+                ep.id,
+                ep.model,
+                ep.warm_interval,
+                WarmPrefix(block, ep.reserved_blocks * block if ep.reserved_blocks else None),
+                gateway.salts.get(ep.id),
+            )
+            for ep in endpoints
+            if ep.warm_interval is not None
+        }
+        return cls(gateway, warm) if warm else None
 
     def learn(self, endpoint: str | None, tokens: np.ndarray) -> None:
         """A request of ``endpoint`` was admitted with these routing tokens."""
@@ -195,9 +215,8 @@ class Warmer:
         upstream = UpstreamBody(body, ep.salt, 0, False).get(g.workers[worker].kind)
         flight = g.upstreams.begin(d, len(prefix))
         flight.expect_prefill()
-        rid = f"kvroute-warm-{os.urandom(8).hex()}"  # engines may key requests by it: unique
-        headers = f"content-type: application/json\r\nx-request-id: {rid}\r\n"
-        resp = await flight.send(PATH, headers, upstream)
+        head = request_head(f"kvroute-warm-{os.urandom(8).hex()}")  # unique, as any request's
+        resp = await flight.send(PATH, head, upstream)
         if isinstance(resp, tuple):
             failure: UpstreamFailure = resp[0]
             log.warning("warm request of endpoint %s on %s: %s", ep.id, worker, failure.kind)
