@@ -288,7 +288,11 @@ def check_one_version_whole(kind: str, rounds: int = 40) -> None:
     versions = [make(nodes)] + [make([*nodes, f"extra{i}"]) for i in range(rounds)]
     short = [f"k{i}" for i in range(40)]
     long = [f"k{i}" for i in range(3000)]
-    answers = {tuple(keys): {tuple(v.get_many(keys)) for v in versions} for keys in (short, long)}
+    # Past one hold of the GIL (a ring's list is read in chunks, other threads running between):
+    # still one version throughout.
+    huge = [f"k{i}" for i in range(20_000)]
+    batches_of = (short, long, huge)
+    answers = {tuple(keys): {tuple(v.get_many(keys)) for v in versions} for keys in batches_of}
     per_key = {k: {v.get(k) for v in versions} for k in short}
     moved = {k for k, seen in per_key.items() if len(seen) > 1}
     assert moved, "no key moves between versions: the test could not see a mix"
@@ -305,7 +309,7 @@ def check_one_version_whole(kind: str, rounds: int = 40) -> None:
         seen = 0
         while not done or seen < 3:
             seen += 1
-            for keys in (short, long):
+            for keys in batches_of:
                 assert tuple(h.get_many(keys)) in answers[tuple(keys)]
 
     def writer():

@@ -27,13 +27,14 @@ mod maglev;
 mod nodes;
 mod rendezvous;
 mod ring;
+mod ring_split;
 
 pub use bounded::{BoundedLoad, BoundedPick};
 pub use jump::{jump_hash, jump_hash_many_into, JumpHash};
 pub use maglev::{Maglev, DEFAULT_TABLE_SIZE, MAX_TABLE_SIZE};
 pub use nodes::{check_weight, NodeSet, MAX_NODES};
 pub use rendezvous::{Rendezvous, Score as RendezvousScore};
-pub use ring::{HashRing, KeyHasher, RingHash, DEFAULT_VNODES, MAX_POINTS};
+pub use ring::{HashRing, RingBatch, RingHash, DEFAULT_VNODES, MAX_POINTS};
 
 use std::sync::Arc;
 

@@ -16,16 +16,14 @@
 //! - `preference(key, n)` walks the ring clockwise from the key's point, collecting distinct
 //!   owners; nodes that own no point (possible in ketama mode for a tiny weight share) come last,
 //!   in name order.
-//! - [`KeyHasher`] computes exactly [`HashRing::key_hash`] of each key, and
-//!   [`HashRing::get_hashed_into`] of those hashes is `get` of each key.
+//! - [`RingBatch`] gives exactly [`HashRing::get`] of each key pushed, in order.
 //! - Lookups are O(1) expected: a table indexed by the top bits of the hash (about two buckets per
 //!   point) gives the first point of the key's bucket, and a short scan finds the answer.
 
-use std::cell::Cell;
-
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use super::ketama::{ketama_hash, ketama_hash_many, ketama_points, KetamaLanes};
+use super::ketama::{ketama_hash, ketama_points, KetamaLanes};
+use super::ring_split::SplitTable;
 use super::{
     cycle_from, extend_distinct, preference_len, ConsistentHash, Key, NodeId, NodeSet, SeenNodes,
 };
@@ -86,6 +84,8 @@ pub struct HashRing {
     pub(super) table: Vec<u32>,
     pub(super) shift: u32,
     pointless: Vec<NodeId>,
+    /// Batch lookups eight at a time, where the CPU can (ketama rings only).
+    split: Option<SplitTable>,
 }
 
 impl HashRing {
@@ -217,6 +217,9 @@ impl HashRing {
         }
         let pointless = nodes.unowned_by_name(&owners);
         let (table, shift) = table;
+        let split = (hash == RingHash::Ketama)
+            .then(|| SplitTable::build(&points, &owners, &table, shift))
+            .flatten();
         Ok(Self {
             nodes,
             hash,
@@ -226,6 +229,7 @@ impl HashRing {
             table,
             shift,
             pointless,
+            split,
         })
     }
 
@@ -322,66 +326,99 @@ pub(super) fn bucket_table(points: &[u64], hash_bits: u32) -> (Vec<u32>, u32) {
 }
 
 impl HashRing {
-    /// The owner of each ring position in `hashes` — [`HashRing::key_hash`] of keys, as a
-    /// [`KeyHasher`] of `kind` computes them — in order, into `out` (cleared first). Fails when the
-    /// ring has no node, or when `kind` is not this ring's (an internal error: a ring's kind never
-    /// changes).
-    pub fn get_hashed_into(
-        &self,
-        kind: RingHash,
-        hashes: &[u64],
-        out: &mut Vec<NodeId>,
-    ) -> Result<()> {
-        self.require_nodes()?;
-        if kind != self.hash {
-            return crate::value_err!("internal error: {kind:?} hashes for a {:?} ring", self.hash);
+    /// Appends the owner of each ring position in `hashes` to `out`, in order: in gathers where
+    /// the ring has a split table, else with [`HashRing::resolve`].
+    fn owners_into(&self, hashes: &[u64], out: &mut Vec<NodeId>) {
+        if let Some(split) = &self.split {
+            split.owners_into(hashes, out, |h| self.owner_of(h));
+            return;
         }
-        out.clear();
         out.reserve(hashes.len());
         let hash = |i: usize| hashes.get(i).copied().unwrap_or(0);
         // `resolve` emits the owners in order.
         self.resolve(hashes.len(), hash, |_, node| out.push(node));
-        Ok(())
     }
 }
 
-/// [`HashRing::key_hash`] of keys given one at a time, for [`HashRing::get_hashed_into`]: a
-/// caller that cannot hold on to its keys (a Python list, read with the GIL held) hashes each key
-/// as it reads it, then looks the hashes up in one go. Ketama keys are hashed in the MD5 lanes
-/// ([`KetamaLanes`]), so their hashes reach `out` a group at a time; after
-/// [`KeyHasher::finish`], `out` holds the hash of every key pushed, in order.
-pub struct KeyHasher {
-    kind: RingHash,
+/// Hashes [`RingBatch`] holds before looking them up: the lookups of a group run while its
+/// hashes are in registers or L1 and the ring's tables still in cache, between the reads of
+/// the next keys (looking 100k hashes up after hashing them all found the tables evicted by
+/// the keys read meanwhile).
+pub(super) const LOOKUP_GROUP: usize = 256;
+
+/// `get` of keys given one at a time, for a caller that cannot hold on to its keys (a Python
+/// list, read with the GIL held): each key is hashed as it comes (ketama keys in the MD5 lanes,
+/// [`KetamaLanes`], a group of keys at a time) and the hashes looked up in groups of
+/// [`LOOKUP_GROUP`]. After [`RingBatch::finish`], `out` holds the owner of every key pushed, in
+/// order: exactly [`HashRing::get`] of each. The ring must have a node.
+pub struct RingBatch<'r> {
+    ring: &'r HashRing,
     lanes: KetamaLanes,
+    hashes: [u64; LOOKUP_GROUP],
+    /// Hashes pending in `hashes`.
+    pending: usize,
 }
 
-impl KeyHasher {
-    /// A hasher of ring positions of `kind`.
-    pub fn new(kind: RingHash) -> Self {
-        Self {
-            kind,
+impl<'r> RingBatch<'r> {
+    /// A batch of lookups on `ring`; fails when it has no node.
+    pub fn new(ring: &'r HashRing) -> Result<Self> {
+        ring.require_nodes()?;
+        Ok(Self {
+            ring,
             lanes: KetamaLanes::new(),
-        }
+            hashes: [0; LOOKUP_GROUP],
+            pending: 0,
+        })
     }
 
-    /// The kind of positions computed.
-    pub fn kind(&self) -> RingHash {
-        self.kind
-    }
-
-    /// Hashes `key`, appending its hash (ketama: its group's hashes, once the group is full) to
-    /// `out`.
+    /// Adds `key`. Owners reach `out` a group of hashes at a time, the rest at
+    /// [`RingBatch::finish`].
     #[inline(always)]
-    pub fn push(&mut self, key: Key<'_>, out: &mut Vec<u64>) {
-        match self.kind {
-            RingHash::Ketama => self.lanes.push(key, &mut |h| out.push(u64::from(h))),
-            RingHash::Xxh3 => out.push(key.hash64()),
+    pub fn push(&mut self, key: Key<'_>, out: &mut Vec<NodeId>) {
+        match self.ring.hash {
+            RingHash::Ketama => {
+                let (hashes, pending, ring) = (&mut self.hashes, &mut self.pending, self.ring);
+                self.lanes.push(key, &mut |h| {
+                    Self::add(ring, hashes, pending, u64::from(h), out)
+                });
+            }
+            RingHash::Xxh3 => {
+                Self::add(
+                    self.ring,
+                    &mut self.hashes,
+                    &mut self.pending,
+                    key.hash64(),
+                    out,
+                );
+            }
         }
     }
 
-    /// Appends the hashes still pending to `out`; the hasher is then empty.
-    pub fn finish(&mut self, out: &mut Vec<u64>) {
-        self.lanes.flush(&mut |h| out.push(u64::from(h)));
+    #[inline(always)]
+    fn add(
+        ring: &HashRing,
+        hashes: &mut [u64; LOOKUP_GROUP],
+        pending: &mut usize,
+        h: u64,
+        out: &mut Vec<NodeId>,
+    ) {
+        if let Some(slot) = hashes.get_mut(*pending) {
+            *slot = h;
+        }
+        *pending += 1;
+        if *pending == LOOKUP_GROUP {
+            ring.owners_into(hashes, out);
+            *pending = 0;
+        }
+    }
+
+    /// Looks up the keys still pending, appending their owners to `out`; the batch is then empty.
+    pub fn finish(&mut self, out: &mut Vec<NodeId>) {
+        let (hashes, pending, ring) = (&mut self.hashes, &mut self.pending, self.ring);
+        self.lanes
+            .flush(&mut |h| Self::add(ring, hashes, pending, u64::from(h), out));
+        ring.owners_into(hashes.get(..*pending).unwrap_or_default(), out);
+        *pending = 0;
     }
 }
 
@@ -399,45 +436,12 @@ impl ConsistentHash for HashRing {
     where
         I: IntoIterator<Item = Key<'k>>,
     {
-        self.require_nodes()?;
+        let mut batch = RingBatch::new(self)?;
         out.clear();
-        // Hash every key first, then look them up with prefetching (see `resolve`).
-        match self.hash {
-            RingHash::Ketama => {
-                ketama_hash_many(keys, |h| out.push(h));
-                // Each slot holds its key's hash until it is replaced by the key's node.
-                let slots = Cell::from_mut(out.as_mut_slice()).as_slice_of_cells();
-                let hash = |i: usize| slots.get(i).map_or(0, |h| u64::from(h.get()));
-                self.resolve(slots.len(), hash, |i, node| {
-                    if let Some(slot) = slots.get(i) {
-                        slot.set(node);
-                    }
-                });
-            }
-            RingHash::Xxh3 => {
-                let mut hashes = [0u64; 256];
-                let mut keys = keys.into_iter().peekable();
-                while keys.peek().is_some() {
-                    let mut filled = 0;
-                    for (slot, key) in hashes.iter_mut().zip(&mut keys) {
-                        *slot = key.hash64();
-                        filled += 1;
-                    }
-                    let start = out.len();
-                    out.resize(start + filled, 0);
-                    let dest = out.get_mut(start..).unwrap_or_default();
-                    self.resolve(
-                        filled,
-                        |i| hashes.get(i).copied().unwrap_or(0),
-                        |i, node| {
-                            if let Some(slot) = dest.get_mut(i) {
-                                *slot = node;
-                            }
-                        },
-                    );
-                }
-            }
+        for key in keys {
+            batch.push(key, out);
         }
+        batch.finish(out);
         Ok(())
     }
 

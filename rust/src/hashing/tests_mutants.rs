@@ -117,7 +117,6 @@ fn every_hasher_answers_its_shared_face_and_reads_back_its_configuration() {
             check_shared_face(&r, &names, &format!("ring {hash:?} {n}"));
             assert_eq!((r.hash_kind(), r.vnodes()), (hash, 8));
             assert_eq!(r.num_points(), 8 * n);
-            assert_eq!(KeyHasher::new(hash).kind(), hash);
         }
         for size in [2, 101, 65_537] {
             let t = Maglev::new(pairs(), size).unwrap();
@@ -307,80 +306,37 @@ fn maglev_weighted_fill_takes_a_slot_at_an_exact_tie_as_envoy() {
 
 /// cargo-mutants survivor (shard 9/40): `filled == LANES` → `!=` in `KetamaLanes::push` hashed
 /// every key alone, at once (the final hashes are the same: `ketama_hash_many`'s twin is an
-/// accepted equivalent). But `KeyHasher::push` documents when `out` grows — ketama positions a
-/// whole group of `LANES` at a time, once the group is full; xxh3 one per key — and `finish` the
-/// rest, after which the hasher is empty. For the class of that bookkeeping (when a group is
-/// delivered, the partial group at `finish`, an empty hasher after it, reuse), `out`'s length is
-/// checked after every push, over three groups and a part, twice on one hasher, each hash
-/// against the scalar `key_hash`.
+/// accepted equivalent). But `RingBatch::push` documents when `out` grows: owners are appended a
+/// group of `LOOKUP_GROUP` hashes at a time, and ketama hashes reach that group a whole group of
+/// `LANES` keys at a time, once it is full; `finish` appends the rest, after which the batch is
+/// empty. For the class of that bookkeeping (when a group is delivered, the partial groups at
+/// `finish`, an empty batch after it, reuse), `out`'s length is checked after every push, over
+/// several groups of both sizes and a part, twice on one batch, each owner against `get`.
 #[test]
-fn key_hasher_appends_ketama_hashes_a_whole_group_at_a_time() {
+fn ring_batch_appends_owners_a_whole_group_at_a_time() {
     use super::super::ketama::LANES;
-    let n = 3 * LANES + 5;
+    use super::super::ring::LOOKUP_GROUP;
+    let n = 3 * LOOKUP_GROUP + LANES + 5;
     let keys: Vec<Key<'_>> = (0..n as u64).map(Key::Int).collect();
-    let ring = HashRing::new([("a", 1.0)], 4, RingHash::Ketama).unwrap();
-    let want: Vec<u64> = keys.iter().map(|&k| ring.key_hash(k)).collect();
     for kind in [RingHash::Ketama, RingHash::Xxh3] {
-        let mut hasher = KeyHasher::new(kind);
+        let ring = HashRing::new([("a", 1.0), ("b", 1.0), ("c", 2.0)], 8, kind).unwrap();
+        let want: Vec<NodeId> = keys.iter().map(|&k| ring.get(k).unwrap()).collect();
+        let mut batch = RingBatch::new(&ring).unwrap();
         for round in 0..2 {
             let mut out = vec![];
             for (i, &k) in keys.iter().enumerate() {
-                hasher.push(k, &mut out);
-                let len = match kind {
+                batch.push(k, &mut out);
+                let hashed = match kind {
                     RingHash::Ketama => (i + 1) / LANES * LANES,
                     RingHash::Xxh3 => i + 1,
                 };
+                let len = hashed / LOOKUP_GROUP * LOOKUP_GROUP;
                 assert_eq!(out.len(), len, "{kind:?} round {round}, key {i}");
             }
-            hasher.finish(&mut out);
-            assert_eq!(out.len(), n, "{kind:?} round {round}");
-            if kind == RingHash::Ketama {
-                assert_eq!(out, want, "round {round}");
-            }
-            hasher.finish(&mut out);
+            batch.finish(&mut out);
+            assert_eq!(out, want, "{kind:?} round {round}");
+            batch.finish(&mut out);
             assert_eq!(out.len(), n, "{kind:?} round {round}: a second finish");
         }
     }
-}
-
-/// cargo-mutants survivor (shard 10/40): `x - (cap - 1.0)` → `x + …` in `BoundedLoad::capacity`
-/// dropped the rule that a product within 1e-9 relative above an integer is that integer — the
-/// example tested before, `1.1 × 10`, is exactly 11.0 in f64 and never needed it (`1.1 × 50` is
-/// 55.00000000000001). For the class — every capacity whose float product rounds above an exact
-/// integer — capacities over a grid of factors given as decimals (`c = num / den`), loads in
-/// flight and shares `k / m` (a weight over a total, as `pick` divides them) against the exact
-/// ceiling in integers, `max(1, ceil(num (T + 1) k / (den m)))`; the grid holds products that
-/// round above (counted, so the test cannot pass without reaching them).
-#[test]
-fn bounded_load_capacity_is_the_exact_ceiling_despite_float_rounding() {
-    let mut above = 0;
-    for (num, den) in [
-        (11u64, 10u64),
-        (6, 5),
-        (13, 10),
-        (21, 20),
-        (5, 4),
-        (3, 2),
-        (2, 1),
-        (1, 1),
-        (101, 100),
-        (7, 5),
-    ] {
-        let c = num as f64 / den as f64;
-        let b = BoundedLoad::new(c).unwrap();
-        for t in 0..200u64 {
-            for m in 1..=8u64 {
-                for k in 1..=m {
-                    let share = k as f64 / m as f64;
-                    let want = (num * (t + 1) * k).div_ceil(den * m).max(1);
-                    assert_eq!(b.capacity(t, share), want, "c {c}, T {t}, share {k}/{m}");
-                    above += usize::from((c * (t as f64 + 1.0) * share).ceil() as u64 > want);
-                }
-            }
-        }
-    }
-    assert!(
-        above >= 100,
-        "only {above} products rounded above their integer"
-    );
 }

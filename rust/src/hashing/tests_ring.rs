@@ -20,37 +20,30 @@ mod ketama {
     }
 
     #[test]
-    fn key_hasher_gives_key_hash_and_lookups_of_every_key_in_order() {
-        // The reference: `md5` for ketama positions, `key_hash` and `get` (scalar) for the rest.
+    fn ring_batch_gives_get_of_every_key_in_order() {
+        // The reference: `md5` for a ketama position, `get` (scalar) for every owner. Keys of
+        // every length to past one MD5 block, and integers.
         let data: Vec<u8> = (0..200u32).map(|i| (i * 53 + 7) as u8).collect();
         let mut keys: Vec<Key<'_>> = (0..=130).map(|n| Key::Bytes(&data[..n])).collect();
         keys.extend((0..75u64).map(|i| Key::Int(i.wrapping_mul(0x9e37_79b9_7f4a_7c15))));
+        if let Key::Bytes(b) = keys[9] {
+            let ring = HashRing::new([("a", 1.0)], 160, RingHash::Ketama).unwrap();
+            assert_eq!(ring.key_hash(keys[9]), u64::from(reference(b)));
+        }
         for kind in [RingHash::Ketama, RingHash::Xxh3] {
             let ring = HashRing::new((0..40).map(|i| (format!("n{i}"), 1.0)), 160, kind).unwrap();
-            let mut hasher = KeyHasher::new(kind);
-            let mut hashes = Vec::new();
-            for &k in &keys {
-                hasher.push(k, &mut hashes);
-            }
-            hasher.finish(&mut hashes);
-            let want: Vec<u64> = keys.iter().map(|&k| ring.key_hash(k)).collect();
-            assert_eq!(hashes, want, "{kind:?}");
-            if kind == RingHash::Ketama {
-                if let Key::Bytes(b) = keys[9] {
-                    assert_eq!(hashes[9], u64::from(reference(b)));
-                }
-            }
-            let mut ids = vec![7; 3];
-            ring.get_hashed_into(kind, &hashes, &mut ids).unwrap();
             let want: Vec<NodeId> = keys.iter().map(|&k| ring.get(k).unwrap()).collect();
-            assert_eq!(ids, want, "{kind:?}");
-            let other = if kind == RingHash::Ketama {
-                RingHash::Xxh3
-            } else {
-                RingHash::Ketama
-            };
-            assert!(ring.get_hashed_into(other, &hashes, &mut ids).is_err());
+            let mut batch = RingBatch::new(&ring).unwrap();
+            let mut ids = vec![7; 3];
+            for &k in &keys {
+                batch.push(k, &mut ids);
+            }
+            batch.finish(&mut ids);
+            assert_eq!(ids[..3], [7; 3], "{kind:?}: appended after what `out` held");
+            assert_eq!(ids[3..], want[..], "{kind:?}");
         }
+        let empty = HashRing::new(Vec::<(&str, f64)>::new(), 160, RingHash::Ketama).unwrap();
+        assert!(RingBatch::new(&empty).is_err());
     }
 
     #[test]
@@ -402,6 +395,163 @@ mod ring {
             let before = r.get(Key::Int(k)).unwrap();
             let after = grown.get(Key::Int(k)).unwrap();
             assert!(after == before || after == new_id);
+        }
+    }
+}
+
+/// `ring_split.rs`: the split table against the definition of a ring's owner, on synthetic
+/// rings built to reach every case (empty buckets, points at a bucket's first and last hash,
+/// equal points, runs of three and more points in one bucket, a point in the last bucket).
+mod split {
+    use crate::hashing::ring::bucket_table;
+    use crate::hashing::ring_split::SplitTable;
+    use crate::hashing::*;
+
+    /// SplitMix64.
+    fn rng(seed: u64) -> impl FnMut() -> u64 {
+        let mut state = seed;
+        move || {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        }
+    }
+
+    /// The owner of `h` by definition: that of the first point `>= h`; the sentinel (`u64::MAX`,
+    /// last) owns the wrap-around.
+    fn owner(points: &[u64], owners: &[NodeId], h: u64) -> NodeId {
+        owners[points.iter().position(|&p| p >= h).unwrap()]
+    }
+
+    /// A ring's points (sorted, 32-bit, with the sentinel), owners (ids below `nodes`, with the
+    /// wrap-around) and bucket table, as `HashRing` lays them out: `n` random points plus
+    /// crowded buckets.
+    fn ring(n: usize, nodes: u64, seed: u64) -> (Vec<u64>, Vec<NodeId>, Vec<u32>, u32) {
+        let mut next = rng(seed);
+        let mut points: Vec<u64> = (0..n).map(|_| next() >> 32).collect();
+        if let Some(&p) = points.first() {
+            let (_, shift) = bucket_table(&points, 32);
+            let lo = (p >> shift) << shift;
+            let last = lo + (1 << shift) - 1;
+            // A bucket's first and last hash, a duplicate, runs of 3 and 5 in one bucket, and the
+            // ring's last hash.
+            points.extend([lo, last, p, lo + 1, lo + 2, lo + 3, last - 4, last - 3]);
+            points.extend([
+                last - 2,
+                last - 1,
+                u64::from(u32::MAX) - 3,
+                u64::from(u32::MAX),
+            ]);
+            points.retain(|&q| q <= u64::from(u32::MAX));
+        }
+        points.sort_unstable();
+        let owners: Vec<NodeId> = points.iter().map(|_| (next() % nodes) as NodeId).collect();
+        let (table, shift) = bucket_table(&points, 32);
+        let wrap = owners.first().copied();
+        points.push(u64::MAX);
+        let owners = [owners, wrap.into_iter().collect()].concat();
+        (points, owners, table, shift)
+    }
+
+    /// Whether this CPU runs the split table (AVX-512F).
+    fn gathers() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::arch::is_x86_feature_detected!("avx512f")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
+
+    #[test]
+    fn owners_are_the_first_point_at_or_after_each_hash() {
+        let gathers = gathers();
+        let mut scanned = 0;
+        // The last: two offsets of 15 bits and three owners of 11, the most an entry holds.
+        let cases = [
+            (1, 1),
+            (2, 2),
+            (3, 3),
+            (40, 5),
+            (640, 64),
+            (10_240, 64),
+            (40_000, 2048),
+        ];
+        for (seed, (n, nodes)) in (1..).zip(cases) {
+            let (points, owners, table, shift) = ring(n, nodes, seed);
+            let Some(split) = SplitTable::build(&points, &owners, &table, shift) else {
+                assert!(!gathers, "{n} points: no split table on a CPU with AVX-512");
+                continue;
+            };
+            let mut next = rng(seed + 100);
+            let mut hashes: Vec<u64> = vec![0, 1, u64::from(u32::MAX), 1 << 32, u64::MAX];
+            for &p in points.iter().filter(|&&p| p != u64::MAX) {
+                hashes.extend([p.saturating_sub(1), p, p + 1]);
+            }
+            for _ in 0..5_000 {
+                let t = next() % table.len() as u64;
+                let lo = t << shift;
+                hashes.extend([
+                    lo,
+                    lo + (1 << shift) - 1,
+                    lo + (next() & ((1 << shift) - 1)),
+                ]);
+                hashes.push(next() >> 32);
+            }
+            hashes.extend((0..20).map(|_| next() | 1 << 40));
+            hashes.push(7); // not a multiple of 8: the remainder's path too
+                            // Shuffled, so a hash that takes the scan sits at every lane of a gather.
+            for i in (1..hashes.len()).rev() {
+                hashes.swap(i, (next() % (i as u64 + 1)) as usize);
+            }
+            let want: Vec<NodeId> = hashes.iter().map(|&h| owner(&points, &owners, h)).collect();
+            let mut out = vec![9];
+            let scans = std::cell::Cell::new(0);
+            split.owners_into(&hashes, &mut out, |h| {
+                scans.set(scans.get() + 1);
+                owner(&points, &owners, h)
+            });
+            assert_eq!(out[0], 9, "{n} points: appended");
+            assert_eq!(out[1..], want[..], "{n} points");
+            // Only hashes above 32 bits, in crowded buckets, or in the remainder are scanned.
+            assert!(
+                scans.get() < hashes.len() / 5,
+                "{n} points: {} scans",
+                scans.get()
+            );
+            scanned += scans.get();
+        }
+        assert!(!gathers || scanned > 0);
+    }
+
+    /// A bucket's two offsets and three owners must fit an entry: a ring of many nodes with few
+    /// points each has no split table, and looks its batches up with the bucket table's scan.
+    #[test]
+    fn rings_whose_entries_would_not_fit_look_up_without() {
+        let (points, owners, table, shift) = ring(8_000, 2_000, 9);
+        assert!(SplitTable::build(&points, &owners, &table, shift).is_none());
+        // Two offsets of 17 bits and three owners of 10: one bit too many.
+        let (points, owners, table, shift) = ring(10_240, 1024, 9);
+        assert_eq!(shift, 17);
+        assert!(SplitTable::build(&points, &owners, &table, shift).is_none());
+        let (points, owners, table, shift) = ring(8_000, 200, 9);
+        let gathers = gathers();
+        assert_eq!(
+            SplitTable::build(&points, &owners, &table, shift).is_some(),
+            gathers
+        );
+        let names: Vec<String> = (0..2_000)
+            .map(|i| format!("10.1.{}.{}:80", i / 250, i % 250))
+            .collect();
+        let ring = HashRing::new(names.iter().map(|s| (s.as_str(), 1.0)), 4, RingHash::Ketama);
+        let ring = ring.unwrap();
+        let mut out = Vec::new();
+        ring.get_many_into((0..5_000u64).map(Key::Int), &mut out)
+            .unwrap();
+        for (k, &node) in (0..5_000u64).zip(&out) {
+            assert_eq!(node, ring.get(Key::Int(k)).unwrap(), "key {k}");
         }
     }
 }

@@ -4,10 +4,12 @@
 //!
 //! - [`Published`]: a value replaced whole (`replace`: the next value made from the current one
 //!   with the GIL released, then swapped in). `attached` reads it in place with the GIL held and
-//!   no lock; `read` under a read lock (with the GIL held when it is free at once, else released).
-//!   Guarantees: a reader sees the value before or after a change, never part of one; a change
-//!   that fails or panics publishes nothing; writers are serialised, so no change is lost; a
-//!   replaced value is freed only once no reader can hold it.
+//!   no lock; `read` under a read lock (with the GIL held when it is free at once, else released);
+//!   `snapshot` takes a reference to the current value that outlives both (for work that releases
+//!   the GIL between steps and must see one value throughout). Guarantees: a reader sees the
+//!   value before or after a change, never part of one; a change that fails or panics publishes
+//!   nothing; writers are serialised, so no change is lost; a replaced value is freed only once no
+//!   reader or snapshot can hold it.
 //! - [`GilCell`]: a value one thread holding the GIL at a time borrows mutably. A second borrow
 //!   while the first lives (re-entry, or a borrow held across a GIL release) is refused (`None`),
 //!   never granted.
@@ -24,6 +26,7 @@ use std::marker::PhantomData;
 #[cfg(not(Py_GIL_DISABLED))]
 use std::sync::atomic::AtomicBool;
 use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::Arc;
 
 use parking_lot::RwLock;
 #[cfg(Py_GIL_DISABLED)]
@@ -37,8 +40,9 @@ pub struct Published<T> {
     /// Held by a writer from its read of the value to the publication of the next, and by
     /// readers that do not rely on the GIL while they read.
     lock: RwLock<()>,
-    /// The current value, owned (made by `Box::into_raw`). Replaced only with the write lock and
-    /// (but on a free-threaded build) the GIL held; the value it replaced is freed after.
+    /// The current value, one strong count of an `Arc` (made by `Arc::into_raw`). Replaced only
+    /// with the write lock and (but on a free-threaded build) the GIL held; the count it held on
+    /// the value it replaced is dropped after.
     live: AtomicPtr<T>,
     /// `Send` and `Sync` as an `RwLock<T>` is.
     _value: PhantomData<RwLock<T>>,
@@ -46,8 +50,8 @@ pub struct Published<T> {
 
 impl<T> Drop for Published<T> {
     fn drop(&mut self) {
-        // SAFETY: `live` holds a pointer from `Box::into_raw` that only `self` owns.
-        drop(unsafe { Box::from_raw(*self.live.get_mut()) });
+        // SAFETY: `live` holds a strong count from `Arc::into_raw` that only `self` owns.
+        drop(unsafe { Arc::from_raw(*self.live.get_mut()) });
     }
 }
 
@@ -55,7 +59,7 @@ impl<T: Send + Sync> Published<T> {
     pub fn new(value: T) -> Self {
         Self {
             lock: RwLock::new(()),
-            live: AtomicPtr::new(Box::into_raw(Box::new(value))),
+            live: AtomicPtr::new(Arc::into_raw(Arc::new(value)).cast_mut()),
             _value: PhantomData,
         }
     }
@@ -67,8 +71,8 @@ impl<T: Send + Sync> Published<T> {
     /// with the GIL — holds the GIL and keeps it that long.
     #[inline(always)]
     unsafe fn current(&self) -> &T {
-        // SAFETY: `live` is never null and is freed only after being replaced, with the write
-        // lock and the GIL held, which the caller's contract excludes during the borrow.
+        // SAFETY: `live` is never null and its count is dropped only after being replaced, with
+        // the write lock and the GIL held, which the caller's contract excludes during the borrow.
         unsafe { &*self.live.load(Ordering::Acquire) }
     }
 
@@ -106,6 +110,21 @@ impl<T: Send + Sync> Published<T> {
         with_read(py, &self.lock, inline, |()| f(unsafe { self.current() }))
     }
 
+    /// A strong reference to the current value: it stays alive (and unchanged) however long the
+    /// caller keeps it, across GIL releases and later changes, which publish other values.
+    pub fn snapshot(&self, py: Python<'_>) -> Arc<T> {
+        // SAFETY: `attached` holds the GIL or the read lock while the closure runs, and the
+        // closure runs no Python code. The value is the one `live` holds a strong count of (see
+        // `current`), alive while that count stands; a count added here keeps it alive after.
+        unsafe {
+            self.attached(py, |value| {
+                let at: *const T = value;
+                Arc::increment_strong_count(at);
+                Arc::from_raw(at)
+            })
+        }
+    }
+
     /// Replaces the value with `f(value)`, made with the GIL released, when `f` succeeds; its
     /// error (or panic) leaves the value as it was. The GIL is taken for the swap alone, through
     /// the C API, which runs no Python code (PyO3's `attach` may run finalisers, which could
@@ -117,12 +136,13 @@ impl<T: Send + Sync> Published<T> {
     ) -> Result<(), E> {
         with_write(py, &self.lock, |()| {
             // SAFETY: the write lock is held.
-            let next = Box::into_raw(Box::new(f(unsafe { self.current() })?));
+            let next = Arc::into_raw(Arc::new(f(unsafe { self.current() })?)).cast_mut();
             let old = with_gil(|| self.live.swap(next, Ordering::AcqRel));
-            // SAFETY: `old` came from `Box::into_raw` and nothing can reach it now: readers
-            // under the lock are excluded by the write lock; readers relying on the GIL read it
-            // before the swap (whose thread held the GIL) or read `next`.
-            drop(unsafe { Box::from_raw(old) });
+            // SAFETY: `old` is the strong count `live` held, from `Arc::into_raw`, and no reader
+            // borrows through it now: readers under the lock are excluded by the write lock;
+            // readers relying on the GIL read it before the swap (whose thread held the GIL) or
+            // read `next`. Snapshots hold counts of their own.
+            drop(unsafe { Arc::from_raw(old) });
             Ok(())
         })
     }

@@ -8,9 +8,9 @@
 //! as node ids plus the node names they refer to, and are turned into Python `str` objects from a
 //! per-object cache that creates each node's `str` once.
 //!
-//! `HashRing.get_many` on an exact list or tuple hashes its keys first, reading each where it
-//! lies with the GIL held (released between chunks, see [`Seq::hash_keys`]), then looks the
-//! hashes up with the GIL released, under one read lock: the keys are never copied.
+//! `HashRing.get_many` on an exact list or tuple reads each key where it lies, hashes it and looks
+//! it up with the GIL held (released between chunks, see [`Seq::lookup_keys`]), all against one
+//! snapshot of the ring ([`Published::snapshot`]): the keys are never copied.
 
 use std::sync::Arc;
 
@@ -31,7 +31,7 @@ use super::gil::Published;
 use super::in_place::{set_new_list_item, Seq};
 use super::keys::{with_key, KeyBatch};
 use super::names::NameCache;
-use crate::hashing::{self, ConsistentHash, Key, KeyHasher, NodeId, RingHash, SeenNodes};
+use crate::hashing::{self, ConsistentHash, Key, NodeId, RingBatch, RingHash, SeenNodes};
 
 /// Batches at least this long are looked up (and, but for a ring's list or tuple, hashed) with the
 /// GIL released.
@@ -342,8 +342,6 @@ fn positions_of<H: ConsistentHash>(h: &H, ids: &[NodeId]) -> crate::Result<(Name
 #[derive(Default)]
 struct Scratch {
     keys: KeyBatch,
-    /// Ring positions of keys hashed before the lookup (see [`AsRing`]).
-    hashes: Vec<u64>,
     ids: Vec<NodeId>,
 }
 
@@ -352,15 +350,14 @@ impl Scratch {
     const KEEP_BYTES: usize = 64 << 20;
 
     fn trim(&mut self) {
-        let bytes = self.keys.capacity_bytes() + self.hashes.capacity() * 8;
+        let bytes = self.keys.capacity_bytes();
         if bytes + self.ids.capacity() * 4 > Self::KEEP_BYTES {
             *self = Self::default();
         }
     }
 }
 
-/// The ring a hasher is, for batches hashed before the lookup (a ring's key hash depends on its
-/// kind only, never on its nodes, so keys can be hashed before its lock is taken).
+/// The ring a hasher is, for batches looked up as their keys are read (see [`Seq::lookup_keys`]).
 trait AsRing {
     fn as_ring(&self) -> Option<&hashing::HashRing> {
         None
@@ -479,11 +476,7 @@ impl<H: ConsistentHash + AsRing + Clone + Send + Sync> Shared<H> {
         let mut guard = self.scratch.try_lock();
         let mut own = Scratch::default();
         let scratch: &mut Scratch = guard.as_deref_mut().unwrap_or(&mut own);
-        let Scratch {
-            keys: batch,
-            hashes,
-            ids,
-        } = scratch;
+        let Scratch { keys: batch, ids } = scratch;
         // The names of the ids (a list), or each id's position among the nodes and the nodes in
         // that order (`as_index`), read under the lock the lookups ran under.
         let finish = |h: &H, ids: &[NodeId]| match as_index {
@@ -497,17 +490,14 @@ impl<H: ConsistentHash + AsRing + Clone + Send + Sync> Shared<H> {
                 h.get_many_into(values.iter().map(|&k| Key::Int(k)), ids)?;
                 finish(h, ids)
             })
-        } else if let Some((seq, kind)) = self.ring_seq(py, keys) {
-            hashes.clear();
-            seq.hash_keys(&mut KeyHasher::new(kind), hashes)?;
-            let hashes = &*hashes;
-            self.read(py, hashes.len(), |h| {
-                let ring = h.as_ring().ok_or_else(|| {
-                    crate::Error::Value("internal error: the hasher is no ring".to_owned())
-                })?;
-                ring.get_hashed_into(kind, hashes, ids)?;
-                finish(h, ids)
-            })
+        } else if let Some((seq, h)) = self.ring_seq(py, keys) {
+            // One ring for the whole batch, though the GIL is released between chunks of keys.
+            let ring = h.as_ring().ok_or_else(|| {
+                crate::Error::Value("internal error: the hasher is no ring".to_owned())
+            })?;
+            ids.clear();
+            seq.lookup_keys(&mut RingBatch::new(ring)?, ids)?;
+            finish(&h, ids)
         } else {
             batch.refill(keys)?;
             let batch = &*batch;
@@ -530,16 +520,16 @@ impl<H: ConsistentHash + AsRing + Clone + Send + Sync> Shared<H> {
         out
     }
 
-    /// `keys` as a [`Seq`] with the kind of this hasher's ring, when `keys` is an exact list or
-    /// tuple and the hasher a ring (the batches hashed before the lookup).
+    /// `keys` as a [`Seq`] with a snapshot of this hasher, when `keys` is an exact list or tuple
+    /// and the hasher a ring (looked up as its keys are read: see [`Seq::lookup_keys`]).
     fn ring_seq<'a, 'py>(
         &self,
         py: Python<'py>,
         keys: &'a Bound<'py, PyAny>,
-    ) -> Option<(Seq<'a, 'py>, RingHash)> {
+    ) -> Option<(Seq<'a, 'py>, Arc<H>)> {
         let seq = Seq::of(keys)?;
-        let kind = self.read(py, 1, |h| h.as_ring().map(hashing::HashRing::hash_kind))?;
-        Some((seq, kind))
+        let h = self.core.snapshot(py);
+        h.as_ring().is_some().then_some((seq, h))
     }
 
     fn preference<'py>(

@@ -11,7 +11,7 @@
 //! - The bytes of a key are exactly those [`super::keys::with_key`] gives: a `str`'s UTF-8
 //!   encoding, a `bytes`' contents, an `int`'s value. Anything [`str_utf8`] cannot read in place
 //!   goes through the stable API (`PyUnicode_AsUTF8AndSize`, which also caches the UTF-8 copy).
-//! - Python objects are read only with the GIL held. [`Seq::hash_keys`] holds it for at most
+//! - Python objects are read only with the GIL held. [`Seq::lookup_keys`] holds it for at most
 //!   [`GIL_CHUNK`] keys at a time and lets other threads run between chunks; a list another thread
 //!   changes meanwhile is read as `[f(k) for k in keys]` would read it: each position as it is when
 //!   reached, to the list's length at the time (a list that shrinks ends the read early).
@@ -23,13 +23,13 @@ use pyo3::types::{PyList, PyString, PyTuple};
 
 use super::convert::memory_error;
 use super::keys::with_key_at;
-use crate::hashing::{Key, KeyHasher};
+use crate::hashing::{Key, NodeId, RingBatch};
 
-/// Keys hashed per hold of the GIL by [`Seq::hash_keys`] (~0.1 ms of ketama hashing).
+/// Keys looked up per hold of the GIL by [`Seq::lookup_keys`] (~0.1 ms of ketama lookups).
 pub const GIL_CHUNK: usize = 8192;
 
 /// Keys read ahead of the one hashed, on the build that reads them in place (see
-/// [`Seq::hash_keys`]).
+/// [`Seq::lookup_keys`]).
 #[cfg(cpython_in_place)]
 const AHEAD: usize = 8;
 
@@ -153,11 +153,11 @@ impl<'a, 'py> Seq<'a, 'py> {
         }
     }
 
-    /// Hashes every key with `hasher`, appending the hashes to `hashes` (see [`KeyHasher`]).
-    /// Keys are `str`, `bytes` or `int`, as [`super::keys::with_key`] takes them; the first
-    /// other raises `TypeError` or `ValueError` naming its position. The GIL is released between
-    /// chunks of [`GIL_CHUNK`] keys (see the module guarantees for a list changed meanwhile).
-    pub fn hash_keys(&self, hasher: &mut KeyHasher, hashes: &mut Vec<u64>) -> PyResult<()> {
+    /// Pushes every key to `batch`, the owners going to `out` (see [`RingBatch`]). Keys are
+    /// `str`, `bytes` or `int`, as [`super::keys::with_key`] takes them; the first other raises
+    /// `TypeError` or `ValueError` naming its position. The GIL is released between chunks of
+    /// [`GIL_CHUNK`] keys (see the module guarantees for a list changed meanwhile).
+    pub fn lookup_keys(&self, batch: &mut RingBatch<'_>, out: &mut Vec<NodeId>) -> PyResult<()> {
         let py = self.py();
         let mut i: usize = 0;
         loop {
@@ -165,8 +165,7 @@ impl<'a, 'py> Seq<'a, 'py> {
             if i >= end {
                 break;
             }
-            hashes
-                .try_reserve(end - i)
+            out.try_reserve(end - i)
                 .map_err(|_| memory_error(self.as_any(), "keys", self.len()))?;
             while i < end {
                 #[cfg(cpython_in_place)]
@@ -191,12 +190,12 @@ impl<'a, 'py> Seq<'a, 'py> {
                             Some(bytes) => bytes,
                             None => s.to_str()?.as_bytes(),
                         };
-                        hasher.push(Key::Bytes(bytes), hashes);
+                        batch.push(Key::Bytes(bytes), out);
                     }
                     Err(_) => {
                         // Through a strong reference: a conversion that fails runs Python code
                         // (the error message's `repr`), which may change the list.
-                        with_key_at(&item.to_owned(), Some(i), |k| hasher.push(k, hashes))?;
+                        with_key_at(&item.to_owned(), Some(i), |k| batch.push(k, out))?;
                         end = end.min(self.len());
                     }
                 }
@@ -207,7 +206,7 @@ impl<'a, 'py> Seq<'a, 'py> {
                 py.detach(|| ());
             }
         }
-        hasher.finish(hashes);
+        batch.finish(out);
         Ok(())
     }
 }
