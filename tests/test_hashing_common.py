@@ -361,6 +361,24 @@ def test_lookups_during_changes_never_read_a_freed_version():
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
 
 
+def test_a_batch_from_a_list_or_tuple_does_not_import_numpy():
+    # Checking for a NumPy array imports NumPy (~45 ms): a process whose first batch is a list
+    # must not pay that inside its first lookup.
+    code = (
+        "import sys, kvroute\n"
+        "for make in (kvroute.HashRing, kvroute.Maglev, kvroute.Rendezvous, kvroute.JumpHash):\n"
+        "    h = make(['a', 'b', 'c'])\n"
+        "    assert h.get_many(['k1', b'k2', 3]) == h.get_many(('k1', b'k2', 3))\n"
+        "    assert len(h.get_many(['k1'] * 100)) == 100\n"
+        "kvroute.HashRing(['a'], hash='xxh3').get_many(['k'])\n"
+        "assert 'numpy' not in sys.modules, 'imported'\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 # -- hash_key (the stable key hash every hasher reads str/bytes keys through) --------------
 
 

@@ -478,19 +478,15 @@ impl<H: ConsistentHash + AsRing + Clone + Send + Sync> Shared<H> {
         let scratch: &mut Scratch = guard.as_deref_mut().unwrap_or(&mut own);
         let Scratch { keys: batch, ids } = scratch;
         // The names of the ids (a list), or each id's position among the nodes and the nodes in
-        // that order (`as_index`), read under the lock the lookups ran under.
+        // that order (`as_index`), read from the version of the hasher the lookups ran on.
         let finish = |h: &H, ids: &[NodeId]| match as_index {
             false => names_of(h, ids).map(|names| (names, None)),
             true => positions_of(h, ids).map(|(order, at)| (order, Some(at))),
         };
-        let (names, positions) = if keys.cast::<PyUntypedArray>().is_ok() {
-            let values = u64_slice(keys, "keys", Negative::Reject)?;
-            let values = values.as_slice();
-            self.read(py, values.len(), |h| {
-                h.get_many_into(values.iter().map(|&k| Key::Int(k)), ids)?;
-                finish(h, ids)
-            })
-        } else if let Some((seq, h)) = self.ring_seq(py, keys) {
+        // A list or tuple first: asking whether an object is a NumPy array imports NumPy (~45 ms
+        // on a process's first batch).
+        let seq = Seq::of(keys);
+        let (names, positions) = if let Some((seq, h)) = self.ring_seq(py, seq) {
             // One ring for the whole batch, though the GIL is released between chunks of keys.
             let ring = h.as_ring().ok_or_else(|| {
                 crate::Error::Value("internal error: the hasher is no ring".to_owned())
@@ -498,6 +494,13 @@ impl<H: ConsistentHash + AsRing + Clone + Send + Sync> Shared<H> {
             ids.clear();
             seq.lookup_keys(&mut RingBatch::new(ring)?, ids)?;
             finish(&h, ids)
+        } else if seq.is_none() && keys.cast::<PyUntypedArray>().is_ok() {
+            let values = u64_slice(keys, "keys", Negative::Reject)?;
+            let values = values.as_slice();
+            self.read(py, values.len(), |h| {
+                h.get_many_into(values.iter().map(|&k| Key::Int(k)), ids)?;
+                finish(h, ids)
+            })
         } else {
             batch.refill(keys)?;
             let batch = &*batch;
@@ -520,14 +523,14 @@ impl<H: ConsistentHash + AsRing + Clone + Send + Sync> Shared<H> {
         out
     }
 
-    /// `keys` as a [`Seq`] with a snapshot of this hasher, when `keys` is an exact list or tuple
-    /// and the hasher a ring (looked up as its keys are read: see [`Seq::lookup_keys`]).
+    /// `seq` with a snapshot of this hasher, when there is one (`keys` is an exact list or tuple)
+    /// and the hasher is a ring (looked up as its keys are read: see [`Seq::lookup_keys`]).
     fn ring_seq<'a, 'py>(
         &self,
         py: Python<'py>,
-        keys: &'a Bound<'py, PyAny>,
+        seq: Option<Seq<'a, 'py>>,
     ) -> Option<(Seq<'a, 'py>, Arc<H>)> {
-        let seq = Seq::of(keys)?;
+        let seq = seq?;
         let h = self.core.snapshot(py);
         h.as_ring().is_some().then_some((seq, h))
     }

@@ -74,6 +74,7 @@ pub unsafe fn str_utf8<'a>(op: *mut pyo3::ffi::PyObject) -> Option<&'a [u8]> {
 
 /// A sequence whose items are read by index: an exact `list` (which other threads may change
 /// whenever the GIL is released) or an exact `tuple`.
+#[derive(Clone, Copy)]
 pub enum Seq<'a, 'py> {
     List(&'a Bound<'py, PyList>),
     Tuple(&'a Bound<'py, PyTuple>),
