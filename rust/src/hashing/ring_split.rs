@@ -32,6 +32,8 @@ const SCAN: u64 = 1 << 63;
 /// that first point and the next two: a hash at offset `o` goes to owner `k`, the number of
 /// `e0`, `e1` below `o`. Plus [`SCAN`] when a third point lies before the bucket's last hash.
 #[derive(Debug, Clone)]
+// Elsewhere than x86-64 no table is built (`build` returns `None`), so its fields go unread.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(super) struct SplitTable {
     entries: Vec<u64>,
     /// `s`: a bucket's width in bits.

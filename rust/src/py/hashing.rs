@@ -33,8 +33,9 @@ use super::keys::{with_key, KeyBatch};
 use super::names::NameCache;
 use crate::hashing::{self, ConsistentHash, Key, NodeId, RingBatch, RingHash, SeenNodes};
 
-/// Batches at least this long are looked up (and, but for a ring's list or tuple, hashed) with the
-/// GIL released.
+/// Batches at least this long are hashed and looked up with the GIL released (but for a ring's
+/// list or tuple, whose keys are read, hashed and looked up in chunks with the GIL held: see
+/// [`Seq::lookup_keys`]).
 const DETACH_MIN_KEYS: usize = 64;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -25,7 +25,7 @@ use super::convert::memory_error;
 use super::keys::with_key_at;
 use crate::hashing::{Key, NodeId, RingBatch};
 
-/// Keys looked up per hold of the GIL by [`Seq::lookup_keys`] (~0.1 ms of ketama lookups).
+/// Keys looked up per hold of the GIL by [`Seq::lookup_keys`] (~0.1 ms of ketama `get_many`).
 pub const GIL_CHUNK: usize = 8192;
 
 /// Keys read ahead of the one hashed, on the build that reads them in place (see
