@@ -536,6 +536,11 @@ mod split {
         let (points, owners, table, shift) = ring(10_240, 1024, 9);
         assert_eq!(shift, 17);
         assert!(SplitTable::build(&points, &owners, &table, shift).is_none());
+        // A table that does not cover the 32-bit hashes in buckets of `2^shift`: none either.
+        let (points, owners, table, shift) = ring(8_000, 200, 9);
+        let half = &table[..table.len() / 2];
+        assert!(SplitTable::build(&points, &owners, half, shift).is_none());
+        assert!(SplitTable::build(&points, &owners, &table, shift + 1).is_none());
         let (points, owners, table, shift) = ring(8_000, 200, 9);
         let gathers = gathers();
         assert_eq!(
