@@ -87,7 +87,7 @@ pub struct HashRing {
     pub(super) shift: u32,
     pointless: Vec<NodeId>,
     /// Batch lookups eight at a time, where the CPU can (ketama rings only).
-    split: Option<SplitTable>,
+    pub(super) split: Option<SplitTable>,
 }
 
 impl HashRing {

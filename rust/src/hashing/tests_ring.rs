@@ -526,6 +526,19 @@ mod split {
         assert!(!gathers || scanned > 0);
     }
 
+    /// A ketama ring's batches take the split table wherever the CPU can run it; an XXH3 ring's
+    /// 64-bit positions never do (and nor does an empty ring).
+    #[test]
+    fn ketama_rings_build_a_split_table_where_the_cpu_has_avx512() {
+        let names: Vec<String> = (0..64).map(|i| format!("10.0.0.{i}:8000")).collect();
+        for (hash, want) in [(RingHash::Ketama, gathers()), (RingHash::Xxh3, false)] {
+            let ring = HashRing::new(names.iter().map(|s| (s.as_str(), 1.0)), 160, hash).unwrap();
+            assert_eq!(ring.split.is_some(), want, "{hash:?}");
+        }
+        let empty = HashRing::new(Vec::<(&str, f64)>::new(), 160, RingHash::Ketama).unwrap();
+        assert!(empty.split.is_none());
+    }
+
     /// A bucket's two offsets and three owners must fit an entry: a ring of many nodes with few
     /// points each has no split table, and looks its batches up with the bucket table's scan.
     #[test]
