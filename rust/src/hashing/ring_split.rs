@@ -128,8 +128,7 @@ impl SplitTable {
         let s = i64::from(self.shift);
         let shift = _mm512_set1_epi64(s);
         let cap = _mm512_set1_epi64((1i64 << s) - 1);
-        let fields = _mm512_set1_epi64(!(SCAN as i64));
-        let last = _mm512_set1_epi64(self.entries.len() as i64 - 1);
+        let scan_bit = _mm512_set1_epi64(SCAN as i64);
         let max_hash = _mm512_set1_epi64(i64::from(u32::MAX));
         let owner_mask = _mm512_set1_epi64((1i64 << self.owner_bits) - 1);
         let first_owner = _mm512_set1_epi64(2 * s);
@@ -138,10 +137,21 @@ impl SplitTable {
         for chunk in &mut chunks {
             // SAFETY: `chunk` holds 8 u64 (64 bytes); the load is unaligned.
             let h = unsafe { _mm512_loadu_si512(chunk.as_ptr().cast()) };
-            // Clamped to the table: whatever the hash, the gather reads inside `entries`.
-            let t = _mm512_min_epu64(_mm512_srlv_epi64(h, shift), last);
-            // SAFETY: every index is at most `entries.len() - 1`, scaled by 8 bytes an entry.
-            let e = unsafe { _mm512_i64gather_epi64::<8>(t, self.entries.as_ptr().cast()) };
+            // Only 32-bit positions are looked up here: their bucket, `h >> s`, is below
+            // `entries.len()`, which is `2^(32 - s)` (checked in `build`). The other lanes load
+            // nothing (their entry reads as 0) and take the scan.
+            let positions = _mm512_cmple_epu64_mask(h, max_hash);
+            let t = _mm512_srlv_epi64(h, shift);
+            // SAFETY: only the lanes in `positions` are read, each inside `entries` (above),
+            // scaled by 8 bytes an entry.
+            let e = unsafe {
+                _mm512_mask_i64gather_epi64::<8>(
+                    _mm512_setzero_si512(),
+                    positions,
+                    t,
+                    self.entries.as_ptr().cast(),
+                )
+            };
             let o = _mm512_and_si512(h, cap);
             let past0 = _mm512_cmpgt_epu64_mask(o, _mm512_and_si512(e, cap));
             let past1 =
@@ -154,8 +164,7 @@ impl SplitTable {
             let mut lanes = [0u32; 8];
             // SAFETY: `lanes` holds 8 u32 (32 bytes); the store is unaligned.
             unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), found) };
-            let mut rescan =
-                _mm512_cmpgt_epu64_mask(e, fields) | _mm512_cmpgt_epu64_mask(h, max_hash);
+            let mut rescan = _mm512_test_epi64_mask(e, scan_bit) | !positions;
             while rescan != 0 {
                 let lane = rescan.trailing_zeros() as usize;
                 if let (Some(slot), Some(&h)) = (lanes.get_mut(lane), chunk.get(lane)) {
