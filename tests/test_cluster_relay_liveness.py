@@ -79,8 +79,8 @@ def test_a_killed_relay_marks_its_workers_stale_and_its_endpoint_answers(tmp_pat
     stale once MISSED_HEARTBEATS intervals pass without a heartbeat (before: fresh forever,
     review13 r14)."""
     engine = Engine(replay=False)
-    port = free_port()
     with NatsServer(tmp_path / "js") as nats:
+        port = free_port()  # picked while NATS holds its own: never the same
         (tmp_path / "f.toml").write_text(
             f'[router]\nindex = "events"\n[cluster]\nnats = "{nats.url}"\nrelay = true\n'
             "relay_heartbeat = 0.1\nconnect_timeout = 0.5\n"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-import socket
 from typing import Any
 
 import grpc
@@ -27,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.epp_client import EnvoyClient, EppThread, epp_config
 from support.gateway_fleet import LONG_SYSTEM, Fleet, toml_text, wait_for
 from support.gateway_upstream import expected_cached, reference_render, reference_tokens
+from support.helpers import free_ports
 
 
 @pytest.fixture(scope="module")
@@ -510,7 +510,7 @@ def test_cli_validates_the_config_and_serves(fresh, tmp_path):
     )
     assert out.returncode == 2 and "must have an IP address as host" in out.stderr
     good = tmp_path / "good.toml"
-    grpc_port, metrics_port = free_port(), free_port()
+    grpc_port, metrics_port = free_ports(2)
     good.write_text(
         toml_text(epp_config(fresh, epp={"port": grpc_port, "metrics_port": metrics_port}))
     )
@@ -534,12 +534,6 @@ def _answers(port: int) -> bool:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_requests_naming_no_model_are_direct_access(fresh):

@@ -14,13 +14,15 @@ async def moved_deadline() -> None:
     loop = asyncio.get_running_loop()
     fired: list[tuple[object, float]] = []
     d = LazyDeadline(loop, lambda owner: fired.append((owner, loop.time())), "conn")
-    d.set(0.05)
+    # Seconds apart, so that a stalled loop (a full GC, a busy CI machine) cannot fire the
+    # first timer before the move.
+    d.set(1.0)
     first = d.handle
     await asyncio.sleep(0.03)
-    d.set(0.1)  # moved while the first timer is pending: no new timer
+    d.set(1.2)  # moved while the first timer is pending: no new timer
     assert d.handle is first
-    latest = loop.time() + 0.1
-    await asyncio.sleep(0.3)
+    latest = loop.time() + 1.2
+    await asyncio.sleep(1.5)
     assert [owner for owner, _ in fired] == ["conn"]
     assert fired[0][1] >= latest
     assert d.handle is None and d.at is None

@@ -13,7 +13,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
-import time
 from typing import Any
 
 import httpx
@@ -777,8 +776,9 @@ def test_load_loses_and_duplicates_nothing(protocol):
         assert sorted(answered) == sorted(f"L-{i}" for i in range(300))
         assert len(served) >= 300
         idle(gw)
-        time.sleep(0.2)  # background drains of SGLang prefill replies
-        assert gw.gateway.pd is not None and not gw.gateway.pd.background
+        pd = gw.gateway.pd
+        assert pd is not None  # background drains of SGLang prefill replies end
+        wait_for(lambda: not pd.background, "the background drains to end", 10)
     fleet.close()
     ex = fleet.exchange
     assert ex.errors == []

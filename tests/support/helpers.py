@@ -4,10 +4,22 @@ independent references that more than one module checks against."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports on 127.0.0.1: all bound at once while read (ports picked one
+    at a time can repeat: Linux draws them at random)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def run_threads(*calls: tuple[Callable[..., Any], tuple]) -> None:
