@@ -107,6 +107,8 @@ class Engine:
             VLLM_CPU_OMP_THREADS_BIND="nobind",
             VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES="1" if self.int_hashes else "0",
             VLLM_SERVER_DEV_MODE="1",  # POST /reset_prefix_cache between scenarios
+            # /v1/responses keeps responses: previous_response_id works (on this engine only).
+            VLLM_ENABLE_RESPONSES_API_STORE="1",
             VLLM_NO_USAGE_STATS="1",
             VLLM_DO_NOT_TRACK="1",
             OMP_NUM_THREADS="1",
@@ -150,6 +152,7 @@ class Engine:
             "--kv-events-config",
             json.dumps(events),
             "--enforce-eager",
+            "--enable-scale-out",  # POST /v1/responses/render: the Responses tokens' oracle
             # Stats stay on: approx mode reads each engine's block size from its /metrics
             # (vllm:cache_config_info), which --disable-log-stats would leave out.
             *(["--kv-transfer-config", json.dumps(self.kv_transfer)] if self.kv_transfer else []),

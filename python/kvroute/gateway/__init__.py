@@ -1,8 +1,10 @@
 """``kvroute serve``: an OpenAI-compatible gateway that routes with ``kvroute.Router``.
 
-``POST /v1/chat/completions`` and ``/v1/completions`` (streamed or not), ``GET /v1/models``,
-``/health`` and ``/metrics`` (Prometheus; on the admin listener or behind an admin key), in
-front of a fleet of vLLM / SGLang / other OpenAI-compatible servers named in a TOML file
+``POST /v1/chat/completions``, ``/v1/completions`` and ``/v1/responses`` (streamed or not;
+``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel`` at the worker holding the
+response: ``kvroute.gateway.responses_api``), ``GET /v1/models``, ``/health`` and ``/metrics``
+(Prometheus; on the admin listener or behind an admin key), in front of a fleet of vLLM /
+SGLang / other OpenAI-compatible servers named in a TOML file
 (``kvroute.gateway.config``). Requests for an
 endpoint (``model: "ep-..."``) stay inside its sticky worker pool, behind its own API keys, with
 its blocks (and, on vLLM/SGLang, the engine's cache) salted apart from every other tenant; the

@@ -1,6 +1,7 @@
 """The gateway: an ASGI app that routes OpenAI-style requests with ``kvroute.Router``.
 
-Request path (``POST /v1/chat/completions``, ``POST /v1/completions``):
+Request path (``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
+— the Responses API's routing tokens, follow-ups and streams: ``kvroute.gateway.responses``):
 
 1. The caller's bearer key is checked from the headers (``kvroute.gateway.auth``): a caller that
    can open no target is answered 401 before its body is read.
@@ -111,6 +112,8 @@ from .pd import HANDOVER_FIELDS, PdForwarder
 from .prompt import OFFLOAD_CHARS, RequestError, Tokenizer, load_tokenizer
 from .rawjson import RawObject, dumps
 from .request import ClientGone, Incoming, parse_payload, read_body, uncancel
+from .responses import RESPONSES, chat_usage
+from .responses_api import BY_ID, ResponsesApi
 from .stream import (
     EventTooLarge,
     ProxyStream,
@@ -119,7 +122,9 @@ from .stream import (
     failed_answer,
     first_events,
     first_failure,
+    first_output,
     forwarded_headers,
+    responses_failure,
     wait_disconnect,
 )
 from .upstream import (
@@ -157,7 +162,9 @@ class Call:
     __slots__ = (
         "digest",
         "flight",
+        "history",
         "paired",
+        "pinned",
         "rid",
         "route",
         "slo",
@@ -179,6 +186,10 @@ class Call:
         self.slo: float | None = None
         self.flight: Flight | None = None  # the attempt that answered
         self.paired = False  # counted in pd_pairs_total (once, by its first pair's reason)
+        # (previous response id, its worker): a Responses follow-up only that worker can serve.
+        self.pinned: tuple[str, str] | None = None
+        # A Responses follow-up: the engine's prompt starts with a history the tokens do not.
+        self.history = False
 
 
 def _not_found(req: Incoming) -> HTTPError:
@@ -288,11 +299,13 @@ class Gateway:
             )
         self.pd = PdForwarder(self) if config.pd is not None else None
         self.warmer = Warmer.for_endpoints(self, config.endpoints)
+        self.responses = ResponsesApi(self)
         # Who routes and sends each attempt of _forward's loop: single requests or pairs.
         self._via: Gateway | PdForwarder = self if self.pd is None else self.pd
         self.routes: dict[str, dict[str, Handler]] = {
             CHAT: {"POST": partial(self._handle, route=CHAT)},
             COMPLETIONS: {"POST": partial(self._handle, route=COMPLETIONS)},
+            RESPONSES: {"POST": partial(self._handle, route=RESPONSES)},
             "/v1/models": {"GET": self._models},
             "/health": {"GET": self._public_health},
             "/metrics": {"GET": self._public_metrics},
@@ -330,6 +343,8 @@ class Gateway:
     ) -> None:
         req = Incoming(scope, receive)
         methods = routes.get(scope["path"])
+        if methods is None and routes is self.routes and scope["path"].startswith(BY_ID):
+            methods = {scope["method"]: self.responses.by_id}  # it answers 404 / 405 itself
         handler = methods.get(scope["method"]) if methods is not None else None
         if handler is None:
             if methods is None:
@@ -513,6 +528,16 @@ class Gateway:
             call.tenant = target.endpoint or "-"
             tok = self.tokenizer
             encode = tok.chat_tokens if route == CHAT else tok.completion_tokens
+            if route == RESPONSES:
+                if self.pd is not None:
+                    raise HTTPError(
+                        501,
+                        "/v1/responses is not served with [pd] (prefill/decode pairs) yet",
+                        code="not_supported",
+                    )
+                encode = self.responses.tokens
+                call.pinned = self.responses.pinned(target, payload)
+                call.history = payload.get("previous_response_id") is not None
             try:
                 if tok.slow and len(body) > OFFLOAD_CHARS:  # a large body: off the event loop
                     tokens = await asyncio.to_thread(encode, payload)
@@ -520,7 +545,7 @@ class Gateway:
                     tokens = encode(payload)
             except RequestError as e:
                 raise HTTPError(400, str(e), code="invalid_prompt") from None
-            upstream = self._upstream_body(target, payload, raw)
+            upstream = self._upstream_body(target, payload, raw, route)
             shed = self.admission.admit(call.tenant)
             if shed is not None:
                 raise self._shed(shed)
@@ -604,7 +629,11 @@ class Gateway:
         return HTTPError(429, shed.message, "rate_limit_error", shed.reason, {"retry-after": "1"})
 
     def _upstream_body(
-        self, target: Target, payload: dict[str, Any], raw: RawObject | None = None
+        self,
+        target: Target,
+        payload: dict[str, Any],
+        raw: RawObject | None = None,
+        route: str = CHAT,
     ) -> UpstreamBody:
         body = dict(payload)
         body["model"] = target.upstream_model
@@ -614,7 +643,7 @@ class Gateway:
         for name in HANDOVER_FIELDS:  # only the gateway may point an engine at another's KV
             body.pop(name, None)
         strip_usage = False
-        if payload.get("stream") is True:
+        if payload.get("stream") is True and route != RESPONSES:  # its usage comes at the end
             options = body.get("stream_options")
             if not (isinstance(options, dict) and options.get("include_usage")):
                 body["stream_options"] = {**(options or {}), "include_usage": True}
@@ -633,17 +662,24 @@ class Gateway:
         full = self.upstreams.full
         exclude = [*tried, *full] if full else tried
         endpoint = call.target.endpoint
-        try:
-            d = self.router.route(tokens=tokens, endpoint=endpoint, exclude=exclude)
-        except NoWorkerError:
-            d = None
-        if d is None and endpoint is not None and tried:
-            # The endpoint's pool has no untried member left: this one request spills over to
-            # the router's choice outside the pool (still salted upstream); nobody is ejected.
-            with contextlib.suppress(NoWorkerError):
-                d = self.router.route(tokens=tokens, exclude=exclude)
-        if d is None:
-            return self._none_left(tried)
+        if call.pinned is not None:
+            pinned = self.responses.choose(call, tokens, tried, exclude)
+            if isinstance(pinned, HTTPError):
+                return pinned
+            d: Decision | None = pinned
+        else:
+            try:
+                d = self.router.route(tokens=tokens, endpoint=endpoint, exclude=exclude)
+            except NoWorkerError:
+                d = None
+            if d is None and endpoint is not None and tried:
+                # The endpoint's pool has no untried member left: this one request spills over
+                # to the router's choice outside the pool (still salted upstream); nobody is
+                # ejected.
+                with contextlib.suppress(NoWorkerError):
+                    d = self.router.route(tokens=tokens, exclude=exclude)
+            if d is None:
+                return self._none_left(tried)
         shed = self.admission.check_slo(d, call.slo)
         if shed is None:
             return d
@@ -822,12 +858,23 @@ class Gateway:
                 return STATUS_5XX, f"status {status}", failed_answer(status, data, resp.headers)
             reply_headers = forwarded_headers(resp.headers)
             reply_headers["x-request-id"] = call.rid  # at construction: no header rewrite after
+            # A Responses answer's usage in chat terms, for the router and the token buckets.
+            responses: Callable[[Any], Any] | None = None
+            if call.route == RESPONSES:
+                responses = partial(chat_usage, cached=not call.history)
             if stream and status == 200:
                 scanner = SseScanner(self.server.max_event_bytes)
                 chunks = resp.__aiter__()
-                first = await first_events(chunks, scanner, flight.prefilled)
-                if (failed := first_failure(first)) is not None:
+                if responses is not None:
+                    first = await first_output(chunks, scanner, flight.prefilled)
+                    failed = responses_failure(first)
+                else:
+                    first = await first_events(chunks, scanner, flight.prefilled)
+                    failed = first_failure(first)
+                if failed is not None:
                     return failed
+                if responses is not None:
+                    self.responses.learn_stream(call, flight, first)
                 handed_over = True
                 return ProxyStream(
                     self.metrics,
@@ -839,10 +886,11 @@ class Gateway:
                     first,
                     flight,
                     strip_usage=strip_usage,
-                    cache_fields=self.server.cache_usage_fields,
+                    cache_fields=self.server.cache_usage_fields and responses is None,
                     client_usage=client_usage,
                     headers=reply_headers,
                     started=call.started,
+                    responses=responses,
                 )
             data = resp.read_complete(limit)  # usually here whole with the head: no await
             if data is None:
@@ -851,6 +899,9 @@ class Gateway:
                 with contextlib.suppress(ValueError, RecursionError):
                     reply = json.loads(data)
                     usage = reply.get("usage") if isinstance(reply, dict) else None
+                    if responses is not None:
+                        self.responses.learn_reply(call, flight, reply)
+                        usage = responses(usage)
                     if client_usage is not None and isinstance(usage, dict):
                         reply["usage"] = client_usage(usage)
                         data = dumps(reply).encode()

@@ -39,6 +39,7 @@ from .client import Response as UpstreamResponse
 from .client import UpstreamError
 from .errors import EMPTY_STREAM, STREAM_ERROR, Answer, Failed
 from .metrics import GatewayMetrics
+from .responses import PREAMBLE, TERMINAL, event_payload
 from .upstream import Flight, release
 from .usage import UsageEvent, usage_event, with_cache_fields
 
@@ -48,9 +49,12 @@ __all__ = [
     "ProxyStream",
     "SseScanner",
     "WholeResponse",
+    "event_kind",
     "failed_answer",
     "first_failure",
+    "first_output",
     "forwarded_headers",
+    "responses_failure",
     "wait_disconnect",
 ]
 
@@ -163,6 +167,54 @@ async def first_events(
     return []
 
 
+async def first_output(
+    chunks: AsyncIterator[bytes], scanner: SseScanner, on_output: Callable[[], None]
+) -> list[bytes]:
+    """A Responses stream read up to its first event with data after the preamble
+    (``response.created``, ``response.in_progress``: sent before the prefill), which calls
+    ``on_output``; every event read when the stream ended before one. Raises what reading
+    raises."""
+    events: list[bytes] = []
+    async for chunk in chunks:
+        for event in scanner.feed(chunk):
+            events.append(event)
+            if b"data:" in event and event_kind(event) not in PREAMBLE:
+                on_output()
+                return events
+    return events
+
+
+def event_kind(event: bytes) -> bytes:
+    """An SSE event's ``event:`` field (vLLM names every Responses event so), else its data's
+    ``type``."""
+    if event.startswith(b"event:"):
+        end = event.find(b"\n")
+        return event[6:end].strip()
+    return event_payload(event)[0]
+
+
+def responses_failure(first: list[bytes]) -> Failed | None:
+    """``first_failure`` for a Responses stream: it failed when it ended within the preamble
+    (``EMPTY_STREAM``), or when its first event after it is an ``error`` or ``response.failed``
+    event (or an error object) whose ``code`` is not a 4xx."""
+    last = first[-1] if first else b""
+    if b"data:" not in last or event_kind(last) in PREAMBLE:
+        return EMPTY_STREAM, "no output event before the end", None
+    kind, payload = event_payload(last)
+    if kind not in (b"error", b"response.failed") or not isinstance(payload, dict):
+        return first_failure([last])
+    error = payload
+    if kind == b"response.failed":
+        response = payload.get("response")
+        error = response.get("error") if isinstance(response, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    if type(code) is int and 400 <= code <= 499:
+        return None
+    status = code if type(code) is int and 500 <= code <= 599 else 502
+    data = b"\n".join(m.group(1) for m in _DATA.finditer(last))
+    return STREAM_ERROR, f"{kind.decode()} event, code {code!r}", failed_answer(status, data, {})
+
+
 def first_failure(first: list[bytes]) -> Failed | None:
     """How a stream failed before its first output: ``EMPTY_STREAM`` when it ended before any
     event; ``STREAM_ERROR`` when its first event with data is an error object — ``{"error":
@@ -221,6 +273,7 @@ class ProxyStream(Response):
         client_usage: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
         headers: dict[str, str],
         started: float,
+        responses: Callable[[Any], Any] | None = None,
     ) -> None:
         # No body and no Content-Length: the stream is sent chunked as it arrives.
         self.status_code = upstream.status_code
@@ -239,7 +292,9 @@ class ProxyStream(Response):
         self.client_usage = client_usage
         self.started = started
         self.usage: Any = None
-        self.done = False  # data: [DONE] seen
+        # A Responses stream (ends with a terminal event): its final usage in chat terms.
+        self.responses = responses
+        self.done = False  # data: [DONE] (a Responses stream: its terminal event) seen
         self.outcome = 200  # what requests_total counts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -286,6 +341,15 @@ class ProxyStream(Response):
                 self.metrics.done(self.route, self.model, self.outcome, self.started)
 
     def _forwardable(self, events: list[bytes]) -> bytes:
+        if self.responses is not None:
+            for event in events:
+                if event_kind(event) in TERMINAL:
+                    self.done = True
+                    response = event_payload(event)[1]
+                    response = response.get("response") if isinstance(response, dict) else None
+                    if isinstance(response, dict) and isinstance(response.get("usage"), dict):
+                        self.usage = self.responses(response["usage"])
+            return b"".join(events)
         out = []
         for event in events:
             found = usage_event(event)
@@ -317,7 +381,8 @@ class ProxyStream(Response):
         if self.scanner.buf:
             return f"the stream ended inside an event ({len(self.scanner.buf)} bytes)"
         if not self.done:
-            return "the stream ended without data: [DONE]"
+            end = "a final event" if self.responses is not None else "data: [DONE]"
+            return f"the stream ended without {end}"
         return None
 
     def _usage_event(self, event: bytes, found: UsageEvent) -> bytes:

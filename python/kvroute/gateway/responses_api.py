@@ -1,0 +1,163 @@
+"""The gateway's side of the Responses API (``kvroute.gateway.responses`` gives the rules):
+the routing tokens of ``POST /v1/responses``, the worker a follow-up is pinned to, the owners
+learnt from answers, and ``GET /v1/responses/{id}`` / ``POST /v1/responses/{id}/cancel``
+forwarded to the worker holding the response.
+
+Guarantees:
+
+- A follow-up naming a response this process served for another target is answered 404, as
+  the engine answers an unknown id (one tenant never continues another's conversation). One
+  naming a response it served for the same target is sent only to the worker holding it
+  (outside the endpoint's pool too), never elsewhere: when that worker is ejected, removed or
+  already failed for the request, the answer is 503 ``previous_response_unavailable`` (429
+  ``worker_queue`` when it is only at its in-flight bound); the first attempt's own failure
+  (e.g. 502 unreachable) when it was tried.
+- The owner of a response is learnt from a 200 answer: a whole reply's ``id``, a stream's
+  ``response.created`` event (the stream was committed: its first output arrived).
+- ``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel`` are answered by the worker
+  holding the response, for callers that may open the target it was made for (404 for anyone
+  else, as for an unknown id: whether an id exists is not disclosed); the worker's answer passes
+  as it is (status, body, forwarded headers). These take no in-flight slot and are not retried.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from starlette.responses import Response
+
+from kvroute import Decision
+from kvroute.server.routing import NoWorkerError
+
+from .admission import Shed
+from .client import BodyTooLarge, UpstreamError
+from .errors import HTTPError
+from .responses import RESPONSES, ResponseOwners, chat_view, event_payload
+from .stream import WholeResponse, event_kind, forwarded_headers
+from .upstream import request_head
+
+if TYPE_CHECKING:
+    from .app import Call, Gateway
+    from .auth import Target
+    from .request import Incoming
+    from .upstream import Flight
+
+__all__ = ["BY_ID", "ResponsesApi"]
+
+#: The path prefix of a stored response's routes.
+BY_ID = RESPONSES + "/"
+
+
+class ResponsesApi:
+    """The Responses routes of one gateway (see the module docs)."""
+
+    def __init__(self, g: Gateway) -> None:
+        self.g = g
+        self.owners = ResponseOwners()
+
+    def tokens(self, payload: dict[str, Any]) -> np.ndarray:
+        """A Responses request's routing tokens."""
+        return self.g.tokenizer.chat_tokens(chat_view(payload))
+
+    def pinned(self, target: Target, payload: dict[str, Any]) -> tuple[str, str] | None:
+        """A follow-up's previous response and the worker holding it, when this process served
+        it (else None: the request is routed as any). Raises ``HTTPError`` 404 when it was made
+        for another target: one tenant never continues another's conversation."""
+        previous = payload.get("previous_response_id")
+        owner = self.owners.owner(previous)
+        if owner is None:
+            return None
+        if owner[1] != target.name:
+            raise HTTPError(
+                404,
+                f"previous_response_id {previous!r} not found",
+                "invalid_request_error",
+                "previous_response_not_found",
+            )
+        return previous, owner[0]
+
+    def choose(
+        self, call: Call, tokens: np.ndarray, tried: list[str], exclude: list[str]
+    ) -> Decision | HTTPError:
+        """A follow-up's one possible worker, or why it cannot take the request now."""
+        assert call.pinned is not None
+        g = self.g
+        previous, owner = call.pinned
+        if owner not in exclude:
+            others = [w for w in g.router.workers if w != owner]
+            with contextlib.suppress(NoWorkerError):
+                return g.router.route(tokens=tokens, exclude=others)
+        if owner in g.upstreams.full and not tried:
+            return g._shed(Shed("worker_queue", f"worker {owner}, which holds {previous}, is full"))
+        return HTTPError(
+            503,
+            f"previous_response_id {previous!r} is held by worker {owner}, which cannot serve "
+            "it now",
+            "service_unavailable",
+            "previous_response_unavailable",
+        )
+
+    def learn_reply(self, call: Call, flight: Flight, reply: Any) -> None:
+        """A whole 200 answer's response is held by its worker."""
+        if isinstance(reply, dict) and call.target is not None:
+            self.owners.learn(reply.get("id"), flight.worker, call.target.name)
+
+    def learn_stream(self, call: Call, flight: Flight, first: list[bytes]) -> None:
+        """A committed stream's response (its ``response.created`` event's) is held by its
+        worker."""
+        for event in first:
+            if event_kind(event) == b"response.created":
+                created = event_payload(event)[1]
+                response = created.get("response") if isinstance(created, dict) else None
+                self.learn_reply(call, flight, response)
+                return
+
+    async def by_id(self, req: Incoming) -> Response:
+        """``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``: the holder's answer."""
+        g = self.g
+        path, method = req.scope["path"], req.scope["method"]
+        response_id, _, action = path[len(BY_ID) :].partition("/")
+        headers = {"x-request-id": req.headers.get("x-request-id") or "-"}
+        try:
+            allowed = {"": "GET", "cancel": "POST"}.get(action)
+            if allowed is None or not response_id:
+                raise HTTPError(404, "not found", "invalid_request_error", "not_found")
+            if method != allowed:
+                raise HTTPError(405, f"use {allowed} on {path}", code="method_not_allowed")
+            access = g.auth.access(req.headers.get("authorization"))
+            owner = self.owners.owner(response_id)
+            if owner is None:
+                raise HTTPError(
+                    404,
+                    f"response {response_id!r} not found (not served by this gateway)",
+                    "invalid_request_error",
+                    "not_found",
+                )
+            worker, target = owner
+            access.target(target)  # a caller who may not open its target: 404/401 as for any
+            pool = g.upstreams.pools.get(worker)
+            if pool is None or not g.router.is_healthy(worker):
+                raise HTTPError(
+                    503,
+                    f"response {response_id!r} is held by worker {worker}, which cannot serve "
+                    "it now",
+                    "service_unavailable",
+                    "previous_response_unavailable",
+                )
+            try:
+                resp = await pool.request(method, path, request_head(headers["x-request-id"]))
+                try:
+                    data = await resp.read(g.server.max_response_bytes)
+                finally:
+                    resp.close()
+            except (UpstreamError, BodyTooLarge) as e:
+                raise HTTPError(
+                    502, f"upstream {worker} failed: {e}", "upstream_error", "upstream_failed"
+                ) from None
+        except HTTPError as e:
+            return e.response(headers)
+        passed = forwarded_headers(resp.headers)
+        passed.setdefault("content-type", "application/json")
+        return WholeResponse(data, resp.status_code, {**passed, **headers})
