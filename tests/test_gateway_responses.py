@@ -60,6 +60,9 @@ def test_the_vectors_cover_every_item_kind():
         ),
         ({"input": "x", "tools": {"type": "function"}}, "'tools' must be a list"),
         ({"input": "x", "chat_template_kwargs": []}, "'chat_template_kwargs' must be an object"),
+        ({"input": "x", "instructions": ["be brief"]}, "'instructions' must be a string"),
+        ({"input": "x", "reasoning": "low"}, "'reasoning' must be an object, got str"),
+        ({"input": "x", "previous_response_id": 7}, "'previous_response_id' must be a string"),
     ],
 )
 def test_bodies_vllm_refuses_are_refused(body, says):

@@ -150,6 +150,8 @@ def _message(item: Any, prev: dict[str, Any] | None) -> dict[str, Any] | None:
 def _messages(payload: dict[str, Any]) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     instructions = payload.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise RequestError(f"'instructions' must be a string, got {type(instructions).__name__}")
     if instructions:
         messages.append({"role": "system", "content": instructions})
     given = payload.get("input")
@@ -203,6 +205,11 @@ def _continues(given: Any) -> bool:
 def chat_view(payload: dict[str, Any]) -> dict[str, Any]:
     """The chat body whose rendering is the Responses request's prompt (see the module docs).
     Raises ``RequestError`` for a body vLLM would refuse."""
+    previous = payload.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):
+        raise RequestError(
+            f"'previous_response_id' must be a string, got {type(previous).__name__}"
+        )
     # The rendered text is tokenized with the tokenizer's special tokens (vLLM's Responses
     # requests have no add_special_tokens: its default, true), unlike a chat request's.
     view: dict[str, Any] = {"messages": _messages(payload), "add_special_tokens": True}
@@ -219,7 +226,9 @@ def chat_view(payload: dict[str, Any]) -> dict[str, Any]:
         raise RequestError("'chat_template_kwargs' must be an object")
     kwargs = dict(kwargs or {})
     reasoning = payload.get("reasoning")
-    effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
+    if reasoning is not None and not isinstance(reasoning, dict):
+        raise RequestError(f"'reasoning' must be an object, got {type(reasoning).__name__}")
+    effort = reasoning.get("effort") if reasoning is not None else None
     if effort is not None and effort != "auto":
         kwargs["reasoning_effort"] = effort
     if effort is not None and "enable_thinking" not in kwargs:
