@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import httpx
@@ -27,6 +28,7 @@ from support.gateway_upstream import expected_cached, reference_render
 
 DATA = Path(__file__).resolve().parent / "data"
 VECTORS = json.loads((DATA / "vectors" / "vllm_0.32.0_responses_render.json").read_text("utf-8"))
+ECHO = json.loads((DATA / "vectors" / "vllm_0.32.0_responses_template.json").read_text("utf-8"))
 SYSTEM = "You are the support agent of a large shop. " * 12  # several 16-token blocks
 
 
@@ -38,6 +40,23 @@ def tiny() -> ModelTokenizer:
 @pytest.mark.parametrize("case", VECTORS["cases"], ids=lambda c: str(c["request"])[:60])
 def test_routing_tokens_are_the_engines(tiny, case):
     assert tiny.chat_tokens(chat_view(case["request"])).tolist() == case["tokens"]
+
+
+@pytest.fixture(scope="module")
+def echo(tmp_path_factory) -> ModelTokenizer:
+    """The tiny Llama's tokenizer with the template that prints what it is given."""
+    root = tmp_path_factory.mktemp("echo")
+    for f in (DATA / "tiny_llama").iterdir():
+        shutil.copy(f, root / f.name)
+    (root / "chat_template.jinja").write_text(ECHO["template"])
+    return ModelTokenizer(str(root))
+
+
+@pytest.mark.parametrize("case", ECHO["cases"], ids=lambda c: str(c["request"])[:60])
+def test_what_the_template_is_given_is_what_vllm_gives_it(echo, case):
+    """Messages, tools and template variables exactly as vLLM's own Responses renderer passes
+    them (the vectors of ``tests/e2e/responses_template_vectors.py``)."""
+    assert echo.chat_tokens(chat_view(case["request"])).tolist() == case["tokens"]
 
 
 def test_the_vectors_cover_every_item_kind():
@@ -268,22 +287,37 @@ def test_a_stored_response_is_read_and_cancelled_at_its_worker_by_its_callers_on
             headers = {"authorization": f"Bearer {key}"} if key else {}
             return httpx.request(method, gw.url + path, headers=headers, timeout=20)
 
-        got = call("GET", f"/v1/responses/{first.id}")
+        got = call("GET", f"/v1/responses/{first.id}?include=x")
         assert got.status_code == 200 and got.json()["id"] == first.id
         assert holder.records[-1]["path"] == f"/v1/responses/{first.id}"
+        assert holder.records[-1]["query"] == "include=x"
+        replay = call("GET", f"/v1/responses/{first.id}?stream=true")  # passed as a stream
+        assert replay.headers["content-type"].startswith("text/event-stream")
+        assert replay.text.startswith("event: response.completed")
         cancel = call("POST", f"/v1/responses/{first.id}/cancel")
         assert cancel.status_code == 400 and "synchronous" in cancel.text  # the engine's answer
         before = len(fleet.records())
         # Another tenant's key, no key, an unknown id, a wrong method or path, a follow-up for
         # another target: never sent.
-        assert call("GET", f"/v1/responses/{first.id}", "sk-globex").status_code == 404
-        assert call("GET", f"/v1/responses/{first.id}", None).status_code == 401
-        assert call("GET", "/v1/responses/resp_unknown").status_code == 404
+        # Whether an id exists is not disclosed: the answer for another target's is vLLM's own
+        # for an unknown id, word for word.
+        unknown = call("GET", "/v1/responses/resp_unknown")
+        for key in ("sk-globex", None):
+            foreign = call("GET", f"/v1/responses/{first.id}", key)
+            assert foreign.status_code == unknown.status_code == 404
+            assert foreign.json() == {
+                **unknown.json(),
+                "error": {
+                    **unknown.json()["error"],
+                    "message": f"Response with id '{first.id}' not found.",
+                },
+            }
+        assert call("GET", "/v1/responses/a%0D%0Ax-evil:%201").status_code == 404
         assert call("DELETE", f"/v1/responses/{first.id}").status_code == 405
         assert call("GET", f"/v1/responses/{first.id}/cancel").status_code == 405
         assert call("GET", f"/v1/responses/{first.id}/other").status_code == 404
         assert call("GET", "/v1/responses/").status_code == 404
-        with pytest.raises(openai.NotFoundError, match="previous_response_id"):
+        with pytest.raises(openai.NotFoundError, match=f"Response with id '{first.id}' not"):
             gw.client(None).responses.create(
                 model="base-model", input="and?", previous_response_id=first.id
             )
@@ -305,3 +339,43 @@ def test_with_pd_it_is_answered_501_and_nothing_is_sent(fleet):
         )
         assert r.status_code == 501 and "[pd]" in r.json()["error"]["message"]
         assert fleet.records() == []
+
+
+def test_the_callers_request_id_never_names_a_response(fleet):
+    """vLLM names a response by the body's ``request_id``: a tenant choosing one could overwrite
+    another's stored response, or hand the gateway an id that is no URL."""
+    with GatewayServer(config_dict(fleet)) as gw:
+        reply = gw.client(None).responses.create(
+            model="base-model", input="hi", extra_body={"request_id": "resp_chosen"}
+        )
+        assert fleet.records()[-1]["request_id"] is None and reply.id != "resp_chosen"
+
+
+def test_the_view_leaves_the_body_as_it_was():
+    body = {
+        "input": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": None},
+            {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": "t"}]},
+        ],
+        "tools": [{"type": "function", "name": "f"}],
+        "chat_template_kwargs": {"x": 1},
+        "reasoning": {"effort": "low"},
+    }
+    before = json.loads(json.dumps(body))
+    view = chat_view(body)
+    assert body == before
+    assert view["messages"][1] == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c", "function": {"name": "f", "arguments": "{}"}, "type": "function"}
+        ],
+        "reasoning": "t",
+    }
+    assert view["chat_template_kwargs"] == {
+        "x": 1,
+        "reasoning_effort": "low",
+        "enable_thinking": True,
+    }

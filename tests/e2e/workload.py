@@ -236,3 +236,58 @@ def responses_shapes() -> list[dict[str, Any]]:
         },
         {"input": "No tools shown.", "tools": [], "reasoning": {"effort": "low"}},
     ]
+
+
+def responses_template_shapes() -> list[dict[str, Any]]:
+    """``responses_shapes`` and the cases a plain chat template cannot tell apart, for a template
+    that prints what it is given (``tests/e2e/responses_template_vectors.py``): every tool kind,
+    tool lists that show nothing, reasoning and its merges, effort, continued messages."""
+    weather = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+    run = {"type": "custom", "name": "run", "description": "Run a shell command."}
+    custom_call = {"type": "custom_tool_call", "call_id": "c1", "name": "run", "input": "ls ü"}
+    custom_out = {"type": "custom_tool_call_output", "call_id": "c1", "output": "a b"}
+    call = {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{}"}
+    spaced = {**call, "call_id": "c3", "namespace": "maps"}
+    output = {"type": "function_call_output", "call_id": "c2", "output": "18 C"}
+    thought = {
+        "type": "reasoning",
+        "id": "rs_1",
+        "summary": [{"type": "summary_text", "text": "s"}],
+    }
+    user = {"role": "user", "content": "q"}
+    return [
+        *responses_shapes(),
+        {"input": [user, custom_call, custom_out], "tools": [run]},
+        {"input": "hi", "tools": [run, weather]},
+        {"input": "hi", "tools": [{"type": "web_search_preview"}]},
+        {"input": "hi", "tools": []},
+        {"input": "hi", "tools": [weather], "tool_choice": "none"},
+        {
+            "input": "hi",
+            "tools": [
+                {"type": "namespace", "name": "m", "description": "d", "tools": [weather, run]}
+            ],
+        },
+        {"input": [user, {"role": "assistant", "content": []}, call, output]},
+        {"input": [user, call, spaced, output]},
+        {"input": [user, thought, call, thought, {"role": "user", "content": "and?"}]},
+        {"input": [user, {"role": "assistant", "content": "Once", "status": "incomplete"}]},
+        {"input": [{"role": "developer", "content": "be brief"}, user], "instructions": "sys"},
+        {"input": [user, {**output, "output": [{"type": "input_text", "text": "x"}]}]},
+        {
+            "input": [
+                {
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "t", "cache_control": {}}],
+                }
+            ]
+        },
+        {"input": "", "instructions": ""},
+        *({"input": "hi", "reasoning": {"effort": e}} for e in ("none", "low", "high")),
+        {
+            "input": "hi",
+            "reasoning": {"effort": "low"},
+            "chat_template_kwargs": {"enable_thinking": False, "custom": 1},
+        },
+        {"input": "hi", "reasoning": {}, "chat_template_kwargs": {"add_generation_prompt": False}},
+    ]

@@ -221,13 +221,20 @@ class Upstream:
         return await self._answer(request, body, text, chat=True, responses=True)
 
     async def _retrieve(self, request: Request) -> Response:
+        """A stored response; with ``?stream=true``, as vLLM replays a background one: its
+        events (here the final one)."""
         rid = request.path_params["rid"]
+        record = {"seq": next(_ARRIVALS), "path": request.url.path, "query": request.url.query}
         with self.lock:
-            self.records.append({"seq": next(_ARRIVALS), "path": request.url.path, "id": rid})
+            self.records.append({**record, "id": rid})
             found = self.responses.get(rid)
         if found is None:
             error = {"message": f"Response with id '{rid}' not found.", "code": 404}
             return JSONResponse({"error": error}, status_code=404)
+        if request.query_params.get("stream") == "true":
+            data = json.dumps({"type": "response.completed", "response": found})
+            event = f"event: response.completed\ndata: {data}\n\n".encode()
+            return StreamingResponse(iter([event]), media_type="text/event-stream")
         return JSONResponse(found)
 
     async def _cancel(self, request: Request) -> Response:
@@ -280,6 +287,7 @@ class Upstream:
             "priority": body.get("priority"),
             "stream": stream,
             "stream_options": body.get("stream_options"),
+            "request_id": body.get("request_id"),
             "authorization": request.headers.get("authorization"),
             "accept_encoding": request.headers.get("accept-encoding"),
         }

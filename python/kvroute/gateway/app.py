@@ -74,7 +74,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -111,7 +110,7 @@ from .metrics import GatewayMetrics
 from .pd import HANDOVER_FIELDS, PdForwarder
 from .prompt import OFFLOAD_CHARS, RequestError, Tokenizer, load_tokenizer
 from .rawjson import RawObject, dumps
-from .request import ClientGone, Incoming, parse_payload, read_body, uncancel
+from .request import REQUEST_ID, ClientGone, Incoming, parse_payload, read_body, uncancel
 from .responses import RESPONSES, chat_usage
 from .responses_api import BY_ID, ResponsesApi
 from .stream import (
@@ -147,7 +146,6 @@ UNSENT = (CONNECT, POOL_TIMEOUT)
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 Handler = Callable[["Incoming"], Awaitable[Response]]
 
@@ -509,7 +507,7 @@ class Gateway:
     async def _handle(self, req: Incoming, route: str) -> Response:
         started = time.perf_counter()
         given = req.headers.get("x-request-id")
-        if given and _REQUEST_ID.fullmatch(given):
+        if given and REQUEST_ID.fullmatch(given):
             # os.urandom, as secrets.token_hex draws it, without its two Python layers.
             call = Call(route, given, f"{os.urandom(8).hex()}-{given}", started)
         else:
@@ -642,6 +640,8 @@ class Gateway:
         body.pop("priority", None)
         for name in HANDOVER_FIELDS:  # only the gateway may point an engine at another's KV
             body.pop(name, None)
+        if route == RESPONSES:  # the engine names the response by it: never the caller
+            body.pop("request_id", None)
         strip_usage = False
         if payload.get("stream") is True and route != RESPONSES:  # its usage comes at the end
             options = body.get("stream_options")

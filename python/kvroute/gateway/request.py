@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,10 @@ from .errors import HTTPError
 from .listener import Cycle
 from .rawjson import RawObject, parse_object
 
-__all__ = ["ClientGone", "Incoming", "parse_payload", "read_body", "uncancel"]
+__all__ = ["REQUEST_ID", "ClientGone", "Incoming", "parse_payload", "read_body", "uncancel"]
+
+#: A caller's ``x-request-id`` the gateway keeps (else it makes one).
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
 class ClientGone(Exception):

@@ -7,18 +7,24 @@ vLLM's Responses server builds it for a request without ``previous_response_id``
 - ``instructions`` (a non-empty string) as a first ``system`` message;
 - ``input`` as a ``user`` message when it is a string; else each item in order:
   ``function_call`` → an assistant ``tool_calls`` entry ``{"id": call_id, "function": {"name",
-  "arguments"}, "type": "function"}`` (merged into the assistant message before it, if any);
-  ``function_call_output`` → a ``tool`` message (``content`` = its ``output``, ``tool_call_id``);
+  "arguments"}, "type": "function"}`` (the name ``<namespace>__<name>`` when it has a
+  namespace; merged into the assistant message before it, if any); ``custom_tool_call`` → one
+  whose ``arguments`` are ``{"input": <its input>}`` as JSON; ``function_call_output`` and
+  ``custom_tool_call_output`` → a ``tool`` message (``content`` = its ``output``,
+  ``tool_call_id``);
   ``reasoning`` → the assistant message's ``reasoning`` (its first ``content`` text, else its
   first ``summary`` text; merged into the assistant message before it when that has none;
   ``encrypted_content`` is refused, as vLLM refuses it); an assistant ``message`` → its text
   (a string ``content``, else the first part's ``text``), merged into the assistant message
   before it when that has no content yet; any other item with a ``role`` → itself, as a chat
-  message; anything else → refused (``RequestError``: vLLM answers such a request 400);
+  message (a copy: the body sent upstream is the caller's); anything else → refused
+  (``RequestError``: vLLM answers such a request 400);
 - ``tools``: the ``function`` tools as chat tools (``{"type": "function", "function": {the
-  tool's other keys}}``) and the ``function`` tools of each ``namespace`` tool named
-  ``<namespace>__<name>``; other tool types are not shown to the model and are dropped; no
-  tools (or ``tool_choice = "none"`` with ``exclude_tools_when_tool_choice_none``) → none;
+  tool's other keys}}``), the ``function`` tools of each ``namespace`` tool named
+  ``<namespace>__<name>``, each ``custom`` tool as a function of one string parameter
+  ``input``; other tool types (web search, MCP, file search …) are not shown to the model and
+  are dropped — a request with only those passes an empty list, one with none (or ``[]``, or
+  ``tool_choice = "none"`` with ``exclude_tools_when_tool_choice_none``) no tools;
 - ``continue_final_message`` when the last item is a ``message`` or ``reasoning`` item whose
   ``status`` is ``in_progress`` or ``incomplete`` (then no generation prompt);
 - ``chat_template_kwargs`` the request's, with ``reasoning_effort`` (``reasoning.effort``) and,
@@ -28,7 +34,9 @@ vLLM's Responses server builds it for a request without ``previous_response_id``
   second one, as the engine's prompt does.
 
 The tokens are checked against vLLM's own rendering (``POST /v1/responses/render``) in
-``make e2e`` and by the vectors it wrote (``tests/data/vectors``). Harmony models (gpt-oss) are
+``make e2e`` and by the vectors it wrote (``tests/data/vectors``), and what the template is
+given (messages, tools, variables) against vLLM's Responses renderer with a template that prints
+it (``tests/e2e/responses_template_vectors.py``). Harmony models (gpt-oss) are
 rendered by vLLM from a different prompt format: their routing tokens are this chat rendering
 (routing still works, approximately; events mode then predicts no exact match).
 
@@ -52,6 +60,7 @@ usage the router learns from is the final response's (``input_tokens``,
 from __future__ import annotations
 
 import json
+import re
 from collections import OrderedDict
 from typing import Any
 
@@ -61,6 +70,7 @@ __all__ = [
     "OWNERS",
     "PREAMBLE",
     "RESPONSES",
+    "RESPONSE_ID",
     "TERMINAL",
     "ResponseOwners",
     "chat_usage",
@@ -75,7 +85,19 @@ OWNERS = 100_000
 PREAMBLE = frozenset((b"response.created", b"response.in_progress"))
 #: The events that end a Responses stream.
 TERMINAL = frozenset((b"response.completed", b"response.incomplete", b"response.failed", b"error"))
+#: The response ids remembered (vLLM's are ``resp_`` and 32 hex digits): URL-safe characters
+#: only, so the path of a stored response's route is the id itself.
+RESPONSE_ID = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 _NAMESPACE_SEPARATOR = "__"
+#: The parameters of the function a ``custom`` tool is shown as.
+_CUSTOM_PARAMETERS = {
+    "type": "object",
+    "properties": {
+        "input": {"type": "string", "description": "The freeform text payload for this tool."}
+    },
+    "required": ["input"],
+    "additionalProperties": False,
+}
 
 
 def _text(value: Any) -> Any:
@@ -103,21 +125,28 @@ def _tool_call(item: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _custom_call(item: dict[str, Any]) -> dict[str, Any]:
+    arguments = json.dumps({"input": item.get("input") or ""}, ensure_ascii=False)
+    return {
+        "id": item.get("call_id"),
+        "function": {"name": item.get("name"), "arguments": arguments},
+        "type": "function",
+    }
+
+
 def _message(item: Any, prev: dict[str, Any] | None) -> dict[str, Any] | None:
     """The chat message an input item becomes, or None when it was merged into ``prev`` (the
-    last message so far, when it is an assistant's)."""
+    last message so far, when it is an assistant's: a message this module made, never the
+    caller's item itself)."""
     if not isinstance(item, dict):
         raise RequestError(f"'input' items must be objects, got {type(item).__name__}")
     kind = item.get("type")
-    if kind == "function_call":
-        call = _tool_call(item)
+    if kind in ("function_call", "custom_tool_call"):
+        call = _tool_call(item) if kind == "function_call" else _custom_call(item)
         if prev is not None:
             calls = prev.get("tool_calls")
-            if calls is None:
-                prev["tool_calls"] = [call]
-                return None
-            if isinstance(calls, list):
-                calls.append(call)
+            if calls is None or isinstance(calls, list):
+                prev["tool_calls"] = [*(calls or ()), call]
                 return None
         return {"role": "assistant", "tool_calls": [call]}
     if kind == "reasoning":
@@ -143,7 +172,7 @@ def _message(item: Any, prev: dict[str, Any] | None) -> dict[str, Any] | None:
                 return None
             return {"role": "assistant", "content": text}
     if "role" in item:
-        return item
+        return dict(item)  # a copy: merging into it must not change the body sent upstream
     raise RequestError(f"'input' has an item of unsupported type {kind!r}")
 
 
@@ -170,10 +199,12 @@ def _messages(payload: dict[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
-def _tools(payload: dict[str, Any]) -> list[dict[str, Any]]:
+def _tools(payload: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The chat tools shown to the model: None without tools, a list (possibly empty: only
+    tools the model is not shown) with them."""
     tools = payload.get("tools")
-    if tools is None:
-        return []
+    if tools is None or tools == []:
+        return None
     if not isinstance(tools, list):
         raise RequestError("'tools' must be a list")
     out = []
@@ -182,6 +213,9 @@ def _tools(payload: dict[str, Any]) -> list[dict[str, Any]]:
             raise RequestError(f"'tools' entries must be objects, got {type(tool).__name__}")
         if tool.get("type") == "function":
             out.append(tool)
+        elif tool.get("type") == "custom":  # shown as a function of one string, "input"
+            shim = {"name": tool.get("name"), "description": tool.get("description")}
+            out.append({**shim, "parameters": _CUSTOM_PARAMETERS})
         elif tool.get("type") == "namespace" and isinstance(tool.get("tools"), list):
             for inner in tool["tools"]:
                 if isinstance(inner, dict) and inner.get("type") == "function":
@@ -214,7 +248,7 @@ def chat_view(payload: dict[str, Any]) -> dict[str, Any]:
     # requests have no add_special_tokens: its default, true), unlike a chat request's.
     view: dict[str, Any] = {"messages": _messages(payload), "add_special_tokens": True}
     tools = _tools(payload)
-    if tools:
+    if tools is not None:
         view["tools"] = tools
         if "tool_choice" in payload:
             view["tool_choice"] = payload["tool_choice"]
@@ -229,13 +263,11 @@ def chat_view(payload: dict[str, Any]) -> dict[str, Any]:
     if reasoning is not None and not isinstance(reasoning, dict):
         raise RequestError(f"'reasoning' must be an object, got {type(reasoning).__name__}")
     effort = reasoning.get("effort") if reasoning is not None else None
-    if effort is not None and effort != "auto":
+    if effort is not None:
         kwargs["reasoning_effort"] = effort
-    if effort is not None and "enable_thinking" not in kwargs:
-        kwargs["enable_thinking"] = effort != "none"
-    kwargs.pop("add_generation_prompt", None)
-    kwargs.pop("continue_final_message", None)
-    if kwargs:
+        if "enable_thinking" not in kwargs:
+            kwargs["enable_thinking"] = effort != "none"
+    if kwargs:  # (add_generation_prompt and continue_final_message in them: overridden)
         view["chat_template_kwargs"] = kwargs
     return view
 
@@ -289,7 +321,8 @@ class ResponseOwners:
         self._owners: OrderedDict[str, tuple[str, str]] = OrderedDict()
 
     def learn(self, response_id: Any, worker: str, target: str) -> None:
-        if not isinstance(response_id, str) or not response_id:
+        """Remembers a response's worker and target (an id that is not ``RESPONSE_ID``'s: not)."""
+        if not isinstance(response_id, str) or not RESPONSE_ID.fullmatch(response_id):
             return
         self._owners[response_id] = (worker, target)
         self._owners.move_to_end(response_id)

@@ -23,17 +23,23 @@ Guarantees:
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import re
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from kvroute import Decision
 from kvroute.server.routing import NoWorkerError
 
 from .admission import Shed
 from .client import BodyTooLarge, UpstreamError
+from .client import Response as UpstreamResponse
 from .errors import HTTPError
+from .request import REQUEST_ID
 from .responses import RESPONSES, ResponseOwners, chat_view, event_payload
 from .stream import WholeResponse, event_kind, forwarded_headers
 from .upstream import request_head
@@ -48,6 +54,10 @@ __all__ = ["BY_ID", "ResponsesApi"]
 
 #: The path prefix of a stored response's routes.
 BY_ID = RESPONSES + "/"
+#: A query string passed on: URL characters only (no space, no line break).
+_QUERY = re.compile(rb"[\x21-\x7e]*")
+
+log = logging.getLogger("kvroute.gateway")
 
 
 class ResponsesApi:
@@ -70,12 +80,7 @@ class ResponsesApi:
         if owner is None:
             return None
         if owner[1] != target.name:
-            raise HTTPError(
-                404,
-                f"previous_response_id {previous!r} not found",
-                "invalid_request_error",
-                "previous_response_not_found",
-            )
+            raise not_found(previous)
         return previous, owner[0]
 
     def choose(
@@ -117,9 +122,12 @@ class ResponsesApi:
     async def by_id(self, req: Incoming) -> Response:
         """``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``: the holder's answer."""
         g = self.g
-        path, method = req.scope["path"], req.scope["method"]
+        scope = req.scope
+        path, method = scope["path"], scope["method"]
         response_id, _, action = path[len(BY_ID) :].partition("/")
-        headers = {"x-request-id": req.headers.get("x-request-id") or "-"}
+        given = req.headers.get("x-request-id")
+        rid = given if given and REQUEST_ID.fullmatch(given) else os.urandom(16).hex()
+        headers = {"x-request-id": rid}
         try:
             allowed = {"": "GET", "cancel": "POST"}.get(action)
             if allowed is None or not response_id:
@@ -129,14 +137,16 @@ class ResponsesApi:
             access = g.auth.access(req.headers.get("authorization"))
             owner = self.owners.owner(response_id)
             if owner is None:
-                raise HTTPError(
-                    404,
-                    f"response {response_id!r} not found (not served by this gateway)",
-                    "invalid_request_error",
-                    "not_found",
-                )
+                raise not_found(response_id)
             worker, target = owner
-            access.target(target)  # a caller who may not open its target: 404/401 as for any
+            try:
+                access.target(target)
+            except HTTPError:  # a caller who may not open its target: as for an unknown id
+                raise not_found(response_id) from None
+            query = scope.get("query_string") or b""
+            if not _QUERY.fullmatch(query):
+                raise HTTPError(400, "the query string has characters not allowed in a URL")
+            upstream_path = path + ("?" + query.decode() if query else "")
             pool = g.upstreams.pools.get(worker)
             if pool is None or not g.router.is_healthy(worker):
                 raise HTTPError(
@@ -147,7 +157,10 @@ class ResponsesApi:
                     "previous_response_unavailable",
                 )
             try:
-                resp = await pool.request(method, path, request_head(headers["x-request-id"]))
+                resp = await pool.request(method, upstream_path, request_head(rid))
+                passed = {**forwarded_headers(resp.headers), **headers}
+                if passed.get("content-type", "").startswith("text/event-stream"):
+                    return StreamingResponse(_relay(resp), resp.status_code, passed)
                 try:
                     data = await resp.read(g.server.max_response_bytes)
                 finally:
@@ -158,6 +171,25 @@ class ResponsesApi:
                 ) from None
         except HTTPError as e:
             return e.response(headers)
-        passed = forwarded_headers(resp.headers)
         passed.setdefault("content-type", "application/json")
-        return WholeResponse(data, resp.status_code, {**passed, **headers})
+        return WholeResponse(data, resp.status_code, passed)
+
+
+def not_found(response_id: str) -> HTTPError:
+    """vLLM's answer for a response it does not hold: given alike for one this gateway holds
+    for another target (whether an id exists is not disclosed)."""
+    return HTTPError(
+        404, f"Response with id '{response_id}' not found.", "invalid_request_error", "not_found"
+    )
+
+
+async def _relay(resp: UpstreamResponse) -> AsyncIterator[bytes]:
+    """A stored response's event stream (``?stream=true``) as it arrives; the upstream
+    connection closed when it ends or the caller goes away."""
+    try:
+        async for chunk in resp:
+            yield chunk
+    except UpstreamError as e:  # the caller sees the stream end; the cause is logged
+        log.warning("stored response stream broke: %s", e)
+    finally:
+        resp.close()
