@@ -20,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 import httpx  # noqa: E402
-from support.gateway_fleet import Fleet, GatewayServer, config_dict, wait_for  # noqa: E402
+from support.gateway_fleet import Fleet, GatewayServer, config_dict, wait_cluster  # noqa: E402
 from support.nats_server import NatsServer  # noqa: E402
 
 CLIENTS = 8
@@ -39,12 +39,7 @@ def run(share: bool, seconds: float, rpm: int) -> dict[int, int]:
         gws = [replica(fleet, nats, f"r{i}", share, rpm) for i in range(2)]
         try:
             for gw in gws:
-                wait_for(lambda gw=gw: gw.get("/health").json()["cluster"]["connected"], "NATS")
-                if share:
-                    wait_for(
-                        lambda gw=gw: gw.get("/health").json()["cluster"]["limits"]["connected"],
-                        "limits shared",
-                    )
+                wait_cluster(gw, *(["limits"] if share else []))
             counts: dict[int, int] = {}
             lock = threading.Lock()
             end = time.monotonic() + seconds

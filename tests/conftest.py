@@ -47,6 +47,15 @@ def mooncake():
 
 
 @pytest.fixture
+def nats_server(tmp_path: Path):
+    """A real NATS server (JetStream on) for the test (support/nats_server.py)."""
+    from support.nats_server import NatsServer
+
+    with NatsServer(tmp_path / "jetstream") as server:
+        yield server
+
+
+@pytest.fixture
 def engines():
     """Makes test KV-event publishers (support/events_engine.py), closed after the test."""
     from support.events_engine import Engine

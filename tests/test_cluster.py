@@ -11,7 +11,6 @@ import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -133,12 +132,6 @@ def gateway(
 
 def upstreams() -> Fleet:
     return Fleet(4, capacity=560, delay=0.01)
-
-
-@pytest.fixture
-def nats_server(tmp_path: Path):
-    with NatsServer(tmp_path / "jetstream") as server:
-        yield server
 
 
 def wait_synced(gateways: list[GatewayServer], timeout: float = 15.0) -> None:

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import logging
 import math
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,7 +22,14 @@ from kvroute.gateway.limits import RateLimits
 from kvroute.server.config import Table
 from kvroute.server.metrics import Registry
 from prometheus_client import parser as prometheus_parser
-from support.gateway_fleet import Fleet, GatewayServer, config_dict, metric_samples, wait_for
+from support.gateway_fleet import (
+    Fleet,
+    GatewayServer,
+    config_dict,
+    metric_samples,
+    wait_cluster,
+    wait_for,
+)
 from support.helpers import until
 from support.limits_reference import ReferenceBucket
 from support.nats_server import NatsServer
@@ -225,12 +231,6 @@ def test_limits_config():
 # ---- over a real NATS server ---------------------------------------------------------------
 
 
-@pytest.fixture
-def nats_server(tmp_path: Path):
-    with NatsServer(tmp_path / "jetstream") as server:
-        yield server
-
-
 def test_two_replicas_share_their_buckets_over_nats(nats_server, caplog):
     """What one replica takes reaches the other once, not back to itself; a malformed message
     changes nothing; what is taken while NATS is down is never sent; ``stop`` sends the rest.
@@ -340,16 +340,11 @@ def test_an_unsent_message_stays_in_the_ledger():
                 raise ConnectionError("connection closed")
             published.append(data)
 
-    import kvroute.cluster.limits as module
-
     entries = len(limits.ledger or {})
     assert entries == 6  # requests and tokens of the endpoint and of two keys
-    old, module.MAX_ENTRIES = module.MAX_ENTRIES, 4
-    try:
-        with pytest.raises(ConnectionError):
-            asyncio.run(share._send(Gone()))
-    finally:
-        module.MAX_ENTRIES = old
+    share.max_entries = 4
+    with pytest.raises(ConnectionError):
+        asyncio.run(share._send(Gone()))
     (sender, sent), left = decode_spent(published[0]), limits.drain_spent()
     assert sender == share.replica and len(sent) == 4 and len(left) == 2
     assert sorted(sent + left, key=repr) == sorted(
@@ -399,13 +394,7 @@ def test_replicas_admit_the_endpoints_rate_together(nats_server, share):
     gws = [replica(fleet, nats_server, f"r{i}", share_limits=share) for i in range(2)]
     try:
         for gw in gws:
-            wait_for(lambda gw=gw: gw.get("/health").json()["cluster"]["connected"], "NATS")
-        if share:
-            for gw in gws:
-                wait_for(
-                    lambda gw=gw: gw.get("/health").json()["cluster"]["limits"]["connected"],
-                    "limits shared",
-                )
+            wait_cluster(gw, *(["limits"] if share else []))
         statuses = []
         for i in range(12):
             gw, other = gws[i % 2], gws[(i + 1) % 2]

@@ -95,6 +95,16 @@ def config_dict(fleet: Fleet, **sections: Any) -> dict[str, Any]:
     return data
 
 
+def wait_cluster(gw: GatewayServer, *shares: str) -> None:
+    """The replica connected to NATS, and each of its ``shares`` (``limits``, ``responses``)."""
+    wait_for(lambda: gw.get("/health").json()["cluster"]["connected"], "NATS")
+    for part in shares:
+        wait_for(
+            lambda part=part: gw.get("/health").json()["cluster"][part]["connected"],
+            f"{part} shared",
+        )
+
+
 class GatewayServer:
     """A ``Gateway`` served by uvicorn in a thread."""
 

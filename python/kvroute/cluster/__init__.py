@@ -16,6 +16,8 @@ JetStream, and reads the engines' own load:
   (``[cluster] relay = true``) applies them with the subscriber's gap and restart semantics.
 - :mod:`.limits` — :class:`LimitShare`: the gateway's rate limits, held by all replicas
   together (each sends the others what it takes from its buckets).
+- :mod:`.responses` — :class:`ResponseShare`: which worker holds each stored Responses response,
+  known to every replica (a follow-up reaching any replica goes to it). Both on :mod:`.share`.
 - :mod:`.config` — the ``[cluster]`` section of ``kvroute serve``'s TOML file.
 
 Nothing below the router knows about NATS: the router only fills an outbox of bytes and
@@ -32,11 +34,13 @@ from kvroute.server.metrics import Registry
 from .config import ClusterConfig, parse_cluster
 from .limits import LimitShare
 from .relay import EventFollower, EventRelay
+from .responses import ResponseShare
 from .scrape import EngineLoad, EngineScraper, parse_engine_metrics
 from .sync import ReplicaSync
 
 if TYPE_CHECKING:
     from kvroute.gateway.limits import RateLimits
+    from kvroute.gateway.responses import ResponseOwners
 
 __all__ = [
     "Cluster",
@@ -47,6 +51,7 @@ __all__ = [
     "EventRelay",
     "LimitShare",
     "ReplicaSync",
+    "ResponseShare",
     "parse_cluster",
     "parse_engine_metrics",
 ]
@@ -54,8 +59,9 @@ __all__ = [
 
 class Cluster:
     """A server's cluster side: replica sync, the engine scraper, (``relay = true``, which
-    needs an events-mode router) the follower of ``kvroute relay``'s stream and (a gateway's
-    rate ``limits`` with ``share_limits``) their sharing, from ``[cluster]``.
+    needs an events-mode router) the follower of ``kvroute relay``'s stream, (a gateway's rate
+    ``limits`` with ``share_limits``) their sharing and (a gateway's Responses ``responses``
+    owners with ``share_responses``) theirs, from ``[cluster]``.
 
     ``workers``: ``(name, base url, kind, api key or None)`` of the fleet; ``event_mode``: how
     the follower applies events (``[events] mode``).
@@ -70,6 +76,7 @@ class Cluster:
         registry: Registry | None = None,
         event_mode: str = "rehash",
         limits: RateLimits | None = None,
+        responses: ResponseOwners | None = None,
     ) -> None:
         self.config = config
         self.follower: EventFollower | None = None
@@ -84,6 +91,10 @@ class Cluster:
         self.limits: LimitShare | None = None
         if limits is not None and limits.active and config.share_limits:
             self.limits = LimitShare(limits, config, registry=registry)
+        self.responses: ResponseShare | None = None
+        if responses is not None and config.share_responses:
+            names = [w[0] for w in workers]
+            self.responses = ResponseShare(responses, config, names, registry=registry)
         self.scraper = EngineScraper(
             router,
             workers,
@@ -98,6 +109,8 @@ class Cluster:
         self.scraper.start()
         if self.limits is not None:
             self.limits.start()
+        if self.responses is not None:
+            self.responses.start()
         if self.follower is not None:
             self.follower.start()
 
@@ -106,6 +119,8 @@ class Cluster:
             await self.follower.stop()
         if self.limits is not None:
             await self.limits.stop()
+        if self.responses is not None:
+            await self.responses.stop()
         await self.scraper.stop()
         await self.sync.stop()
 
@@ -116,4 +131,6 @@ class Cluster:
             out["relay"] = self.follower.describe()
         if self.limits is not None:
             out["limits"] = self.limits.describe()
+        if self.responses is not None:
+            out["responses"] = self.responses.describe()
         return out

@@ -28,6 +28,10 @@ server runs alone, exactly as before. Example (every key shown, with its default
     limits_subject = "kvroute.limits"  # plain NATS subject of what each replica takes from them
     limits_interval = 0.002          # seconds at least between two of a replica's messages
                                      # there (sent as soon as it takes, coalesced meanwhile)
+    share_responses = true           # each replica knows which worker holds every stored
+                                     # /v1/responses response any replica served
+    responses_subject = "kvroute.responses"  # plain NATS subject of those (sent at most every
+                                     # limits_interval, as the limits' messages)
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ class ClusterConfig:
     share_limits: bool = True
     limits_subject: str = "kvroute.limits"
     limits_interval: float = 0.002
+    share_responses: bool = True
+    responses_subject: str = "kvroute.responses"
 
     @property
     def replica_name(self) -> str:
@@ -123,20 +129,26 @@ def parse_cluster(top: Table) -> ClusterConfig | None:
         share_limits=c.get("share_limits", bool, d.share_limits),
         limits_subject=_token(c, "limits_subject", d.limits_subject, "."),
         limits_interval=c.positive("limits_interval", float, d.limits_interval),
+        share_responses=c.get("share_responses", bool, d.share_responses),
+        responses_subject=_token(c, "responses_subject", d.responses_subject, "."),
     )
     c.done()
-    for key in ("subject", "events_subject", "limits_subject"):
+    for key in ("subject", "events_subject", "limits_subject", "responses_subject"):
         subject = getattr(config, key)
         if subject.startswith(".") or subject.endswith(".") or ".." in subject:
             raise ValueError(f"{c.where}.{key} must be dot-separated tokens, got {subject!r}")
     if config.stream == config.events_stream or config.subject == config.events_subject:
         raise ValueError(f"{c.where}: the events stream and subject must differ from the sync's")
-    if config.limits_subject in (config.subject, config.events_subject):
-        # A streams' subject: JetStream would keep the messages, and its consumers read them.
-        raise ValueError(
-            f"{c.where}.limits_subject must differ from subject and events_subject, "
-            f"got {config.limits_subject!r}"
-        )
+    for key, others in (
+        ("limits_subject", ("subject", "events_subject")),
+        ("responses_subject", ("subject", "events_subject", "limits_subject")),
+    ):
+        # A stream's subject: JetStream would keep the messages, and its consumers read them.
+        if getattr(config, key) in {getattr(config, o) for o in others}:
+            raise ValueError(
+                f"{c.where}.{key} must differ from {' and '.join(others)}, "
+                f"got {getattr(config, key)!r}"
+            )
     for key in (
         "snapshot_interval",
         "publish_interval",

@@ -34,28 +34,19 @@ Guarantees:
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
-import logging
-import uuid
 from typing import TYPE_CHECKING, Any
 
 from kvroute.gateway.limits import LIMITS, SCOPES
-from kvroute.server.metrics import Counter, Gauge, Registry
+from kvroute.server.metrics import Registry
 
-from .bus import cancel, keep_connected
 from .config import ClusterConfig
+from .share import Share, read_message, write_message
 
 if TYPE_CHECKING:
     from kvroute.gateway.limits import RateLimits, Spent
 
 __all__ = ["LimitShare", "decode_spent", "encode_spent"]
 
-log = logging.getLogger("kvroute.cluster")
-
-#: Seconds between two checks of the connection while nothing is sent.
-CHECK_CONNECTED = 1.0
 #: The largest amount one entry may carry: far above what a replica takes between two messages
 #: (prompts' tokens); past it, an entry is malformed.
 MAX_AMOUNT = 1e12
@@ -69,20 +60,12 @@ def encode_spent(replica: str, spent: list[Spent]) -> bytes:
         [limit, scope, name.hex() if isinstance(name, bytes) else name, amount]
         for limit, scope, name, amount in spent
     ]
-    return json.dumps({"replica": replica, "spent": entries}, separators=(",", ":")).encode()
+    return write_message(replica, "spent", entries)
 
 
 def decode_spent(data: bytes) -> tuple[str, list[Spent]]:
     """The sender and entries of a message; ``ValueError`` naming what is wrong otherwise."""
-    try:
-        msg = json.loads(data)
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise ValueError(f"not JSON: {type(e).__name__}: {e}") from None
-    if not isinstance(msg, dict) or not isinstance(msg.get("replica"), str):
-        raise ValueError("no 'replica' string")
-    entries = msg.get("spent")
-    if not isinstance(entries, list):
-        raise ValueError("no 'spent' list")
+    replica, entries = read_message(data, "spent")
     out: list[Spent] = []
     for e in entries:
         if not (isinstance(e, list) and len(e) == 4):
@@ -101,126 +84,49 @@ def decode_spent(data: bytes) -> tuple[str, list[Spent]]:
             except ValueError:
                 raise ValueError(f"entry {e!r:.80}: a key's digest must be hex") from None
         out.append((limit, scope, key, float(amount)))
-    return msg["replica"], out
+    return replica, out
 
 
-class LimitShare:
+class LimitShare(Share):
     """Shares ``limits`` (a gateway's ``RateLimits``) with the other replicas (module docs)."""
+
+    label = "rate limits"
+    item = "rate-limit"
+    max_entries = MAX_ENTRIES
 
     def __init__(
         self, limits: RateLimits, config: ClusterConfig, *, registry: Registry | None = None
     ) -> None:
-        self.limits = limits
-        self.config = config
-        self.subject = config.limits_subject
-        self.interval = config.limits_interval
-        self.replica = f"{config.replica_name}-{uuid.uuid4().hex[:8]}"
-        self.connected = False
-        self.last_error = ""
-        self._task: asyncio.Task[None] | None = None
-        self._nc: Any = None
-        self._spent = asyncio.Event()  # the ledger has something to send
-        limits.share()
-        limits.on_spend = self._spent.set
-        reg = registry or Registry()
-        self.messages = reg.add(
-            Counter(
+        super().__init__(
+            config,
+            config.limits_subject,
+            config.limits_interval,
+            registry,
+            messages=(
                 "kvroute_cluster_limit_messages_total",
                 "Shared rate-limit messages: sent, applied (another replica's), malformed; "
                 "unsent: what was taken while not connected, dropped at the reconnection.",
-                ("op",),
-            )
-        )
-        reg.add(
-            Gauge(
+            ),
+            connected=(
                 "kvroute_cluster_limits_connected",
                 "1 while rate limits are shared with the other replicas (0: this replica's own).",
-                (),
-                lambda: [((), 1 if self.connected else 0)],
-            )
+            ),
         )
+        self.limits = limits
+        limits.share()
+        limits.on_spend = self.wake
 
-    def start(self) -> None:
-        """Starts sharing in the background (returns at once; NATS may be down)."""
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(
-                keep_connected(
-                    self.config,
-                    f"{self.replica}-limits",
-                    self._session,
-                    failed=self._failed,
-                    closed=self._closed,
-                    no_echo=True,  # its own messages never come back to be decoded and dropped
-                )
-            )
+    def drain(self) -> list[Any]:
+        return self.limits.drain_spent()
 
-    async def stop(self) -> None:
-        """Sends what is left within a second, then disconnects."""
-        task, self._task = self._task, None
-        if task is None:
-            return
-        nc = self._nc
-        if nc is not None and self.connected:
-            with contextlib.suppress(Exception):  # stopping: nothing left to do with a failure
-                await asyncio.wait_for(self._send(nc), 1.0)
-                # Written out now: closing the connection only signals its flusher.
-                await asyncio.wait_for(nc.flush(), 1.0)
-        await cancel(task)
+    def restore(self, entries: list[Any]) -> None:
+        self.limits.restore_spent(entries)
 
-    def describe(self) -> dict[str, Any]:
-        """What ``/health`` shows under ``cluster.limits``."""
-        return {"connected": self.connected, "last_error": self.last_error}
+    def encode(self, entries: list[Any]) -> bytes:
+        return encode_spent(self.replica, entries)
 
-    async def _session(self, nc: Any) -> None:
-        self._nc = nc
-        await nc.subscribe(self.subject, cb=self._received)
-        await nc.flush()
-        self._unsent()  # taken while not connected: never sent (see the module docs)
-        self.connected = True
-        log.info("cluster: sharing rate limits on %s as %s", self.subject, self.replica)
-        while nc.is_connected:
-            with contextlib.suppress(asyncio.TimeoutError):
-                # Woken by the first amount taken since the last message; else now and then, to
-                # notice a connection lost while nothing was sent.
-                await asyncio.wait_for(self._spent.wait(), CHECK_CONNECTED)
-            self._spent.clear()
-            await self._send(nc)
-            await asyncio.sleep(self.interval)  # what comes meanwhile goes in the next
+    def decode(self, data: bytes) -> tuple[str, list[Any]]:
+        return decode_spent(data)
 
-    async def _send(self, nc: Any) -> None:
-        spent = self.limits.drain_spent()
-        for at in range(0, len(spent), MAX_ENTRIES):
-            part = spent[at : at + MAX_ENTRIES]
-            try:
-                await nc.publish(self.subject, encode_spent(self.replica, part))
-            except BaseException:
-                # Not sent (nats-py raises before queueing): with the next message instead,
-                # or never if the connection is gone (see the module docs).
-                self.limits.restore_spent(spent[at:])
-                raise
-            self.messages.inc("sent")
-
-    def _unsent(self) -> None:
-        """Drops what the ledger holds, counted: amounts that were not sent while connected."""
-        if self.limits.drain_spent():
-            self.messages.inc("unsent")
-
-    async def _received(self, msg: Any) -> None:
-        try:
-            sender, spent = decode_spent(msg.data)
-        except ValueError as e:
-            self.messages.inc("malformed")
-            log.warning("cluster: a rate-limit message on %s is malformed: %s", self.subject, e)
-            return
-        if sender == self.replica:
-            return
-        self.limits.apply_spent(spent)
-        self.messages.inc("applied")
-
-    def _failed(self, error: BaseException) -> None:
-        self.last_error = f"{type(error).__name__}: {error}"
-        log.warning("cluster: rate limits not shared (%s); retrying", self.last_error)
-
-    def _closed(self) -> None:
-        self.connected = False
-        self._nc = None
+    def apply(self, entries: list[Any]) -> None:
+        self.limits.apply_spent(entries)

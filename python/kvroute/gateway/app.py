@@ -276,6 +276,7 @@ class Gateway:
         )
         self.subscriber: Any = None
         self.cluster: Any = None
+        self.responses = ResponsesApi(self)
         # vLLM's with the load by [cluster]'s scraper when there is one; SGLang's always here.
         self.engine_sizes = EngineBlockSizes(
             self.router,
@@ -294,10 +295,10 @@ class Gateway:
                 registry=self.metrics.registry,
                 event_mode=config.events.mode,
                 limits=self.limits,
+                responses=self.responses.owners,
             )
         self.pd = PdForwarder(self) if config.pd is not None else None
         self.warmer = Warmer.for_endpoints(self, config.endpoints)
-        self.responses = ResponsesApi(self)
         # Who routes and sends each attempt of _forward's loop: single requests or pairs.
         self._via: Gateway | PdForwarder = self if self.pd is None else self.pd
         self.routes: dict[str, dict[str, Handler]] = {

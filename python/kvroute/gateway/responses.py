@@ -45,9 +45,11 @@ with ``VLLM_ENABLE_RESPONSES_API_STORE=1``): a follow-up naming one is answered 
 engine that produced it. ``ResponseOwners`` remembers which worker produced each response id
 this gateway process served (the most recent ``OWNERS`` ids); a follow-up goes to that worker or,
 when it cannot be served there, is answered 503 — never sent where the engine would answer 404.
-An id this process did not serve (another replica's, or from before a restart) is routed as any
-request. The stored history is prepended by the engine, so such a request's routing tokens
-cover only its new input.
+With ``[cluster] share_responses`` the replicas tell each other theirs
+(``kvroute.cluster.responses``); an id no replica told this one of (from before a restart,
+or learnt while NATS was down) is routed as any request. The stored history is prepended by
+the engine, so such a request's routing tokens cover only its new input (and its cached
+tokens, which count the history, do not correct the router).
 
 **Streams.** vLLM sends ``response.created`` and ``response.in_progress`` at once, before the
 prefill: the gateway commits a stream only at the first event after them (its first output), so
@@ -62,6 +64,7 @@ from __future__ import annotations
 import json
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from .prompt import RequestError
@@ -314,16 +317,21 @@ def event_payload(event: bytes) -> tuple[bytes, Any]:
 
 class ResponseOwners:
     """Which worker produced each response id (the most recent ``capacity`` ids), and for which
-    target, so only callers of that target reach it."""
+    target, so only callers of that target reach it. ``on_learn`` (set by
+    ``kvroute.cluster.ResponseShare``) hears of each one this process learns itself."""
 
     def __init__(self, capacity: int = OWNERS) -> None:
         self.capacity = capacity
         self._owners: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        self.on_learn: Callable[[str, str, str], None] | None = None
 
-    def learn(self, response_id: Any, worker: str, target: str) -> None:
-        """Remembers a response's worker and target (an id that is not ``RESPONSE_ID``'s: not)."""
+    def learn(self, response_id: Any, worker: str, target: str, *, told: bool = False) -> None:
+        """Remembers a response's worker and target (an id that is not ``RESPONSE_ID``'s: not);
+        ``told``: another replica's, not passed on."""
         if not isinstance(response_id, str) or not RESPONSE_ID.fullmatch(response_id):
             return
+        if not told and self.on_learn is not None:
+            self.on_learn(response_id, worker, target)
         self._owners[response_id] = (worker, target)
         self._owners.move_to_end(response_id)
         while len(self._owners) > self.capacity:
