@@ -322,6 +322,9 @@ def test_a_stored_response_is_read_and_cancelled_at_its_worker_by_its_callers_on
                 model="base-model", input="and?", previous_response_id=first.id
             )
         assert len(fleet.records()) == before
+        counted, route = gw.metrics(), 'requests_total{route="/v1/responses/{id}"'
+        assert route + ',model="ep-acme",status="200"} 2' in counted  # the GET and the replay
+        assert route + ',model="-",status="404"}' in counted
         fleet.stop(holder.name)
         gw.gateway.router.set_healthy(holder.name, False)
         gone = call("GET", f"/v1/responses/{first.id}")

@@ -26,6 +26,7 @@ import contextlib
 import logging
 import os
 import re
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -120,7 +121,16 @@ class ResponsesApi:
                 return
 
     async def by_id(self, req: Incoming) -> Response:
-        """``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``: the holder's answer."""
+        """``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``: the holder's answer,
+        counted in ``requests_total`` (route ``/v1/responses/{id}``; model: the response's
+        target when the caller may see it)."""
+        started = time.perf_counter()
+        model: list[str] = ["-"]
+        answer = await self._by_id(req, model)
+        self.g.metrics.done(BY_ID + "{id}", model[0], answer.status_code, started)
+        return answer
+
+    async def _by_id(self, req: Incoming, model: list[str]) -> Response:
         g = self.g
         scope = req.scope
         path, method = scope["path"], scope["method"]
@@ -143,6 +153,7 @@ class ResponsesApi:
                 access.target(target)
             except HTTPError:  # a caller who may not open its target: as for an unknown id
                 raise not_found(response_id) from None
+            model[0] = target
             query = scope.get("query_string") or b""
             if not _QUERY.fullmatch(query):
                 raise HTTPError(400, "the query string has characters not allowed in a URL")
