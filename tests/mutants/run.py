@@ -6,7 +6,8 @@ tests catch is a missing Rust test). Python — mutmut on ``events.py``, the gat
 forwarding and failover (``gateway/auth.py``, ``gateway/upstream.py``, the forwarding functions
 of ``gateway/app.py``, the prefill/decode handoff of ``gateway/pd.py``, ``server/health.py``,
 the upstream client's pool in ``gateway/client.py`` and the first-event failure detection of
-``gateway/stream.py``) and ``sim/engine.py``, each group with the test files that exercise it.
+``gateway/stream.py``), the Responses API (``gateway/responses.py``, ``responses_api.py``,
+``cluster/responses.py``) and ``sim/engine.py``, each group with the test files that exercise it.
 
 A full run takes hours on a 2-core machine, so the default is what a change needs: only the
 mutants in lines changed since ``--diff`` (default ``main``; Python: in the functions changed).
@@ -215,8 +216,23 @@ PYTHON: dict[str, tuple[list[str], list[str], list[str]]] = {
     # Rate limits: the buckets against their reference model, and shared by replicas (the
     # two-replica reference, the wire format, real NATS).
     "py-limits": (
-        ["python/kvroute/gateway/limits.py", "python/kvroute/cluster/limits.py"],
+        [
+            "python/kvroute/gateway/limits.py",
+            "python/kvroute/cluster/limits.py",
+            "python/kvroute/cluster/share.py",
+        ],
         ["tests/test_gateway_limits.py", "tests/test_cluster_limits.py"],
+        [],
+    ),
+    # The Responses API: the prompt vLLM renders (two oracles' vectors), follow-ups pinned to
+    # the worker holding their response, the by-id routes, and the owners shared by replicas.
+    "py-responses": (
+        [
+            "python/kvroute/gateway/responses.py",
+            "python/kvroute/gateway/responses_api.py",
+            "python/kvroute/cluster/responses.py",
+        ],
+        ["tests/test_gateway_responses.py", "tests/test_cluster_responses.py"],
         [],
     ),
     # Keeping endpoints warm: what is learnt against its reference, the passes against the
