@@ -62,7 +62,9 @@ the body sent upstream), ``stream`` (the SSE pass-through and the whole reply's 
 ``usage`` (cache fields), ``listener`` (HTTP/1.1 under connection deadlines and a cap; its
 ``kvroute`` ASGI extension sends whole responses and reports disconnections without a task per
 request), ``rawjson`` (the upstream body keeps the client's JSON text for the fields the gateway
-leaves alone), ``metrics`` (the series), ``prompt`` (routing tokens); ``kvroute.server`` holds
+leaves alone), ``metrics`` (the series), ``prompt`` (routing tokens), ``admin`` (``/health``,
+``/metrics``, ``/v1/models``), ``responses`` and ``responses_api`` (the Responses API);
+``kvroute.server`` holds
 what every kvroute server shares. The app keeps all mutable state on its event loop (one uvicorn
 process); the Router is thread-safe and the KV-event subscriber feeds it from its own thread.
 """
@@ -88,6 +90,7 @@ from kvroute.server.events import event_subscriber
 from kvroute.server.health import Health
 from kvroute.server.routing import NoWorkerError, build_router
 
+from .admin import AdminRoutes, not_found
 from .admission import Admission, Shed
 from .auth import Access, Auth, Target
 from .client import BodyTooLarge, UpstreamError
@@ -188,10 +191,6 @@ class Call:
         self.pinned: tuple[str, str] | None = None
         # A Responses follow-up: the engine's prompt starts with a history the tokens do not.
         self.history = False
-
-
-def _not_found(req: Incoming) -> HTTPError:
-    return HTTPError(404, "not found", "invalid_request_error", "not_found")
 
 
 class Gateway:
@@ -301,17 +300,18 @@ class Gateway:
         self.warmer = Warmer.for_endpoints(self, config.endpoints)
         # Who routes and sends each attempt of _forward's loop: single requests or pairs.
         self._via: Gateway | PdForwarder = self if self.pd is None else self.pd
+        admin = self.admin = AdminRoutes(self)
         self.routes: dict[str, dict[str, Handler]] = {
             CHAT: {"POST": partial(self._handle, route=CHAT)},
             COMPLETIONS: {"POST": partial(self._handle, route=COMPLETIONS)},
             RESPONSES: {"POST": partial(self._handle, route=RESPONSES)},
-            "/v1/models": {"GET": self._models},
-            "/health": {"GET": self._public_health},
-            "/metrics": {"GET": self._public_metrics},
+            "/v1/models": {"GET": admin.models},
+            "/health": {"GET": admin.public_health},
+            "/metrics": {"GET": admin.public_metrics},
         }
         self.admin_routes: dict[str, dict[str, Handler]] = {
-            "/health": {"GET": self._admin_only(self._health)},
-            "/metrics": {"GET": self._admin_only(self._metrics)},
+            "/health": {"GET": admin.admin_only(admin.health)},
+            "/metrics": {"GET": admin.admin_only(admin.metrics)},
         }
 
     # ---- ASGI --------------------------------------------------------------------------------
@@ -347,7 +347,7 @@ class Gateway:
         handler = methods.get(scope["method"]) if methods is not None else None
         if handler is None:
             if methods is None:
-                error = _not_found(req)
+                error = not_found()
             else:
                 error = HTTPError(
                     405, f"use {' or '.join(methods)} on {scope['path']}", code="method_not_allowed"
@@ -414,73 +414,6 @@ class Gateway:
             await self.subscriber.__aexit__(None, None, None)
             self.subscriber = None
         await self.upstreams.stop()
-
-    # ---- health, metrics, models -------------------------------------------------------------
-
-    def _admin_only(self, handler: Handler) -> Handler:
-        async def guarded(req: Incoming) -> Response:
-            if self.auth.admin and not self.auth.is_admin(req.headers.get("authorization")):
-                return _not_found(req).response()
-            return await handler(req)
-
-        return guarded
-
-    async def _metrics(self, req: Incoming) -> Response:
-        return Response(self.metrics.render(), media_type=self.metrics.content_type)
-
-    def _events_health(self) -> dict[str, Any]:
-        """Per worker, the KV-event stream's state (events mode only)."""
-        sub = self.subscriber
-        if sub is None and self.cluster is not None:
-            sub = self.cluster.follower
-        if sub is None:
-            return {}
-        keys = ("last_seq", "stale", "gaps", "restarts", "disconnects", "resets", "malformed")
-        keys += ("blocks_stored", "skipped_block_size", "skipped_partial", "foreign_hashes")
-        keys += ("engine_block_size",)
-        index = self.router.index
-        out = {}
-        for w, row in sub.stats().items():
-            out[w] = {k: row.get(k) for k in keys}
-            out[w]["blocks"] = index.num_blocks(w) if w in index.workers else 0
-        return {"events": out}
-
-    async def _health(self, req: Incoming) -> Response:
-        workers = self.health.status()
-        ok = any(workers.values())
-        return JSONResponse(
-            {
-                "status": "ok" if ok else "unavailable",
-                "workers": workers,
-                # Each engine's KV block size once known (events, /metrics; None before).
-                "engine_block_sizes": {w: self.router.engine_block_size(w) for w in workers},
-                "tokenizer": self.tokenizer.describe(),
-                **self._events_health(),
-                **({"cluster": self.cluster.describe()} if self.cluster is not None else {}),
-                **({"warm": self.warmer.describe()} if self.warmer is not None else {}),
-            },
-            status_code=200 if ok else 503,
-        )
-
-    async def _public_metrics(self, req: Incoming) -> Response:
-        if self.auth.is_admin(req.headers.get("authorization")):
-            return await self._metrics(req)
-        return _not_found(req).response()
-
-    async def _public_health(self, req: Incoming) -> Response:
-        if self.auth.is_admin(req.headers.get("authorization")):
-            return await self._health(req)
-        ok = self.health.any_in()
-        return JSONResponse(
-            {"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503
-        )
-
-    async def _models(self, req: Incoming) -> Response:
-        data = [
-            {"id": t.name, "object": "model", "created": 0, "owned_by": "kvroute"}
-            for t in self.auth.visible(req.headers.get("authorization"))
-        ]
-        return JSONResponse({"object": "list", "data": data})
 
     # ---- request handling ------------------------------------------------------------------
 
