@@ -232,7 +232,11 @@ PYTHON: dict[str, tuple[list[str], list[str], list[str]]] = {
             "python/kvroute/gateway/responses_api.py",
             "python/kvroute/cluster/responses.py",
         ],
-        ["tests/test_gateway_responses.py", "tests/test_cluster_responses.py"],
+        [
+            "tests/test_gateway_responses.py",
+            "tests/test_gateway_responses_edges.py",
+            "tests/test_cluster_responses.py",
+        ],
         [],
     ),
     # Keeping endpoints warm: what is learnt against its reference, the passes against the

@@ -94,6 +94,13 @@ def expected_cached(prefix_text: str) -> int:
     return len(reference_tokens(prefix_text)) // BLOCK * BLOCK
 
 
+def _not_found(response_id: str) -> Response:
+    """vLLM's answer (its ``ErrorResponse``) for a response it does not hold."""
+    message = f"Response with id '{response_id}' not found."
+    error = {"message": message, "type": "invalid_request_error", "param": "response_id"}
+    return JSONResponse({"error": {**error, "code": 404}}, status_code=404)
+
+
 class Upstream:
     """One OpenAI-compatible test server (see the module docs)."""
 
@@ -209,8 +216,7 @@ class Upstream:
             with self.lock:
                 stored = self.stored.get(previous)
             if stored is None:
-                error = {"message": f"Response with id '{previous}' not found.", "code": 404}
-                return JSONResponse({"error": error}, status_code=404)
+                return _not_found(previous)
             history = stored
         messages = []
         if body.get("instructions"):
@@ -225,12 +231,12 @@ class Upstream:
         events (here the final one)."""
         rid = request.path_params["rid"]
         record = {"seq": next(_ARRIVALS), "path": request.url.path, "query": request.url.query}
+        record["upstream_id"] = request.headers.get("x-request-id")
         with self.lock:
             self.records.append({**record, "id": rid})
             found = self.responses.get(rid)
         if found is None:
-            error = {"message": f"Response with id '{rid}' not found.", "code": 404}
-            return JSONResponse({"error": error}, status_code=404)
+            return _not_found(rid)
         if request.query_params.get("stream") == "true":
             data = json.dumps({"type": "response.completed", "response": found})
             event = f"event: response.completed\ndata: {data}\n\n".encode()

@@ -186,12 +186,20 @@ class ResponsesApi:
         return WholeResponse(data, resp.status_code, passed)
 
 
+class NotFound(HTTPError):
+    """vLLM's answer for a response it does not hold, to the byte: given alike for one this
+    gateway holds for another target (whether an id exists is not disclosed)."""
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(404, f"Response with id '{response_id}' not found.")
+
+    def body(self) -> dict[str, object]:
+        error = {"message": str(self), "type": self.kind, "param": "response_id", "code": 404}
+        return {"error": error}
+
+
 def not_found(response_id: str) -> HTTPError:
-    """vLLM's answer for a response it does not hold: given alike for one this gateway holds
-    for another target (whether an id exists is not disclosed)."""
-    return HTTPError(
-        404, f"Response with id '{response_id}' not found.", "invalid_request_error", "not_found"
-    )
+    return NotFound(response_id)
 
 
 async def _relay(resp: UpstreamResponse) -> AsyncIterator[bytes]:
