@@ -16,6 +16,7 @@ from kvroute.cluster.responses import ResponseShare, decode_owners, encode_owner
 from kvroute.gateway.responses import ResponseOwners
 from kvroute.server.config import Table
 from kvroute.server.metrics import Registry
+from prometheus_client import parser as prometheus_parser
 from support import gateway_fleet as gf
 from support.nats_server import NatsServer
 
@@ -114,6 +115,18 @@ def test_a_follow_up_reaching_another_replica_goes_to_the_holder(nats_server, sh
         gf.wait_for(lambda: a.gateway.responses.owners.owner(previous) is not None, "a to hear")
         got = httpx.get(a.url + f"/v1/responses/{previous}", timeout=20, trust_env=False)
         assert got.status_code == 200 and got.json()["id"] == previous
+        families = {
+            f.name: f for f in prometheus_parser.text_string_to_metric_families(b.metrics())
+        }
+        assert families["kvroute_cluster_response_messages"].documentation == (
+            "Shared response-owner messages: sent, applied (another replica's), malformed; "
+            "unsent: each owner learnt while not connected (never sent)."
+        )
+        connected = families["kvroute_cluster_responses_connected"]
+        assert connected.documentation == (
+            "1 while response owners are shared with the other replicas."
+        )
+        assert [x.value for x in connected.samples] == [1.0]
         samples = gf.metric_samples(b.metrics())
         assert samples[("kvroute_cluster_response_messages_total", (("op", "applied"),))] >= 1
         assert samples[("kvroute_cluster_response_messages_total", (("op", "sent"),))] >= 1

@@ -71,6 +71,20 @@ def test_what_the_view_holds():
     call = {"type": "custom_tool_call", "call_id": "c", "name": "run"}  # no input: ""
     args = chat_view({"input": [user, call]})["messages"][1]["tool_calls"][0]["function"]
     assert args == {"name": "run", "arguments": '{"input": ""}'}
+    call["input"] = "ls ü"  # as vLLM encodes it: JSON, non-ASCII kept
+    args = chat_view({"input": [user, call]})["messages"][1]["tool_calls"][0]["function"]
+    assert args["arguments"] == '{"input": "ls ü"}'
+    plain = {"type": "function_call", "call_id": "c", "name": "f", "namespace": ""}
+    named = chat_view({"input": [user, plain]})["messages"][1]["tool_calls"][0]["function"]
+    assert named["name"] == "f"  # an empty namespace names nothing
+    # Only a message or a reasoning item is continued, whatever the others' status.
+    pending = {**plain, "status": "in_progress"}
+    assert chat_view({"input": [user, pending]})["continue_final_message"] is False
+    # Reasoning from a content list only; an odd first part gives none, never an error.
+    odd_parts = {"type": "reasoning", "content": "abc", "summary": [{"text": "s"}]}
+    assert chat_view({"input": [user, odd_parts]})["messages"][1]["reasoning"] == "s"
+    odd_first = {"type": "reasoning", "content": ["x"], "summary": []}
+    assert chat_view({"input": [user, odd_first]})["messages"][1]["reasoning"] is None
     # A tool listing tools is flattened only when it is a namespace.
     odd = {"type": "web_search", "tools": [{"type": "function", "name": "f"}]}
     assert chat_view({"input": "x", "tools": [odd]})["tools"] == []
@@ -242,6 +256,7 @@ def test_the_by_id_answers(fleet):
 
         r = call("GET", f"/v1/responses/{rid}", headers={"x-request-id": "mine-1"})
         assert r.headers["x-request-id"] == "mine-1" == holder.records[-1]["upstream_id"]
+        assert holder.records[-1]["query"] == ""  # none given, none sent
         assert r.headers["content-type"] == "application/json"
         r = call("GET", f"/v1/responses/{rid}", headers={"x-request-id": "not mine!"})
         assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])
@@ -259,7 +274,8 @@ def test_the_by_id_answers(fleet):
         assert r.json() == error(
             f"use POST on /v1/responses/{rid}/cancel", "invalid_request_error", "method_not_allowed"
         )
-        r = call("GET", "/v1/responses/resp_none")
+        r = call("GET", "/v1/responses/resp_none", headers={"x-request-id": "mine-2"})
+        assert r.headers["x-request-id"] == "mine-2"  # on the gateway's own answers too
         assert r.status_code == 404 and r.json() == {
             "error": {
                 "message": "Response with id 'resp_none' not found.",
@@ -292,6 +308,9 @@ def test_the_by_id_answers(fleet):
         assert r.json()["error"]["type"] == "upstream_error"
         assert r.json()["error"]["code"] == "upstream_failed"
         assert r.json()["error"]["message"].startswith(f"upstream {holder.name} failed: ")
+        # A replay is streamed through, not read whole: past max_response_bytes too.
+        replay = call("GET", f"/v1/responses/{rid}?stream=true")
+        assert replay.status_code == 200 and replay.text.count("x" * 5000) == 1
         gw.gateway.router.set_healthy(holder.name, False)
         r = call("GET", f"/v1/responses/{rid}")
         assert r.status_code == 503 and r.json() == error(
@@ -323,7 +342,7 @@ def test_a_follow_up_whose_worker_is_full_is_shed(fleet):
         rid = gw.client(None).responses.create(model="base-model", input="hold").id
         holder = next(u for u in fleet.upstreams if rid in u.stored)
         holder.stall = 3.0
-        body = {"model": "base-model", "input": "x", "previous_response_id": rid}
+        body = {"model": "base-model", "input": "x" * 400, "previous_response_id": rid}
         import threading
 
         first = threading.Thread(
@@ -331,6 +350,8 @@ def test_a_follow_up_whose_worker_is_full_is_shed(fleet):
         )
         first.start()
         wait_for(lambda: gw.active().get(holder.name) == 1, "the first follow-up in flight")
+        # Routed with its tokens: the router's load holds its prefill.
+        assert gw.gateway.router.load(holder.name)["prefill_blocks"] > 0
         r = httpx.post(gw.url + "/v1/responses", json=body, timeout=20)
         holder.stall = 0.0
         first.join()
@@ -371,3 +392,12 @@ def test_what_could_not_be_sent_goes_first_in_the_next_message():
     owners.learn("resp_2", "w", "t")
     share.restore([("resp_0", "w", "t"), ("resp_1", "w", "t")])
     assert [e[0] for e in share.drain()] == ["resp_0", "resp_1", "resp_2"]
+
+
+def test_an_odd_created_event_teaches_nothing():
+    from kvroute.gateway.responses_api import ResponsesApi
+
+    api = ResponsesApi(None)  # type: ignore[arg-type]
+    for data in (b"[1]", b"1", b"{", b'{"response": 1}'):
+        api.learn_stream(None, None, [b"event: response.created\ndata: " + data + b"\n\n"])
+    assert len(api.owners) == 0

@@ -299,11 +299,10 @@ def event_payload(event: bytes) -> tuple[bytes, Any]:
     kind = b""
     data: list[bytes] = []
     for line in event.split(b"\n"):
-        line = line.rstrip(b"\r")
         if line.startswith(b"event:"):
             kind = line[6:].strip()
-        elif line.startswith(b"data:"):
-            data.append(line[6:] if line[5:6] == b" " else line[5:])
+        elif line.startswith(b"data:"):  # a space or CR around JSON is whitespace it ignores
+            data.append(line[5:])
     payload = None
     if data:
         try:
