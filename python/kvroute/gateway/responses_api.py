@@ -36,6 +36,7 @@ from starlette.responses import Response, StreamingResponse
 from kvroute import Decision
 from kvroute.server.routing import NoWorkerError
 
+from .admin import not_found
 from .admission import Shed
 from .client import BodyTooLarge, UpstreamError
 from .client import Response as UpstreamResponse
@@ -81,7 +82,7 @@ class ResponsesApi:
         if owner is None:
             return None
         if owner[1] != target.name:
-            raise not_found(previous)
+            raise NotFound(previous)
         return previous, owner[0]
 
     def choose(
@@ -141,18 +142,18 @@ class ResponsesApi:
         try:
             allowed = {"": "GET", "cancel": "POST"}.get(action)
             if allowed is None or not response_id:
-                raise HTTPError(404, "not found", "invalid_request_error", "not_found")
+                raise not_found()
             if method != allowed:
                 raise HTTPError(405, f"use {allowed} on {path}", code="method_not_allowed")
             access = g.auth.access(req.headers.get("authorization"))
             owner = self.owners.owner(response_id)
             if owner is None:
-                raise not_found(response_id)
+                raise NotFound(response_id)
             worker, target = owner
             try:
                 access.target(target)
             except HTTPError:  # a caller who may not open its target: as for an unknown id
-                raise not_found(response_id) from None
+                raise NotFound(response_id) from None
             model[0] = target
             query = scope.get("query_string") or b""
             if not _QUERY.fullmatch(query):
@@ -196,10 +197,6 @@ class NotFound(HTTPError):
     def body(self) -> dict[str, object]:
         error = {"message": str(self), "type": self.kind, "param": "response_id", "code": 404}
         return {"error": error}
-
-
-def not_found(response_id: str) -> HTTPError:
-    return NotFound(response_id)
 
 
 async def _relay(resp: UpstreamResponse) -> AsyncIterator[bytes]:
